@@ -1,0 +1,33 @@
+# Two commands: `make demo` and `make test`. Both create or reuse .venv.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-gpu lint bench clean
+
+$(STAMP): pyproject.toml
+	@set -e; \
+	if [ ! -x $(PY) ]; then \
+	  base=$$(tools/find-python.sh); \
+	  echo "creating $(VENV) with $$base"; \
+	  "$$base" -m venv $(VENV); \
+	fi; \
+	$(PY) -m pip install -q --upgrade pip; \
+	$(PY) -m pip install -q -e ".[test]"; \
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+# GPU tests only (run on a CUDA machine).
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu tests
+
+lint: $(STAMP)
+	$(PY) -m ruff check jaxflash tests examples
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,9 @@
+"""jaxflash: FlashAttention for JAX, in Pallas."""
+
+from jaxflash.api import IMPLEMENTATIONS as IMPLEMENTATIONS
+from jaxflash.api import flash_attention as flash_attention
+from jaxflash.masks import MaskSpec as MaskSpec
+from jaxflash.triton import RESIDUAL_NAMES as RESIDUAL_NAMES
+from jaxflash.triton import TritonConfig as TritonConfig
+
+__version__ = "0.1.0"

@@ -1,0 +1,76 @@
+"""Pure-JAX attention: the test oracle and the ``"xla"`` backend.
+
+It builds the full ``[batch, heads, q_len, kv_len]`` logits, so it uses
+O(N^2) memory; it exists to be obviously right, and to run everywhere.
+Gradients come from JAX's autodiff of this function.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxflash.masks import MaskSpec
+
+
+def attention(
+    q_BxTxHxD: jax.Array,
+    k_BxSxKxD: jax.Array,
+    v_BxSxKxD: jax.Array,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    causal_offset: int | None = None,
+    upcast: bool = True,
+    precision=lax.Precision.HIGHEST,
+) -> tuple[jax.Array, jax.Array]:
+  """Dense attention; returns ``(out [B,T,H,D], lse [B,H,T] float32)``.
+
+  Args:
+    q_BxTxHxD, k_BxSxKxD, v_BxSxKxD: queries, keys, values; ``H`` a multiple
+      of ``K`` (grouped-query attention: query head ``h`` uses key/value head
+      ``h // (H // K)``).
+    causal: bottom-right aligned causal mask (see :mod:`jaxflash.masks`).
+    softmax_scale: logits multiplier, default ``1 / sqrt(D)``.
+    causal_offset: override the causal alignment (query ``i`` sees keys
+      ``j <= i + causal_offset``).
+    upcast: compute in float32 (the oracle, ``ref32``).  ``False`` runs every
+      step in the input dtype, as a low-precision implementation would
+      (``ref_lp`` of the numerics rule, docs/numerics.md).
+    precision: matmul precision; HIGHEST keeps float32 exact on GPUs too.
+
+  A query row that sees no key gets output 0 and log-sum-exp ``-inf``.
+  """
+  dtype = q_BxTxHxD.dtype
+  B, T, H, D = q_BxTxHxD.shape
+  S, K = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
+  G = H // K
+  scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+  cdtype = jnp.float32 if upcast else dtype
+  q = q_BxTxHxD.astype(cdtype).reshape(B, T, K, G, D)
+  k = k_BxSxKxD.astype(cdtype)
+  v = v_BxSxKxD.astype(cdtype)
+
+  logits = jnp.einsum("btkgd,bskd->bkgts", q, k, precision=precision,
+                      preferred_element_type=cdtype)
+  logits = logits * jnp.asarray(scale, cdtype)
+  mask = MaskSpec(T, S, causal, causal_offset).dense()
+  logits = logits.astype(jnp.float32)
+  logits = jnp.where(mask, logits, -jnp.inf)
+  # Safe softmax: rows with no visible key keep max 0, so exp gives 0s
+  # rather than exp(-inf - -inf) = NaN.
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  m = lax.stop_gradient(m)
+  p = jnp.exp(logits - m)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  lse = jnp.where(l > 0, jnp.log(jnp.where(l > 0, l, 1.0)) + m, -jnp.inf)
+  probs = p / jnp.where(l > 0, l, 1.0)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(cdtype), v,
+                   precision=precision, preferred_element_type=cdtype)
+  out = out.reshape(B, T, H, D).astype(dtype)
+  lse = lse[..., 0].reshape(B, H, T)
+  return out, lse

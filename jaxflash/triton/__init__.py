@@ -1,0 +1,7 @@
+"""Pallas kernels for the Triton lowering (NVIDIA sm80+, CPU interpret)."""
+
+from jaxflash.triton.attention import RESIDUAL_NAMES as RESIDUAL_NAMES
+from jaxflash.triton.attention import attention as attention
+from jaxflash.triton.attention import check_supported as check_supported
+from jaxflash.triton.config import TritonConfig as TritonConfig
+from jaxflash.triton.config import default_config as default_config

@@ -1,0 +1,128 @@
+"""The Triton backend: padding, configuration and the custom VJP."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxflash.masks import MaskSpec
+from jaxflash.triton import backward as bwd_lib
+from jaxflash.triton import forward as fwd_lib
+from jaxflash.triton.common import Problem, head_dim_padded, pad_axis
+from jaxflash.triton.common import round_up
+from jaxflash.triton.config import TritonConfig, default_config
+
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+# Names of the residuals saved by the forward pass, for remat policies, e.g.
+# jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names(
+#     *RESIDUAL_NAMES)) keeps the attention output and LSE and recomputes
+# nothing of the attention in the backward pass.
+RESIDUAL_NAMES = ("jaxflash_out", "jaxflash_lse")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  prob: Problem
+  config: TritonConfig
+  interpret: bool
+  head_dim: int
+
+
+def _plan(q, k, mask: MaskSpec, softmax_scale: float,
+          config: TritonConfig | None, interpret: bool) -> _Static:
+  _, T, H, D = q.shape
+  S, K = k.shape[1], k.shape[2]
+  dp = head_dim_padded(D)
+  cfg = (config or TritonConfig()).merged_with(
+      default_config(T, S, dp, q.dtype))
+  # Pad each sequence to a whole number of every tile that walks it.
+  q_mult = max(cfg.block_q, cfg.block_q_dkv, cfg.block_q_dq)
+  kv_mult = max(cfg.block_k, cfg.block_k_dkv, cfg.block_k_dq)
+  prob = Problem(mask=mask, softmax_scale=float(softmax_scale),
+                 num_heads=H, num_kv_heads=K, q_pad=round_up(T, q_mult),
+                 kv_pad=round_up(S, kv_mult), head_dim_padded=dp)
+  return _Static(prob=prob, config=cfg, interpret=interpret, head_dim=D)
+
+
+def _pad(x, seq: int, dp: int):
+  return pad_axis(pad_axis(x, 1, seq), 3, dp)
+
+
+def _forward(q, k, v, st: _Static):
+  prob = st.prob
+  out, lse = fwd_lib.forward(
+      _pad(q, prob.q_pad, prob.head_dim_padded),
+      _pad(k, prob.kv_pad, prob.head_dim_padded),
+      _pad(v, prob.kv_pad, prob.head_dim_padded),
+      prob=prob, config=st.config, interpret=st.interpret)
+  T = q.shape[1]
+  return out[:, :T, :, :st.head_dim], lse[:, :, :T]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention(q, k, v, st: _Static):
+  return _forward(q, k, v, st)
+
+
+def _attention_fwd(q, k, v, st: _Static):
+  out, lse = _forward(q, k, v, st)
+  out = checkpoint_name(out, RESIDUAL_NAMES[0])
+  lse = checkpoint_name(lse, RESIDUAL_NAMES[1])
+  return (out, lse), (q, k, v, out, lse)
+
+
+def _attention_bwd(st: _Static, res, cotangents):
+  q, k, v, out, lse = res
+  dout, dlse = cotangents
+  prob = st.prob
+  dp = prob.head_dim_padded
+  T, S = q.shape[1], k.shape[1]
+  pq = functools.partial(_pad, seq=prob.q_pad, dp=dp)
+  pkv = functools.partial(_pad, seq=prob.kv_pad, dp=dp)
+  dq, dk, dv = bwd_lib.backward(
+      pq(q), pkv(k), pkv(v), pq(out), pad_axis(lse, 2, prob.q_pad),
+      pq(dout.astype(q.dtype)), pad_axis(dlse.astype(jnp.float32), 2,
+                                         prob.q_pad),
+      prob=prob, config=st.config, interpret=st.interpret)
+  D = st.head_dim
+  return dq[:, :T, :, :D], dk[:, :S, :, :D], dv[:, :S, :, :D]
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def attention(q, k, v, *, mask: MaskSpec, softmax_scale: float,
+              config: TritonConfig | None = None, interpret: bool = False):
+  """Flash attention with the Triton-lowering Pallas kernels.
+
+  Inputs are validated by :func:`jaxflash.flash_attention`.  Returns
+  ``(out [B, T, H, D], lse [B, H, T] float32)``, differentiable in both.
+  """
+  st = _plan(q, k, mask, softmax_scale, config, interpret)
+  return _attention(q, k, v, st)
+
+
+def check_supported(q, k, v, *, interpret: bool) -> None:
+  """Raises NotImplementedError when this backend cannot serve the call."""
+  if q.dtype not in SUPPORTED_DTYPES:
+    raise NotImplementedError(
+        f"triton backend supports bfloat16, float16 and float32, got"
+        f" {q.dtype}")
+  if interpret:
+    return
+  if jax.default_backend() != "gpu":
+    raise NotImplementedError(
+        "triton backend needs a CUDA GPU (default backend is"
+        f" {jax.default_backend()!r}); pass interpret=True to run its kernels"
+        " on CPU")
+  dev = jax.devices()[0]
+  cc = getattr(dev, "compute_capability", None)
+  if cc is not None and float(cc) < 8.0:
+    raise NotImplementedError(
+        f"triton backend needs compute capability >= 8.0, got {cc}"
+        f" ({dev.device_kind})")

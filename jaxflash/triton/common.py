@@ -1,0 +1,71 @@
+"""Helpers shared by the Triton forward and backward kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxflash.masks import MaskSpec
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """Static description of one attention call, after padding.
+
+  ``mask`` speaks of the unpadded lengths; ``q_pad``/``kv_pad`` are the
+  padded sequence lengths and ``head_dim_padded`` the padded head dim
+  (a power of two >= 16, as ``tl.dot`` needs).
+  """
+
+  mask: MaskSpec
+  softmax_scale: float
+  num_heads: int
+  num_kv_heads: int
+  q_pad: int
+  kv_pad: int
+  head_dim_padded: int
+
+  @property
+  def group(self) -> int:
+    return self.num_heads // self.num_kv_heads
+
+
+def dot(a, b, *, trans_b: bool = False, trans_a: bool = False):
+  """2-D matmul accumulating in float32.
+
+  float32 operands use IEEE precision (Triton's default would be TF32,
+  which loses ~10 mantissa bits and breaks float32 numerics); 16-bit
+  operands run on the tensor cores with a float32 accumulator.
+  """
+  contract_a = 0 if trans_a else 1
+  contract_b = 1 if trans_b else 0
+  precision = (lax.Precision.HIGHEST if a.dtype == jnp.float32
+               else lax.Precision.DEFAULT)
+  return lax.dot_general(
+      a, b, (((contract_a,), (contract_b,)), ((), ())),
+      precision=precision, preferred_element_type=jnp.float32)
+
+
+def pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
+  """Zero-pads ``axis`` of ``x`` up to ``size`` (no copy when equal)."""
+  extra = size - x.shape[axis]
+  if extra == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths)
+
+
+def round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def head_dim_padded(head_dim: int) -> int:
+  return max(16, 1 << (head_dim - 1).bit_length())

@@ -1,0 +1,31 @@
+import os
+
+# Several CPU devices for pmap / sharding tests; must precede importing jax.
+if "--xla_force_host_platform_device_count" not in os.environ.get(
+    "XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", deadline=None, max_examples=10,
+                          print_blob=True)
+settings.load_profile("ci")
+
+
+def has_gpu() -> bool:
+  try:
+    return jax.default_backend() == "gpu"
+  except RuntimeError:
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+  if has_gpu():
+    return
+  skip = pytest.mark.skip(reason="needs a CUDA GPU")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)

@@ -1,0 +1,86 @@
+"""The FlashAttention numerics rule (docs/numerics.md), shared by tests.
+
+``ref32``: the reference on float32 inputs at HIGHEST precision.
+``ref_lp``: the same reference computed in the input dtype.
+A result passes when ``max|out - ref32| <= 2 * max|ref_lp - ref32| + floor``
+for the output, the log-sum-exp and every gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxflash import reference
+
+# Floors, relative to the largest magnitude of the float32 reference:
+# about one unit in the last place of each dtype (float32 also allows for
+# a different summation order over up to a few thousand terms).
+FLOOR = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 2 ** -8,
+         jnp.dtype(jnp.float16): 2 ** -10}
+
+NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+def random_inputs(key, *, batch, q_len, kv_len, heads, kv_heads, head_dim,
+                  dtype):
+  kq, kk, kv, kdo, kdl = jax.random.split(key, 5)
+  q = jax.random.normal(kq, (batch, q_len, heads, head_dim), jnp.float32)
+  k = jax.random.normal(kk, (batch, kv_len, kv_heads, head_dim), jnp.float32)
+  v = jax.random.normal(kv, (batch, kv_len, kv_heads, head_dim), jnp.float32)
+  do = jax.random.normal(kdo, (batch, q_len, heads, head_dim), jnp.float32)
+  dlse = jax.random.normal(kdl, (batch, heads, q_len), jnp.float32)
+  return (q.astype(dtype), k.astype(dtype), v.astype(dtype), do.astype(dtype),
+          dlse)
+
+
+def outputs_and_grads(fn, q, k, v, do, dlse):
+  """(out, lse, dq, dk, dv) of ``fn(q, k, v) -> (out, lse)`` via jax.vjp."""
+  (out, lse), vjp = jax.vjp(fn, q, k, v)
+  dq, dk, dv = vjp((do.astype(out.dtype), dlse))
+  return out, lse, dq, dk, dv
+
+
+def max_abs_diff(a, b) -> float:
+  """max |a - b| over entries; infinities must agree exactly."""
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  inf_a, inf_b = np.isinf(a), np.isinf(b)
+  if not np.array_equal(inf_a, inf_b) or not np.array_equal(a[inf_a],
+                                                            b[inf_b]):
+    return float("inf")
+  fin = ~inf_a
+  if not fin.any():
+    return 0.0
+  d = np.abs(a[fin] - b[fin])
+  return float("nan") if np.isnan(d).any() else float(d.max())
+
+
+def check_rule(got, q, k, v, do, dlse, **ref_kwargs):
+  """Asserts the numerics rule for ``got = (out, lse, dq, dk, dv)``."""
+  dtype = jnp.dtype(q.dtype)
+  f32 = lambda x: x.astype(jnp.float32)
+  ref32 = outputs_and_grads(
+      lambda q, k, v: reference.attention(q, k, v, **ref_kwargs),
+      f32(q), f32(k), f32(v), f32(do), dlse)
+  ref_lp = outputs_and_grads(
+      lambda q, k, v: reference.attention(q, k, v, upcast=False,
+                                          **ref_kwargs),
+      q, k, v, do, dlse)
+  failures = []
+  for name, g, r32, rlp in zip(NAMES, got, ref32, ref_lp):
+    if np.isnan(np.asarray(g, np.float32)).any():
+      failures.append(f"{name}: NaN in result")
+      continue
+    scale = float(np.max(np.abs(np.nan_to_num(np.asarray(r32, np.float64),
+                                              posinf=0, neginf=0))))
+    err = max_abs_diff(g, r32)
+    lp_err = max_abs_diff(rlp, r32)
+    if not np.isfinite(lp_err):
+      lp_err = 0.0  # low-precision reference overflowed: judge on floor
+    tol = 2 * lp_err + FLOOR[dtype] * max(scale, 1.0)
+    if not err <= tol:
+      failures.append(f"{name}: err {err:.3g} > tol {tol:.3g}"
+                      f" (ref_lp err {lp_err:.3g}, scale {scale:.3g})")
+  assert not failures, "; ".join(failures)
