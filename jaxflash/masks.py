@@ -40,6 +40,19 @@ def _cdiv(a, b: int):
   return lax.div(a + (b - 1), b) if not isinstance(a, int) else -(-a // b)
 
 
+def _select(cond, a, b):
+  """``where`` on int32 scalars that never folds into a bool->int convert.
+
+  ``jnp.where(c, 1, 0)`` becomes ``c.astype(int32)``, which the Pallas
+  Triton lowering of jax 0.11.2 turns into an i1 loop bound; selecting
+  between two int32 arrays lowers cleanly.
+  """
+  a = jnp.asarray(a, jnp.int32)
+  b = jnp.asarray(b, jnp.int32)
+  return lax.select(cond, jnp.broadcast_to(a, cond.shape),
+                    jnp.broadcast_to(b, cond.shape))
+
+
 def _floordiv(a, b: int):
   """Floor division of a non-negative traced or static integer."""
   return lax.div(a, b) if not isinstance(a, int) else a // b
@@ -108,10 +121,10 @@ class MaskSpec:
       full_hi = jnp.minimum(jnp.minimum(full_hi, n_kv_full), hi)
       # Query padding rows are masked in the partial tiles, so a query
       # tile that runs past q_len has no fully visible tiles at all.
-      full_hi = jnp.where(q_start + block_q <= self.q_len, full_hi, 0)
+      full_hi = _select(q_start + block_q <= self.q_len, full_hi, 0)
     else:
       hi = jnp.full_like(q_start, _cdiv(self.kv_len, block_k))
-      full_hi = jnp.where(q_start + block_q <= self.q_len, n_kv_full, 0)
+      full_hi = _select(q_start + block_q <= self.q_len, n_kv_full, 0)
     lo = jnp.zeros_like(hi)
     full_lo = lo
     return lo, full_lo, full_hi, hi
@@ -139,6 +152,6 @@ class MaskSpec:
     full_hi = jnp.clip(jnp.full_like(k_start, n_q_full), full_lo, hi)
     # A key tile that runs past kv_len has padding columns: mask it all.
     has_pad = k_start + block_k > self.kv_len
-    full_lo = jnp.where(has_pad, hi, full_lo)
-    full_hi = jnp.where(has_pad, hi, full_hi)
+    full_lo = _select(has_pad, hi, full_lo)
+    full_hi = _select(has_pad, hi, full_hi)
     return lo, full_lo, full_hi, hi
