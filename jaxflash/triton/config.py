@@ -75,22 +75,24 @@ def default_config(q_len: int, kv_len: int, head_dim_padded: int,
   same reason.
   """
   wide = jnp.dtype(dtype).itemsize >= 4
+  # Measured on one H200, bf16, 16k tokens per call (docs/benchmarks/
+  # triton-tiles-h200-2026-11-30.md): the best of six forward and six
+  # backward candidates at head_dim 64, 128 and 256.
   if head_dim_padded <= 64:
-    bq, bk, warps, stages = 128, 64, 4, 3
-  elif head_dim_padded <= 128:
     bq, bk, warps, stages = 128, 64, 8, 3
+  elif head_dim_padded <= 128:
+    bq, bk, warps, stages = 128, 128, 8, 3
   else:
-    bq, bk, warps, stages = 64, 32, 4, 2
+    bq, bk, warps, stages = 64, 64, 4, 3
   # Backward: dK/dV holds a key tile and accumulates two [block_k, D]
-  # outputs; dQ holds a query tile.
-  if head_dim_padded <= 128:
-    bq_dkv, bk_dkv, bq_dq, bk_dq, warps_b, stages_b = 32, 128, 128, 32, 8, 2
-  else:
-    bq_dkv, bk_dkv, bq_dq, bk_dq, warps_b, stages_b = 32, 64, 64, 32, 4, 1
+  # outputs; dQ holds a query tile.  64 x 64 with 4 warps won at every
+  # head_dim (larger key tiles ran out of registers and slowed 2x).
+  bq_dkv, bk_dkv, bq_dq, bk_dq, warps_b, stages_b = 64, 64, 64, 64, 4, 2
   if wide:
+    # float32 operands take twice the shared memory per tile.
     bq, bk = max(16, bq // 2), max(16, bk // 2)
-    bk_dkv, bq_dq = max(16, bk_dkv // 2), max(16, bq_dq // 2)
-    stages, stages_b = min(stages, 2), 1
+    bq_dkv, bk_dkv, bq_dq, bk_dq = 32, 32, 32, 32
+    stages, stages_b = 2, 1
   return TritonConfig(
       block_q=_fit(bq, q_len), block_k=_fit(bk, kv_len),
       num_warps=warps, num_stages=stages,
