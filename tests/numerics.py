@@ -36,10 +36,17 @@ def random_inputs(key, *, batch, q_len, kv_len, heads, kv_heads, head_dim,
 
 
 def outputs_and_grads(fn, q, k, v, do, dlse):
-  """(out, lse, dq, dk, dv) of ``fn(q, k, v) -> (out, lse)`` via jax.vjp."""
-  (out, lse), vjp = jax.vjp(fn, q, k, v)
-  dq, dk, dv = vjp((do.astype(out.dtype), dlse))
-  return out, lse, dq, dk, dv
+  """(out, lse, dq, dk, dv) of ``fn(q, k, v) -> (out, lse)`` via jax.vjp.
+
+  Jitted as a whole: op-by-op dispatch would compile every primitive of the
+  reference separately, which costs tens of seconds per shape on a GPU.
+  """
+  @jax.jit
+  def run(q, k, v, do, dlse):
+    (out, lse), vjp = jax.vjp(fn, q, k, v)
+    dq, dk, dv = vjp((do.astype(out.dtype), dlse))
+    return out, lse, dq, dk, dv
+  return run(q, k, v, do, dlse)
 
 
 def max_abs_diff(a, b) -> float:
