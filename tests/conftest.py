@@ -5,6 +5,9 @@ if "--xla_force_host_platform_device_count" not in os.environ.get(
     "XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8")
+# On GPUs, XLA autotunes every matmul fusion of the reference by compiling
+# many Triton variants; tests never measure speed, so skip that.
+os.environ["XLA_FLAGS"] += " --xla_gpu_autotune_level=0"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
