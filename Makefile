@@ -20,6 +20,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
+	$(PY) -m ruff check jaxflash tests examples
 	$(PY) -m pytest -q tests
 
 # GPU tests only (run on a CUDA machine).

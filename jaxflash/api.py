@@ -203,5 +203,6 @@ def flash_attention(
     return (out, lse) if return_lse else out
   msg = "; ".join(reasons)
   if explicit:
-    raise NotImplementedError(f"no requested backend can serve this call: {msg}")
+    raise NotImplementedError(
+        f"no requested backend can serve this call: {msg}")
   raise NotImplementedError(f"no backend can serve this call: {msg}")

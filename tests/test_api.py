@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import has_gpu
 
 import jaxflash
-from conftest import has_gpu
 
 
 def _arr(shape, dtype=jnp.float32):
@@ -30,7 +30,8 @@ KV = _arr((2, 16, 2, 32))
     (Q, KV, _arr((2, 15, 2, 32)), r"k and v must have the same sequence"),
     (Q.astype(jnp.int32), KV.astype(jnp.int32), KV.astype(jnp.int32),
      r"q must be a floating-point array, got dtype int32"),
-    (Q, KV.astype(jnp.bfloat16), KV, r"share one dtype.*k: \(2, 16, 2, 32\) bfloat16"),
+    (Q, KV.astype(jnp.bfloat16), KV,
+     r"share one dtype.*k: \(2, 16, 2, 32\) bfloat16"),
     (_arr((2, 16, 4, 12)), _arr((2, 16, 2, 12)), _arr((2, 16, 2, 12)),
      r"head_dim=12 must be a multiple of 8 in \[8, 256\]"),
     (_arr((2, 4, 4, 264)), _arr((2, 4, 2, 264)), _arr((2, 4, 2, 264)),

@@ -11,11 +11,11 @@ import zlib
 
 import jax
 import jax.numpy as jnp
+import numerics
 import numpy as np
 import pytest
 
 import jaxflash
-import numerics
 
 SMALL_TILES = jaxflash.TritonConfig(
     block_q=32, block_k=16, block_q_dkv=16, block_k_dkv=32, block_q_dq=32,
@@ -34,8 +34,8 @@ def _grid():
   """
   cases = []
   lens = [(17, 17), (113, 257), (257, 113), (128, 128)]
-  for i, (d, (dn, dt)) in enumerate(itertools.product(
-      [32, 64, 96, 128, 256], DTYPES.items())):
+  for i, (d, dn) in enumerate(itertools.product(
+      [32, 64, 96, 128, 256], DTYPES)):
     for causal in (False, True):
       t, s = lens[(i + causal) % len(lens)]
       hn = list(HEADS)[(i + 2 * causal) % 3]
@@ -69,7 +69,8 @@ def _run(case, *, seed, interpret, config):
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_triton_interpret(case):
-  _run(case, seed=zlib.crc32(repr(case).encode()), interpret=True, config=SMALL_TILES)
+  _run(case, seed=zlib.crc32(repr(case).encode()), interpret=True,
+       config=SMALL_TILES)
 
 
 @pytest.mark.gpu

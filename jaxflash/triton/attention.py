@@ -12,8 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxflash.masks import MaskSpec
 from jaxflash.triton import backward as bwd_lib
 from jaxflash.triton import forward as fwd_lib
-from jaxflash.triton.common import Problem, head_dim_padded, pad_axis
-from jaxflash.triton.common import round_up
+from jaxflash.triton.common import Problem, head_dim_padded, pad_axis, round_up
 from jaxflash.triton.config import TritonConfig, default_config
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
