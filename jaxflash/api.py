@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxflash import reference
 from jaxflash import triton as triton_backend
-from jaxflash.masks import MaskSpec
+from jaxflash.masks import MaskArrays, MaskSpec
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
 
@@ -33,19 +33,25 @@ def _xla_check(q, k, v, *, interpret):
   del q, k, v, interpret  # the reference serves every valid call
 
 
-def _xla_attention(q, k, v, *, mask: MaskSpec, softmax_scale, config,
-                   interpret):
+def _xla_attention(q, k, v, *, mask: MaskSpec, arrays: MaskArrays,
+                   softmax_scale, logits_soft_cap, config, interpret):
   del config, interpret
-  out, lse = reference.attention(q, k, v, causal=mask.causal,
-                                 causal_offset=mask.causal_offset,
-                                 softmax_scale=softmax_scale)
-  return out, lse
+  segs = None
+  if arrays.q_segment_ids is not None:
+    segs = (arrays.q_segment_ids, arrays.kv_segment_ids)
+  return reference.attention(
+      q, k, v, causal=mask.causal, offset=mask.offset,
+      window=(mask.window_left, mask.window_right), segment_ids=segs,
+      q_seq_lengths=arrays.q_seq_lengths,
+      kv_seq_lengths=arrays.kv_seq_lengths, softmax_scale=softmax_scale,
+      logits_soft_cap=logits_soft_cap)
 
 
-def _triton_attention(q, k, v, *, mask, softmax_scale, config, interpret):
-  return triton_backend.attention(q, k, v, mask=mask,
-                                  softmax_scale=softmax_scale, config=config,
-                                  interpret=interpret)
+def _triton_attention(q, k, v, *, mask, arrays, softmax_scale,
+                      logits_soft_cap, config, interpret):
+  return triton_backend.attention(
+      q, k, v, mask=mask, arrays=arrays, softmax_scale=softmax_scale,
+      logits_soft_cap=logits_soft_cap, config=config, interpret=interpret)
 
 
 # name -> (check_supported, attention, config type or None)
@@ -104,6 +110,88 @@ def _validate(q, k, v) -> None:
       raise ValueError(f"{name} has an empty sequence: {tuple(x.shape)}")
 
 
+def _static_positive(name: str, val) -> float:
+  if isinstance(val, jax.core.Tracer) or not isinstance(
+      val, (int, float, np.floating, np.integer)) or isinstance(val, bool):
+    raise ValueError(
+        f"{name} must be a static Python number, got {type(val).__name__}")
+  if not (math.isfinite(val) and val > 0):
+    raise ValueError(f"{name}={val} must be finite and > 0")
+  return float(val)
+
+
+def _window(local_window_size) -> tuple[int | None, int | None]:
+  if local_window_size is None:
+    return None, None
+  if isinstance(local_window_size, (int, np.integer)) and not isinstance(
+      local_window_size, bool):
+    left = right = int(local_window_size)
+  elif (isinstance(local_window_size, (tuple, list))
+        and len(local_window_size) == 2
+        and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+                for x in local_window_size)):
+    left, right = (int(x) for x in local_window_size)
+  else:
+    raise ValueError(
+        "local_window_size must be an int or a pair (left, right) of ints,"
+        f" got {local_window_size!r}")
+  if left < 0 or right < 0:
+    raise ValueError(
+        f"local_window_size={local_window_size!r}: window sizes must be"
+        " >= 0")
+  return left, right
+
+
+def _int_array(name: str, x, shape: tuple[int, ...]) -> jax.Array:
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    x = np.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(
+        f"{name} must be an integer array, got dtype"
+        f" {jnp.dtype(x.dtype).name}")
+  if tuple(x.shape) != shape:
+    raise ValueError(
+        f"{name} must have shape {shape}, got {tuple(x.shape)}")
+  return jnp.asarray(x, jnp.int32) if not isinstance(
+      x, jax.core.Tracer) else x.astype(jnp.int32)
+
+
+def _mask_arrays(q, k, segment_ids, q_seq_lengths,
+                 kv_seq_lengths) -> MaskArrays:
+  B, T, S = q.shape[0], q.shape[1], k.shape[1]
+  q_seg = kv_seg = None
+  if segment_ids is not None:
+    if isinstance(segment_ids, (tuple, list)):
+      if len(segment_ids) != 2:
+        raise ValueError(
+            "segment_ids must be one [batch, seq] array or a pair"
+            f" (q_segment_ids, kv_segment_ids), got {len(segment_ids)}"
+            " items")
+      q_seg = _int_array("q_segment_ids", segment_ids[0], (B, T))
+      kv_seg = _int_array("kv_segment_ids", segment_ids[1], (B, S))
+    else:
+      if T != S:
+        raise ValueError(
+            f"one segment_ids array needs q_len == kv_len, got {T} and {S};"
+            " pass a pair (q_segment_ids, kv_segment_ids)")
+      q_seg = kv_seg = _int_array("segment_ids", segment_ids, (B, T))
+  lengths = []
+  for name, x, full in (("q_seq_lengths", q_seq_lengths, T),
+                        ("kv_seq_lengths", kv_seq_lengths, S)):
+    if x is None:
+      lengths.append(None)
+      continue
+    x = _int_array(name, x, (B,))
+    if not isinstance(x, jax.core.Tracer):
+      vals = np.asarray(x)
+      if (vals < 0).any() or (vals > full).any():
+        raise ValueError(
+            f"{name} must lie in [0, {full}] (the sequence length), got"
+            f" {vals.tolist()}")
+    lengths.append(x)
+  return MaskArrays(q_seg, kv_seg, *lengths)
+
+
 def _candidates(implementation, config, interpret) -> tuple[list[str], bool]:
   """Backends to try, and whether the caller named them explicitly."""
   if implementation is None:
@@ -133,6 +221,11 @@ def flash_attention(
     v: jax.Array,
     *,
     causal: bool = False,
+    segment_ids: jax.Array | tuple[jax.Array, jax.Array] | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    q_seq_lengths: jax.Array | None = None,
+    kv_seq_lengths: jax.Array | None = None,
+    logits_soft_cap: float | None = None,
     softmax_scale: float | None = None,
     return_lse: bool = False,
     implementation: str | Sequence[str] | None = None,
@@ -150,6 +243,19 @@ def flash_attention(
     v: values, shaped like ``k``.
     causal: causal mask, aligned bottom-right when ``q_len != kv_len``
       (the last query sees the last key; see :mod:`jaxflash.masks`).
+    segment_ids: ``[batch, seq]`` integer array (self-attention) or a pair
+      ``(q_segment_ids [batch, q_len], kv_segment_ids [batch, kv_len])``: a
+      query attends only to keys of its own segment (packed documents).
+      Negative ids (:data:`jaxflash.PAD_SEGMENT_ID`) mark padding tokens
+      that attend nowhere and that no query attends to.
+    local_window_size: ``w`` or ``(left, right)``: query ``i`` attends to
+      keys in ``[i' - left, i' + right]``, ``i'`` its aligned key position
+      (``i + kv_len - q_len``); combines with ``causal``.
+    q_seq_lengths, kv_seq_lengths: ``[batch]`` valid lengths of
+      right-padded rows; queries past their length see nothing (output 0),
+      keys past theirs are masked.
+    logits_soft_cap: ``cap * tanh(logits / cap)`` applied to the scaled
+      logits before the softmax (Gemma-style); a static positive number.
     softmax_scale: multiplier of the logits; default ``1/sqrt(head_dim)``.
       Must be a Python number (it is compiled into the kernels).
     return_lse: also return the log-sum-exp ``[batch, heads, q_len]``
@@ -175,14 +281,13 @@ def flash_attention(
       raise ValueError(f"{name} must be a bool, got {val!r}")
   if softmax_scale is None:
     softmax_scale = 1.0 / math.sqrt(q.shape[3])
-  elif isinstance(softmax_scale, jax.core.Tracer) or not isinstance(
-      softmax_scale, (int, float, np.floating, np.integer)):
-    raise ValueError(
-        "softmax_scale must be a static Python number, got"
-        f" {type(softmax_scale).__name__}")
-  elif not (math.isfinite(softmax_scale) and softmax_scale > 0):
-    raise ValueError(f"softmax_scale={softmax_scale} must be finite and > 0")
-  mask = MaskSpec(q_len=q.shape[1], kv_len=k.shape[1], causal=bool(causal))
+  softmax_scale = _static_positive("softmax_scale", softmax_scale)
+  if logits_soft_cap is not None:
+    logits_soft_cap = _static_positive("logits_soft_cap", logits_soft_cap)
+  left, right = _window(local_window_size)
+  mask = MaskSpec(q_len=q.shape[1], kv_len=k.shape[1], causal=bool(causal),
+                  window_left=left, window_right=right)
+  arrays = _mask_arrays(q, k, segment_ids, q_seq_lengths, kv_seq_lengths)
 
   names, explicit = _candidates(implementation, config, interpret)
   reasons = []
@@ -198,8 +303,10 @@ def flash_attention(
     except NotImplementedError as e:
       reasons.append(f"{name}: {e}")
       continue
-    out, lse = attend(q, k, v, mask=mask, softmax_scale=float(softmax_scale),
-                      config=config, interpret=interpret)
+    out, lse = attend(q, k, v, mask=mask, arrays=arrays,
+                      softmax_scale=softmax_scale,
+                      logits_soft_cap=logits_soft_cap, config=config,
+                      interpret=interpret)
     return (out, lse) if return_lse else out
   msg = "; ".join(reasons)
   if explicit:

@@ -1,14 +1,19 @@
-"""The attention mask as a static description, and the tile arithmetic on it.
+"""Attention masks as compact descriptions, and the tile arithmetic on them.
 
-Nothing here builds an N x N array (except :meth:`MaskSpec.dense`, used only
-by the reference).  Kernels call :meth:`MaskSpec.visible` on the index
-vectors of one tile, and :meth:`MaskSpec.kv_block_range` /
-:meth:`MaskSpec.q_block_range` to learn which tiles to visit at all and
-which of those need no per-element mask.
+No N x N array is built here (except by :meth:`MaskSpec.dense`, for the
+reference).  A mask is the conjunction of
 
-Causal alignment (bottom-right, as in FlashAttention >= 2.1): query ``i``
-sees key ``j`` when ``j <= i + (kv_len - q_len)``, so the *last* query row
-lines up with the *last* key.  With ``q_len=2, kv_len=5`` (``x`` = visible)::
+* positional terms, static: ``causal`` and a local window, both relative to
+  the *aligned* key position of query ``i``, which is ``i + offset``;
+* per-row lengths, dynamic: ``q_valid`` / ``kv_valid`` positions of each
+  batch row (right padding);
+* segment ids, dynamic: a query attends only keys of its own segment, and a
+  negative id (:data:`PAD_SEGMENT_ID`) marks a token that attends nowhere
+  and that nothing attends to.
+
+Alignment (bottom-right, as in FlashAttention >= 2.1): ``offset`` defaults
+to ``kv_len - q_len``, so the last query lines up with the last key.  With
+``q_len=2, kv_len=5`` and ``causal`` (``x`` = visible)::
 
           keys 0 1 2 3 4
     query 0    x x x x .
@@ -23,21 +28,50 @@ and with ``q_len=5, kv_len=2`` the first three query rows see nothing::
     query 3    x .
     query 4    x x
 
+A local window ``(left, right)`` keeps keys ``j`` with
+``i + offset - left <= j <= i + offset + right``.
+
 Rows that see no key produce output 0 and log-sum-exp ``-inf`` (the log of
 an empty sum), and zero gradients.
+
+Kernels ask :meth:`MaskSpec.kv_block_range` (forward, dQ: a query tile
+streaming key tiles) or :meth:`MaskSpec.q_block_range` (dK/dV: a key tile
+streaming query tiles) which partner tiles to visit at all, and which of
+those are fully visible (no per-element mask).  With segment ids the
+kernels also consult per-tile summaries (:func:`tile_summary`,
+:func:`overlap_range`) computed on the device by a few XLA reductions.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
+PAD_SEGMENT_ID = -1
+"""Segment id of padding tokens: any negative id attends nowhere."""
 
-def _cdiv(a, b: int):
-  """Ceiling division of a non-negative traced or static integer."""
-  return lax.div(a + (b - 1), b) if not isinstance(a, int) else -(-a // b)
+_BIG = 2**30  # an int32 larger than any sequence position or segment id
+
+
+class MaskArrays(NamedTuple):
+  """The dynamic part of a mask (a pytree of int32 arrays or None).
+
+  ``q_segment_ids [B, T]``, ``kv_segment_ids [B, S]`` (both or neither),
+  ``q_seq_lengths [B]``, ``kv_seq_lengths [B]``.
+  """
+
+  q_segment_ids: jax.Array | None = None
+  kv_segment_ids: jax.Array | None = None
+  q_seq_lengths: jax.Array | None = None
+  kv_seq_lengths: jax.Array | None = None
+
+
+def _i32(x):
+  return jnp.asarray(x, jnp.int32)
 
 
 def _select(cond, a, b):
@@ -47,111 +81,246 @@ def _select(cond, a, b):
   Triton lowering of jax 0.11.2 turns into an i1 loop bound; selecting
   between two int32 arrays lowers cleanly.
   """
-  a = jnp.asarray(a, jnp.int32)
-  b = jnp.asarray(b, jnp.int32)
-  return lax.select(cond, jnp.broadcast_to(a, cond.shape),
-                    jnp.broadcast_to(b, cond.shape))
+  cond = jnp.asarray(cond)
+  return lax.select(cond, jnp.broadcast_to(_i32(a), cond.shape),
+                    jnp.broadcast_to(_i32(b), cond.shape))
 
 
 def _floordiv(a, b: int):
-  """Floor division of a non-negative traced or static integer."""
-  return lax.div(a, b) if not isinstance(a, int) else a // b
+  """Floor division of a non-negative int32 by a static positive int."""
+  return lax.div(_i32(a), _i32(b))
+
+
+def _cdiv(a, b: int):
+  """Ceiling division of a non-negative int32 by a static positive int."""
+  return lax.div(_i32(a) + (b - 1), _i32(b))
+
+
+def _min(*xs):
+  out = xs[0]
+  for x in xs[1:]:
+    out = jnp.minimum(out, x)
+  return out
+
+
+def _max(*xs):
+  out = xs[0]
+  for x in xs[1:]:
+    out = jnp.maximum(out, x)
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
 class MaskSpec:
-  """Which (query, key) pairs may interact; hashable, so it can be static.
+  """The static part of a mask; hashable, so it can be a static argument.
 
   Attributes:
-    q_len: number of valid query positions.
-    kv_len: number of valid key positions.
-    causal: apply the causal mask.
-    causal_offset: query ``i`` sees key ``j`` iff ``j <= i + causal_offset``.
-      ``None`` means bottom-right alignment, ``kv_len - q_len``.
+    q_len: query positions (array length).
+    kv_len: key positions (array length).
+    causal: keys after the aligned position are masked.
+    offset: query ``i`` is aligned with key ``i + offset``; ``None`` means
+      bottom-right, ``kv_len - q_len``.
+    window_left, window_right: local window around the aligned position
+      (``None``: unbounded on that side).
   """
 
   q_len: int
   kv_len: int
   causal: bool = False
-  causal_offset: int | None = None
+  offset: int | None = None
+  window_left: int | None = None
+  window_right: int | None = None
 
   def __post_init__(self):
     if self.q_len < 1 or self.kv_len < 1:
       raise ValueError(
           f"sequence lengths must be >= 1, got q_len={self.q_len},"
           f" kv_len={self.kv_len}")
-    if self.causal_offset is None:
-      object.__setattr__(self, "causal_offset", self.kv_len - self.q_len)
+    for name in ("window_left", "window_right"):
+      val = getattr(self, name)
+      if val is not None and val < 0:
+        raise ValueError(f"{name}={val} must be >= 0")
+    if self.offset is None:
+      object.__setattr__(self, "offset", self.kv_len - self.q_len)
+
+  @property
+  def right(self) -> int | None:
+    """Effective right reach: ``causal`` is a right window of 0."""
+    if self.causal:
+      return 0 if self.window_right is None else min(0, self.window_right)
+    return self.window_right
 
   # -- elementwise ----------------------------------------------------------
-  def visible(self, q_idx, k_idx):
-    """Boolean visibility for broadcastable query and key index arrays.
+  def visible(self, q_idx, k_idx, *, q_valid=None, kv_valid=None,
+              q_seg=None, k_seg=None):
+    """Boolean visibility for broadcastable index (and segment) arrays.
 
-    Padding positions (``q_idx >= q_len`` or ``k_idx >= kv_len``) are never
-    visible, so kernels can pad sequences to whole tiles.
+    ``q_valid``/``kv_valid`` (default: the static lengths) bound the valid
+    positions, so kernels can also pad sequences to whole tiles.
     """
-    ok = (q_idx < self.q_len) & (k_idx < self.kv_len)
-    if self.causal:
-      ok = ok & (k_idx <= q_idx + self.causal_offset)
+    q_valid = self.q_len if q_valid is None else q_valid
+    kv_valid = self.kv_len if kv_valid is None else kv_valid
+    ok = (q_idx < q_valid) & (k_idx < kv_valid)
+    aligned = q_idx + self.offset
+    if self.right is not None:
+      ok = ok & (k_idx <= aligned + self.right)
+    if self.window_left is not None:
+      ok = ok & (k_idx >= aligned - self.window_left)
+    if q_seg is not None:
+      ok = ok & (q_seg == k_seg) & (q_seg >= 0)
     return ok
 
-  def dense(self):
-    """The ``[q_len, kv_len]`` boolean mask (reference and tests only)."""
+  def dense(self, *, q_valid=None, kv_valid=None, q_seg=None, k_seg=None):
+    """The boolean mask: ``[q_len, kv_len]``, or ``[B, q_len, kv_len]``
+    when per-row lengths ``[B]`` or segment ids ``[B, len]`` are given
+    (reference and tests only)."""
     q_idx = jnp.arange(self.q_len)[:, None]
     k_idx = jnp.arange(self.kv_len)[None, :]
-    return self.visible(q_idx, k_idx)
+    if q_valid is not None:
+      q_valid = q_valid[:, None, None]
+    if kv_valid is not None:
+      kv_valid = kv_valid[:, None, None]
+    if q_seg is not None:
+      q_seg, k_seg = q_seg[:, :, None], k_seg[:, None, :]
+    return self.visible(q_idx, k_idx, q_valid=q_valid, kv_valid=kv_valid,
+                        q_seg=q_seg, k_seg=k_seg)
 
   # -- tiles ----------------------------------------------------------------
-  def kv_block_range(self, q_start, block_q: int, block_k: int):
+  def kv_block_range(self, q_start, block_q: int, block_k: int, *,
+                     q_valid=None, kv_valid=None):
     """Key tiles for the query tile ``[q_start, q_start + block_q)``.
 
-    Returns ``(lo, full_lo, full_hi, hi)``: the tile loop visits key tiles
-    ``[lo, hi)``; tiles in ``[full_lo, full_hi)`` are visible to every
-    (query, key) pair of the tile and need no per-element mask.  Key tiles
-    past ``hi`` are skipped entirely (for causal: above the diagonal).
+    Returns int32 ``(lo, full_lo, full_hi, hi)`` with
+    ``lo <= full_lo <= full_hi <= hi``: the tile loop visits key tiles
+    ``[lo, hi)``; those in ``[full_lo, full_hi)`` are visible to every
+    (query, key) pair of the tile and need no per-element mask.  Tiles
+    outside ``[lo, hi)`` hold no visible pair and are skipped (for causal:
+    above the diagonal; for a window: outside the band).
     """
-    off = self.causal_offset
-    n_kv_full = self.kv_len // block_k  # tiles with no key padding
-    if self.causal:
-      last_q = jnp.minimum(q_start + block_q, self.q_len) - 1
-      hi = _cdiv(jnp.clip(last_q + off + 1, 0, self.kv_len), block_k)
-      # Key tile t is below the diagonal for every row when its last key
-      # (t+1)*block_k - 1 <= q_start + off.
-      full_hi = _floordiv(jnp.maximum(q_start + off + 1, 0), block_k)
-      full_hi = jnp.minimum(jnp.minimum(full_hi, n_kv_full), hi)
-      # Query padding rows are masked in the partial tiles, so a query
-      # tile that runs past q_len has no fully visible tiles at all.
-      full_hi = _select(q_start + block_q <= self.q_len, full_hi, 0)
+    q_valid = _i32(self.q_len if q_valid is None else q_valid)
+    kv_valid = _i32(self.kv_len if kv_valid is None else kv_valid)
+    off, left, right = self.offset, self.window_left, self.right
+    first_q = _i32(q_start)
+    last_row = first_q + block_q - 1          # last row of the tile
+    last_q = jnp.minimum(last_row, q_valid - 1)  # last valid row
+    # Live keys: [first_q + off - left, last_q + off + right] ∩ [0, kv_valid)
+    key_hi = kv_valid
+    if right is not None:
+      key_hi = jnp.minimum(key_hi, last_q + off + right + 1)
+    hi = _cdiv(jnp.maximum(key_hi, 0), block_k)
+    if left is not None:
+      lo = _floordiv(jnp.maximum(first_q + off - left, 0), block_k)
     else:
-      hi = jnp.full_like(q_start, _cdiv(self.kv_len, block_k))
-      full_hi = _select(q_start + block_q <= self.q_len, n_kv_full, 0)
-    lo = jnp.zeros_like(hi)
-    full_lo = lo
+      lo = jnp.zeros_like(hi)
+    hi = _select(last_q < first_q, lo, jnp.maximum(hi, lo))
+    # Fully visible tiles: every row of the tile valid and every key of the
+    # tile inside [last_row + off - left, first_q + off + right] and valid.
+    full_hi = _floordiv(jnp.maximum(kv_valid, 0), block_k)
+    if right is not None:
+      full_hi = jnp.minimum(full_hi, _floordiv(
+          jnp.maximum(first_q + off + right + 1, 0), block_k))
+    if left is not None:
+      full_lo = _cdiv(jnp.maximum(last_row + off - left, 0), block_k)
+    else:
+      full_lo = lo
+    full_lo = jnp.clip(full_lo, lo, hi)
+    full_hi = jnp.clip(full_hi, full_lo, hi)
+    none_full = last_row >= q_valid  # a partly invalid query tile
+    full_lo = _select(none_full, hi, full_lo)
+    full_hi = _select(none_full, hi, full_hi)
     return lo, full_lo, full_hi, hi
 
-  def q_block_range(self, k_start, block_k: int, block_q: int):
+  def q_block_range(self, k_start, block_k: int, block_q: int, *,
+                    q_valid=None, kv_valid=None):
     """Query tiles for the key tile ``[k_start, k_start + block_k)``.
 
     Same contract as :meth:`kv_block_range`, transposed: used by the dK/dV
     backward kernel, which holds a key tile and streams query tiles.
     """
-    off = self.causal_offset
-    n_q_tiles = _cdiv(self.q_len, block_q)
-    n_q_full = self.q_len // block_q
-    hi = jnp.full_like(k_start, n_q_tiles)
-    if self.causal:
-      # Row i sees key k_start when i >= k_start - off.
-      lo = _floordiv(jnp.clip(k_start - off, 0, self.q_len), block_q)
-      # Every row of tile t sees the whole key tile when
-      # t*block_q >= k_start + block_k - 1 - off.
-      full_lo = _cdiv(jnp.maximum(k_start + block_k - 1 - off, 0), block_q)
+    q_valid = _i32(self.q_len if q_valid is None else q_valid)
+    kv_valid = _i32(self.kv_len if kv_valid is None else kv_valid)
+    off, left, right = self.offset, self.window_left, self.right
+    first_k = _i32(k_start)
+    last_col = first_k + block_k - 1
+    last_k = jnp.minimum(last_col, kv_valid - 1)
+    # Row i sees key j iff j - off - right <= i <= j - off + left.
+    row_lo = jnp.zeros_like(first_k)
+    if right is not None:
+      row_lo = jnp.maximum(row_lo, first_k - off - right)
+    row_hi = q_valid  # exclusive
+    if left is not None:
+      row_hi = jnp.minimum(row_hi, last_k - off + left + 1)
+    lo = _floordiv(jnp.minimum(row_lo, q_valid), block_q)
+    hi = _cdiv(jnp.maximum(row_hi, 0), block_q)
+    hi = _select(last_k < first_k, lo, jnp.maximum(hi, lo))
+    # Fully visible: rows in [last_col - off - right, first_k - off + left],
+    # all rows valid, all keys valid.
+    if right is not None:
+      full_lo = _cdiv(jnp.maximum(last_col - off - right, 0), block_q)
     else:
-      lo = jnp.zeros_like(k_start)
       full_lo = lo
+    full_hi = _floordiv(jnp.maximum(q_valid, 0), block_q)
+    if left is not None:
+      full_hi = jnp.minimum(full_hi, _floordiv(
+          jnp.maximum(first_k - off + left + 1, 0), block_q))
     full_lo = jnp.clip(full_lo, lo, hi)
-    full_hi = jnp.clip(jnp.full_like(k_start, n_q_full), full_lo, hi)
-    # A key tile that runs past kv_len has padding columns: mask it all.
-    has_pad = k_start + block_k > self.kv_len
-    full_lo = _select(has_pad, hi, full_lo)
-    full_hi = _select(has_pad, hi, full_hi)
+    full_hi = jnp.clip(full_hi, full_lo, hi)
+    none_full = last_col >= kv_valid
+    full_lo = _select(none_full, hi, full_lo)
+    full_hi = _select(none_full, hi, full_hi)
     return lo, full_lo, full_hi, hi
+
+
+# -- segment-id tile summaries (XLA, on the device) ---------------------------
+#
+# For each tile of a segment-id row: the smallest and largest non-negative
+# id (_BIG / -1 when the tile holds only padding), and the tile's single id
+# when all its tokens share one non-negative id (-2 otherwise).  Two tiles
+# can hold a visible pair only if their [min, max] ranges overlap; a tile
+# pair is segment-full when both are uniform with the same id.
+
+SUMMARY_MIN, SUMMARY_MAX, SUMMARY_UNIFORM = 0, 1, 2
+
+
+def tile_summary(seg_BxL: jax.Array, block: int) -> jax.Array:
+  """``[B, 3, L // block]`` int32 summaries of a padded segment-id array."""
+  b, length = seg_BxL.shape
+  tiles = seg_BxL.reshape(b, length // block, block)
+  valid = tiles >= 0
+  lo = jnp.min(jnp.where(valid, tiles, _BIG), axis=-1)
+  hi = jnp.max(jnp.where(valid, tiles, -1), axis=-1)
+  uniform = jnp.where((lo == hi) & jnp.all(valid, axis=-1), lo, -2)
+  return jnp.stack([lo, hi, uniform], axis=1).astype(jnp.int32)
+
+
+def overlap_range(rows: jax.Array, cols: jax.Array) -> jax.Array:
+  """``[B, 2, n_rows]``: per row tile, the first and one-past-last column
+  tile whose id range overlaps (an empty range ``[0, 0)`` if none).
+
+  Tiles in between may still hold no common id (non-contiguous segments);
+  kernels check each visited tile again with the summaries.
+  """
+  r_lo = rows[:, SUMMARY_MIN, :, None]
+  r_hi = rows[:, SUMMARY_MAX, :, None]
+  c_lo = cols[:, SUMMARY_MIN, None, :]
+  c_hi = cols[:, SUMMARY_MAX, None, :]
+  overlap = (c_lo <= r_hi) & (c_hi >= r_lo)  # [B, n_rows, n_cols]
+  n = cols.shape[-1]
+  idx = jnp.arange(n, dtype=jnp.int32)
+  first = jnp.min(jnp.where(overlap, idx, n), axis=-1)
+  last = jnp.max(jnp.where(overlap, idx, -1), axis=-1)
+  any_ = last >= 0
+  return jnp.stack([jnp.where(any_, first, 0), jnp.where(any_, last + 1, 0)],
+                   axis=1).astype(jnp.int32)
+
+
+def tiles_overlap(row_summary, col_summary):
+  """Traced scalars: can the two tiles hold a common segment id?"""
+  return ((col_summary[SUMMARY_MIN] <= row_summary[SUMMARY_MAX])
+          & (col_summary[SUMMARY_MAX] >= row_summary[SUMMARY_MIN]))
+
+
+def tiles_segment_full(row_summary, col_summary):
+  """Traced scalars: do all tokens of both tiles share one valid id?"""
+  u = row_summary[SUMMARY_UNIFORM]
+  return (u >= 0) & (u == col_summary[SUMMARY_UNIFORM])

@@ -23,7 +23,12 @@ def attention(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
-    causal_offset: int | None = None,
+    offset: int | None = None,
+    window: tuple[int | None, int | None] = (None, None),
+    segment_ids: tuple[jax.Array, jax.Array] | None = None,
+    q_seq_lengths: jax.Array | None = None,
+    kv_seq_lengths: jax.Array | None = None,
+    logits_soft_cap: float | None = None,
     upcast: bool = True,
     precision=lax.Precision.HIGHEST,
 ) -> tuple[jax.Array, jax.Array]:
@@ -33,10 +38,13 @@ def attention(
     q_BxTxHxD, k_BxSxKxD, v_BxSxKxD: queries, keys, values; ``H`` a multiple
       of ``K`` (grouped-query attention: query head ``h`` uses key/value head
       ``h // (H // K)``).
-    causal: bottom-right aligned causal mask (see :mod:`jaxflash.masks`).
+    causal, offset, window: the positional mask (:class:`MaskSpec`);
+      ``window`` is ``(left, right)``, ``None`` for unbounded.
     softmax_scale: logits multiplier, default ``1 / sqrt(D)``.
-    causal_offset: override the causal alignment (query ``i`` sees keys
-      ``j <= i + causal_offset``).
+    segment_ids: ``(q_segment_ids [B, T], kv_segment_ids [B, S])``; negative
+      ids attend nowhere.
+    q_seq_lengths, kv_seq_lengths: ``[B]`` valid lengths (right padding).
+    logits_soft_cap: ``cap * tanh(logits / cap)`` before the softmax.
     upcast: compute in float32 (the oracle, ``ref32``).  ``False`` runs every
       step in the input dtype, as a low-precision implementation would
       (``ref_lp`` of the numerics rule, docs/numerics.md).
@@ -57,7 +65,14 @@ def attention(
   logits = jnp.einsum("btkgd,bskd->bkgts", q, k, precision=precision,
                       preferred_element_type=cdtype)
   logits = logits * jnp.asarray(scale, cdtype)
-  mask = MaskSpec(T, S, causal, causal_offset).dense()
+  if logits_soft_cap is not None:
+    cap = jnp.asarray(logits_soft_cap, cdtype)
+    logits = cap * jnp.tanh(logits / cap)
+  spec = MaskSpec(T, S, causal, offset, window[0], window[1])
+  q_seg, kv_seg = segment_ids if segment_ids is not None else (None, None)
+  mask = spec.dense(q_valid=q_seq_lengths, kv_valid=kv_seq_lengths,
+                    q_seg=q_seg, k_seg=kv_seg)
+  mask = mask.reshape((-1, 1, 1, T, S) if mask.ndim == 3 else (T, S))
   logits = logits.astype(jnp.float32)
   logits = jnp.where(mask, logits, -jnp.inf)
   # Safe softmax: rows with no visible key keep max 0, so exp gives 0s

@@ -9,11 +9,13 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxflash.masks import MaskSpec
+from jaxflash.masks import PAD_SEGMENT_ID, MaskArrays, MaskSpec
 from jaxflash.triton import backward as bwd_lib
 from jaxflash.triton import forward as fwd_lib
-from jaxflash.triton.common import Problem, head_dim_padded, pad_axis, round_up
+from jaxflash.triton.common import Problem, head_dim_padded, pad_axis
+from jaxflash.triton.common import round_up
 from jaxflash.triton.config import TritonConfig, default_config
+from jaxflash.triton.tiles import MaskInputs
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -32,8 +34,9 @@ class _Static:
   head_dim: int
 
 
-def _plan(q, k, mask: MaskSpec, softmax_scale: float,
-          config: TritonConfig | None, interpret: bool) -> _Static:
+def _plan(q, k, mask: MaskSpec, arrays: MaskArrays, softmax_scale: float,
+          logits_soft_cap: float | None, config: TritonConfig | None,
+          interpret: bool) -> _Static:
   _, T, H, D = q.shape
   S, K = k.shape[1], k.shape[2]
   dp = head_dim_padded(D)
@@ -42,9 +45,13 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
   # Pad each sequence to a whole number of every tile that walks it.
   q_mult = max(cfg.block_q, cfg.block_q_dkv, cfg.block_q_dq)
   kv_mult = max(cfg.block_k, cfg.block_k_dkv, cfg.block_k_dq)
-  prob = Problem(mask=mask, softmax_scale=float(softmax_scale),
-                 num_heads=H, num_kv_heads=K, q_pad=round_up(T, q_mult),
-                 kv_pad=round_up(S, kv_mult), head_dim_padded=dp)
+  prob = Problem(
+      mask=mask, softmax_scale=float(softmax_scale), num_heads=H,
+      num_kv_heads=K, q_pad=round_up(T, q_mult), kv_pad=round_up(S, kv_mult),
+      head_dim_padded=dp, logits_soft_cap=logits_soft_cap,
+      has_segments=arrays.q_segment_ids is not None,
+      has_lengths=(arrays.q_seq_lengths is not None
+                   or arrays.kv_seq_lengths is not None))
   return _Static(prob=prob, config=cfg, interpret=interpret, head_dim=D)
 
 
@@ -52,31 +59,56 @@ def _pad(x, seq: int, dp: int):
   return pad_axis(pad_axis(x, 1, seq), 3, dp)
 
 
-def _forward(q, k, v, st: _Static):
+def _mask_inputs(arrays: MaskArrays, prob: Problem, batch: int) -> MaskInputs:
+  """Pads segment ids with PAD_SEGMENT_ID and packs the lengths."""
+  q_seg = kv_seg = lengths = None
+  if prob.has_segments:
+    def pad_seg(x, size):
+      return jnp.pad(x.astype(jnp.int32), ((0, 0), (0, size - x.shape[1])),
+                     constant_values=PAD_SEGMENT_ID)
+    q_seg = pad_seg(arrays.q_segment_ids, prob.q_pad)
+    kv_seg = pad_seg(arrays.kv_segment_ids, prob.kv_pad)
+  if prob.has_lengths:
+    def length(x, full):
+      if x is None:
+        return jnp.full((batch,), full, jnp.int32)
+      return jnp.clip(x.astype(jnp.int32), 0, full)
+    lengths = jnp.stack([length(arrays.q_seq_lengths, prob.mask.q_len),
+                         length(arrays.kv_seq_lengths, prob.mask.kv_len)],
+                        axis=1)
+  return MaskInputs(q_seg, kv_seg, lengths)
+
+
+def _forward(q, k, v, arrays, st: _Static, count_tiles=False):
   prob = st.prob
-  out, lse = fwd_lib.forward(
+  results = fwd_lib.forward(
       _pad(q, prob.q_pad, prob.head_dim_padded),
       _pad(k, prob.kv_pad, prob.head_dim_padded),
       _pad(v, prob.kv_pad, prob.head_dim_padded),
-      prob=prob, config=st.config, interpret=st.interpret)
+      _mask_inputs(arrays, prob, q.shape[0]),
+      prob=prob, config=st.config, interpret=st.interpret,
+      count_tiles=count_tiles)
   T = q.shape[1]
-  return out[:, :T, :, :st.head_dim], lse[:, :, :T]
+  out, lse = results[0][:, :T, :, :st.head_dim], results[1][:, :, :T]
+  if count_tiles:
+    return out, lse, results[2][:, :, :T]
+  return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, st: _Static):
-  return _forward(q, k, v, st)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, arrays, st: _Static):
+  return _forward(q, k, v, arrays, st)
 
 
-def _attention_fwd(q, k, v, st: _Static):
-  out, lse = _forward(q, k, v, st)
+def _attention_fwd(q, k, v, arrays, st: _Static):
+  out, lse = _forward(q, k, v, arrays, st)
   out = checkpoint_name(out, RESIDUAL_NAMES[0])
   lse = checkpoint_name(lse, RESIDUAL_NAMES[1])
-  return (out, lse), (q, k, v, out, lse)
+  return (out, lse), (q, k, v, arrays, out, lse)
 
 
 def _attention_bwd(st: _Static, res, cotangents):
-  q, k, v, out, lse = res
+  q, k, v, arrays, out, lse = res
   dout, dlse = cotangents
   prob = st.prob
   dp = prob.head_dim_padded
@@ -87,23 +119,38 @@ def _attention_bwd(st: _Static, res, cotangents):
       pq(q), pkv(k), pkv(v), pq(out), pad_axis(lse, 2, prob.q_pad),
       pq(dout.astype(q.dtype)), pad_axis(dlse.astype(jnp.float32), 2,
                                          prob.q_pad),
+      _mask_inputs(arrays, prob, q.shape[0]),
       prob=prob, config=st.config, interpret=st.interpret)
   D = st.head_dim
-  return dq[:, :T, :, :D], dk[:, :S, :, :D], dv[:, :S, :, :D]
+  no_grad = jax.tree.map(lambda _: None, arrays)  # integer inputs
+  return dq[:, :T, :, :D], dk[:, :S, :, :D], dv[:, :S, :, :D], no_grad
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def attention(q, k, v, *, mask: MaskSpec, softmax_scale: float,
+def attention(q, k, v, *, mask: MaskSpec, arrays: MaskArrays = MaskArrays(),
+              softmax_scale: float, logits_soft_cap: float | None = None,
               config: TritonConfig | None = None, interpret: bool = False):
   """Flash attention with the Triton-lowering Pallas kernels.
 
   Inputs are validated by :func:`jaxflash.flash_attention`.  Returns
   ``(out [B, T, H, D], lse [B, H, T] float32)``, differentiable in both.
   """
-  st = _plan(q, k, mask, softmax_scale, config, interpret)
-  return _attention(q, k, v, st)
+  st = _plan(q, k, mask, arrays, softmax_scale, logits_soft_cap, config,
+             interpret)
+  return _attention(q, k, v, arrays, st)
+
+
+def count_visited_tiles(q, k, v, *, mask: MaskSpec,
+                        arrays: MaskArrays = MaskArrays(),
+                        softmax_scale: float = 1.0,
+                        config: TritonConfig | None = None,
+                        interpret: bool = False):
+  """Debug: ``[B, H, T]`` int32, the key tiles the forward kernel visited
+  for each query row's tile (tests use it to show tile skipping)."""
+  st = _plan(q, k, mask, arrays, softmax_scale, None, config, interpret)
+  return _forward(q, k, v, arrays, st, count_tiles=True)[2]
 
 
 def check_supported(q, k, v, *, interpret: bool) -> None:

@@ -11,7 +11,9 @@ kernels so that neither needs atomics or an N x N buffer:
 * dQ: each program holds one query tile and streams key/value tiles.
 
 Both recompute ``P = exp(S - lse)`` from the saved log-sum-exp, and visit
-only the tiles the mask leaves alive (same tile ranges as the forward).
+only the tiles the mask leaves alive (:func:`jaxflash.triton.tiles.tile_loop`,
+the same rule as the forward).  With a soft cap, ``dS`` is multiplied by
+the derivative of ``cap * tanh(x / cap)``, ``1 - tanh^2``.
 """
 
 from __future__ import annotations
@@ -24,56 +26,75 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxflash.triton.common import LOG2E, Problem, dot
+from jaxflash.triton import tiles
+from jaxflash.triton.common import LOG2E, Problem, dot, logits
 from jaxflash.triton.config import TritonConfig
 
 
-def _probs(q, k, lse2, q_idx, k_idx, *, prob: Problem, masked: bool):
-  """P = exp2(S * scale * log2e - lse * log2e) for one tile, in float32."""
-  s = dot(q, k, trans_b=True) * (prob.softmax_scale * LOG2E)
+def _dscores(q, k, v, do, lse2, delta, q_idx, k_idx, *, prob: Problem,
+             masked: bool, valid, seg):
+  """(P, dS) of one tile, float32; dS is w.r.t. the scaled logits / scale.
+
+  lse2 is +inf for rows that saw no key (see _lse2), so P = 0 there.
+  """
+  s, th = logits(q, k, prob)
   if masked:
-    s = jnp.where(prob.mask.visible(q_idx, k_idx), s, -jnp.inf)
-  # lse2 is +inf for rows that saw no key (see _lse2), so P = 0 there.
-  return jnp.exp2(s - lse2[:, None])
+    s = jnp.where(prob.mask.visible(q_idx, k_idx, **valid, **seg), s,
+                  -jnp.inf)
+  p = jnp.exp2(s - lse2[:, None])
+  dp = dot(do, v, trans_b=True)           # dO V^T
+  ds = p * (dp - delta[:, None])          # softmax backward
+  if th is not None:
+    ds = ds * (1.0 - th * th)             # through cap * tanh(x / cap)
+  return p, ds
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref,
-                dk_ref, dv_ref, *, prob: Problem, block_q: int,
-                block_k: int):
+def _valid(prob, held_info):
+  if not prob.has_lengths:
+    return {}
+  return dict(q_valid=held_info[tiles.ROW_Q_VALID],
+              kv_valid=held_info[tiles.ROW_KV_VALID])
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
+                prob: Problem, block_q: int, block_k: int):
+  held_info, stream_info, kv_seg_ref, q_seg_ref, rest = tiles.split_mask_refs(
+      prob.has_segments, prob.has_lengths, rest)
+  dk_ref, dv_ref = rest
   k_start = pl.program_id(0) * block_k
   k = k_ref[...]  # [block_k, D]
   v = v_ref[...]
   k_idx = k_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+  valid = _valid(prob, held_info)
+  k_seg = None if kv_seg_ref is None else kv_seg_ref[...][None, :]
 
   def body(t, carry, *, g, masked: bool):
     dk, dv = carry
     q_slice = pl.ds(pl.multiple_of(t * block_q, block_q), block_q)
     q = q_ref[q_slice, g, :]
     do = do_ref[q_slice, g, :]
-    lse2 = lse2_ref[g, q_slice]
-    delta = delta_ref[g, q_slice]
     q_idx = t * block_q + lax.broadcasted_iota(
         jnp.int32, (block_q, block_k), 0)
-    p = _probs(q, k, lse2, q_idx, k_idx, prob=prob, masked=masked)
+    seg = {}
+    if k_seg is not None:
+      seg = dict(q_seg=tiles.slice_tile(q_seg_ref, t, block_q)[:, None],
+                 k_seg=k_seg)
+    p, ds = _dscores(q, k, v, do, lse2_ref[g, q_slice],
+                     delta_ref[g, q_slice], q_idx, k_idx, prob=prob,
+                     masked=masked, valid=valid, seg=seg)
     dv = dv + dot(p.astype(do.dtype), do, trans_a=True)  # P^T dO
-    dp = dot(do, v, trans_b=True)                         # dO V^T
-    ds = p * (dp - delta[:, None])                        # dS (no scale)
-    dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)    # dS^T Q
+    dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)   # dS^T Q
     return dk, dv
 
-  lo, full_lo, full_hi, hi = prob.mask.q_block_range(k_start, block_k,
-                                                     block_q)
+  def group_body(g, carry):
+    return tiles.tile_loop(
+        prob.mask, held_q=False, held_start=k_start, held_block=block_k,
+        stream_block=block_q, held_info_ref=held_info,
+        stream_info_ref=stream_info, has_lengths=prob.has_lengths,
+        body=functools.partial(body, g=g), carry=carry)
+
   carry = (jnp.zeros((block_k, prob.head_dim_padded), jnp.float32),
            jnp.zeros((block_k, prob.head_dim_padded), jnp.float32))
-
-  def group_body(g, carry):
-    carry = lax.fori_loop(lo, full_lo, functools.partial(
-        body, g=g, masked=True), carry)
-    carry = lax.fori_loop(full_lo, full_hi, functools.partial(
-        body, g=g, masked=False), carry)
-    return lax.fori_loop(full_hi, hi, functools.partial(
-        body, g=g, masked=True), carry)
-
   if prob.group == 1:
     dk, dv = group_body(0, carry)
   else:
@@ -82,33 +103,38 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref,
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, *,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
                prob: Problem, block_q: int, block_k: int):
+  held_info, stream_info, q_seg_ref, kv_seg_ref, rest = tiles.split_mask_refs(
+      prob.has_segments, prob.has_lengths, rest)
+  (dq_ref,) = rest
   q_start = pl.program_id(0) * block_q
   q = q_ref[...]
   do = do_ref[...]
   lse2 = lse2_ref[...]
   delta = delta_ref[...]
   q_idx = q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
+  valid = _valid(prob, held_info)
+  q_seg = None if q_seg_ref is None else q_seg_ref[...][:, None]
 
   def body(t, dq, *, masked: bool):
-    k_slice = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
-    k = k_ref[k_slice, :]
-    v = v_ref[k_slice, :]
+    k = tiles.slice_tile(k_ref, t, block_k)
+    v = tiles.slice_tile(v_ref, t, block_k)
     k_idx = t * block_k + lax.broadcasted_iota(
         jnp.int32, (block_q, block_k), 1)
-    p = _probs(q, k, lse2, q_idx, k_idx, prob=prob, masked=masked)
-    dp = dot(do, v, trans_b=True)
-    ds = p * (dp - delta[:, None])
+    seg = {}
+    if q_seg is not None:
+      seg = dict(q_seg=q_seg,
+                 k_seg=tiles.slice_tile(kv_seg_ref, t, block_k)[None, :])
+    _, ds = _dscores(q, k, v, do, lse2, delta, q_idx, k_idx, prob=prob,
+                     masked=masked, valid=valid, seg=seg)
     return dq + dot(ds.astype(k.dtype), k)
 
-  lo, full_lo, full_hi, hi = prob.mask.kv_block_range(q_start, block_q,
-                                                      block_k)
-  dq = jnp.zeros((block_q, prob.head_dim_padded), jnp.float32)
-  dq = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), dq)
-  dq = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False),
-                     dq)
-  dq = lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), dq)
+  dq = tiles.tile_loop(
+      prob.mask, held_q=True, held_start=q_start, held_block=block_q,
+      stream_block=block_k, held_info_ref=held_info,
+      stream_info_ref=stream_info, has_lengths=prob.has_lengths, body=body,
+      carry=jnp.zeros((block_q, prob.head_dim_padded), jnp.float32))
   dq_ref[...] = (dq * prob.softmax_scale).astype(dq_ref.dtype)
 
 
@@ -122,8 +148,8 @@ def _lse2(lse):
   return jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
 
 
-def backward(q, k, v, o, lse, do, dlse, *, prob: Problem,
-             config: TritonConfig, interpret: bool):
+def backward(q, k, v, o, lse, do, dlse, masks_in: tiles.MaskInputs, *,
+             prob: Problem, config: TritonConfig, interpret: bool):
   """Padded tensors -> (dq, dk, dv), each padded like its input.
 
   ``dlse`` is the cotangent of the log-sum-exp ([B, H, T] float32): since
@@ -141,6 +167,12 @@ def backward(q, k, v, o, lse, do, dlse, *, prob: Problem,
                               num_stages=config.num_stages_bwd)
 
   bq, bk = config.block_q_dkv, config.block_k_dkv
+  held_info, stream_info = tiles.info_arrays(
+      masks_in, held_q=False, held_block=bk, stream_block=bq, batch=batch,
+      held_len=prob.kv_pad, stream_len=prob.q_pad)
+  mspecs, margs = tiles.mask_specs_and_args(
+      masks_in, held_info, stream_info, held_q=False, held_block=bk,
+      stream_len=prob.q_pad, index_held=lambda j, b, h: (b, j))
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, prob=prob, block_q=bq, block_k=bk),
       grid=(prob.kv_pad // bk, batch, prob.num_kv_heads),
@@ -154,6 +186,7 @@ def backward(q, k, v, o, lse, do, dlse, *, prob: Problem,
                        lambda j, b, h: (b, 0, h, 0)),
           pl.BlockSpec((None, group, prob.q_pad), lambda j, b, h: (b, h, 0)),
           pl.BlockSpec((None, group, prob.q_pad), lambda j, b, h: (b, h, 0)),
+          *mspecs,
       ],
       out_specs=[
           pl.BlockSpec((None, bk, None, dp), lambda j, b, h: (b, j, h, 0)),
@@ -164,9 +197,15 @@ def backward(q, k, v, o, lse, do, dlse, *, prob: Problem,
       compiler_params=params,
       interpret=interpret,
       name="jaxflash_bwd_dkv",
-  )(q, k, v, do, lse2, delta)
+  )(q, k, v, do, lse2, delta, *margs)
 
   bq, bk = config.block_q_dq, config.block_k_dq
+  held_info, stream_info = tiles.info_arrays(
+      masks_in, held_q=True, held_block=bq, stream_block=bk, batch=batch,
+      held_len=prob.q_pad, stream_len=prob.kv_pad)
+  mspecs, margs = tiles.mask_specs_and_args(
+      masks_in, held_info, stream_info, held_q=True, held_block=bq,
+      stream_len=prob.kv_pad, index_held=lambda i, b, h: (b, i))
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, prob=prob, block_q=bq, block_k=bk),
       grid=(prob.q_pad // bq, batch, prob.num_heads),
@@ -179,6 +218,7 @@ def backward(q, k, v, o, lse, do, dlse, *, prob: Problem,
           pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, i, h, 0)),
           pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
           pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
+          *mspecs,
       ],
       out_specs=pl.BlockSpec((None, bq, None, dp),
                              lambda i, b, h: (b, i, h, 0)),
@@ -186,5 +226,5 @@ def backward(q, k, v, o, lse, do, dlse, *, prob: Problem,
       compiler_params=params,
       interpret=interpret,
       name="jaxflash_bwd_dq",
-  )(q, k, v, do, lse2, delta)
+  )(q, k, v, do, lse2, delta, *margs)
   return dq, dk, dv

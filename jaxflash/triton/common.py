@@ -31,6 +31,9 @@ class Problem:
   q_pad: int
   kv_pad: int
   head_dim_padded: int
+  logits_soft_cap: float | None = None
+  has_segments: bool = False
+  has_lengths: bool = False
 
   @property
   def group(self) -> int:
@@ -51,6 +54,21 @@ def dot(a, b, *, trans_b: bool = False, trans_a: bool = False):
   return lax.dot_general(
       a, b, (((contract_a,), (contract_b,)), ((), ())),
       precision=precision, preferred_element_type=jnp.float32)
+
+
+def logits(q, k, prob: Problem):
+  """Scaled (and soft-capped) logits of one tile, in base 2, float32.
+
+  Returns ``(s2, tanh)``: ``s2 = log2(e) * cap * tanh(q.k * scale / cap)``
+  (or without the cap), so that ``exp(logit) = exp2(s2)``; ``tanh`` is kept
+  for the backward pass (d cap*tanh(x/cap) / dx = 1 - tanh^2), else None.
+  """
+  s = dot(q, k, trans_b=True) * prob.softmax_scale
+  th = None
+  if prob.logits_soft_cap is not None:
+    th = jnp.tanh(s * (1.0 / prob.logits_soft_cap))
+    s = th * prob.logits_soft_cap
+  return s * LOG2E, th
 
 
 def pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:

@@ -4,7 +4,9 @@ FlashAttention-2 forward (Algorithm 1 of arXiv 2307.08691): each program
 holds one query tile of one head on chip and streams the key/value tiles of
 its key/value head, keeping a running row max ``m`` and row sum ``l`` of the
 exponentials (online softmax), so only O(block) memory is used per program
-and the output and log-sum-exp are written once.
+and the output and log-sum-exp are written once.  Which key tiles are
+visited, and which need the per-element mask, is decided by
+:func:`jaxflash.triton.tiles.tile_loop`.
 """
 
 from __future__ import annotations
@@ -17,29 +19,41 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxflash.triton.common import LN2, LOG2E, Problem, dot
+from jaxflash.triton import tiles
+from jaxflash.triton.common import LN2, Problem, dot, logits
 from jaxflash.triton.config import TritonConfig
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, prob: Problem,
-                block_q: int, block_k: int):
+def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
+                count_tiles: bool):
+  q_ref, k_ref, v_ref = refs[:3]
+  held_info, stream_info, q_seg_ref, kv_seg_ref, rest = (
+      tiles.split_mask_refs(prob.has_segments, prob.has_lengths, refs[3:]))
+  o_ref, lse_ref = rest[0], rest[1]
   mask = prob.mask
+
   q_start = pl.program_id(0) * block_q
   q = q_ref[...]  # [block_q, D], stays on chip for the whole loop
-  # Work in base 2: exp(x) = exp2(x * log2(e)), with the softmax scale
-  # folded into the same multiplier (one multiply per logit).
-  qk_scale = prob.softmax_scale * LOG2E
   q_idx = q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
+  valid = {}
+  if prob.has_lengths:
+    valid = dict(q_valid=held_info[tiles.ROW_Q_VALID],
+                 kv_valid=held_info[tiles.ROW_KV_VALID])
+  q_seg = None if q_seg_ref is None else q_seg_ref[...][:, None]
 
   def body(t, carry, *, masked: bool):
     acc, m_prev, l_prev = carry
-    k_slice = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
-    k = k_ref[k_slice, :]
-    s = dot(q, k, trans_b=True) * qk_scale  # [block_q, block_k] float32
+    k = tiles.slice_tile(k_ref, t, block_k)
+    # Base-2 logits with the softmax scale folded in: exp(x) = exp2(x log2e).
+    s, _ = logits(q, k, prob)  # [block_q, block_k] float32
     if masked:
       k_idx = t * block_k + lax.broadcasted_iota(
           jnp.int32, (block_q, block_k), 1)
-      s = jnp.where(mask.visible(q_idx, k_idx), s, -jnp.inf)
+      seg = {}
+      if q_seg is not None:
+        seg = dict(q_seg=q_seg,
+                   k_seg=tiles.slice_tile(kv_seg_ref, t, block_k)[None, :])
+      s = jnp.where(mask.visible(q_idx, k_idx, **valid, **seg), s, -jnp.inf)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
     if masked:
       # A row with no visible key so far has m = -inf; subtracting 0
@@ -50,24 +64,23 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, prob: Problem,
     alpha = jnp.exp2(m_prev - m_use)  # rescales the old accumulator
     p = jnp.exp2(s - m_use[:, None])
     l_next = l_prev * alpha + jnp.sum(p, axis=1)
-    v = v_ref[k_slice, :]
+    v = tiles.slice_tile(v_ref, t, block_k)
     acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
     return acc, m_next, l_next
 
-  lo, full_lo, full_hi, hi = mask.kv_block_range(q_start, block_q, block_k)
   carry = (jnp.zeros((block_q, prob.head_dim_padded), jnp.float32),
            jnp.full((block_q,), -jnp.inf, jnp.float32),
            jnp.zeros((block_q,), jnp.float32))
-  # Three runs over the live key tiles: partial tiles before, fully visible
-  # tiles (no mask arithmetic), partial tiles after.  Tiles outside
-  # [lo, hi) are fully masked and never loaded.
-  carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True),
-                        carry)
-  carry = lax.fori_loop(full_lo, full_hi,
-                        functools.partial(body, masked=False), carry)
-  carry = lax.fori_loop(full_hi, hi, functools.partial(body, masked=True),
-                        carry)
-  acc, m, l = carry
+  result = tiles.tile_loop(
+      mask, held_q=True, held_start=q_start, held_block=block_q,
+      stream_block=block_k, held_info_ref=held_info,
+      stream_info_ref=stream_info, has_lengths=prob.has_lengths, body=body,
+      carry=carry, count_tiles=count_tiles)
+  if count_tiles:
+    (acc, m, l), count = result
+    rest[2][...] = jnp.full((block_q,), count, jnp.int32)
+  else:
+    acc, m, l = result
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
   o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
@@ -75,36 +88,56 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, prob: Problem,
   lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
 
 
-def forward(q, k, v, *, prob: Problem, config: TritonConfig,
-            interpret: bool):
-  """Padded inputs [B, T, H, Dp] -> (out [B, T, H, Dp], lse [B, H, T])."""
+def forward(q, k, v, masks_in: tiles.MaskInputs, *, prob: Problem,
+            config: TritonConfig, interpret: bool,
+            count_tiles: bool = False):
+  """Padded inputs [B, T, H, Dp] -> (out [B, T, H, Dp], lse [B, H, T]).
+
+  With ``count_tiles`` also returns ``[B, H, T]`` int32: the number of key
+  tiles the program of each query row visited (a debug output for tests).
+  """
   batch = q.shape[0]
   bq, bk = config.block_q, config.block_k
   dp = prob.head_dim_padded
   group = prob.group
   grid = (prob.q_pad // bq, batch, prob.num_heads)
-  kernel = functools.partial(_fwd_kernel, prob=prob, block_q=bq, block_k=bk)
+  held_info, stream_info = tiles.info_arrays(
+      masks_in, held_q=True, held_block=bq, stream_block=bk, batch=batch,
+      held_len=prob.q_pad, stream_len=prob.kv_pad)
+  in_specs = [
+      pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, i, h, 0)),
+      pl.BlockSpec((None, prob.kv_pad, None, dp),
+                   lambda i, b, h: (b, 0, h // group, 0)),
+      pl.BlockSpec((None, prob.kv_pad, None, dp),
+                   lambda i, b, h: (b, 0, h // group, 0)),
+  ]
+  mspecs, margs = tiles.mask_specs_and_args(
+      masks_in, held_info, stream_info, held_q=True, held_block=bq,
+      stream_len=prob.kv_pad, index_held=lambda i, b, h: (b, i))
+  in_specs += mspecs
+  args = [q, k, v, *margs]
+  out_specs = [
+      pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, i, h, 0)),
+      pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
+  ]
+  out_shape = [
+      jax.ShapeDtypeStruct(q.shape, q.dtype),
+      jax.ShapeDtypeStruct((batch, prob.num_heads, prob.q_pad), jnp.float32),
+  ]
+  if count_tiles:
+    out_specs.append(pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)))
+    out_shape.append(jax.ShapeDtypeStruct(
+        (batch, prob.num_heads, prob.q_pad), jnp.int32))
+  kernel = functools.partial(_fwd_kernel, prob=prob, block_q=bq, block_k=bk,
+                             count_tiles=count_tiles)
   return pl.pallas_call(
       kernel,
       grid=grid,
-      in_specs=[
-          pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, i, h, 0)),
-          pl.BlockSpec((None, prob.kv_pad, None, dp),
-                       lambda i, b, h: (b, 0, h // group, 0)),
-          pl.BlockSpec((None, prob.kv_pad, None, dp),
-                       lambda i, b, h: (b, 0, h // group, 0)),
-      ],
-      out_specs=[
-          pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, i, h, 0)),
-          pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct(q.shape, q.dtype),
-          jax.ShapeDtypeStruct((batch, prob.num_heads, prob.q_pad),
-                               jnp.float32),
-      ],
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=plt.CompilerParams(num_warps=config.num_warps,
                                          num_stages=config.num_stages),
       interpret=interpret,
       name="jaxflash_fwd",
-  )(q, k, v)
+  )(*args)
