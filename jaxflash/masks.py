@@ -212,7 +212,8 @@ class MaskSpec:
       lo = _floordiv(jnp.maximum(first_q + off - left, 0), block_k)
     else:
       lo = jnp.zeros_like(hi)
-    hi = _select(last_q < first_q, lo, jnp.maximum(hi, lo))
+    lo = jnp.minimum(lo, hi)
+    hi = _select(last_q < first_q, lo, hi)
     # Fully visible tiles: every row of the tile valid and every key of the
     # tile inside [last_row + off - left, first_q + off + right] and valid.
     full_hi = _floordiv(jnp.maximum(kv_valid, 0), block_k)
@@ -252,7 +253,8 @@ class MaskSpec:
       row_hi = jnp.minimum(row_hi, last_k - off + left + 1)
     lo = _floordiv(jnp.minimum(row_lo, q_valid), block_q)
     hi = _cdiv(jnp.maximum(row_hi, 0), block_q)
-    hi = _select(last_k < first_k, lo, jnp.maximum(hi, lo))
+    lo = jnp.minimum(lo, hi)
+    hi = _select(last_k < first_k, lo, hi)
     # Fully visible: rows in [last_col - off - right, first_k - off + left],
     # all rows valid, all keys valid.
     if right is not None:

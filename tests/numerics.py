@@ -91,3 +91,20 @@ def check_rule(got, q, k, v, do, dlse, **ref_kwargs):
       failures.append(f"{name}: err {err:.3g} > tol {tol:.3g}"
                       f" (ref_lp err {lp_err:.3g}, scale {scale:.3g})")
   assert not failures, "; ".join(failures)
+
+
+def reference_kwargs(causal=False, segment_ids=None, local_window_size=None,
+                     q_seq_lengths=None, kv_seq_lengths=None,
+                     logits_soft_cap=None, softmax_scale=None):
+  """flash_attention's mask keywords -> jaxflash.reference.attention's."""
+  kw = dict(causal=causal, q_seq_lengths=q_seq_lengths,
+            kv_seq_lengths=kv_seq_lengths, logits_soft_cap=logits_soft_cap,
+            softmax_scale=softmax_scale)
+  if segment_ids is not None:
+    kw["segment_ids"] = (tuple(segment_ids)
+                         if isinstance(segment_ids, (tuple, list))
+                         else (segment_ids, segment_ids))
+  if local_window_size is not None:
+    w = local_window_size
+    kw["window"] = (w, w) if isinstance(w, int) else tuple(w)
+  return kw

@@ -132,3 +132,36 @@ def test_return_lse_shapes_and_defaults():
   ref = jaxflash.flash_attention(q, k, k, implementation="xla",
                                  softmax_scale=1 / np.sqrt(32))
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
+
+
+SEG = jnp.zeros((2, 16), jnp.int32)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(segment_ids=jnp.zeros((2, 15), jnp.int32)),
+     r"segment_ids must have shape \(2, 16\), got \(2, 15\)"),
+    (dict(segment_ids=jnp.zeros((2, 16), jnp.float32)),
+     r"segment_ids must be an integer array, got dtype float32"),
+    (dict(segment_ids=(SEG,)), r"got 1 items"),
+    (dict(segment_ids=(SEG, jnp.zeros((2, 9), jnp.int32))),
+     r"kv_segment_ids must have shape \(2, 16\), got \(2, 9\)"),
+    (dict(local_window_size=-1), r"local_window_size=-1: window sizes"),
+    (dict(local_window_size=(3, -2)), r"local_window_size=\(3, -2\)"),
+    (dict(local_window_size=(1, 2, 3)), r"an int or a pair"),
+    (dict(local_window_size=1.5), r"an int or a pair"),
+    (dict(q_seq_lengths=jnp.array([3, 17])),
+     r"q_seq_lengths must lie in \[0, 16\].*\[3, 17\]"),
+    (dict(kv_seq_lengths=jnp.array([-1, 2])), r"kv_seq_lengths must lie"),
+    (dict(kv_seq_lengths=jnp.array([1, 2, 3])),
+     r"kv_seq_lengths must have shape \(2,\), got \(3,\)"),
+    (dict(logits_soft_cap=0.0), r"logits_soft_cap=0.0 must be finite and > 0"),
+    (dict(logits_soft_cap=-3), r"logits_soft_cap=-3"),
+])
+def test_bad_mask_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    jaxflash.flash_attention(Q, KV, KV, **kwargs)
+
+
+def test_one_segment_array_needs_self_attention():
+  with pytest.raises(ValueError, match="q_len == kv_len, got 16 and 8"):
+    jaxflash.flash_attention(Q, KV[:, :8], KV[:, :8], segment_ids=SEG)

@@ -13,7 +13,7 @@ import pytest
 from jax.experimental.pallas import triton as plt
 
 import jaxflash.triton as triton_backend
-from jaxflash.masks import MaskSpec
+from jaxflash.masks import MaskArrays, MaskSpec
 
 registration = pytest.importorskip(
     "jax._src.pallas.triton.pallas_call_registration")
@@ -25,6 +25,16 @@ def fake_gpu(request, monkeypatch):
   monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info", lambda: info)
 
 
+FEATURES = {
+    "plain": {},
+    "window": dict(window=(40, 8)),
+    "segments+lengths": dict(segments=True, lengths=True),
+    "softcap+window+segments": dict(soft_cap=20.0, window=(64, 0),
+                                    segments=True),
+}
+
+
+@pytest.mark.parametrize("features", list(FEATURES))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, dtype)
@@ -33,19 +43,29 @@ def fake_gpu(request, monkeypatch):
     (1024, 1024, 4, 1, 256, jnp.bfloat16),
     (64, 40, 2, 2, 64, jnp.float32),
 ])
-def test_lowers_to_triton(fake_gpu, shape, causal):
+def test_lowers_to_triton(fake_gpu, shape, causal, features):
   t, s, h, kh, d, dtype = shape
+  f = FEATURES[features]
   q = jax.ShapeDtypeStruct((2, t, h, d), dtype)
   kv = jax.ShapeDtypeStruct((2, s, kh, d), dtype)
-  mask = MaskSpec(t, s, causal)
+  mask = MaskSpec(t, s, causal, None, *f.get("window", (None, None)))
+  seg_q = jax.ShapeDtypeStruct((2, t), jnp.int32)
+  seg_kv = jax.ShapeDtypeStruct((2, s), jnp.int32)
+  lens = jax.ShapeDtypeStruct((2,), jnp.int32)
 
-  def loss(q, k, v):
-    out, lse = triton_backend.attention(q, k, v, mask=mask,
-                                        softmax_scale=0.125)
-    return out.astype(jnp.float32).sum() + lse.sum()
+  def loss(q, k, v, seg_q, seg_kv, lens):
+    arrays = MaskArrays(
+        seg_q if f.get("segments") else None,
+        seg_kv if f.get("segments") else None,
+        lens if f.get("lengths") else None, None)
+    out, lse = triton_backend.attention(
+        q, k, v, mask=mask, arrays=arrays, softmax_scale=0.125,
+        logits_soft_cap=f.get("soft_cap"))
+    return out.astype(jnp.float32).sum() + jnp.where(
+        jnp.isfinite(lse), lse, 0).sum()
 
-  lowered = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, kv, kv).lower(
-      lowering_platforms=("cuda",))
+  lowered = jax.jit(jax.grad(loss, (0, 1, 2))).trace(
+      q, kv, kv, seg_q, seg_kv, lens).lower(lowering_platforms=("cuda",))
   text = lowered.as_text()
   for name in ("jaxflash_fwd", "jaxflash_bwd_dkv", "jaxflash_bwd_dq"):
     assert name in text

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxflash import masks
 from jaxflash.masks import MaskSpec
 
 
@@ -28,26 +29,32 @@ def test_invalid_lengths():
     MaskSpec(0, 4)
 
 
-def _pairs(spec, bq, bk, q_pad, kv_pad):
-  qi = np.arange(q_pad)[:, None]
-  kj = np.arange(kv_pad)[None, :]
-  return np.asarray(spec.visible(jnp.asarray(qi), jnp.asarray(kj)))
-
-
-@settings(max_examples=300)
-@given(q_len=st.integers(1, 300), kv_len=st.integers(1, 300),
-       causal=st.booleans(), bq=st.sampled_from([16, 32, 64]),
-       bk=st.sampled_from([16, 32, 64]))
-def test_tile_ranges_cover_exactly(q_len, kv_len, causal, bq, bk):
+@settings(max_examples=400)
+@given(q_len=st.integers(1, 200), kv_len=st.integers(1, 200),
+       causal=st.booleans(),
+       left=st.one_of(st.none(), st.integers(0, 80)),
+       right=st.one_of(st.none(), st.integers(0, 80)),
+       offset=st.one_of(st.none(), st.integers(-100, 100)),
+       q_valid=st.one_of(st.none(), st.integers(0, 200)),
+       kv_valid=st.one_of(st.none(), st.integers(0, 200)),
+       bq=st.sampled_from([16, 32, 64]), bk=st.sampled_from([16, 32, 64]))
+def test_tile_ranges_cover_exactly(q_len, kv_len, causal, left, right,
+                                   offset, q_valid, kv_valid, bq, bk):
   """Visited tiles hold every visible pair; 'full' tiles hold only visible
-  pairs (so skipping their mask is exact)."""
-  spec = MaskSpec(q_len, kv_len, causal)
+  pairs (so skipping their mask is exact).  Brute force over all pairs."""
+  spec = MaskSpec(q_len, kv_len, causal, offset, left, right)
+  valid = {}
+  if q_valid is not None:
+    valid["q_valid"] = jnp.int32(min(q_valid, q_len))
+  if kv_valid is not None:
+    valid["kv_valid"] = jnp.int32(min(kv_valid, kv_len))
   q_pad, kv_pad = -(-q_len // bq) * bq, -(-kv_len // bk) * bk
-  vis = _pairs(spec, bq, bk, q_pad, kv_pad)
+  vis = np.asarray(spec.visible(jnp.arange(q_pad)[:, None],
+                                jnp.arange(kv_pad)[None, :], **valid))
   # Forward / dQ view: per query tile, ranges over key tiles.
   for i in range(q_pad // bq):
     lo, flo, fhi, hi = (int(x) for x in spec.kv_block_range(
-        jnp.int32(i * bq), bq, bk))
+        jnp.int32(i * bq), bq, bk, **valid))
     assert 0 <= lo <= flo <= fhi <= hi <= kv_pad // bk
     rows = vis[i * bq:(i + 1) * bq]
     for t in range(kv_pad // bk):
@@ -59,7 +66,7 @@ def test_tile_ranges_cover_exactly(q_len, kv_len, causal, bq, bk):
   # dK/dV view: per key tile, ranges over query tiles.
   for j in range(kv_pad // bk):
     lo, flo, fhi, hi = (int(x) for x in spec.q_block_range(
-        jnp.int32(j * bk), bk, bq))
+        jnp.int32(j * bk), bk, bq, **valid))
     assert 0 <= lo <= flo <= fhi <= hi <= q_pad // bq
     cols = vis[:, j * bk:(j + 1) * bk]
     for t in range(q_pad // bq):
@@ -68,6 +75,36 @@ def test_tile_ranges_cover_exactly(q_len, kv_len, causal, bq, bk):
         assert not tile.any(), (j, t)
       if flo <= t < fhi:
         assert tile.all(), (j, t)
+
+
+@settings(max_examples=200)
+@given(data=st.data(), block=st.sampled_from([4, 8]),
+       n_rows=st.integers(1, 6), n_cols=st.integers(1, 6))
+def test_segment_summaries(data, block, n_rows, n_cols):
+  """overlap_range / tiles_overlap / tiles_segment_full against brute force
+  on random (also non-contiguous, padded) segment ids."""
+  ids = st.integers(-1, 3)
+  rows = np.array(data.draw(st.lists(ids, min_size=n_rows * block,
+                                     max_size=n_rows * block)))[None]
+  cols = np.array(data.draw(st.lists(ids, min_size=n_cols * block,
+                                     max_size=n_cols * block)))[None]
+  rs = masks.tile_summary(jnp.asarray(rows), block)
+  cs = masks.tile_summary(jnp.asarray(cols), block)
+  rng = np.asarray(masks.overlap_range(rs, cs))[0]
+  for i in range(n_rows):
+    r = rows[0, i * block:(i + 1) * block]
+    live = []
+    for t in range(n_cols):
+      c = cols[0, t * block:(t + 1) * block]
+      pair = (r[:, None] == c[None, :]) & (r[:, None] >= 0)
+      overlap = bool(masks.tiles_overlap(rs[0, :, i], cs[0, :, t]))
+      full = bool(masks.tiles_segment_full(rs[0, :, i], cs[0, :, t]))
+      assert overlap or not pair.any()      # never skip a visible pair
+      assert full == bool(pair.all())       # full exactly when all visible
+      if pair.any():
+        live.append(t)
+    if live:
+      assert rng[0, i] <= min(live) and max(live) < rng[1, i]
 
 
 def test_causal_skips_tiles_above_diagonal():
