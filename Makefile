@@ -27,6 +27,10 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests
 
+# On a GPU machine: the benchmark grid, results under docs/benchmarks/.
+bench: $(STAMP)
+	$(PY) -m jaxflash.bench
+
 lint: $(STAMP)
 	$(PY) -m ruff check jaxflash tests examples
 

@@ -1,0 +1,1 @@
+"""Benchmark: ``python -m jaxflash.bench`` (see ``__main__.py``)."""

@@ -1,0 +1,216 @@
+"""``python -m jaxflash.bench``: attention speed, side by side.
+
+    python -m jaxflash.bench                       # the full grid, GPU
+    python -m jaxflash.bench --head-dims 128 --seqs 4096,8192 --mode fwd
+    python -m jaxflash.bench --kv-ratio 4 --mask segments:8
+    python -m jaxflash.bench --cpu-smoke           # tiny run, no GPU needed
+
+Writes ``<out>/<device>-<date>.{json,md,png}``; the JSON schema is in
+docs/benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxflash import reference
+from jaxflash.bench import core, impls, report
+
+# Output-check tolerance, relative to max(1, max|ref|): a few units in the
+# last place of each dtype; a wrong mask or tile shows as errors of 1e-1.
+CHECK_TOL = {"bfloat16": 2**-6, "float16": 2**-8, "float32": 1e-4}
+
+
+def _commit() -> str:
+  try:
+    here = os.path.dirname(os.path.abspath(__file__))
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
+                          capture_output=True, text=True,
+                          check=True).stdout.strip() or "unknown"
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m jaxflash.bench",
+                              description=__doc__.split("\n")[0])
+  p.add_argument("--head-dims", default="64,128,256")
+  p.add_argument("--seqs", default="1024,2048,4096,8192,16384")
+  p.add_argument("--causal", default="both", help="both, on or off")
+  p.add_argument("--tokens", type=int, default=16384,
+                 help="tokens per call (batch = tokens / seq)")
+  p.add_argument("--width", type=int, default=2048,
+                 help="model width (heads = width / head_dim)")
+  p.add_argument("--kv-ratio", type=int, default=1,
+                 help="query heads per key/value head (GQA)")
+  p.add_argument("--dtype", default="bfloat16",
+                 choices=["bfloat16", "float16", "float32"])
+  p.add_argument("--mask", default=None,
+                 help="none, segments:N or window:L")
+  p.add_argument("--mode", default="both", choices=["fwd", "fwd_bwd", "both"])
+  p.add_argument("--impls", default=None,
+                 help=f"comma-separated subset of {', '.join(impls.IMPLS)}")
+  p.add_argument("--out", default="docs/benchmarks")
+  p.add_argument("--name", default=None, help="file stem of the outputs")
+  p.add_argument("--samples", type=int, default=7)
+  p.add_argument("--cpu-smoke", action="store_true",
+                 help="tiny CPU run (reference, interpret-mode kernels):"
+                      " a smoke test, not a performance figure")
+  return p
+
+
+def _inputs(shape: core.Shape, seed: int = 0):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  dt = shape.jnp_dtype
+  q = jax.random.normal(ks[0], (shape.batch, shape.seq_q, shape.heads,
+                                shape.head_dim), dt)
+  k = jax.random.normal(ks[1], (shape.batch, shape.seq_k, shape.kv_heads,
+                                shape.head_dim), dt)
+  v = jax.random.normal(ks[2], k.shape, dt)
+  do = jax.random.normal(ks[3], q.shape, dt)
+  return q, k, v, do
+
+
+def _spot(x, shape: core.Shape, kv: bool = False):
+  """The slice whose output is checked: batch row 0, the first two
+  key/value heads' query heads (bounds the reference's N^2 memory)."""
+  n_kv = min(2, shape.kv_heads)
+  heads = n_kv if kv else n_kv * (shape.heads // shape.kv_heads)
+  return x[:1, :, :heads]
+
+
+def _reference_out(shape, q, k, v, mask_kw):
+  kw = {}
+  if "segment_ids" in mask_kw:
+    seg = mask_kw["segment_ids"][:1]
+    kw["segment_ids"] = (seg, seg)
+  if "local_window_size" in mask_kw:
+    kw["window"] = mask_kw["local_window_size"]
+  f = jax.jit(lambda q, k, v: reference.attention(
+      q, k, v, causal=shape.causal, **kw)[0])
+  return f(_spot(q, shape), _spot(k, shape, True), _spot(v, shape, True))
+
+
+def run_one(name: str, shape: core.Shape, mode: str, arrays, ref_out,
+            mask_kw, *, interpret: bool, samples: int) -> dict:
+  """Builds, checks and times one implementation; failures become rows."""
+  q, k, v, do = arrays
+  try:
+    attend = impls.IMPLS[name](shape, mask_kw, interpret)
+    fwd = jax.jit(attend)
+    out = fwd(q, k, v)
+    got = np.asarray(_spot(out, shape), np.float32)
+    want = np.asarray(ref_out, np.float32)
+    err = float(np.max(np.abs(got - want))) if got.size else 0.0
+    tol = CHECK_TOL[shape.dtype] * max(1.0, float(np.max(np.abs(want))))
+    if not np.isfinite(err) or err > tol:
+      return core.record(shape, name, mode, max_abs_err=err,
+                         error=f"wrong result: max_abs_err {err:.3g} >"
+                               f" tolerance {tol:.3g}")
+    if mode == "fwd":
+      fn, args = fwd, (q, k, v)
+    else:
+      def fwd_bwd(q, k, v, do):
+        _, vjp = jax.vjp(attend, q, k, v)
+        return vjp(do)
+      fn, args = jax.jit(fwd_bwd), (q, k, v, do)
+    secs = core.time_fn(fn, *args, samples=samples)
+    return core.record(shape, name, mode, ms=secs * 1e3, max_abs_err=err,
+                       peak_bytes=core.compiled_bytes(fn, *args))
+  except Exception as e:  # noqa: BLE001 - every failure is a reported row
+    msg = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    return core.record(shape, name, mode, error=msg)
+
+
+def main(argv=None) -> int:
+  args = _parser().parse_args(argv)
+  on_gpu = jax.default_backend() == "gpu"
+  try:
+    if args.cpu_smoke:
+      shapes = core.grid(head_dims=[32], seqs=[64, 128],
+                         causal=core.parse_causal(args.causal), tokens=128,
+                         width=64, kv_ratio=args.kv_ratio, dtype=args.dtype,
+                         mask=core.parse_mask(args.mask))
+    else:
+      shapes = core.grid(
+          head_dims=core.parse_int_list(args.head_dims),
+          seqs=core.parse_int_list(args.seqs),
+          causal=core.parse_causal(args.causal), tokens=args.tokens,
+          width=args.width, kv_ratio=args.kv_ratio, dtype=args.dtype,
+          mask=core.parse_mask(args.mask))
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if not on_gpu and not args.cpu_smoke:
+    print(f"No GPU here (JAX's default backend is {jax.default_backend()!r})."
+          " The benchmark measures CUDA GPUs. For a smoke test of the"
+          " reference and the interpret-mode kernels on this CPU (not a"
+          " performance figure), run:\n  python -m jaxflash.bench"
+          " --cpu-smoke")
+    return 0
+  names = list(impls.CPU_IMPLS if args.cpu_smoke else impls.IMPLS)
+  if args.impls:
+    names = [n.strip() for n in args.impls.split(",") if n.strip()]
+    unknown = [n for n in names if n not in impls.IMPLS]
+    if unknown:
+      print(f"error: unknown implementations {unknown}; known:"
+            f" {list(impls.IMPLS)}", file=sys.stderr)
+      return 2
+  modes = list(core.MODES) if args.mode == "both" else [args.mode]
+  interpret = not on_gpu
+
+  from tqdm import tqdm
+  results = []
+  bar = tqdm(total=len(shapes) * len(names) * len(modes), unit="run",
+             file=sys.stderr)
+  for shape in shapes:
+    arrays = _inputs(shape)
+    mask_kw = impls.mask_kwargs(shape)
+    ref_out = _reference_out(shape, *arrays[:3], mask_kw)
+    for name in names:
+      for mode in modes:
+        bar.set_description(f"d{shape.head_dim} s{shape.seq_q}"
+                            f"{' causal' if shape.causal else ''} {name}"
+                            f" {mode}")
+        results.append(run_one(name, shape, mode, arrays, ref_out, mask_kw,
+                               interpret=interpret, samples=args.samples))
+        bar.update()
+    del arrays, ref_out
+    gc.collect()
+  bar.close()
+
+  dev = jax.devices()[0]
+  meta = dict(jax_version=jax.__version__, device_kind=dev.device_kind,
+              device_count=jax.device_count(), commit=_commit(),
+              date=datetime.date.today().isoformat(),
+              flop_formula=core.FLOP_FORMULA)
+  if args.cpu_smoke:
+    meta["note"] = ("CPU smoke run: kernels in Pallas interpret mode. NOT a"
+                    " performance figure.")
+  os.makedirs(args.out, exist_ok=True)
+  stem = args.name or "{}-{}".format(
+      dev.device_kind.lower().replace(" ", "-"), meta["date"])
+  base = os.path.join(args.out, stem)
+  report.write_json(base + ".json", meta, results)
+  with open(base + ".md", "w") as f:
+    f.write(report.markdown(meta, results))
+  plotted = report.plot(base + ".png", meta, results)
+  print(report.terminal_table(results))
+  if args.cpu_smoke:
+    print("\nCPU smoke run (interpret mode): NOT a performance figure.")
+  print(f"\nwrote {base}.json, {base}.md" + (f", {base}.png" if plotted
+                                              else ""))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,145 @@
+"""Benchmark grid, FLOP counting, timing and result records."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+FLOP_FORMULA = (
+    "forward FLOPs = 4 * batch * heads * seq_q * seq_k * head_dim, halved "
+    "when causal; forward+backward = 3.5 x forward (FlashAttention's "
+    "convention); TFLOP/s = FLOPs / median time")
+
+MODES = ("fwd", "fwd_bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """One benchmark point."""
+
+  batch: int
+  seq_q: int
+  seq_k: int
+  heads: int
+  kv_heads: int
+  head_dim: int
+  causal: bool
+  dtype: str = "bfloat16"
+  mask: str | None = None  # None, "segments:N" or "window:L"
+
+  @property
+  def jnp_dtype(self):
+    return jnp.dtype(self.dtype)
+
+
+def flops(shape: Shape, mode: str) -> float:
+  """FLOPs of one call, by the convention of :data:`FLOP_FORMULA`.
+
+  Masks other than causal are not discounted: the figure is the dense
+  (or causal) work, so a skipping kernel shows as a higher TFLOP/s.
+  """
+  if mode not in MODES:
+    raise ValueError(f"mode={mode!r} must be one of {MODES}")
+  f = 4.0 * shape.batch * shape.heads * shape.seq_q * shape.seq_k * (
+      shape.head_dim)
+  if shape.causal:
+    f /= 2
+  return f * (3.5 if mode == "fwd_bwd" else 1.0)
+
+
+def parse_int_list(text: str) -> list[int]:
+  """``"64,128"`` -> ``[64, 128]``; ValueError with the text otherwise."""
+  try:
+    vals = [int(x) for x in text.split(",") if x.strip()]
+  except ValueError:
+    raise ValueError(f"expected comma-separated integers, got {text!r}")
+  if not vals or any(v <= 0 for v in vals):
+    raise ValueError(f"expected positive integers, got {text!r}")
+  return vals
+
+
+def parse_causal(text: str) -> list[bool]:
+  table = {"both": [False, True], "on": [True], "off": [False],
+           "y": [True], "n": [False], "true": [True], "false": [False]}
+  if text.lower() not in table:
+    raise ValueError(f"causal={text!r} must be one of both, on, off")
+  return table[text.lower()]
+
+
+def parse_mask(text: str | None) -> str | None:
+  if text in (None, "", "none"):
+    return None
+  kind, _, arg = text.partition(":")
+  if kind not in ("segments", "window") or not arg.isdigit() or int(arg) < 1:
+    raise ValueError(
+        f"mask={text!r} must be none, segments:N (N documents per row) or"
+        " window:L (sliding window of L keys, causal)")
+  return text
+
+
+def grid(*, head_dims, seqs, causal, tokens: int, width: int, kv_ratio=1,
+         dtype="bfloat16", mask=None) -> list[Shape]:
+  """The anchor grid: ``tokens`` per call (batch = tokens / seq) and a model
+  ``width`` (heads = width / head_dim), ``kv_ratio`` query heads per
+  key/value head."""
+  shapes = []
+  for d in head_dims:
+    if width % d:
+      raise ValueError(f"width={width} is not a multiple of head_dim={d}")
+    heads = width // d
+    if heads % kv_ratio:
+      raise ValueError(f"heads={heads} not divisible by kv_ratio={kv_ratio}")
+    for s in seqs:
+      batch = max(1, tokens // s)
+      for c in causal:
+        shapes.append(Shape(batch, s, s, heads, heads // kv_ratio, d, c,
+                            dtype, mask))
+  return shapes
+
+
+def time_fn(fn: Callable, *args, min_sample_s: float = 0.02,
+            samples: int = 7) -> float:
+  """Median seconds per call: warm up (compile), then ``samples`` samples of
+  back-to-back calls, each sample at least ``min_sample_s`` long."""
+  jax.block_until_ready(fn(*args))
+  t = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  once = max(time.perf_counter() - t, 1e-6)
+  reps = max(1, int(min_sample_s / once))
+  times = []
+  for _ in range(samples):
+    t = time.perf_counter()
+    for _ in range(reps):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t) / reps)
+  return statistics.median(times)
+
+
+def compiled_bytes(fn: Callable, *args) -> int | None:
+  """Device memory one call needs: arguments + outputs + temporaries, from
+  XLA's memory analysis of the compiled function (None if unavailable)."""
+  try:
+    m = jax.jit(fn).lower(*args).compile().memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes
+               + m.temp_size_in_bytes - m.alias_size_in_bytes)
+  except Exception:  # noqa: BLE001 - backends without the analysis
+    return None
+
+
+def record(shape: Shape, impl: str, mode: str, *, ms=None, peak_bytes=None,
+           max_abs_err=None, error=None) -> dict:
+  """One result row of the JSON schema (docs/benchmarks/README.md)."""
+  tflops = None
+  if ms is not None and error is None:
+    tflops = flops(shape, mode) / (ms * 1e-3) / 1e12
+  return dict(impl=impl, batch=shape.batch, seq_q=shape.seq_q,
+              seq_k=shape.seq_k, heads=shape.heads, kv_heads=shape.kv_heads,
+              head_dim=shape.head_dim, causal=shape.causal, dtype=shape.dtype,
+              mask=shape.mask, mode=mode, ms=ms, tflops=tflops,
+              peak_bytes=peak_bytes, max_abs_err=max_abs_err, error=error)

@@ -1,0 +1,110 @@
+"""The implementations the benchmark compares, each behind one signature.
+
+``IMPLS[name](shape, mask_kwargs, interpret) -> attend(q, k, v) -> out``;
+an implementation that cannot serve a shape raises (NotImplementedError
+with the reason), which the benchmark records as a row, never a crash.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+import jaxflash
+from jaxflash.bench.core import Shape
+
+
+def _jaxflash(backend: str):
+  def make(shape: Shape, mask_kw: dict, interpret: bool) -> Callable:
+    def attend(q, k, v):
+      return jaxflash.flash_attention(q, k, v, causal=shape.causal,
+                                      implementation=backend,
+                                      interpret=interpret, **mask_kw)
+    return attend
+  return make
+
+
+def _jax_nn(implementation: str):
+  def make(shape: Shape, mask_kw: dict, interpret: bool) -> Callable:
+    del interpret
+    if "segment_ids" in mask_kw:
+      raise NotImplementedError(
+          "jax.nn.dot_product_attention takes no segment ids (a dense mask"
+          " would be N x N)")
+    window = mask_kw.get("local_window_size")
+
+    def attend(q, k, v):
+      return jax.nn.dot_product_attention(
+          q, k, v, is_causal=shape.causal, local_window_size=window,
+          implementation=implementation)
+    return attend
+  return make
+
+
+def _pallas_mha(shape: Shape, mask_kw: dict, interpret: bool) -> Callable:
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from jax.experimental.pallas.ops.gpu import attention as mha_lib
+  if shape.kv_heads != shape.heads:
+    raise NotImplementedError("JAX's Pallas mha has no GQA/MQA")
+  if "local_window_size" in mask_kw:
+    raise NotImplementedError("JAX's Pallas mha has no local window")
+  seg = mask_kw.get("segment_ids")
+  scale = shape.head_dim ** -0.5
+
+  def attend(q, k, v):
+    return mha_lib.mha(q, k, v, seg, sm_scale=scale, causal=shape.causal,
+                       block_sizes=mha_lib.BlockSizes.get_default(),
+                       interpret=interpret)
+  return attend
+
+
+def _tokamax(implementation: str):
+  def make(shape: Shape, mask_kw: dict, interpret: bool) -> Callable:
+    del interpret
+    try:
+      import tokamax
+    except ImportError as e:
+      raise NotImplementedError(f"tokamax is not importable: {e}") from e
+    if "segment_ids" in mask_kw:
+      raise NotImplementedError(
+          "tokamax takes segments only as a dense N x N mask")
+    window = mask_kw.get("local_window_size")
+
+    def attend(q, k, v):
+      return tokamax.dot_product_attention(
+          q, k, v, is_causal=shape.causal, local_window_size=window,
+          implementation=implementation)
+    return attend
+  return make
+
+
+IMPLS: dict[str, Callable] = {
+    "jaxflash-triton": _jaxflash("triton"),
+    "jaxflash-xla": _jaxflash("xla"),
+    "cudnn": _jax_nn("cudnn"),
+    "xla": _jax_nn("xla"),
+    "jax-pallas-mha": _pallas_mha,
+    "tokamax-mosaic": _tokamax("mosaic"),
+    "tokamax-triton": _tokamax("triton"),
+}
+
+# A tiny CPU smoke run exercises these (interpret mode for the kernel).
+CPU_IMPLS = ("jaxflash-triton", "jaxflash-xla", "xla")
+
+
+def mask_kwargs(shape: Shape) -> dict:
+  """flash_attention keywords for the shape's mask description."""
+  if shape.mask is None:
+    return {}
+  kind, _, arg = shape.mask.partition(":")
+  n = int(arg)
+  if kind == "window":
+    return dict(local_window_size=(n, 0 if shape.causal else n))
+  # segments:N - N equal documents per row (the last one takes the rest).
+  doc = max(1, shape.seq_q // n)
+  ids = jnp.minimum(jnp.arange(shape.seq_q, dtype=jnp.int32) // doc, n - 1)
+  return dict(segment_ids=jnp.broadcast_to(ids, (shape.batch, shape.seq_q)))

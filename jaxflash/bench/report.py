@@ -1,0 +1,147 @@
+"""Writers of benchmark results: terminal table, JSON, markdown, plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+
+from jaxflash.bench.core import FLOP_FORMULA
+
+
+def _key(r: dict):
+  return (r["head_dim"], r["seq_q"], r["seq_k"], r["causal"], r["mode"],
+          r["mask"], r["kv_heads"], r["heads"], r["dtype"])
+
+
+def best_other(results: list[dict]) -> dict:
+  """Per shape and mode, the best TFLOP/s of the non-jaxflash rows."""
+  best = {}
+  for r in results:
+    if r["impl"].startswith("jaxflash") or r["tflops"] is None:
+      continue
+    k = _key(r)
+    if k not in best or r["tflops"] > best[k][1]:
+      best[k] = (r["impl"], r["tflops"])
+  return best
+
+
+def ratio(r: dict, best: dict) -> float | None:
+  """A jaxflash row's TFLOP/s over the best other implementation's."""
+  b = best.get(_key(r))
+  if not r["impl"].startswith("jaxflash") or r["tflops"] is None or not b:
+    return None
+  return r["tflops"] / b[1]
+
+
+def _fmt(x, spec):
+  return "-" if x is None else format(x, spec)
+
+
+def table_rows(results: list[dict]) -> list[list[str]]:
+  best = best_other(results)
+  rows = []
+  for r in results:
+    rat = ratio(r, best)
+    rows.append([
+        str(r["head_dim"]), str(r["seq_q"]), "y" if r["causal"] else "n",
+        r["mask"] or "-", r["mode"], r["impl"], _fmt(r["ms"], ".3f"),
+        _fmt(r["tflops"], ".3g"),
+        "-" if rat is None else f"{rat:.2f} vs {best[_key(r)][0]}",
+        _fmt(r["peak_bytes"] and r["peak_bytes"] / 2**20, ".0f"),
+        (r["error"] or "")[:60]])
+  return rows
+
+
+HEADER = ["head_dim", "seq", "causal", "mask", "mode", "impl", "ms",
+          "TFLOP/s", "ratio to best other", "MiB", "error"]
+
+
+def terminal_table(results: list[dict]) -> str:
+  rows = [HEADER] + table_rows(results)
+  widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
+  lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+           for row in rows]
+  lines.insert(1, "  ".join("-" * w for w in widths))
+  return "\n".join(lines + ["", FLOP_FORMULA])
+
+
+def markdown(meta: dict, results: list[dict]) -> str:
+  lines = [
+      f"# Attention benchmark: {meta['device_kind']}, {meta['date']}", "",
+      f"- device: {meta['device_kind']} x{meta['device_count']},"
+      f" jax {meta['jax_version']}, commit `{meta['commit']}`",
+      f"- {meta['flop_formula']}",
+      "- ratio: a jaxflash row's TFLOP/s over the best other implementation"
+      " at the same shape and mode; MiB: XLA's compiled memory (arguments,"
+      " outputs and temporaries) of one call.", "",
+      "| " + " | ".join(HEADER) + " |",
+      "|" + "---|" * len(HEADER)]
+  for row in table_rows(results):
+    lines.append("| " + " | ".join(c.replace("|", "/") for c in row) + " |")
+  if meta.get("note"):
+    lines += ["", meta["note"]]
+  return "\n".join(lines) + "\n"
+
+
+def write_json(path: str, meta: dict, results: list[dict]) -> None:
+  with open(path, "w") as f:
+    json.dump({**meta, "results": results}, f, indent=1)
+
+
+def read_json(path: str) -> tuple[dict, list[dict]]:
+  with open(path) as f:
+    data = json.load(f)
+  results = data.pop("results")
+  return data, results
+
+
+def plot(path: str, meta: dict, results: list[dict]) -> bool:
+  """TFLOP/s against sequence length, one panel per (mode, head_dim,
+  causal).  Returns False when matplotlib is missing."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return False
+  panels = sorted({(r["mode"], r["head_dim"], r["causal"]) for r in results})
+  if not panels:
+    return False
+  ncol = min(4, len(panels))
+  nrow = math.ceil(len(panels) / ncol)
+  fig, axes = plt.subplots(nrow, ncol, figsize=(4 * ncol, 3.2 * nrow),
+                           squeeze=False)
+  for ax, (mode, d, causal) in zip(axes.flat, panels):
+    series = defaultdict(list)
+    for r in results:
+      if (r["mode"], r["head_dim"], r["causal"]) == (mode, d, causal) and \
+          r["tflops"] is not None:
+        series[r["impl"]].append((r["seq_q"], r["tflops"]))
+    for impl, pts in sorted(series.items()):
+      pts.sort()
+      style = "-o" if impl.startswith("jaxflash") else "--."
+      ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=impl)
+    ax.set_xscale("log", base=2)
+    ax.set_title(f"{mode}, head_dim {d}, {'causal' if causal else 'full'}",
+                 fontsize=9)
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("TFLOP/s")
+    ax.grid(alpha=0.3)
+  for ax in list(axes.flat)[len(panels):]:
+    ax.axis("off")
+  handles, labels = axes.flat[0].get_legend_handles_labels()
+  for ax in axes.flat:
+    h, lab = ax.get_legend_handles_labels()
+    for hh, ll in zip(h, lab):
+      if ll not in labels:
+        handles.append(hh)
+        labels.append(ll)
+  fig.legend(handles, labels, loc="lower center", ncol=min(7, len(labels)),
+             fontsize=8)
+  fig.suptitle(f"{meta['device_kind']} — {meta['date']} — {meta['commit']}",
+               fontsize=10)
+  fig.tight_layout(rect=(0, 0.06, 1, 0.96))
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True

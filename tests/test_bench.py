@@ -1,0 +1,151 @@
+"""The benchmark's FLOP counting, grid parsing, writers and error rows."""
+
+import json
+
+import jax
+import pytest
+
+from jaxflash.bench import __main__ as bench_main
+from jaxflash.bench import core, impls, report
+
+
+def test_flops_match_anchor_convention():
+  # ANCHORS.md: 16384 tokens, width 2048, head_dim 128, seq 4096 -> batch 4,
+  # heads 16; forward 4*B*H*S*S*D.
+  s = core.Shape(4, 4096, 4096, 16, 16, 128, causal=False)
+  assert core.flops(s, "fwd") == 4 * 4 * 16 * 4096 * 4096 * 128
+  causal = core.Shape(4, 4096, 4096, 16, 16, 128, causal=True)
+  assert core.flops(causal, "fwd") == core.flops(s, "fwd") / 2
+  assert core.flops(causal, "fwd_bwd") == 3.5 * core.flops(causal, "fwd")
+  with pytest.raises(ValueError, match="mode='bwd'"):
+    core.flops(s, "bwd")
+
+
+def test_grid_follows_tokens_and_width():
+  shapes = core.grid(head_dims=[64, 256], seqs=[1024, 16384],
+                     causal=[False, True], tokens=16384, width=2048,
+                     kv_ratio=2)
+  assert len(shapes) == 8
+  first = shapes[0]
+  assert (first.batch, first.seq_q, first.heads, first.kv_heads,
+          first.head_dim) == (16, 1024, 32, 16, 64)
+  last = shapes[-1]
+  assert (last.batch, last.heads, last.kv_heads, last.causal) == (1, 8, 4,
+                                                                  True)
+
+
+@pytest.mark.parametrize("text,want", [("64,128", [64, 128]), ("256", [256]),
+                                       (" 1, 2 ,", [1, 2])])
+def test_parse_int_list(text, want):
+  assert core.parse_int_list(text) == want
+
+
+@pytest.mark.parametrize("bad", ["", "a,b", "0", "-4"])
+def test_parse_int_list_rejects(bad):
+  with pytest.raises(ValueError, match=repr(bad).replace("'", "")[:1]):
+    core.parse_int_list(bad)
+
+
+def test_parse_causal_and_mask():
+  assert core.parse_causal("both") == [False, True]
+  assert core.parse_causal("on") == [True]
+  with pytest.raises(ValueError, match="causal='maybe'"):
+    core.parse_causal("maybe")
+  assert core.parse_mask("none") is None
+  assert core.parse_mask("segments:8") == "segments:8"
+  for bad in ("segments", "window:x", "blocks:2", "window:0"):
+    with pytest.raises(ValueError, match="must be none, segments:N"):
+      core.parse_mask(bad)
+  with pytest.raises(ValueError, match="not a multiple of head_dim=96"):
+    core.grid(head_dims=[96], seqs=[64], causal=[False], tokens=64,
+              width=2048)
+
+
+def _rows():
+  s = core.Shape(4, 4096, 4096, 16, 16, 128, causal=True)
+  return [
+      core.record(s, "jaxflash-triton", "fwd", ms=0.5, peak_bytes=2**20),
+      core.record(s, "cudnn", "fwd", ms=0.4),
+      core.record(s, "tokamax-mosaic", "fwd", error="ImportError: nope"),
+  ]
+
+
+def test_records_and_ratio():
+  rows = _rows()
+  assert rows[0]["tflops"] == pytest.approx(
+      core.flops(core.Shape(4, 4096, 4096, 16, 16, 128, True), "fwd")
+      / 0.5e-3 / 1e12)
+  assert rows[2]["tflops"] is None and rows[2]["ms"] is None
+  best = report.best_other(rows)
+  assert report.ratio(rows[0], best) == pytest.approx(0.4 / 0.5)
+  assert report.ratio(rows[1], best) is None
+
+
+def test_writers(tmp_path):
+  rows = _rows()
+  meta = dict(jax_version="0.11.2", device_kind="NVIDIA H200",
+              device_count=1, commit="abc1234", date="2026-11-30",
+              flop_formula=core.FLOP_FORMULA)
+  path = tmp_path / "r.json"
+  report.write_json(str(path), meta, rows)
+  data = json.loads(path.read_text())
+  for key in ("jax_version", "device_kind", "device_count", "commit", "date",
+              "flop_formula", "results"):
+    assert key in data
+  assert set(data["results"][0]) == {
+      "impl", "batch", "seq_q", "seq_k", "heads", "kv_heads", "head_dim",
+      "causal", "dtype", "mask", "mode", "ms", "tflops", "peak_bytes",
+      "max_abs_err", "error"}
+  meta2, rows2 = report.read_json(str(path))
+  assert rows2 == rows and meta2["commit"] == "abc1234"
+  md = report.markdown(meta, rows)
+  assert "| 128 | 4096 | y | - | fwd | jaxflash-triton | 0.500 |" in md
+  assert "0.80 vs cudnn" in md and "ImportError: nope" in md
+  assert "ratio to best other" in report.terminal_table(rows)
+  assert report.plot(str(tmp_path / "r.png"), meta, rows)
+  assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_failing_implementation_is_a_row(monkeypatch):
+  def broken(shape, mask_kw, interpret):
+    raise NotImplementedError("no such kernel here")
+
+  def wrong(shape, mask_kw, interpret):
+    return lambda q, k, v: q * 3.0
+
+  monkeypatch.setitem(impls.IMPLS, "broken", broken)
+  monkeypatch.setitem(impls.IMPLS, "wrong", wrong)
+  shape = core.Shape(1, 32, 32, 2, 2, 16, causal=True, dtype="float32")
+  arrays = bench_main._inputs(shape)
+  ref = bench_main._reference_out(shape, *arrays[:3], {})
+  row = bench_main.run_one("broken", shape, "fwd", arrays, ref, {},
+                           interpret=True, samples=1)
+  assert row["error"] == "NotImplementedError: no such kernel here"
+  assert row["tflops"] is None
+  row = bench_main.run_one("wrong", shape, "fwd", arrays, ref, {},
+                           interpret=True, samples=1)
+  assert row["error"].startswith("wrong result: max_abs_err")
+  row = bench_main.run_one("jaxflash-triton", shape, "fwd_bwd", arrays, ref,
+                           {}, interpret=True, samples=1)
+  assert row["error"] is None and row["tflops"] > 0 and row["peak_bytes"]
+
+
+def test_cpu_smoke_end_to_end(tmp_path, capsys):
+  if jax.default_backend() == "gpu":
+    pytest.skip("CPU path")
+  assert bench_main.main(["--head-dims", "64"]) == 0  # no GPU: explains
+  assert "--cpu-smoke" in capsys.readouterr().out
+  rc = bench_main.main(["--cpu-smoke", "--out", str(tmp_path), "--name", "s",
+                        "--mask", "segments:2", "--causal", "on",
+                        "--samples", "1"])
+  assert rc == 0
+  out = capsys.readouterr().out
+  assert "NOT a performance figure" in out
+  meta, rows = report.read_json(str(tmp_path / "s.json"))
+  assert {r["impl"] for r in rows} == set(impls.CPU_IMPLS)
+  by = {(r["impl"], r["mode"], r["seq_q"]): r for r in rows}
+  assert by[("jaxflash-triton", "fwd", 64)]["error"] is None
+  # jax.nn has no segment ids: a row with the reason, not a crash.
+  assert "segment ids" in by[("xla", "fwd", 64)]["error"]
+  assert (tmp_path / "s.md").exists() and (tmp_path / "s.png").exists()
+  assert bench_main.main(["--impls", "nope", "--cpu-smoke"]) == 2

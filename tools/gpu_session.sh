@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One call on the H200 (device tool): GPU tests, then the benchmark.
+#
+#   here:   ../shared/gpu/anchor-wheels.sh        # tokamax wheels -> .whl/
+#           python3 -m pip download --no-deps --only-binary=:all: \
+#             --python-version 3.12 --implementation cp \
+#             --platform manylinux_2_17_x86_64 -d .whl pytest-xdist==3.8.0
+#   device: bash tools/gpu_session.sh tests|bench|all [bench args...]
+#           (carry .whl; results land in $OUT)
+set -u
+what=${1:-all}; shift || true
+out=${OUT:-out}; mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target .site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=$PWD/.site:$PWD/.whl/stub:$PWD PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+git log --oneline -1 2>/dev/null | tee "$out/commit.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  n=8; python3 -c 'import xdist' 2>/dev/null || n=0
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m gpu tests -p no:benchmark \
+    -p no:cacheprovider -n "$n" -rA --durations=15 -q \
+    > "$out/gpu_tests.log" 2>&1
+  echo "pytest rc=$?"
+  grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$out/gpu_tests.log" \
+    | grep -v "^PASSED" | tail -25
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  timeout "${BENCH_TIMEOUT:-540}" python3 -m jaxflash.bench --out "$out" \
+    --name bench "$@" 2> "$out/bench.err"
+  echo "bench rc=$?"
+  tail -3 "$out/bench.err"
+fi
