@@ -5,15 +5,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numerics
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jaxflash
-import numerics
-from jaxflash import masks
 import jaxflash.triton as triton_backend
+from jaxflash import masks
 
 TILES = jaxflash.TritonConfig(
     block_q=32, block_k=16, block_q_dkv=16, block_k_dkv=32, block_q_dq=32,

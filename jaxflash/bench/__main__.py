@@ -19,7 +19,6 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxflash import reference

@@ -57,7 +57,8 @@ def parse_int_list(text: str) -> list[int]:
   try:
     vals = [int(x) for x in text.split(",") if x.strip()]
   except ValueError:
-    raise ValueError(f"expected comma-separated integers, got {text!r}")
+    raise ValueError(
+        f"expected comma-separated integers, got {text!r}") from None
   if not vals or any(v <= 0 for v in vals):
     raise ValueError(f"expected positive integers, got {text!r}")
   return vals

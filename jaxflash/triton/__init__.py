@@ -3,7 +3,6 @@
 from jaxflash.triton.attention import RESIDUAL_NAMES as RESIDUAL_NAMES
 from jaxflash.triton.attention import attention as attention
 from jaxflash.triton.attention import check_supported as check_supported
-from jaxflash.triton.attention import (
-    count_visited_tiles as count_visited_tiles)
+from jaxflash.triton.attention import count_visited_tiles as count_visited_tiles
 from jaxflash.triton.config import TritonConfig as TritonConfig
 from jaxflash.triton.config import default_config as default_config

@@ -12,8 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxflash.masks import PAD_SEGMENT_ID, MaskArrays, MaskSpec
 from jaxflash.triton import backward as bwd_lib
 from jaxflash.triton import forward as fwd_lib
-from jaxflash.triton.common import Problem, head_dim_padded, pad_axis
-from jaxflash.triton.common import round_up
+from jaxflash.triton.common import Problem, head_dim_padded, pad_axis, round_up
 from jaxflash.triton.config import TritonConfig, default_config
 from jaxflash.triton.tiles import MaskInputs
 
@@ -24,6 +23,7 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 #     *RESIDUAL_NAMES)) keeps the attention output and LSE and recomputes
 # nothing of the attention in the backward pass.
 RESIDUAL_NAMES = ("jaxflash_out", "jaxflash_lse")
+NO_MASK_ARRAYS = MaskArrays()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +129,7 @@ def _attention_bwd(st: _Static, res, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def attention(q, k, v, *, mask: MaskSpec, arrays: MaskArrays = MaskArrays(),
+def attention(q, k, v, *, mask: MaskSpec, arrays: MaskArrays = NO_MASK_ARRAYS,
               softmax_scale: float, logits_soft_cap: float | None = None,
               config: TritonConfig | None = None, interpret: bool = False):
   """Flash attention with the Triton-lowering Pallas kernels.
@@ -143,7 +143,7 @@ def attention(q, k, v, *, mask: MaskSpec, arrays: MaskArrays = MaskArrays(),
 
 
 def count_visited_tiles(q, k, v, *, mask: MaskSpec,
-                        arrays: MaskArrays = MaskArrays(),
+                        arrays: MaskArrays = NO_MASK_ARRAYS,
                         softmax_scale: float = 1.0,
                         config: TritonConfig | None = None,
                         interpret: bool = False):
