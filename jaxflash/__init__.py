@@ -1,6 +1,7 @@
 """jaxflash: FlashAttention for JAX, in Pallas."""
 
 from jaxflash.api import IMPLEMENTATIONS as IMPLEMENTATIONS
+from jaxflash.api import dot_product_attention as dot_product_attention
 from jaxflash.api import flash_attention as flash_attention
 from jaxflash.masks import PAD_SEGMENT_ID as PAD_SEGMENT_ID
 from jaxflash.masks import MaskSpec as MaskSpec

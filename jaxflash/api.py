@@ -274,6 +274,22 @@ def flash_attention(
     ValueError: malformed input (ranks, shapes, dtypes, head_dim, names).
     NotImplementedError: the named backend(s) cannot serve this call.
   """
+  return _attention(
+      q, k, v, causal=causal, offset=None, segment_ids=segment_ids,
+      local_window_size=local_window_size, q_seq_lengths=q_seq_lengths,
+      kv_seq_lengths=kv_seq_lengths, logits_soft_cap=logits_soft_cap,
+      softmax_scale=softmax_scale, return_lse=return_lse,
+      implementation=implementation, config=config, interpret=interpret)
+
+
+def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
+               q_seq_lengths, kv_seq_lengths, logits_soft_cap, softmax_scale,
+               return_lse, implementation, config, interpret):
+  """Validation and dispatch shared by the public entry points.
+
+  ``offset``: query ``i`` is aligned with key ``i + offset`` (None:
+  bottom-right, as flash_attention documents; 0: top-left, as jax.nn).
+  """
   _validate(q, k, v)
   for name, val in (("causal", causal), ("return_lse", return_lse),
                     ("interpret", interpret)):
@@ -286,7 +302,7 @@ def flash_attention(
     logits_soft_cap = _static_positive("logits_soft_cap", logits_soft_cap)
   left, right = _window(local_window_size)
   mask = MaskSpec(q_len=q.shape[1], kv_len=k.shape[1], causal=bool(causal),
-                  window_left=left, window_right=right)
+                  offset=offset, window_left=left, window_right=right)
   arrays = _mask_arrays(q, k, segment_ids, q_seq_lengths, kv_seq_lengths)
 
   names, explicit = _candidates(implementation, config, interpret)
@@ -313,3 +329,84 @@ def flash_attention(
     raise NotImplementedError(
         f"no requested backend can serve this call: {msg}")
   raise NotImplementedError(f"no backend can serve this call: {msg}")
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: str | Sequence[str] | None = None,
+    return_residual: bool = False,
+    segment_ids: jax.Array | tuple[jax.Array, jax.Array] | None = None,
+    logits_soft_cap: float | None = None,
+    config: Any = None,
+    interpret: bool = False,
+):
+  """Drop-in for ``jax.nn.dot_product_attention``, served by jaxflash.
+
+  Same arguments, shapes (``[B, T, N, H]`` or ``[T, N, H]``) and semantics
+  as ``jax.nn.dot_product_attention``: ``is_causal`` and the local window
+  are aligned top-left (query ``i`` sees keys ``j <= i``), ``scale``
+  defaults to ``1/sqrt(H)``, ``return_residual=True`` adds the log-sum-exp
+  shaped ``[B, T, N]`` in the output dtype.  Extras: ``segment_ids`` and
+  ``logits_soft_cap`` (see :func:`flash_attention`), ``config`` and
+  ``interpret``.
+
+  ``implementation``: a jaxflash backend name (``"triton"``, ``"xla"``), a
+  sequence of them, or None (best available).  ``bias`` and a dense
+  ``mask`` are ``[B, N, T, S]`` arrays that the O(N) kernels cannot take:
+  they are served only with ``implementation="xla"`` (through
+  ``jax.nn.dot_product_attention``'s XLA path, O(N^2) memory); otherwise
+  NotImplementedError names the compact alternatives (``is_causal``,
+  ``segment_ids``, ``local_window_size``, the sequence lengths).
+
+  One documented difference: a query row that sees no key at all gets
+  output 0 here, where ``jax.nn`` averages all values of the row (it
+  masks with a large finite negative number).
+  """
+  query, key, value = (jnp.asarray(x) if not hasattr(x, "ndim") else x
+                       for x in (query, key, value))
+  squeeze = query.ndim == 3
+  if squeeze:
+    query, key, value = query[None], key[None], value[None]
+  if bias is not None or mask is not None:
+    if implementation != "xla":
+      what = "bias" if bias is not None else "a dense mask"
+      raise NotImplementedError(
+          f"jaxflash kernels take no {what} (an N x N array): express the"
+          " mask with is_causal, segment_ids, local_window_size or"
+          " query_seq_lengths/key_value_seq_lengths, or pass"
+          " implementation='xla' for the dense O(N^2) path")
+    if segment_ids is not None or logits_soft_cap is not None:
+      raise NotImplementedError(
+          "implementation='xla' with a dense bias/mask does not combine with"
+          " segment_ids or logits_soft_cap")
+    _validate(query, key, value)
+    result = jax.nn.dot_product_attention(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size, implementation="xla",
+        return_residual=return_residual)
+    out, res = result if return_residual else (result, None)
+  else:
+    out, lse = _attention(
+        query, key, value, causal=is_causal, offset=0,
+        segment_ids=segment_ids, local_window_size=local_window_size,
+        q_seq_lengths=query_seq_lengths, kv_seq_lengths=key_value_seq_lengths,
+        logits_soft_cap=logits_soft_cap, softmax_scale=scale,
+        return_lse=True, implementation=implementation, config=config,
+        interpret=interpret)
+    res = jnp.swapaxes(lse, 1, 2).astype(out.dtype)  # [B, N, T] -> [B, T, N]
+  if squeeze:
+    out = out[0]
+    res = None if res is None else res[0]
+  return (out, res) if return_residual else out

@@ -1,0 +1,298 @@
+"""Flax integration: an ``attention_fn`` and a linen attention module.
+
+* :func:`make_attention_fn` returns a function to pass as ``attention_fn=``
+  to ``flax.linen.MultiHeadDotProductAttention`` or
+  ``flax.nnx.MultiHeadAttention``.
+* :class:`FlashMultiHeadDotProductAttention` is a drop-in for
+  ``flax.linen.MultiHeadDotProductAttention`` with the same parameter
+  names and shapes (checkpoints load both ways), plus causal / segment /
+  window / soft-cap options, GQA (``num_kv_heads``) and logical axis names
+  for sharding.
+
+See docs/flax.md.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxflash import api
+from jaxflash.masks import PAD_SEGMENT_ID
+
+# Logical axis names (flax / t5x conventions) used by the module.
+BATCH, LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM = (
+    "batch", "length", "embed", "heads", "kv_heads", "kv")
+
+
+def _flatten_batch(x):
+  """[batch..., length, heads, head_dim] -> [B, length, heads, head_dim]."""
+  return x.reshape((-1,) + x.shape[-3:])
+
+
+def _key_mask_to_segments(mask, batch_shape, q_len, kv_len):
+  """A dense mask that depends only on (batch, key) is a pair of segment
+  ids: every query in segment 0, masked keys in PAD_SEGMENT_ID.  Returns
+  None for any other mask (one that varies over queries or heads)."""
+  mask = jnp.asarray(mask)
+  if mask.ndim < 3 or mask.shape[-2] != 1 or mask.shape[-3] != 1:
+    return None
+  keys = jnp.broadcast_to(mask[..., 0, 0, :], (*batch_shape, kv_len))
+  keys = keys.reshape(-1, kv_len)
+  kv_seg = jnp.where(keys, 0, PAD_SEGMENT_ID).astype(jnp.int32)
+  q_seg = jnp.zeros((kv_seg.shape[0], q_len), jnp.int32)
+  return q_seg, kv_seg
+
+
+def make_attention_fn(
+    *,
+    causal: bool = False,
+    segment_ids: Any = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    q_seq_lengths: jax.Array | None = None,
+    kv_seq_lengths: jax.Array | None = None,
+    logits_soft_cap: float | None = None,
+    implementation: str | Sequence[str] | None = None,
+    config: Any = None,
+    interpret: bool = False,
+) -> Callable[..., jax.Array]:
+  """An ``attention_fn`` for Flax attention modules, served by jaxflash.
+
+  The mask options are those of :func:`jaxflash.flash_attention` (causal
+  aligned bottom-right, which equals Flax's ``make_causal_mask`` for
+  self-attention).  The returned function accepts every keyword Flax
+  passes: ``mask`` is honoured only when it depends on (batch, key) alone
+  (a key-padding or decode-cache mask, turned into segment ids); any other
+  dense mask or a ``bias`` raises NotImplementedError naming the compact
+  options; attention dropout in training and ``sow_weights`` (which need
+  the N x N weights) raise NotImplementedError too.
+  """
+
+  def attention_fn(query, key, value, bias=None, mask=None,
+                   broadcast_dropout=True, dropout_rng=None, dropout_rate=0.0,
+                   deterministic=False, dtype=None, precision=None,
+                   module=None, is_causal=None, **unused):
+    del broadcast_dropout, dropout_rng, precision
+    for name, val in unused.items():
+      if val is not None:
+        raise NotImplementedError(
+            f"jaxflash attention_fn does not support {name}={val!r}")
+    if bias is not None:
+      raise NotImplementedError(
+          "jaxflash attention_fn takes no bias (an N x N array)")
+    if dropout_rate > 0.0 and not deterministic:
+      raise NotImplementedError(
+          f"attention dropout (dropout_rate={dropout_rate}) in training needs"
+          " the N x N attention weights; jaxflash never forms them. Use"
+          " dropout_rate=0 or deterministic=True")
+    if module is not None:
+      raise NotImplementedError(
+          "sow_weights=True needs the N x N attention weights, which jaxflash"
+          " never forms")
+    batch_shape, q_len = query.shape[:-3], query.shape[-3]
+    kv_len = key.shape[-3]
+    seg = segment_ids
+    if mask is not None:
+      seg_from_mask = _key_mask_to_segments(mask, batch_shape, q_len, kv_len)
+      if seg_from_mask is None:
+        raise NotImplementedError(
+            f"a dense attention mask of shape {tuple(jnp.shape(mask))} that"
+            " varies over queries or heads cannot be served without N x N"
+            " memory: drop it and use make_attention_fn(causal=True,"
+            " segment_ids=..., local_window_size=...) instead")
+      if seg is not None:
+        raise NotImplementedError(
+            "a key-padding mask and segment_ids together: fold the padding"
+            " into the segment ids (PAD_SEGMENT_ID)")
+      seg = seg_from_mask
+    elif seg is not None and not isinstance(seg, (tuple, list)):
+      seg = seg.reshape(-1, seg.shape[-1])
+    if dtype is not None:
+      query, key, value = (x.astype(dtype) for x in (query, key, value))
+    out = api.flash_attention(
+        _flatten_batch(query), _flatten_batch(key), _flatten_batch(value),
+        causal=bool(causal or is_causal), segment_ids=seg,
+        local_window_size=local_window_size, q_seq_lengths=q_seq_lengths,
+        kv_seq_lengths=kv_seq_lengths, logits_soft_cap=logits_soft_cap,
+        implementation=implementation, config=config, interpret=interpret)
+    return out.reshape(query.shape)
+
+  return attention_fn
+
+
+class FlashMultiHeadDotProductAttention(nn.Module):
+  """``nn.MultiHeadDotProductAttention`` with jaxflash attention.
+
+  Parameters are the same (``query``, ``key``, ``value``, ``out``
+  DenseGeneral kernels ``[features, heads, head_dim]`` /
+  ``[heads, head_dim, features]`` and biases), so a checkpoint of either
+  module loads into the other (with ``num_kv_heads`` unset).  Kernels carry
+  logical axis names (``embed``, ``heads`` or ``kv_heads``, ``kv``) and the
+  activations are constrained to (``batch``, ``length``, ``heads``, ``kv``):
+  under ``nn.logical_axis_rules`` and a mesh, the layer shards without
+  extra code.
+
+  Extra attributes: ``causal``, ``num_kv_heads`` (GQA/MQA: key/value
+  projections to fewer heads), ``local_window_size``, ``logits_soft_cap``,
+  ``implementation``, ``config``, ``interpret``.  Extra call arguments:
+  ``segment_ids`` (packed documents) and ``q_seq_lengths`` /
+  ``kv_seq_lengths``.
+
+  ``decode=True``: Flax's autoregressive cache (``cached_key``,
+  ``cached_value``, ``cache_index``); each single-token step attends to the
+  filled part of the cache through :func:`jaxflash.flash_attention` with
+  ``kv_seq_lengths`` (no dedicated decode kernel yet).
+  """
+
+  num_heads: int
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  qkv_features: int | None = None
+  out_features: int | None = None
+  broadcast_dropout: bool = True
+  dropout_rate: float = 0.0
+  deterministic: bool | None = None
+  precision: Any = None
+  kernel_init: Callable = nn.linear.default_kernel_init
+  out_kernel_init: Callable | None = None
+  bias_init: Callable = nn.initializers.zeros_init()
+  out_bias_init: Callable | None = None
+  use_bias: bool = True
+  decode: bool = False
+  normalize_qk: bool = False
+  # jaxflash options
+  causal: bool = False
+  num_kv_heads: int | None = None
+  local_window_size: int | tuple[int, int] | None = None
+  logits_soft_cap: float | None = None
+  implementation: str | Sequence[str] | None = None
+  config: Any = None
+  interpret: bool = False
+
+  @nn.compact
+  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *,
+               segment_ids=None, q_seq_lengths=None, kv_seq_lengths=None,
+               mask=None, deterministic=None, dropout_rng=None,
+               sow_weights=False):
+    if mask is not None:
+      raise NotImplementedError(
+          "FlashMultiHeadDotProductAttention takes no dense mask: use"
+          " causal=True, segment_ids, local_window_size or the sequence"
+          " lengths")
+    if sow_weights:
+      raise NotImplementedError(
+          "sow_weights needs the N x N attention weights, which jaxflash"
+          " never forms")
+    if self.dropout_rate > 0.0 and not nn.merge_param(
+        "deterministic", self.deterministic, deterministic):
+      raise NotImplementedError(
+          f"attention dropout (dropout_rate={self.dropout_rate}) in training"
+          " needs the N x N attention weights; use dropout_rate=0")
+    del dropout_rng
+    if inputs_k is None:
+      if inputs_v is not None:
+        raise ValueError("inputs_k cannot be None when inputs_v is given")
+      inputs_k = inputs_q
+    if inputs_v is None:
+      inputs_v = inputs_k
+
+    features = self.out_features or inputs_q.shape[-1]
+    qkv_features = self.qkv_features or inputs_q.shape[-1]
+    if qkv_features % self.num_heads:
+      raise ValueError(
+          f"qkv_features={qkv_features} must be divisible by"
+          f" num_heads={self.num_heads}")
+    head_dim = qkv_features // self.num_heads
+    kv_heads = self.num_kv_heads or self.num_heads
+    if self.num_heads % kv_heads:
+      raise ValueError(
+          f"num_heads={self.num_heads} must be a multiple of"
+          f" num_kv_heads={kv_heads}")
+    kv_axis = HEADS if kv_heads == self.num_heads else KV_HEADS
+
+    def dense(name, heads, heads_axis):
+      return nn.DenseGeneral(
+          features=(heads, head_dim), axis=-1, dtype=self.dtype,
+          param_dtype=self.param_dtype, precision=self.precision,
+          use_bias=self.use_bias,
+          kernel_init=nn.with_logical_partitioning(
+              self.kernel_init, (EMBED, heads_axis, HEAD_DIM)),
+          bias_init=nn.with_logical_partitioning(
+              self.bias_init, (heads_axis, HEAD_DIM)),
+          name=name)
+
+    query = dense("query", self.num_heads, HEADS)(inputs_q)
+    key = dense("key", kv_heads, kv_axis)(inputs_k)
+    value = dense("value", kv_heads, kv_axis)(inputs_v)
+    if self.normalize_qk:
+      query = nn.LayerNorm(name="query_ln", use_bias=False, dtype=self.dtype,
+                           param_dtype=self.param_dtype)(query)
+      key = nn.LayerNorm(name="key_ln", use_bias=False, dtype=self.dtype,
+                         param_dtype=self.param_dtype)(key)
+    act = (BATCH, LENGTH, HEADS, HEAD_DIM)
+    query = nn.with_logical_constraint(query, act)
+    key = nn.with_logical_constraint(key, (BATCH, LENGTH, kv_axis, HEAD_DIM))
+    value = nn.with_logical_constraint(value,
+                                       (BATCH, LENGTH, kv_axis, HEAD_DIM))
+
+    causal = self.causal
+    if self.decode:
+      key, value, kv_seq_lengths, causal = self._decode_cache(
+          query, key, value, kv_seq_lengths, causal)
+
+    attend = make_attention_fn(
+        causal=causal, segment_ids=segment_ids,
+        local_window_size=self.local_window_size,
+        q_seq_lengths=q_seq_lengths, kv_seq_lengths=kv_seq_lengths,
+        logits_soft_cap=self.logits_soft_cap,
+        implementation=self.implementation, config=self.config,
+        interpret=self.interpret)
+    x = attend(query, key, value, dtype=self.dtype)
+    x = nn.with_logical_constraint(x, act)
+    out = nn.DenseGeneral(
+        features=features, axis=(-2, -1), dtype=self.dtype,
+        param_dtype=self.param_dtype, precision=self.precision,
+        use_bias=self.use_bias,
+        kernel_init=nn.with_logical_partitioning(
+            self.out_kernel_init or self.kernel_init,
+            (HEADS, HEAD_DIM, EMBED)),
+        bias_init=nn.with_logical_partitioning(
+            self.out_bias_init or self.bias_init, (EMBED,)),
+        name="out")(x)
+    return nn.with_logical_constraint(out, (BATCH, LENGTH, EMBED))
+
+  def _decode_cache(self, query, key, value, kv_seq_lengths, causal):
+    """Flax's autoregressive cache; returns the cached keys/values and the
+    per-row number of filled slots as kv_seq_lengths."""
+    initialized = self.has_variable("cache", "cached_key")
+    cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape,
+                               key.dtype)
+    cached_value = self.variable("cache", "cached_value", jnp.zeros,
+                                 value.shape, value.dtype)
+    cache_index = self.variable("cache", "cache_index",
+                                lambda: jnp.array(0, dtype=jnp.int32))
+    if not initialized:
+      return key, value, kv_seq_lengths, causal
+    *batch, max_length, heads, depth = cached_key.value.shape
+    if query.shape[-3] != 1 or key.shape != (*batch, 1, heads, depth):
+      raise ValueError(
+          "decode=True expects one new token per step: query"
+          f" {query.shape}, key {key.shape}, cache {cached_key.value.shape}")
+    if kv_seq_lengths is not None:
+      raise ValueError("decode=True sets kv_seq_lengths from the cache")
+    idx = cache_index.value
+    zero = jnp.zeros((), idx.dtype)
+    start = (zero,) * len(batch) + (idx, zero, zero)
+    key = jax.lax.dynamic_update_slice(cached_key.value, key, start)
+    value = jax.lax.dynamic_update_slice(cached_value.value, value, start)
+    cached_key.value, cached_value.value = key, value
+    cache_index.value = idx + 1
+    # The new token sees the filled slots [0, idx]; causal is implied.
+    n = int(functools.reduce(lambda a, b: a * b, batch, 1))
+    lengths = jnp.full((n,), idx + 1, jnp.int32)
+    return key, value, lengths, False

@@ -1,0 +1,275 @@
+"""Flax integration: attention_fn, the linen module, jax.nn compatibility."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxflash
+from jaxflash import reference
+from jaxflash.linen import FlashMultiHeadDotProductAttention, make_attention_fn
+
+KERNEL = dict(implementation="triton", interpret=True)
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def _close(a, b, **tol):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), **(tol or TOL))
+
+
+def _x(shape=(2, 24, 32), seed=0):
+  return jax.random.normal(jax.random.key(seed), shape)
+
+
+def _packed(batch=2, length=24):
+  seg = jnp.repeat(jnp.arange(3, dtype=jnp.int32), length // 3)[None]
+  seg = jnp.broadcast_to(seg, (batch, length))
+  return seg.at[1, -4:].set(jaxflash.PAD_SEGMENT_ID)
+
+
+# -- module parity ------------------------------------------------------------
+
+@pytest.mark.parametrize("what", ["causal", "packed", "full"])
+def test_module_matches_flax(what):
+  x = _x()
+  flax_mha = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=32)
+  flash = FlashMultiHeadDotProductAttention(
+      num_heads=4, qkv_features=32, causal=what == "causal", **KERNEL)
+  params = flax_mha.init(jax.random.key(1), x)
+  kw, mask = {}, None
+  if what == "causal":
+    mask = nn.make_causal_mask(x[..., 0])
+  elif what == "packed":
+    seg = _packed()
+    kw = dict(segment_ids=seg)
+    mask = nn.combine_masks(nn.make_attention_mask(seg, seg, jnp.equal),
+                            nn.make_attention_mask(seg >= 0, seg >= 0))
+
+  def f_flax(p, x):
+    return flax_mha.apply(p, x, mask=mask)
+
+  def f_flash(p, x):
+    return flash.apply(p, x, **kw)
+
+  got, want = f_flash(params, x), f_flax(params, x)
+  if what == "packed":  # padding rows: jaxflash gives 0, flax averages
+    got, want = got[:, :-4], want[:, :-4]
+  _close(got, want)
+  loss = lambda f: lambda p, x: jnp.sum(f(p, x)[:, :20] ** 2)
+  _close(jax.grad(loss(f_flash), (0, 1))(params, x),
+         jax.grad(loss(f_flax), (0, 1))(params, x), atol=1e-4, rtol=1e-4)
+
+
+def test_checkpoints_load_both_ways():
+  x = _x()
+  flax_mha = nn.MultiHeadDotProductAttention(num_heads=4)
+  flash = FlashMultiHeadDotProductAttention(num_heads=4, **KERNEL)
+  p_flax = flax_mha.init(jax.random.key(1), x)
+  p_flash = flash.init(jax.random.key(2), x)
+  assert jax.tree.map(jnp.shape, p_flax) == jax.tree.map(
+      jnp.shape, nn.meta.unbox(p_flash))
+  _close(flash.apply(p_flax, x), flax_mha.apply(p_flax, x))
+  _close(flax_mha.apply(nn.meta.unbox(p_flash), x), flash.apply(p_flash, x))
+
+
+def test_gqa_module_and_logical_axes():
+  x = _x()
+  flash = FlashMultiHeadDotProductAttention(num_heads=4, num_kv_heads=2,
+                                            causal=True, **KERNEL)
+  p = flash.init(jax.random.key(1), x)
+  specs = nn.get_partition_spec(p)["params"]
+  assert specs["query"]["kernel"] == jax.sharding.PartitionSpec(
+      "embed", "heads", "kv")
+  assert specs["key"]["kernel"] == jax.sharding.PartitionSpec(
+      "embed", "kv_heads", "kv")
+  assert specs["out"]["kernel"] == jax.sharding.PartitionSpec(
+      "heads", "kv", "embed")
+  u = nn.meta.unbox(p)["params"]
+  assert u["key"]["kernel"].shape == (32, 2, 8)
+  # The same computation by hand: projections, reference attention, out.
+  proj = lambda name, x: jnp.einsum("btf,fhd->bthd", x,
+                                    u[name]["kernel"]) + u[name]["bias"]
+  att, _ = reference.attention(proj("query", x), proj("key", x),
+                               proj("value", x), causal=True)
+  want = jnp.einsum("bthd,hdf->btf", att, u["out"]["kernel"]) + u["out"][
+      "bias"]
+  _close(flash.apply(p, x), want)
+
+
+def test_decode_matches_full_causal():
+  x = _x((2, 10, 32))
+  flash = FlashMultiHeadDotProductAttention(num_heads=4, num_kv_heads=2,
+                                            causal=True, **KERNEL)
+  params = flash.init(jax.random.key(1), x)
+  full = flash.apply(params, x)
+  dec = FlashMultiHeadDotProductAttention(num_heads=4, num_kv_heads=2,
+                                          causal=True, decode=True, **KERNEL)
+  cache = dec.init(jax.random.key(1), x)["cache"]
+  step = jax.jit(lambda c, xt: dec.apply({**params, "cache": c}, xt,
+                                         mutable=["cache"]))
+  outs = []
+  for t in range(x.shape[1]):
+    y, mut = step(cache, x[:, t:t + 1])
+    cache = mut["cache"]
+    outs.append(y)
+  _close(jnp.concatenate(outs, axis=1), full)
+
+
+# -- attention_fn in Flax's own modules --------------------------------------
+
+def test_attention_fn_in_linen_mha():
+  x = _x()
+  base = nn.MultiHeadDotProductAttention(num_heads=4)
+  ours = nn.MultiHeadDotProductAttention(
+      num_heads=4, attention_fn=make_attention_fn(causal=True, **KERNEL))
+  p = base.init(jax.random.key(1), x)
+  _close(ours.apply(p, x), base.apply(p, x, mask=nn.make_causal_mask(
+      x[..., 0])))
+  # A key-padding mask (batch, key only) is served as segment ids.
+  keep = jnp.arange(24)[None, :] < jnp.array([[24], [17]])
+  pad_mask = keep[:, None, None, :]  # [batch, 1, 1, keys], as Flax decode
+  plain = nn.MultiHeadDotProductAttention(
+      num_heads=4, attention_fn=make_attention_fn(**KERNEL))
+  _close(plain.apply(p, x, mask=pad_mask), base.apply(p, x, mask=pad_mask))
+
+
+def test_attention_fn_in_nnx_mha_with_decode():
+  x = _x((2, 8, 32))
+  kw = dict(num_heads=4, in_features=32, num_kv_heads=2, decode=False,
+            rngs=nnx.Rngs(0))
+  base = nnx.MultiHeadAttention(**kw)
+  ours = nnx.MultiHeadAttention(
+      **{**kw, "rngs": nnx.Rngs(0)}, attention_fn=make_attention_fn(**KERNEL))
+  want = base(x, is_causal=True)
+  _close(ours(x, is_causal=True), want)
+  ours.init_cache(x.shape)
+  outs = [ours(x[:, t:t + 1], decode=True) for t in range(8)]
+  _close(jnp.concatenate(outs, axis=1), want)
+
+
+def test_refusals():
+  x = _x()
+  causal_dense = nn.MultiHeadDotProductAttention(
+      num_heads=4, attention_fn=make_attention_fn(causal=True, **KERNEL))
+  p = causal_dense.init(jax.random.key(1), x)
+  with pytest.raises(NotImplementedError, match="dense attention mask of"
+                     r" shape \(2, 1, 24, 24\)"):
+    causal_dense.apply(p, x, mask=nn.make_causal_mask(x[..., 0]))
+  drop = nn.MultiHeadDotProductAttention(
+      num_heads=4, dropout_rate=0.1, attention_fn=make_attention_fn(**KERNEL))
+  with pytest.raises(NotImplementedError, match="dropout_rate=0.1"):
+    drop.apply(p, x, deterministic=False,
+               rngs={"dropout": jax.random.key(0)})
+  drop.apply(p, x, deterministic=True)  # inference: dropout is a no-op
+  flash = FlashMultiHeadDotProductAttention(num_heads=4, dropout_rate=0.1,
+                                            **KERNEL)
+  with pytest.raises(NotImplementedError, match="dropout_rate=0.1"):
+    flash.apply(p, x, deterministic=False)
+  with pytest.raises(NotImplementedError, match="takes no dense mask"):
+    flash.apply(p, x, deterministic=True, mask=jnp.ones((2, 1, 24, 24), bool))
+  with pytest.raises(NotImplementedError, match="sow_weights"):
+    nn.MultiHeadDotProductAttention(
+        num_heads=4, attention_fn=make_attention_fn(**KERNEL)).apply(
+            p, x, sow_weights=True, mutable=["intermediates"])
+
+
+# -- a small transformer trains the same with either attention ---------------
+
+class _Block(nn.Module):
+  attention: str
+
+  @nn.compact
+  def __call__(self, x):
+    if self.attention == "flash":
+      att = FlashMultiHeadDotProductAttention(num_heads=4, causal=True,
+                                              **KERNEL, name="attn")
+      h = att(nn.LayerNorm(name="ln1")(x))
+    else:
+      att = nn.MultiHeadDotProductAttention(num_heads=4, name="attn")
+      h = att(nn.LayerNorm(name="ln1")(x),
+              mask=nn.make_causal_mask(x[..., 0]))
+    x = x + h
+    return x + nn.Dense(32, name="mlp")(nn.gelu(nn.LayerNorm(name="ln2")(x)))
+
+
+def test_transformer_trains_identically():
+  x = _x((4, 16, 32))
+  y = _x((4, 16, 32), seed=1)
+  losses = {}
+  params0 = nn.meta.unbox(_Block("flax").init(jax.random.key(0), x))
+  for which in ("flax", "flash"):
+    block = _Block(which)
+    opt = optax.adam(1e-2)
+
+    @jax.jit
+    def step(p, s, block=block, opt=opt):
+      loss, g = jax.value_and_grad(
+          lambda p: jnp.mean((block.apply(p, x) - y) ** 2))(p)
+      u, s = opt.update(g, s, p)
+      return optax.apply_updates(p, u), s, loss
+
+    p, s, out = params0, opt.init(params0), []
+    for _ in range(5):
+      p, s, loss = step(p, s)
+      out.append(float(loss))
+    losses[which] = out
+  assert losses["flash"][-1] < losses["flash"][0]
+  np.testing.assert_allclose(losses["flash"], losses["flax"], rtol=1e-4)
+
+
+# -- jax.nn.dot_product_attention compatibility ------------------------------
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(is_causal=True),
+    dict(is_causal=True, t=12, s=20),          # top-left, as jax.nn
+    dict(local_window_size=(3, 2)),
+    dict(local_window_size=2, is_causal=True),
+    dict(key_value_seq_lengths=[20, 9], query_seq_lengths=[20, 14]),
+    dict(kv_heads=1, scale=0.3),
+    dict(rank3=True, is_causal=True),
+], ids=["plain", "causal", "causal-t12-s20", "window", "window-causal",
+        "lengths", "mqa-scale", "rank3"])
+def test_dot_product_attention_matches_jax_nn(kw):
+  kw = dict(kw)
+  t, s = kw.pop("t", 20), kw.pop("s", 20)
+  kv_heads = kw.pop("kv_heads", 2)
+  rank3 = kw.pop("rank3", False)
+  for name in ("key_value_seq_lengths", "query_seq_lengths"):
+    if name in kw:
+      kw[name] = jnp.array(kw[name], jnp.int32)
+  q = jax.random.normal(jax.random.key(0), (2, t, 4, 16))
+  k = jax.random.normal(jax.random.key(1), (2, s, kv_heads, 16))
+  v = jax.random.normal(jax.random.key(2), (2, s, kv_heads, 16))
+  if rank3:
+    q, k, v = q[0], k[0], v[0]
+  ours = functools.partial(jaxflash.dot_product_attention, **kw, **KERNEL)
+  theirs = functools.partial(jax.nn.dot_product_attention, **kw)
+  out, res = ours(q, k, v, return_residual=True)
+  want, want_res = theirs(q, k, v, return_residual=True)
+  assert out.shape == want.shape and res.shape == want_res.shape
+  _close(out, want)
+  # Rows that see no key: LSE -inf here, a huge finite negative in jax.nn.
+  empty = np.isneginf(np.asarray(res))
+  assert np.all(np.asarray(want_res)[empty] < -1e30)
+  _close(np.where(empty, 0, res), np.where(empty, 0, want_res))
+  g = lambda f: jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), (0, 1, 2))
+  _close(g(ours)(q, k, v), g(theirs)(q, k, v), atol=1e-4, rtol=1e-4)
+
+
+def test_dot_product_attention_dense_paths():
+  q = jax.random.normal(jax.random.key(0), (2, 8, 4, 16))
+  bias = jax.random.normal(jax.random.key(1), (2, 4, 8, 8))
+  with pytest.raises(NotImplementedError, match="segment_ids"):
+    jaxflash.dot_product_attention(q, q, q, bias=bias)
+  with pytest.raises(NotImplementedError, match="dense mask"):
+    jaxflash.dot_product_attention(q, q, q, mask=jnp.ones((1, 1, 8, 8), bool))
+  got = jaxflash.dot_product_attention(q, q, q, bias=bias,
+                                       implementation="xla")
+  _close(got, jax.nn.dot_product_attention(q, q, q, bias=bias))
