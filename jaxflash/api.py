@@ -2,6 +2,9 @@
 
 Backends, in the order ``implementation=None`` tries them:
 
+* ``"mosaic_gpu"``: the Hopper (sm90) forward kernel in Pallas Mosaic GPU
+  (FlashAttention-3 structure); its gradient uses the Triton backward
+  kernels.  Only when named does it run in the Mosaic GPU interpreter.
 * ``"triton"``: Pallas kernels for the Triton lowering (CUDA GPUs, sm80+;
   on CPU only with ``interpret=True``).
 * ``"xla"``: the pure-JAX reference (:mod:`jaxflash.reference`), which
@@ -22,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxflash import mosaic_gpu as mosaic_backend
 from jaxflash import reference
 from jaxflash import triton as triton_backend
 from jaxflash.masks import MaskArrays, MaskSpec
@@ -29,8 +33,21 @@ from jaxflash.masks import MaskArrays, MaskSpec
 MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
 
 
-def _xla_check(q, k, v, *, interpret):
-  del q, k, v, interpret  # the reference serves every valid call
+def _xla_check(q, k, v, **unused):
+  del q, k, v, unused  # the reference serves every valid call
+
+
+def _triton_check(q, k, v, *, interpret, **unused):
+  del unused
+  triton_backend.check_supported(q, k, v, interpret=interpret)
+
+
+def _mosaic_attention(q, k, v, *, mask, arrays, softmax_scale,
+                      logits_soft_cap, config, interpret):
+  del arrays, logits_soft_cap  # check_supported refused them
+  return mosaic_backend.attention(q, k, v, mask=mask,
+                                  softmax_scale=softmax_scale, config=config,
+                                  interpret=interpret)
 
 
 def _xla_attention(q, k, v, *, mask: MaskSpec, arrays: MaskArrays,
@@ -56,7 +73,9 @@ def _triton_attention(q, k, v, *, mask, arrays, softmax_scale,
 
 # name -> (check_supported, attention, config type or None)
 _BACKENDS: dict[str, tuple[Callable, Callable, type | None]] = {
-    "triton": (triton_backend.check_supported, _triton_attention,
+    "mosaic_gpu": (mosaic_backend.check_supported, _mosaic_attention,
+                   mosaic_backend.MosaicConfig),
+    "triton": (_triton_check, _triton_attention,
                triton_backend.TritonConfig),
     "xla": (_xla_check, _xla_attention, None),
 }
@@ -260,11 +279,14 @@ def flash_attention(
       Must be a Python number (it is compiled into the kernels).
     return_lse: also return the log-sum-exp ``[batch, heads, q_len]``
       (float32, natural log, ``-inf`` for rows that see no key).
-    implementation: ``None`` (best available), a backend name from
+    implementation: ``None`` (best available: ``"mosaic_gpu"`` on Hopper,
+      then ``"triton"``, then ``"xla"``), a backend name from
       :data:`IMPLEMENTATIONS`, or a sequence of names to try in order.
-    config: a backend config (e.g. :class:`jaxflash.TritonConfig`); selects
-      that backend when ``implementation`` is None.
-    interpret: run Pallas kernels in interpret mode (on CPU, for testing).
+    config: a backend config (:class:`jaxflash.TritonConfig` or
+      :class:`jaxflash.MosaicConfig`); selects that backend when
+      ``implementation`` is None.
+    interpret: run Pallas kernels in interpret mode (on CPU, for testing);
+      with ``implementation=None`` this selects the Triton kernels.
 
   Returns:
     ``out`` shaped and typed like ``q``, or ``(out, lse)`` with
@@ -315,7 +337,8 @@ def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
         raise NotImplementedError(
             f"config of type {type(config).__name__} is not for backend"
             f" {name!r}")
-      check(q, k, v, interpret=interpret)
+      check(q, k, v, arrays=arrays, logits_soft_cap=logits_soft_cap,
+            config=config, interpret=interpret)
     except NotImplementedError as e:
       reasons.append(f"{name}: {e}")
       continue

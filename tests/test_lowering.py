@@ -69,3 +69,38 @@ def test_lowers_to_triton(fake_gpu, shape, causal, features):
   text = lowered.as_text()
   for name in ("jaxflash_fwd", "jaxflash_bwd_dkv", "jaxflash_bwd_dq"):
     assert name in text
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(),
+    dict(p_in_smem=True),
+    dict(compute_wgs=1, schedule_barrier=False),
+    dict(block_kv=64, stages=4),
+], ids=["default", "p-in-smem", "one-wg", "deep"])
+@pytest.mark.parametrize("shape", [
+    # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
+    (1024, 1024, 8, 2, 128, True, None),
+    (300, 1000, 4, 1, 96, False, (128, 0)),
+    (2048, 2048, 4, 4, 256, True, None),
+    (512, 512, 4, 2, 64, False, None),
+], ids=["d128-causal", "d96-window", "d256-causal", "d64"])
+def test_mosaic_lowers_for_cuda(shape, cfg):
+  """The Hopper kernel lowers to Mosaic GPU IR for its GPU configurations
+  (the interpreter runs only some of them)."""
+  from jaxflash import mosaic_gpu
+  t, s, h, kh, d, causal, window = shape
+  q = jax.ShapeDtypeStruct((2, t, h, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, s, kh, d), jnp.bfloat16)
+  mask = MaskSpec(t, s, causal, None, *(window or (None, None)))
+  config = mosaic_gpu.MosaicConfig(**cfg)
+  fwd = lambda q, k, v: mosaic_gpu.attention(
+      q, k, v, mask=mask, softmax_scale=0.125, config=config)[0]
+  lower = lambda: jax.jit(fwd).trace(q, kv, kv).lower(
+      lowering_platforms=("cuda",)).as_text()
+  dp = -(-d // 64) * 64
+  if config.smem_bytes(dp) > 227 * 1024:
+    # Our estimate and the compiler agree that this config does not fit.
+    with pytest.raises(Exception, match="exceeds available shared memory"):
+      lower()
+  else:
+    assert "mosaic_gpu" in lower()

@@ -83,6 +83,7 @@ def _tokamax(implementation: str):
 
 
 IMPLS: dict[str, Callable] = {
+    "jaxflash-mosaic_gpu": _jaxflash("mosaic_gpu"),
     "jaxflash-triton": _jaxflash("triton"),
     "jaxflash-xla": _jaxflash("xla"),
     "cudnn": _jax_nn("cudnn"),

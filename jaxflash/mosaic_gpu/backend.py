@@ -1,0 +1,145 @@
+"""The Mosaic GPU (Hopper) backend: padding, config, custom VJP.
+
+The backward pass is the Triton backend's (FlashAttention-2 dK/dV and dQ
+kernels) until the Hopper backward kernel exists (issue 6): it needs only
+q, k, v, the output and the log-sum-exp, which this forward saves under the
+same residual names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxflash.masks import MaskArrays, MaskSpec
+from jaxflash.mosaic_gpu import forward as fwd_lib
+from jaxflash.mosaic_gpu.config import (INTERPRET_CONFIG, SMEM_LIMIT,
+                                        MosaicConfig, default_config)
+from jaxflash.triton import backend as triton_attention
+from jaxflash.triton.common import pad_axis, round_up
+
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+RESIDUAL_NAMES = triton_attention.RESIDUAL_NAMES
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  prob: fwd_lib.Problem
+  config: MosaicConfig
+  interpret: Any
+  head_dim: int
+  backward: Any  # the Triton backend's plan for the backward pass
+
+
+def _head_dim_padded(d: int) -> int:
+  return round_up(d, 64)
+
+
+def _interpret_params(interpret):
+  if interpret is False or interpret is None:
+    return None
+  if interpret is True:
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    return plgpu.InterpretGPUParams()
+  return interpret  # an InterpretGPUParams instance
+
+
+def _plan(q, k, mask: MaskSpec, softmax_scale: float,
+          config: MosaicConfig | None, interpret) -> _Static:
+  B, T, H, D = q.shape
+  S, K = k.shape[1], k.shape[2]
+  dp = _head_dim_padded(D)
+  if config is None:
+    config = (INTERPRET_CONFIG if interpret
+              else default_config(jax.devices()[0].device_kind, dp))
+  prob = fwd_lib.Problem(
+      mask=mask, softmax_scale=float(softmax_scale), batch=B, num_heads=H,
+      num_kv_heads=K, q_pad=round_up(T, config.compute_wgs * config.block_q),
+      kv_pad=round_up(S, config.block_kv), head_dim_padded=dp)
+  backward = triton_attention._plan(  # noqa: SLF001 - same package family
+      q, k, mask, MaskArrays(), softmax_scale, None, None, bool(interpret))
+  return _Static(prob=prob, config=config, interpret=interpret, head_dim=D,
+                 backward=backward)
+
+
+def _forward(q, k, v, st: _Static):
+  prob = st.prob
+  pad = lambda x, n: pad_axis(pad_axis(x, 1, n), 3, prob.head_dim_padded)
+  out, lse = fwd_lib.forward(
+      pad(q, prob.q_pad), pad(k, prob.kv_pad), pad(v, prob.kv_pad),
+      prob=prob, cfg=st.config, interpret=_interpret_params(st.interpret))
+  T = q.shape[1]
+  return out[:, :T, :, :st.head_dim], lse[:, :, :T]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention(q, k, v, st: _Static):
+  return _forward(q, k, v, st)
+
+
+def _attention_fwd(q, k, v, st: _Static):
+  out, lse = _forward(q, k, v, st)
+  out = checkpoint_name(out, RESIDUAL_NAMES[0])
+  lse = checkpoint_name(lse, RESIDUAL_NAMES[1])
+  return (out, lse), (q, k, v, out, lse)
+
+
+def _attention_bwd(st: _Static, res, cotangents):
+  q, k, v, out, lse = res
+  dq, dk, dv, _ = triton_attention._attention_bwd(  # noqa: SLF001
+      st.backward, (q, k, v, MaskArrays(), out, lse), cotangents)
+  return dq, dk, dv
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def attention(q, k, v, *, mask: MaskSpec, softmax_scale: float,
+              config: MosaicConfig | None = None, interpret=False):
+  """Flash attention with the Hopper forward kernel.
+
+  ``interpret``: False (compile for the GPU), True, or a
+  ``plgpu.InterpretGPUParams`` (e.g. with ``detect_races=True``).
+  Returns ``(out, lse)`` like the other backends.
+  """
+  st = _plan(q, k, mask, softmax_scale, config, interpret)
+  return _attention(q, k, v, st)
+
+
+def check_supported(q, k, v, *, arrays: MaskArrays,
+                    logits_soft_cap: float | None, config, interpret) -> None:
+  """Raises NotImplementedError when this backend cannot serve the call."""
+  if q.dtype not in SUPPORTED_DTYPES:
+    raise NotImplementedError(
+        f"mosaic_gpu backend supports bfloat16 and float16, got {q.dtype}")
+  missing = [name for name, val in (
+      ("segment_ids", arrays.q_segment_ids),
+      ("q_seq_lengths", arrays.q_seq_lengths),
+      ("kv_seq_lengths", arrays.kv_seq_lengths),
+      ("logits_soft_cap", logits_soft_cap)) if val is not None]
+  if missing:
+    raise NotImplementedError(
+        f"mosaic_gpu backend does not take {', '.join(missing)} yet")
+  dp = _head_dim_padded(q.shape[3])
+  if config is not None and config.smem_bytes(dp) > SMEM_LIMIT:
+    raise NotImplementedError(
+        f"{config} needs {config.smem_bytes(dp)} bytes of shared memory at"
+        f" head_dim {dp} (limit {SMEM_LIMIT})")
+  if interpret:
+    return
+  if jax.default_backend() != "gpu":
+    raise NotImplementedError(
+        "mosaic_gpu backend needs an sm90 GPU (default backend is"
+        f" {jax.default_backend()!r}); pass interpret=True to run it in the"
+        " Mosaic GPU interpreter")
+  dev = jax.devices()[0]
+  cc = getattr(dev, "compute_capability", None)
+  if cc is None or not str(cc).startswith("9"):
+    raise NotImplementedError(
+        f"mosaic_gpu backend needs compute capability 9.x (Hopper), got {cc}"
+        f" ({dev.device_kind})")

@@ -1,0 +1,90 @@
+"""Tile configuration of the Hopper (Mosaic GPU) kernels.
+
+Defaults are data, per device kind, in ``tuning.json`` beside this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+  """Tiles and pipeline of the Hopper forward kernel; frozen (static).
+
+  Attributes:
+    block_q: query rows per consumer warpgroup (a multiple of 64: one
+      ``wgmma`` M-tile is 64 rows).
+    block_kv: key rows per pipeline stage (a multiple of 64).
+    stages: depth of the K/V shared-memory ring filled by TMA (>= 2).
+    compute_wgs: consumer warpgroups per program (1 or 2); a producer
+      warpgroup issues the TMA copies (warp specialisation).
+    p_in_smem: stage the probabilities ``P`` through shared memory for the
+      ``P V`` wgmma (``True``), or feed them from registers (``False``, as
+      FlashAttention-3).  Pallas' Mosaic GPU interpreter only runs the
+      shared-memory form, so interpreted tests use it; the GPU tests cover
+      both.
+    schedule_barrier: with two consumer warpgroups, alternate their
+      matmuls (FlashAttention-3's ping-pong, arXiv 2407.08608 §3.1).
+  """
+
+  block_q: int = 64
+  block_kv: int = 64
+  stages: int = 2
+  compute_wgs: int = 2
+  p_in_smem: bool = False
+  schedule_barrier: bool = True
+
+  def __post_init__(self):
+    for name in ("block_q", "block_kv"):
+      val = getattr(self, name)
+      if not isinstance(val, int) or val < 64 or val % 64:
+        raise ValueError(f"{name}={val!r} must be a positive multiple of 64")
+    if not isinstance(self.stages, int) or self.stages < 2:
+      raise ValueError(f"stages={self.stages!r} must be an integer >= 2")
+    if self.compute_wgs not in (1, 2):
+      raise ValueError(f"compute_wgs={self.compute_wgs!r} must be 1 or 2")
+
+  def smem_bytes(self, head_dim_padded: int, itemsize: int = 2) -> int:
+    """Shared memory the forward kernel allocates."""
+    qo = self.compute_wgs * self.block_q * head_dim_padded * itemsize
+    kv = 2 * self.stages * self.block_kv * head_dim_padded * itemsize
+    p = (self.compute_wgs * self.block_q * self.block_kv * itemsize
+         if self.p_in_smem else 0)
+    lse = self.compute_wgs * self.block_q * 4
+    return qo + kv + p + lse
+
+
+# Hopper: 227 KiB of shared memory per block (sm90 opt-in maximum).
+SMEM_LIMIT = 227 * 1024
+
+# Runs under the Mosaic GPU interpreter (CPU tests): one consumer
+# warpgroup, P through shared memory.
+INTERPRET_CONFIG = MosaicConfig(block_q=64, block_kv=64, stages=2,
+                                compute_wgs=1, p_in_smem=True,
+                                schedule_barrier=False)
+
+
+@functools.cache
+def _tuning() -> dict:
+  with open(os.path.join(os.path.dirname(__file__), "tuning.json")) as f:
+    return json.load(f)
+
+
+def default_config(device_kind: str | None, head_dim_padded: int
+                   ) -> MosaicConfig:
+  """The tuned entry for this device kind and head_dim (nearest larger
+  head_dim; the ``default`` kind when the device is not listed)."""
+  table = _tuning()["devices"]
+  entries = table.get(device_kind or "", table["default"])
+  dims = sorted(int(d) for d in entries)
+  pick = next((d for d in dims if d >= head_dim_padded), dims[-1])
+  cfg = MosaicConfig(**entries[str(pick)])
+  if cfg.smem_bytes(head_dim_padded) > SMEM_LIMIT:
+    raise ValueError(
+        f"tuned config {cfg} needs {cfg.smem_bytes(head_dim_padded)} bytes"
+        f" of shared memory at head_dim {head_dim_padded} (> {SMEM_LIMIT})")
+  return cfg

@@ -1,0 +1,268 @@
+"""Hopper forward kernel in Pallas Mosaic GPU (FlashAttention-3 structure).
+
+One program per (query tile group, batch, head).  Warp specialisation
+(arXiv 2407.08608 §3.1): a producer warpgroup streams K and V tiles with
+TMA into a ``stages``-deep shared-memory ring, each slot completing on a
+barrier; ``compute_wgs`` consumer warpgroups each own ``block_q`` query
+rows, compute ``S = Q K^T`` and ``O += P V`` with ``wgmma`` into float32
+register accumulators, and release each slot on a "consumed" barrier.
+With two consumers a schedule barrier alternates their matmuls so one's
+softmax overlaps the other's tensor-core work (ping-pong).
+
+The online softmax (FlashAttention-2, arXiv 2307.08691 Algorithm 1) runs in
+base 2 with the softmax scale folded into one multiplier.  Key tiles come
+from :meth:`jaxflash.masks.MaskSpec.kv_block_range`: the producer loads the
+union of the consumers' ranges; each consumer computes its own live tiles
+(masked or fully visible) and only acknowledges the others ("skip" steps),
+so every barrier phase is observed by every warpgroup.
+
+Accumulators: each ``wgmma`` writes a fresh scoped accumulator
+(``pl.run_scoped(..., plgpu.ACC)``) that is combined with the running
+output in registers — the form both the GPU and the Mosaic GPU interpreter
+accept (shared/STYLE.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from jaxflash.masks import MaskSpec
+from jaxflash.mosaic_gpu.config import MosaicConfig
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """Static description of a padded call: ``mask`` speaks of the unpadded
+  lengths, the other sizes of the padded arrays."""
+
+  mask: MaskSpec
+  softmax_scale: float
+  batch: int
+  num_heads: int
+  num_kv_heads: int
+  q_pad: int
+  kv_pad: int
+  head_dim_padded: int
+
+
+def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem2, k_smem, v_smem,
+            lse_smem2, k_ready, v_ready, q_ready, k_free, v_free, *extra,
+            prob: Problem, cfg: MosaicConfig, dtype):
+  p_smem2 = extra[0] if cfg.p_in_smem else None
+  sched = extra[-1] if _use_schedule(cfg) else None
+  bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
+  group_rows = cfg.compute_wgs * bq
+  b = lax.axis_index("batch")
+  h = lax.axis_index("heads")
+  wg = lax.axis_index("wg")
+  group_start = lax.axis_index("q_seq") * group_rows
+  mask = prob.mask
+  # Key tiles any consumer of this program needs: the producer loads them.
+  u_lo, _, _, u_hi = mask.kv_block_range(group_start, group_rows, bk)
+  n_steps = u_hi - u_lo
+
+  def slot_of(t):
+    return lax.rem(t - u_lo, stages)
+
+  def sched_sync():
+    if sched is not None:
+      plgpu.barrier_arrive(sched)
+      plgpu.barrier_wait(sched)
+
+  @pl.when(wg < cfg.compute_wgs)
+  def _consumer():
+    if cfg.compute_wgs == 2:
+      plgpu.set_max_registers(232, action="increase")
+    qo_smem = qo_smem2.at[wg]
+    lse_smem = lse_smem2.at[wg]
+    q_start = group_start + wg * bq
+    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, bq), h], qo_smem,
+                            q_ready.at[wg])
+    plgpu.barrier_wait(q_ready.at[wg])
+    row = plgpu.Layout.WGMMA.reduce(1)
+    m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row)
+    l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row)
+    acc = plgpu.layout_cast(
+        jnp.full((bq, prob.head_dim_padded), 0.0, jnp.float32),
+        plgpu.Layout.WGMMA)
+    qk_scale = prob.softmax_scale * LOG2E
+
+    def compute(t, carry, *, masked: bool):
+      acc, m, l = carry
+      slot = slot_of(t)
+      plgpu.barrier_wait(k_ready.at[slot])
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].T)
+        sched_sync()  # let the other consumer's matmul go next
+        return acc_ref[...]
+
+      s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+      plgpu.barrier_arrive(k_free.at[slot])
+      s = s * qk_scale  # base-2 logits, scale folded in
+      if masked:
+        q_idx = q_start + plgpu.broadcasted_iota(
+            jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
+        k_idx = t * bk + plgpu.broadcasted_iota(
+            jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
+        s = jnp.where(mask.visible(q_idx, k_idx), s, -jnp.inf)
+      m_next = jnp.maximum(m, s.max(axis=1))
+      # While a row has seen no key, m = -inf: subtract 0 instead so that
+      # exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
+      m_use = jnp.where(m_next == -jnp.inf, 0.0, m_next) if masked else m_next
+      alpha = jnp.exp2(m - m_use)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+      l = l * alpha + p.sum(axis=1)
+      p16 = p.astype(dtype)
+      if sched is not None:
+        plgpu.barrier_arrive(sched)  # softmax done
+      plgpu.barrier_wait(v_ready.at[slot])
+      if sched is not None:
+        plgpu.barrier_wait(sched)  # tensor cores free
+      if p_smem2 is not None:
+        p_src = p_smem2.at[wg]
+        p_src[...] = p16
+        plgpu.commit_smem()
+      else:
+        p_src = p16
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
+        return acc_ref[...]
+
+      o = pl.run_scoped(pv, plgpu.ACC((bq, prob.head_dim_padded),
+                                      jnp.float32))
+      plgpu.barrier_arrive(v_free.at[slot])
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
+      return acc, m_next, l
+
+    def skip(t, carry):
+      # A tile only the other consumer needs: observe and release it.
+      slot = slot_of(t)
+      plgpu.barrier_wait(k_ready.at[slot])
+      plgpu.barrier_arrive(k_free.at[slot])
+      sched_sync()
+      plgpu.barrier_wait(v_ready.at[slot])
+      plgpu.barrier_arrive(v_free.at[slot])
+      sched_sync()
+      return carry
+
+    lo, full_lo, full_hi, hi = mask.kv_block_range(q_start, bq, bk)
+    if sched is not None:
+      pl.when(wg == 1)(sched_sync)  # offset the two consumers by a half step
+    carry = (acc, m, l)
+    carry = lax.fori_loop(u_lo, lo, skip, carry)
+    carry = lax.fori_loop(lo, full_lo, functools.partial(compute, masked=True),
+                          carry)
+    carry = lax.fori_loop(full_lo, full_hi,
+                          functools.partial(compute, masked=False), carry)
+    carry = lax.fori_loop(full_hi, hi, functools.partial(compute, masked=True),
+                          carry)
+    acc, m, l = lax.fori_loop(hi, u_hi, skip, carry)
+    if sched is not None:
+      pl.when(wg == 0)(sched_sync)
+
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+    qo_smem[...] = acc.astype(dtype)
+    # Natural-log LSE, -inf for rows that see no key.
+    lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q_start, bq), h])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_start, bq)])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == cfg.compute_wgs)
+  def _producer():
+    if cfg.compute_wgs == 2:
+      plgpu.set_max_registers(40, action="decrease")
+    kv_head = lax.div(h, jnp.asarray(prob.num_heads // prob.num_kv_heads,
+                                     h.dtype))
+
+    def load(t, slot):
+      src = (b, pl.ds(t * bk, bk), kv_head)
+      plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot],
+                              k_ready.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot],
+                              v_ready.at[slot])
+
+    for i in range(stages):  # fill the ring
+      @pl.when(i < n_steps)
+      def _():
+        load(u_lo + i, i)
+
+    @pl.loop(u_lo + stages, jnp.maximum(u_hi, u_lo + stages))
+    def _(t):
+      slot = slot_of(t)
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
+      load(t, slot)
+
+    # Drain: observe the consumers' last releases, so that every barrier
+    # phase is waited on before the barriers go away.
+    @pl.loop(jnp.maximum(u_hi - stages, u_lo), u_hi)
+    def _(t):
+      slot = slot_of(t)
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
+
+
+def _use_schedule(cfg: MosaicConfig) -> bool:
+  return cfg.schedule_barrier and cfg.compute_wgs == 2
+
+
+def forward(q, k, v, *, prob: Problem, cfg: MosaicConfig, interpret=None):
+  """Padded ``q [B, T, H, Dp]``, ``k, v [B, S, K, Dp]`` (bf16/fp16) ->
+  ``(out [B, T, H, Dp], lse [B, H, T] float32)``."""
+  dtype = q.dtype
+  dp = prob.head_dim_padded
+  bq, bk = cfg.block_q, cfg.block_kv
+  # 128-byte swizzle over 64-element (bf16/fp16) rows: the layout wgmma
+  # reads without bank conflicts.
+  tiling = plgpu.TilingTransform((8, 64))
+  swizzle = plgpu.SwizzleTransform(128)
+  tiled = dict(transforms=(tiling, swizzle))
+  scratch = [
+      plgpu.SMEM((cfg.compute_wgs, bq, dp), dtype, **tiled),
+      plgpu.SMEM((cfg.stages, bk, dp), dtype, **tiled),
+      plgpu.SMEM((cfg.stages, bk, dp), dtype, **tiled),
+      plgpu.SMEM((cfg.compute_wgs, bq), jnp.float32),
+      plgpu.Barrier(num_barriers=cfg.stages),             # k_ready (TMA)
+      plgpu.Barrier(num_barriers=cfg.stages),             # v_ready (TMA)
+      plgpu.Barrier(num_barriers=cfg.compute_wgs),        # q_ready (TMA)
+      plgpu.Barrier(num_arrivals=cfg.compute_wgs,
+                    num_barriers=cfg.stages),             # k_free
+      plgpu.Barrier(num_arrivals=cfg.compute_wgs,
+                    num_barriers=cfg.stages),             # v_free
+  ]
+  if cfg.p_in_smem:
+    scratch.append(plgpu.SMEM((cfg.compute_wgs, bq, bk), dtype, **tiled))
+  if _use_schedule(cfg):
+    scratch.append(plgpu.Barrier(num_arrivals=cfg.compute_wgs))
+  out_type = [jax.ShapeDtypeStruct(q.shape, dtype),
+              jax.ShapeDtypeStruct((prob.batch, prob.num_heads, prob.q_pad),
+                                   jnp.float32)]
+  kernel = functools.partial(_kernel, prob=prob, cfg=cfg, dtype=dtype)
+  return plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      scratch_types=scratch,
+      grid=(prob.num_heads, prob.q_pad // (cfg.compute_wgs * bq), prob.batch),
+      grid_names=("heads", "q_seq", "batch"),
+      num_threads=cfg.compute_wgs + 1,
+      thread_name="wg",
+      interpret=interpret,
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(q, k, v)

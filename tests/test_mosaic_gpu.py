@@ -1,0 +1,155 @@
+"""The Hopper (Mosaic GPU) forward kernel.
+
+On CPU it runs in the Mosaic GPU interpreter with race detection
+(``InterpretGPUParams(detect_races=True)``): TMA, barriers, wgmma, one or
+two consumer warpgroups with the ping-pong schedule barrier.  The ``gpu``
+variants compile it for the H200, including the register-operand ``P V``
+form the interpreter cannot run.  Gradients go through the Triton backward
+kernels (interpret mode on CPU).
+"""
+
+import functools
+import zlib
+
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+import pytest
+
+import jaxflash
+import numerics
+from jaxflash import masks, mosaic_gpu
+
+RACES = plgpu.InterpretGPUParams(detect_races=True)
+ONE_WG = mosaic_gpu.INTERPRET_CONFIG
+TWO_WG = mosaic_gpu.MosaicConfig(block_q=64, block_kv=64, stages=2,
+                                 compute_wgs=2, p_in_smem=True,
+                                 schedule_barrier=True)
+DEEP = mosaic_gpu.MosaicConfig(block_q=64, block_kv=64, stages=4,
+                               compute_wgs=2, p_in_smem=True,
+                               schedule_barrier=True)
+
+# (name, q_len, kv_len, heads, kv_heads, head_dim, dtype, causal, window, cfg)
+CASES = [
+    ("d64-full", 256, 256, 2, 2, 64, jnp.bfloat16, False, None, ONE_WG),
+    ("d64-causal-2wg", 256, 256, 4, 2, 64, jnp.bfloat16, True, None, TWO_WG),
+    ("d96-gqa-q200-k300", 200, 300, 4, 2, 96, jnp.float16, True, None,
+     ONE_WG),
+    ("d128-mqa-2wg", 130, 130, 4, 1, 128, jnp.bfloat16, False, None, TWO_WG),
+    ("d128-window", 257, 257, 2, 1, 128, jnp.bfloat16, True, (70, 0),
+     TWO_WG),
+    ("d192-q113-k17", 113, 17, 2, 2, 192, jnp.float16, False, None, ONE_WG),
+    ("d256-causal-q300-k100", 300, 100, 2, 1, 256, jnp.bfloat16, True, None,
+     ONE_WG),
+    ("d64-len1", 1, 1, 2, 1, 64, jnp.bfloat16, False, None, TWO_WG),
+    ("d64-stages4-short", 64, 128, 2, 2, 64, jnp.bfloat16, False, None,
+     DEEP),
+    ("d64-stages4-window-far", 384, 384, 2, 2, 64, jnp.bfloat16, False,
+     (10, 10), DEEP),
+    ("d32-tiny-window-empty", 100, 100, 2, 2, 32, jnp.bfloat16, True, (0, 0),
+     TWO_WG),
+]
+
+
+def _run(case, interpret, config):
+  _, t, s, h, kh, d, dtype, causal, window, _ = case
+  args = numerics.random_inputs(
+      jax.random.key(zlib.crc32(case[0].encode())), batch=2, q_len=t,
+      kv_len=s, heads=h, kv_heads=kh, head_dim=d, dtype=dtype)
+  spec = masks.MaskSpec(t, s, causal, None, *(window or (None, None)))
+
+  def fn(q, k, v):
+    return mosaic_gpu.attention(q, k, v, mask=spec, softmax_scale=d ** -0.5,
+                                config=config, interpret=interpret)
+
+  got = numerics.outputs_and_grads(fn, *args)
+  numerics.check_rule(got, *args, causal=causal,
+                      window=window or (None, None))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_interpret_with_race_detection(case):
+  _run(case, RACES, case[-1])
+
+
+GPU_CONFIGS = {
+    "default": None,
+    "p-in-smem": mosaic_gpu.MosaicConfig(p_in_smem=True),
+    "one-wg": mosaic_gpu.MosaicConfig(compute_wgs=1, schedule_barrier=False),
+    "deep": mosaic_gpu.MosaicConfig(block_kv=64, stages=4),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", list(GPU_CONFIGS))
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_gpu(case, cfg):
+  config = GPU_CONFIGS[cfg]
+  dp = -(-case[5] // 64) * 64
+  if config is not None and config.smem_bytes(dp) > 227 * 1024:
+    pytest.skip(f"{cfg} needs {config.smem_bytes(dp)} bytes of shared memory"
+                f" at head_dim {dp} (limit 227 KiB): not a valid config")
+  _run(case, False, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq", [1024, 4096])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu_long(seq, causal, head_dim):
+  case = (f"long-{seq}-{head_dim}", seq, seq, 8, 2, head_dim, jnp.bfloat16,
+          causal, None, None)
+  _run(case, False, None)
+
+
+def test_config_validation():
+  for bad, match in [(dict(block_q=32), "block_q=32"),
+                     (dict(block_kv=100), "block_kv=100"),
+                     (dict(stages=1), "stages=1"),
+                     (dict(compute_wgs=3), "compute_wgs=3")]:
+    with pytest.raises(ValueError, match=match):
+      mosaic_gpu.MosaicConfig(**bad)
+  cfg = mosaic_gpu.default_config("NVIDIA H200", 128)
+  assert cfg.smem_bytes(128) <= 227 * 1024
+  assert mosaic_gpu.default_config("some future GPU", 256).block_q % 64 == 0
+
+
+def test_dispatch_refuses_what_it_cannot_serve():
+  q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+  attend = functools.partial(jaxflash.flash_attention,
+                             implementation="mosaic_gpu", interpret=True)
+  with pytest.raises(NotImplementedError, match="does not take segment_ids"):
+    attend(q, q, q, segment_ids=jnp.zeros((1, 64), jnp.int32))
+  with pytest.raises(NotImplementedError, match="logits_soft_cap"):
+    attend(q, q, q, logits_soft_cap=5.0)
+  with pytest.raises(NotImplementedError, match="bfloat16 and float16"):
+    attend(q.astype(jnp.float32), q.astype(jnp.float32),
+           q.astype(jnp.float32))
+  if jax.default_backend() != "gpu":
+    with pytest.raises(NotImplementedError, match="needs an sm90 GPU"):
+      jaxflash.flash_attention(q, q, q, implementation="mosaic_gpu")
+  # A sequence falls through to the next backend that can serve the call.
+  out = jaxflash.flash_attention(
+      q, q, q, segment_ids=jnp.zeros((1, 64), jnp.int32),
+      implementation=("mosaic_gpu", "triton"), interpret=True)
+  assert out.shape == q.shape
+
+
+def test_through_flash_attention_interpret():
+  args = numerics.random_inputs(jax.random.key(5), batch=1, q_len=128,
+                                kv_len=128, heads=2, kv_heads=1, head_dim=64,
+                                dtype=jnp.bfloat16)
+  fn = functools.partial(jaxflash.flash_attention, causal=True,
+                         return_lse=True, implementation="mosaic_gpu",
+                         interpret=True)
+  numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
+                      causal=True)
+
+
+@pytest.mark.gpu
+def test_gpu_default_dispatch_is_mosaic_on_hopper():
+  q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
+  text = str(jax.make_jaxpr(jaxflash.flash_attention)(q, q, q))
+  kind = jax.devices()[0].device_kind
+  if "H100" in kind or "H200" in kind:
+    assert "mosaic" in text.lower()
