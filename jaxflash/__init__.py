@@ -4,8 +4,8 @@ from jaxflash.api import IMPLEMENTATIONS as IMPLEMENTATIONS
 from jaxflash.api import dot_product_attention as dot_product_attention
 from jaxflash.api import flash_attention as flash_attention
 from jaxflash.masks import PAD_SEGMENT_ID as PAD_SEGMENT_ID
-from jaxflash.mosaic_gpu import MosaicConfig as MosaicConfig
 from jaxflash.masks import MaskSpec as MaskSpec
+from jaxflash.mosaic_gpu import MosaicConfig as MosaicConfig
 from jaxflash.triton import RESIDUAL_NAMES as RESIDUAL_NAMES
 from jaxflash.triton import TritonConfig as TritonConfig
 

@@ -14,10 +14,10 @@ import zlib
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numerics
 import pytest
 
 import jaxflash
-import numerics
 from jaxflash import masks, mosaic_gpu
 
 RACES = plgpu.InterpretGPUParams(detect_races=True)
@@ -153,3 +153,13 @@ def test_gpu_default_dispatch_is_mosaic_on_hopper():
   kind = jax.devices()[0].device_kind
   if "H100" in kind or "H200" in kind:
     assert "mosaic" in text.lower()
+
+
+def test_interpreter_thread_guard(monkeypatch):
+  """Too few host devices would deadlock the interpreter: refused."""
+  from jaxflash.mosaic_gpu import backend
+  monkeypatch.setattr(backend.jax, "devices", lambda *a: [None, None])
+  q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="needs >= 4 host devices"):
+    mosaic_gpu.attention(q, q, q, mask=masks.MaskSpec(64, 64),
+                         softmax_scale=0.1, config=TWO_WG, interpret=True)

@@ -18,8 +18,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxflash.masks import MaskArrays, MaskSpec
 from jaxflash.mosaic_gpu import forward as fwd_lib
-from jaxflash.mosaic_gpu.config import (INTERPRET_CONFIG, SMEM_LIMIT,
-                                        MosaicConfig, default_config)
+from jaxflash.mosaic_gpu.config import (
+  INTERPRET_CONFIG,
+  SMEM_LIMIT,
+  MosaicConfig,
+  default_config,
+)
 from jaxflash.triton import backend as triton_attention
 from jaxflash.triton.common import pad_axis, round_up
 
@@ -99,6 +103,21 @@ def _attention_bwd(st: _Static, res, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def _check_interpreter_threads(config: MosaicConfig) -> None:
+  """The Mosaic GPU interpreter runs each warpgroup as a computation on its
+  own CPU thread, and blocks in barrier waits; with fewer host devices than
+  warpgroups + 1, jax 0.11.2's CPU runtime has too few threads and the
+  kernel deadlocks (seen here).  Refuse instead of hanging."""
+  need = config.compute_wgs + 2
+  have = len(jax.devices("cpu"))
+  if have < need:
+    raise NotImplementedError(
+        f"the Mosaic GPU interpreter needs >= {need} host devices for"
+        f" {config.compute_wgs + 1} warpgroups, this process has {have}: set"
+        " XLA_FLAGS=--xla_force_host_platform_device_count=8 before"
+        " importing jax")
+
+
 def attention(q, k, v, *, mask: MaskSpec, softmax_scale: float,
               config: MosaicConfig | None = None, interpret=False):
   """Flash attention with the Hopper forward kernel.
@@ -108,6 +127,8 @@ def attention(q, k, v, *, mask: MaskSpec, softmax_scale: float,
   Returns ``(out, lse)`` like the other backends.
   """
   st = _plan(q, k, mask, softmax_scale, config, interpret)
+  if interpret:
+    _check_interpreter_threads(st.config)
   return _attention(q, k, v, st)
 
 

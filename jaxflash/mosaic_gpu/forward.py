@@ -29,10 +29,10 @@ import functools
 import math
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
 
 from jaxflash.masks import MaskSpec
 from jaxflash.mosaic_gpu.config import MosaicConfig
@@ -199,9 +199,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem2, k_smem, v_smem,
                               v_ready.at[slot])
 
     for i in range(stages):  # fill the ring
-      @pl.when(i < n_steps)
-      def _():
-        load(u_lo + i, i)
+      pl.when(i < n_steps)(functools.partial(lambda i: load(u_lo + i, i), i))
 
     @pl.loop(u_lo + stages, jnp.maximum(u_hi, u_lo + stages))
     def _(t):
