@@ -6,7 +6,7 @@ from jaxflash.api import flash_attention as flash_attention
 from jaxflash.masks import PAD_SEGMENT_ID as PAD_SEGMENT_ID
 from jaxflash.masks import MaskSpec as MaskSpec
 from jaxflash.mosaic_gpu import MosaicConfig as MosaicConfig
-from jaxflash.triton import RESIDUAL_NAMES as RESIDUAL_NAMES
+from jaxflash.op import RESIDUAL_NAMES as RESIDUAL_NAMES
 from jaxflash.triton import TritonConfig as TritonConfig
 
 __version__ = "0.1.0"

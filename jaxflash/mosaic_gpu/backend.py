@@ -9,12 +9,10 @@ same residual names.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from jaxflash.masks import MaskArrays, MaskSpec
 from jaxflash.mosaic_gpu import forward as fwd_lib
@@ -24,11 +22,10 @@ from jaxflash.mosaic_gpu.config import (
   MosaicConfig,
   default_config,
 )
-from jaxflash.triton import backend as triton_attention
+from jaxflash.triton import backend as triton_backend
 from jaxflash.triton.common import pad_axis, round_up
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
-RESIDUAL_NAMES = triton_attention.RESIDUAL_NAMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +34,6 @@ class _Static:
   config: MosaicConfig
   interpret: Any
   head_dim: int
-  backward: Any  # the Triton backend's plan for the backward pass
 
 
 def _head_dim_padded(d: int) -> int:
@@ -65,10 +61,7 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
       mask=mask, softmax_scale=float(softmax_scale), batch=B, num_heads=H,
       num_kv_heads=K, q_pad=round_up(T, config.compute_wgs * config.block_q),
       kv_pad=round_up(S, config.block_kv), head_dim_padded=dp)
-  backward = triton_attention._plan(  # noqa: SLF001 - same package family
-      q, k, mask, MaskArrays(), softmax_scale, None, None, bool(interpret))
-  return _Static(prob=prob, config=config, interpret=interpret, head_dim=D,
-                 backward=backward)
+  return _Static(prob=prob, config=config, interpret=interpret, head_dim=D)
 
 
 def _forward(q, k, v, st: _Static):
@@ -81,26 +74,26 @@ def _forward(q, k, v, st: _Static):
   return out[:, :T, :, :st.head_dim], lse[:, :, :T]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, st: _Static):
+def forward(q, k, v, arrays: MaskArrays, *, mask: MaskSpec,
+            softmax_scale: float, logits_soft_cap=None,
+            config: MosaicConfig | None = None, interpret=False):
+  """The Hopper forward kernel on (local) arrays: ``(out, lse)``."""
+  del arrays, logits_soft_cap  # refused by check_supported
+  st = _plan(q, k, mask, softmax_scale, config, interpret)
+  if interpret:
+    _check_interpreter_threads(st.config)
   return _forward(q, k, v, st)
 
 
-def _attention_fwd(q, k, v, st: _Static):
-  out, lse = _forward(q, k, v, st)
-  out = checkpoint_name(out, RESIDUAL_NAMES[0])
-  lse = checkpoint_name(lse, RESIDUAL_NAMES[1])
-  return (out, lse), (q, k, v, out, lse)
-
-
-def _attention_bwd(st: _Static, res, cotangents):
-  q, k, v, out, lse = res
-  dq, dk, dv, _ = triton_attention._attention_bwd(  # noqa: SLF001
-      st.backward, (q, k, v, MaskArrays(), out, lse), cotangents)
-  return dq, dk, dv
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
+             mask: MaskSpec, softmax_scale: float, logits_soft_cap=None,
+             config=None, interpret=False):
+  """The gradient: the Triton backward kernels (until issue 6)."""
+  del config
+  return triton_backend.backward(
+      q, k, v, arrays, out, lse, dout, dlse, mask=mask,
+      softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
+      config=None, interpret=bool(interpret))
 
 
 def _check_interpreter_threads(config: MosaicConfig) -> None:
@@ -126,10 +119,10 @@ def attention(q, k, v, *, mask: MaskSpec, softmax_scale: float,
   ``plgpu.InterpretGPUParams`` (e.g. with ``detect_races=True``).
   Returns ``(out, lse)`` like the other backends.
   """
-  st = _plan(q, k, mask, softmax_scale, config, interpret)
-  if interpret:
-    _check_interpreter_threads(st.config)
-  return _attention(q, k, v, st)
+  from jaxflash import op  # noqa: PLC0415 - op imports this module
+  return op.attention(q, k, v, MaskArrays(), op.OpParams(
+      backend="mosaic_gpu", mask=mask, softmax_scale=float(softmax_scale),
+      logits_soft_cap=None, config=config, interpret=interpret))
 
 
 def check_supported(q, k, v, *, arrays: MaskArrays,

@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import math
 
-import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
@@ -36,6 +35,7 @@ from jax import lax
 
 from jaxflash.masks import MaskSpec
 from jaxflash.mosaic_gpu.config import MosaicConfig
+from jaxflash.triton.common import out_struct
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -249,9 +249,9 @@ def forward(q, k, v, *, prob: Problem, cfg: MosaicConfig, interpret=None):
     scratch.append(plgpu.SMEM((cfg.compute_wgs, bq, bk), dtype, **tiled))
   if _use_schedule(cfg):
     scratch.append(plgpu.Barrier(num_arrivals=cfg.compute_wgs))
-  out_type = [jax.ShapeDtypeStruct(q.shape, dtype),
-              jax.ShapeDtypeStruct((prob.batch, prob.num_heads, prob.q_pad),
-                                   jnp.float32)]
+  out_type = [out_struct(q.shape, dtype, q, k, v),
+              out_struct((prob.batch, prob.num_heads, prob.q_pad),
+                         jnp.float32, q, k, v)]
   kernel = functools.partial(_kernel, prob=prob, cfg=cfg, dtype=dtype)
   return plgpu.kernel(
       kernel,

@@ -7,7 +7,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from jaxflash.masks import PAD_SEGMENT_ID, MaskArrays, MaskSpec
 from jaxflash.triton import backward as bwd_lib
@@ -18,11 +17,6 @@ from jaxflash.triton.tiles import MaskInputs
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
-# Names of the residuals saved by the forward pass, for remat policies, e.g.
-# jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names(
-#     *RESIDUAL_NAMES)) keeps the attention output and LSE and recomputes
-# nothing of the attention in the backward pass.
-RESIDUAL_NAMES = ("jaxflash_out", "jaxflash_lse")
 NO_MASK_ARRAYS = MaskArrays()
 
 
@@ -95,21 +89,23 @@ def _forward(q, k, v, arrays, st: _Static, count_tiles=False):
   return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, arrays, st: _Static):
+def forward(q, k, v, arrays: MaskArrays, *, mask: MaskSpec,
+            softmax_scale: float, logits_soft_cap: float | None = None,
+            config: TritonConfig | None = None, interpret: bool = False):
+  """The forward kernel on (local) arrays: ``(out, lse)``; not
+  differentiable by itself (see :mod:`jaxflash.op`)."""
+  st = _plan(q, k, mask, arrays, softmax_scale, logits_soft_cap, config,
+             interpret)
   return _forward(q, k, v, arrays, st)
 
 
-def _attention_fwd(q, k, v, arrays, st: _Static):
-  out, lse = _forward(q, k, v, arrays, st)
-  out = checkpoint_name(out, RESIDUAL_NAMES[0])
-  lse = checkpoint_name(lse, RESIDUAL_NAMES[1])
-  return (out, lse), (q, k, v, arrays, out, lse)
-
-
-def _attention_bwd(st: _Static, res, cotangents):
-  q, k, v, arrays, out, lse = res
-  dout, dlse = cotangents
+def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
+             mask: MaskSpec, softmax_scale: float,
+             logits_soft_cap: float | None = None,
+             config: TritonConfig | None = None, interpret: bool = False):
+  """The backward kernels from the forward's residuals: ``(dq, dk, dv)``."""
+  st = _plan(q, k, mask, arrays, softmax_scale, logits_soft_cap, config,
+             interpret)
   prob = st.prob
   dp = prob.head_dim_padded
   T, S = q.shape[1], k.shape[1]
@@ -122,11 +118,7 @@ def _attention_bwd(st: _Static, res, cotangents):
       _mask_inputs(arrays, prob, q.shape[0]),
       prob=prob, config=st.config, interpret=st.interpret)
   D = st.head_dim
-  no_grad = jax.tree.map(lambda _: None, arrays)  # integer inputs
-  return dq[:, :T, :, :D], dk[:, :S, :, :D], dv[:, :S, :, :D], no_grad
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+  return dq[:, :T, :, :D], dk[:, :S, :, :D], dv[:, :S, :, :D]
 
 
 def attention(q, k, v, *, mask: MaskSpec, arrays: MaskArrays = NO_MASK_ARRAYS,
@@ -135,11 +127,13 @@ def attention(q, k, v, *, mask: MaskSpec, arrays: MaskArrays = NO_MASK_ARRAYS,
   """Flash attention with the Triton-lowering Pallas kernels.
 
   Inputs are validated by :func:`jaxflash.flash_attention`.  Returns
-  ``(out [B, T, H, D], lse [B, H, T] float32)``, differentiable in both.
+  ``(out [B, T, H, D], lse [B, H, T] float32)``, differentiable in both,
+  partitioned under ``jit`` by :mod:`jaxflash.sharding`.
   """
-  st = _plan(q, k, mask, arrays, softmax_scale, logits_soft_cap, config,
-             interpret)
-  return _attention(q, k, v, arrays, st)
+  from jaxflash import op  # noqa: PLC0415 - op imports this module
+  return op.attention(q, k, v, arrays, op.OpParams(
+      backend="triton", mask=mask, softmax_scale=float(softmax_scale),
+      logits_soft_cap=logits_soft_cap, config=config, interpret=interpret))
 
 
 def count_visited_tiles(q, k, v, *, mask: MaskSpec,

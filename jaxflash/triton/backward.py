@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxflash.triton import tiles
-from jaxflash.triton.common import LOG2E, Problem, dot, logits
+from jaxflash.triton.common import LOG2E, Problem, dot, logits, out_struct
 from jaxflash.triton.config import TritonConfig
 
 
@@ -192,8 +191,8 @@ def backward(q, k, v, o, lse, do, dlse, masks_in: tiles.MaskInputs, *,
           pl.BlockSpec((None, bk, None, dp), lambda j, b, h: (b, j, h, 0)),
           pl.BlockSpec((None, bk, None, dp), lambda j, b, h: (b, j, h, 0)),
       ],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      out_shape=[out_struct(k.shape, k.dtype, q, k, v, do),
+                 out_struct(v.shape, v.dtype, q, k, v, do)],
       compiler_params=params,
       interpret=interpret,
       name="jaxflash_bwd_dkv",
@@ -222,7 +221,7 @@ def backward(q, k, v, o, lse, do, dlse, masks_in: tiles.MaskInputs, *,
       ],
       out_specs=pl.BlockSpec((None, bq, None, dp),
                              lambda i, b, h: (b, i, h, 0)),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_shape=out_struct(q.shape, q.dtype, q, k, v, do),
       compiler_params=params,
       interpret=interpret,
       name="jaxflash_bwd_dq",

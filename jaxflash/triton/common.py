@@ -71,6 +71,16 @@ def logits(q, k, prob: Problem):
   return s * LOG2E, th
 
 
+def out_struct(shape, dtype, *like) -> jax.ShapeDtypeStruct:
+  """A kernel output type that varies over the manual mesh axes of the
+  arrays it is computed from (needed inside ``shard_map`` with
+  ``check_vma=True``)."""
+  mats = [jax.typeof(x).manual_axis_type for x in like]
+  varying = frozenset().union(*(m.varying for m in mats))
+  return jax.ShapeDtypeStruct(shape, dtype,
+                              manual_axis_type=mats[0].update(varying=varying))
+
+
 def pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
   """Zero-pads ``axis`` of ``x`` up to ``size`` (no copy when equal)."""
   extra = size - x.shape[axis]

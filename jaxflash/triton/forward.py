@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxflash.triton import tiles
-from jaxflash.triton.common import LN2, Problem, dot, logits
+from jaxflash.triton.common import LN2, Problem, dot, logits, out_struct
 from jaxflash.triton.config import TritonConfig
 
 
@@ -121,13 +120,13 @@ def forward(q, k, v, masks_in: tiles.MaskInputs, *, prob: Problem,
       pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
   ]
   out_shape = [
-      jax.ShapeDtypeStruct(q.shape, q.dtype),
-      jax.ShapeDtypeStruct((batch, prob.num_heads, prob.q_pad), jnp.float32),
+      out_struct(q.shape, q.dtype, q, k, v),
+      out_struct((batch, prob.num_heads, prob.q_pad), jnp.float32, q, k, v),
   ]
   if count_tiles:
     out_specs.append(pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)))
-    out_shape.append(jax.ShapeDtypeStruct(
-        (batch, prob.num_heads, prob.q_pad), jnp.int32))
+    out_shape.append(out_struct(
+        (batch, prob.num_heads, prob.q_pad), jnp.int32, q, k, v))
   kernel = functools.partial(_fwd_kernel, prob=prob, block_q=bq, block_k=bk,
                              count_tiles=count_tiles)
   return pl.pallas_call(

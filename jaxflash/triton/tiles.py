@@ -56,26 +56,32 @@ class MaskInputs(NamedTuple):
 def info_arrays(m: MaskInputs, *, held_q: bool, held_block: int,
                 stream_block: int, batch: int, held_len: int,
                 stream_len: int):
-  """``(held_info, stream_info)`` for one kernel's tiling (or Nones)."""
+  """``(held_info, stream_info)`` for one kernel's tiling (or Nones).
+
+  Built by concatenation (no scatter), so the arrays inherit the batch
+  sharding of their inputs under explicit-sharding meshes.
+  """
   if not m.dynamic:
     return None, None
   n_held = held_len // held_block
-  held = jnp.zeros((batch, INFO_ROWS, n_held), jnp.int32)
+  zeros = lambda n: jnp.zeros((batch, n, n_held), jnp.int32)
+  rows = [zeros(3), zeros(2)]
   stream = None
   if m.has_segments:
     held_seg, stream_seg = (m.q_seg, m.kv_seg) if held_q else (m.kv_seg,
                                                                m.q_seg)
     hs = masks.tile_summary(held_seg, held_block)
     ss = masks.tile_summary(stream_seg, stream_block)
-    held = held.at[:, 0:3].set(hs)
-    held = held.at[:, ROW_RANGE_LO:ROW_RANGE_HI + 1].set(
-        masks.overlap_range(hs, ss))
-    stream = jnp.zeros((batch, INFO_ROWS, stream_len // stream_block),
-                       jnp.int32).at[:, 0:3].set(ss)
+    rows = [hs, masks.overlap_range(hs, ss)]
+    stream = jnp.concatenate(
+        [ss, jnp.zeros((batch, INFO_ROWS - 3, ss.shape[-1]), jnp.int32)],
+        axis=1)
   if m.lengths is not None:
-    held = held.at[:, ROW_Q_VALID].set(m.lengths[:, 0:1])
-    held = held.at[:, ROW_KV_VALID].set(m.lengths[:, 1:2])
-  return held, stream
+    rows.append(jnp.broadcast_to(m.lengths[:, :, None], (batch, 2, n_held)))
+  else:
+    rows.append(zeros(2))
+  rows.append(zeros(INFO_ROWS - 7))
+  return jnp.concatenate(rows, axis=1), stream
 
 
 def tile_loop(spec: masks.MaskSpec, *, held_q: bool, held_start,

@@ -1,0 +1,234 @@
+"""The attention op built from a kernel backend: differentiable, batchable
+and partitionable.
+
+Layers, outside in:
+
+1. ``jax.custom_vjp``: the forward saves ``(q, k, v, out, lse)`` (output and
+   LSE named :data:`RESIDUAL_NAMES` for remat policies); the backward runs
+   the backend's backward kernels from them.
+2. ``jax.custom_batching.custom_vmap``: ``vmap`` folds the mapped axis into
+   the batch axis (attention is independent per batch row), so the kernels
+   and the partitioning below never see a batching transform.
+3. ``custom_partitioning`` (rules in :mod:`jaxflash.sharding`): under
+   ``jit`` with sharded inputs, XLA runs the kernels per shard — batch and
+   heads split, no gathers — instead of gathering the operands of an opaque
+   call.  On one device, or inside ``shard_map``, it is inlined.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.custom_batching import custom_vmap
+from jax.experimental.custom_partitioning import custom_partitioning
+
+from jaxflash import sharding
+from jaxflash.masks import MaskArrays, MaskSpec
+
+# Names of the residuals the forward saves besides q, k, v, e.g.
+# jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names(
+#     *RESIDUAL_NAMES)) keeps the attention output and LSE, so the backward
+# pass recomputes nothing of the attention.
+RESIDUAL_NAMES = ("jaxflash_out", "jaxflash_lse")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpParams:
+  """Static arguments of one attention op."""
+
+  backend: str  # "triton" or "mosaic_gpu"
+  mask: MaskSpec
+  softmax_scale: float
+  logits_soft_cap: float | None
+  config: Any
+  interpret: Any
+
+
+def _module(backend: str):
+  if backend == "triton":
+    from jaxflash.triton import backend as mod
+  elif backend == "mosaic_gpu":
+    from jaxflash.mosaic_gpu import backend as mod
+  else:
+    raise ValueError(f"no kernel backend {backend!r}")
+  return mod
+
+
+def _kwargs(p: OpParams) -> dict:
+  return dict(mask=p.mask, softmax_scale=p.softmax_scale,
+              logits_soft_cap=p.logits_soft_cap, config=p.config,
+              interpret=p.interpret)
+
+
+def _pack(arrays: MaskArrays):
+  """Present mask arrays as a flat tuple, and which fields they were."""
+  present = tuple(x is not None for x in arrays)
+  return tuple(x for x in arrays if x is not None), present
+
+
+def _unpack(flat, present) -> MaskArrays:
+  it = iter(flat)
+  return MaskArrays(*(next(it) if p else None for p in present))
+
+
+# -- per-shard computations ---------------------------------------------------
+
+def _local_forward(p: OpParams, present, q, k, v, *flat):
+  return _module(p.backend).forward(q, k, v, _unpack(flat, present),
+                                    **_kwargs(p))
+
+
+def _local_backward(p: OpParams, present, q, k, v, out, lse, dout, dlse,
+                    *flat):
+  return _module(p.backend).backward(q, k, v, _unpack(flat, present), out,
+                                     lse, dout, dlse, **_kwargs(p))
+
+
+def local_forward(p: OpParams, q, k, v, arrays: MaskArrays):
+  """The backend's forward kernel on local arrays (no autodiff, no
+  partitioning): for algorithms that compose kernels, like ring attention."""
+  return _module(p.backend).forward(q, k, v, arrays, **_kwargs(p))
+
+
+def local_backward(p: OpParams, q, k, v, arrays: MaskArrays, out, lse, dout,
+                   dlse):
+  """The backend's backward kernels from given residuals (local arrays)."""
+  return _module(p.backend).backward(q, k, v, arrays, out, lse, dout, dlse,
+                                     **_kwargs(p))
+
+
+_forward_cp = custom_partitioning(_local_forward, static_argnums=(0, 1))
+_forward_cp.def_partition(
+    partition=sharding.forward_partition(_local_forward),
+    infer_sharding_from_operands=sharding.forward_result_shardings,
+    sharding_rule=sharding.forward_rule)
+
+_backward_cp = custom_partitioning(_local_backward, static_argnums=(0, 1))
+_backward_cp.def_partition(
+    partition=sharding.backward_partition(_local_backward),
+    infer_sharding_from_operands=sharding.backward_result_shardings,
+    sharding_rule=sharding.backward_rule)
+
+
+# -- vmap: fold the mapped axis into the batch axis ---------------------------
+
+def _fold(axis_size, batched, args):
+  """Moves each arg's vmapped axis (0) into its batch axis (0), broadcasting
+  unbatched args."""
+  out = []
+  for x, b in zip(args, batched):
+    if not b:
+      x = jnp.broadcast_to(x, (axis_size, *x.shape))
+    out.append(x.reshape((axis_size * x.shape[1], *x.shape[2:])))
+  return out
+
+
+def _unfold(axis_size, results):
+  return [r.reshape((axis_size, r.shape[0] // axis_size, *r.shape[1:]))
+          for r in results]
+
+
+def _direct(p: OpParams) -> bool:
+  """The Mosaic GPU interpreter runs on ordered IO callbacks, an effect that
+  custom_partitioning and custom_vmap cannot carry: interpreted Mosaic
+  kernels skip those two layers (they are for testing, on one host)."""
+  return p.backend == "mosaic_gpu" and bool(p.interpret)
+
+
+@functools.cache
+def _forward_op(p: OpParams, present):
+  if _direct(p):
+    return lambda q, k, v, *flat: tuple(
+        _local_forward(p, present, q, k, v, *flat))
+
+  @custom_vmap
+  def fwd(q, k, v, *flat):
+    return tuple(_forward_cp(p, present, q, k, v, *flat))
+
+  @fwd.def_vmap
+  def _rule(axis_size, in_batched, *args):
+    res = fwd(*_fold(axis_size, in_batched, args))
+    return tuple(_unfold(axis_size, res)), (True, True)
+
+  return fwd
+
+
+@functools.cache
+def _backward_op(p: OpParams, present):
+  if _direct(p):
+    return lambda *args: tuple(_local_backward(p, present, *args))
+
+  @custom_vmap
+  def bwd(*args):
+    return tuple(_backward_cp(p, present, *args))
+
+  @bwd.def_vmap
+  def _rule(axis_size, in_batched, *args):
+    res = bwd(*_fold(axis_size, in_batched, args))
+    return tuple(_unfold(axis_size, res)), (True, True, True)
+
+  return bwd
+
+
+# -- autodiff -----------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention(q, k, v, flat, p: OpParams, present):
+  return _forward_op(p, present)(q, k, v, *flat)
+
+
+def _attention_fwd(q, k, v, flat, p, present):
+  out, lse = _forward_op(p, present)(q, k, v, *flat)
+  out = checkpoint_name(out, RESIDUAL_NAMES[0])
+  lse = checkpoint_name(lse, RESIDUAL_NAMES[1])
+  return (out, lse), (q, k, v, flat, out, lse)
+
+
+def _attention_bwd(p, present, res, cotangents):
+  q, k, v, flat, out, lse = res
+  dout, dlse = cotangents
+  dq, dk, dv = _backward_op(p, present)(
+      q, k, v, out, lse, dout.astype(out.dtype), dlse.astype(jnp.float32),
+      *flat)
+  return dq, dk, dv, jax.tree.map(lambda _: None, flat)  # integer inputs
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _explicit_mesh(x):
+  """The mesh of ``x``'s type when it has Explicit axes, else None."""
+  mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+  if mesh is None or mesh.empty:
+    return None
+  explicit = jax.sharding.AxisType.Explicit
+  return mesh if any(t == explicit for t in mesh.axis_types) else None
+
+
+def attention(q, k, v, arrays: MaskArrays, params: OpParams):
+  """``(out [B, T, H, D], lse [B, H, T])`` of a kernel backend."""
+  flat, present = _pack(arrays)
+  mesh = _explicit_mesh(q)
+  if mesh is None:
+    return _attention(q, k, v, flat, params, present)
+  # Explicit-sharding mesh: the shardings are part of the types and known
+  # while tracing.  Check them with the same rules and run the op per shard
+  # under shard_map (Pallas kernels cannot trace over explicitly sharded
+  # types; inside shard_map the partitioning layer is inlined).
+  b, h, kv = (sharding._entry(a) for a in sharding.plan(  # noqa: SLF001
+      mesh, jax.typeof(q).sharding.spec, q.shape, k.shape))
+  P = jax.sharding.PartitionSpec
+  q_spec, kv_spec = P(b, None, h, None), P(b, None, kv, None)
+  mask_specs = tuple(P(b, None) if x.ndim == 2 else P(b) for x in flat)
+  return jax.shard_map(
+      lambda q, k, v, flat: _attention(q, k, v, flat, params, present),
+      mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, mask_specs),
+      out_specs=(q_spec, P(b, h, None)),
+      # Unchecked: the transpose then sums the cotangent of an input that
+      # is replicated over an axis (MQA k/v over sharded heads).
+      check_vma=False)(q, k, v, flat)
