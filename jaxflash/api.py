@@ -44,10 +44,11 @@ def _triton_check(q, k, v, *, interpret, **unused):
 
 def _mosaic_attention(q, k, v, *, mask, arrays, softmax_scale,
                       logits_soft_cap, config, interpret):
-  del arrays, logits_soft_cap  # check_supported refused them
+  del arrays  # check_supported refused segment ids and lengths
   return mosaic_backend.attention(q, k, v, mask=mask,
-                                  softmax_scale=softmax_scale, config=config,
-                                  interpret=interpret)
+                                  softmax_scale=softmax_scale,
+                                  logits_soft_cap=logits_soft_cap,
+                                  config=config, interpret=interpret)
 
 
 def _xla_attention(q, k, v, *, mask: MaskSpec, arrays: MaskArrays,

@@ -120,8 +120,8 @@ def test_dispatch_refuses_what_it_cannot_serve():
                              implementation="mosaic_gpu", interpret=True)
   with pytest.raises(NotImplementedError, match="does not take segment_ids"):
     attend(q, q, q, segment_ids=jnp.zeros((1, 64), jnp.int32))
-  with pytest.raises(NotImplementedError, match="logits_soft_cap"):
-    attend(q, q, q, logits_soft_cap=5.0)
+  with pytest.raises(NotImplementedError, match="q_seq_lengths"):
+    attend(q, q, q, q_seq_lengths=jnp.array([3]))
   with pytest.raises(NotImplementedError, match="bfloat16 and float16"):
     attend(q.astype(jnp.float32), q.astype(jnp.float32),
            q.astype(jnp.float32))
@@ -135,15 +135,16 @@ def test_dispatch_refuses_what_it_cannot_serve():
   assert out.shape == q.shape
 
 
-def test_through_flash_attention_interpret():
+@pytest.mark.parametrize("soft_cap", [None, 2.0])
+def test_through_flash_attention_interpret(soft_cap):
   args = numerics.random_inputs(jax.random.key(5), batch=1, q_len=128,
                                 kv_len=128, heads=2, kv_heads=1, head_dim=64,
                                 dtype=jnp.bfloat16)
   fn = functools.partial(jaxflash.flash_attention, causal=True,
                          return_lse=True, implementation="mosaic_gpu",
-                         interpret=True)
+                         interpret=True, logits_soft_cap=soft_cap)
   numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
-                      causal=True)
+                      causal=True, logits_soft_cap=soft_cap)
 
 
 @pytest.mark.gpu
@@ -163,3 +164,16 @@ def test_interpreter_thread_guard(monkeypatch):
   with pytest.raises(NotImplementedError, match="needs >= 4 host devices"):
     mosaic_gpu.attention(q, q, q, mask=masks.MaskSpec(64, 64),
                          softmax_scale=0.1, config=TWO_WG, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_soft_cap(causal):
+  args = numerics.random_inputs(jax.random.key(9), batch=2, q_len=1000,
+                                kv_len=1000, heads=8, kv_heads=2,
+                                head_dim=128, dtype=jnp.bfloat16)
+  fn = functools.partial(jaxflash.flash_attention, causal=causal,
+                         return_lse=True, implementation="mosaic_gpu",
+                         logits_soft_cap=30.0)
+  numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
+                      causal=causal, logits_soft_cap=30.0)

@@ -50,7 +50,8 @@ def _interpret_params(interpret):
 
 
 def _plan(q, k, mask: MaskSpec, softmax_scale: float,
-          config: MosaicConfig | None, interpret) -> _Static:
+          config: MosaicConfig | None, interpret,
+          logits_soft_cap: float | None = None) -> _Static:
   B, T, H, D = q.shape
   S, K = k.shape[1], k.shape[2]
   dp = _head_dim_padded(D)
@@ -60,7 +61,8 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
   prob = fwd_lib.Problem(
       mask=mask, softmax_scale=float(softmax_scale), batch=B, num_heads=H,
       num_kv_heads=K, q_pad=round_up(T, config.compute_wgs * config.block_q),
-      kv_pad=round_up(S, config.block_kv), head_dim_padded=dp)
+      kv_pad=round_up(S, config.block_kv), head_dim_padded=dp,
+      logits_soft_cap=logits_soft_cap)
   return _Static(prob=prob, config=config, interpret=interpret, head_dim=D)
 
 
@@ -78,8 +80,8 @@ def forward(q, k, v, arrays: MaskArrays, *, mask: MaskSpec,
             softmax_scale: float, logits_soft_cap=None,
             config: MosaicConfig | None = None, interpret=False):
   """The Hopper forward kernel on (local) arrays: ``(out, lse)``."""
-  del arrays, logits_soft_cap  # refused by check_supported
-  st = _plan(q, k, mask, softmax_scale, config, interpret)
+  del arrays  # refused by check_supported
+  st = _plan(q, k, mask, softmax_scale, config, interpret, logits_soft_cap)
   if interpret:
     _check_interpreter_threads(st.config)
   return _forward(q, k, v, st)
@@ -112,6 +114,7 @@ def _check_interpreter_threads(config: MosaicConfig) -> None:
 
 
 def attention(q, k, v, *, mask: MaskSpec, softmax_scale: float,
+              logits_soft_cap: float | None = None,
               config: MosaicConfig | None = None, interpret=False):
   """Flash attention with the Hopper forward kernel.
 
@@ -122,20 +125,20 @@ def attention(q, k, v, *, mask: MaskSpec, softmax_scale: float,
   from jaxflash import op  # noqa: PLC0415 - op imports this module
   return op.attention(q, k, v, MaskArrays(), op.OpParams(
       backend="mosaic_gpu", mask=mask, softmax_scale=float(softmax_scale),
-      logits_soft_cap=None, config=config, interpret=interpret))
+      logits_soft_cap=logits_soft_cap, config=config, interpret=interpret))
 
 
 def check_supported(q, k, v, *, arrays: MaskArrays,
                     logits_soft_cap: float | None, config, interpret) -> None:
   """Raises NotImplementedError when this backend cannot serve the call."""
+  del logits_soft_cap  # served
   if q.dtype not in SUPPORTED_DTYPES:
     raise NotImplementedError(
         f"mosaic_gpu backend supports bfloat16 and float16, got {q.dtype}")
   missing = [name for name, val in (
       ("segment_ids", arrays.q_segment_ids),
       ("q_seq_lengths", arrays.q_seq_lengths),
-      ("kv_seq_lengths", arrays.kv_seq_lengths),
-      ("logits_soft_cap", logits_soft_cap)) if val is not None]
+      ("kv_seq_lengths", arrays.kv_seq_lengths)) if val is not None]
   if missing:
     raise NotImplementedError(
         f"mosaic_gpu backend does not take {', '.join(missing)} yet")

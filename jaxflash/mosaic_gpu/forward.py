@@ -54,6 +54,7 @@ class Problem:
   q_pad: int
   kv_pad: int
   head_dim_padded: int
+  logits_soft_cap: float | None = None
 
 
 def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem2, k_smem, v_smem,
@@ -110,7 +111,11 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem2, k_smem, v_smem,
 
       s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
-      s = s * qk_scale  # base-2 logits, scale folded in
+      if prob.logits_soft_cap is None:
+        s = s * qk_scale  # base-2 logits, scale folded in
+      else:  # cap * tanh(x / cap) on the scaled logits (Gemma 2)
+        cap = prob.logits_soft_cap
+        s = jnp.tanh(s * (prob.softmax_scale / cap)) * (cap * LOG2E)
       if masked:
         q_idx = q_start + plgpu.broadcasted_iota(
             jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
