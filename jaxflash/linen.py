@@ -49,6 +49,21 @@ def _key_mask_to_segments(mask, batch_shape, q_len, kv_len):
   return q_seg, kv_seg
 
 
+def apply_rope(x, positions, theta: float = 10000.0):
+  """Rotary position embedding (RoFormer, arXiv 2104.09864) on
+  ``x [batch..., length, heads, head_dim]`` at integer ``positions
+  [batch..., length]``, rotating pairs ``(i, i + head_dim/2)``."""
+  d = x.shape[-1]
+  if d % 2:
+    raise ValueError(f"rotary embedding needs an even head_dim, got {d}")
+  freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+  angle = positions[..., :, None, None].astype(jnp.float32) * freq
+  sin, cos = jnp.sin(angle), jnp.cos(angle)
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
 def make_attention_fn(
     *,
     causal: bool = False,
@@ -139,9 +154,11 @@ class FlashMultiHeadDotProductAttention(nn.Module):
 
   Extra attributes: ``causal``, ``num_kv_heads`` (GQA/MQA: key/value
   projections to fewer heads), ``local_window_size``, ``logits_soft_cap``,
+  ``rope_theta`` (rotary embeddings on queries and keys),
   ``implementation``, ``config``, ``interpret``.  Extra call arguments:
-  ``segment_ids`` (packed documents) and ``q_seq_lengths`` /
-  ``kv_seq_lengths``.
+  ``segment_ids`` (packed documents), ``q_seq_lengths`` /
+  ``kv_seq_lengths``, ``positions`` (for the rotary embeddings; default
+  ``0..length-1``).
 
   ``decode=True``: Flax's autoregressive cache (``cached_key``,
   ``cached_value``, ``cache_index``); each single-token step attends to the
@@ -170,6 +187,7 @@ class FlashMultiHeadDotProductAttention(nn.Module):
   num_kv_heads: int | None = None
   local_window_size: int | tuple[int, int] | None = None
   logits_soft_cap: float | None = None
+  rope_theta: float | None = None
   implementation: str | Sequence[str] | None = None
   config: Any = None
   interpret: bool = False
@@ -177,8 +195,8 @@ class FlashMultiHeadDotProductAttention(nn.Module):
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *,
                segment_ids=None, q_seq_lengths=None, kv_seq_lengths=None,
-               mask=None, deterministic=None, dropout_rng=None,
-               sow_weights=False):
+               positions=None, mask=None, deterministic=None,
+               dropout_rng=None, sow_weights=False):
     if mask is not None:
       raise NotImplementedError(
           "FlashMultiHeadDotProductAttention takes no dense mask: use"
@@ -234,6 +252,8 @@ class FlashMultiHeadDotProductAttention(nn.Module):
                            param_dtype=self.param_dtype)(query)
       key = nn.LayerNorm(name="key_ln", use_bias=False, dtype=self.dtype,
                          param_dtype=self.param_dtype)(key)
+    if self.rope_theta is not None:
+      query, key = self._rope(query, key, positions)
     act = (BATCH, LENGTH, HEADS, HEAD_DIM)
     query = nn.with_logical_constraint(query, act)
     key = nn.with_logical_constraint(key, (BATCH, LENGTH, kv_axis, HEAD_DIM))
@@ -265,6 +285,18 @@ class FlashMultiHeadDotProductAttention(nn.Module):
             self.out_bias_init or self.bias_init, (EMBED,)),
         name="out")(x)
     return nn.with_logical_constraint(out, (BATCH, LENGTH, EMBED))
+
+  def _rope(self, query, key, positions):
+    """Rotary embeddings at ``positions`` (default: 0.., or the decode
+    cache index) on queries and keys of self-attention."""
+    if positions is None:
+      start = 0
+      if self.decode and self.has_variable("cache", "cache_index"):
+        start = self.get_variable("cache", "cache_index")
+      positions = start + jnp.arange(query.shape[-3], dtype=jnp.int32)
+      positions = jnp.broadcast_to(positions, query.shape[:-2])
+    return (apply_rope(query, positions, self.rope_theta),
+            apply_rope(key, positions, self.rope_theta))
 
   def _decode_cache(self, query, key, value, kv_seq_lengths, causal):
     """Flax's autoregressive cache; returns the cached keys/values and the

@@ -1,0 +1,109 @@
+"""A GPT in flax.linen with jaxflash attention.
+
+Pre-norm blocks (RMSNorm), rotary position embeddings, GELU MLP, tied
+embeddings; causal attention restricted to each packed document by segment
+ids, optional GQA and sliding window. Every parameter and activation
+carries logical axis names (``batch``, ``length``, ``embed``, ``heads``,
+``kv_heads``, ``kv``, ``mlp``, ``vocab``) that the trainer maps to mesh
+axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from jaxflash.linen import FlashMultiHeadDotProductAttention
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+  vocab: int = 256
+  layers: int = 2
+  d_model: int = 128
+  heads: int = 4
+  kv_heads: int | None = None
+  d_ff: int | None = None
+  seq_len: int = 256
+  window: int | None = None
+  rope_theta: float = 10000.0
+  dtype: str = "float32"   # compute dtype; parameters stay float32
+  attention: str = "jaxflash"  # jaxflash backend choice: see train.py
+  interpret: bool = False
+
+  @property
+  def ff(self) -> int:
+    return self.d_ff or 4 * self.d_model
+
+  def flops_per_token(self) -> float:
+    """Training FLOPs per token: 6 N plus attention (PaLM appendix B)."""
+    n = self.layers * (4 * self.d_model * self.d_model * (
+        1 + (self.kv_heads or self.heads) / self.heads) / 2
+        + 2 * self.d_model * self.ff) + self.vocab * self.d_model
+    attn = 6 * self.layers * self.seq_len * self.d_model  # causal: halved
+    return 6 * n + attn
+
+
+PRESETS = {
+    "tiny": GPTConfig(layers=2, d_model=128, heads=4, seq_len=256),
+    "gpt2-124m": GPTConfig(layers=12, d_model=768, heads=12, seq_len=2048,
+                           dtype="bfloat16"),
+    "gpt2-124m-8k": GPTConfig(layers=12, d_model=768, heads=12,
+                              seq_len=8192, dtype="bfloat16"),
+    "gpt2-350m": GPTConfig(layers=24, d_model=1024, heads=16, seq_len=2048,
+                           dtype="bfloat16"),
+    "1b": GPTConfig(layers=24, d_model=2048, heads=16, kv_heads=4,
+                    seq_len=8192, dtype="bfloat16"),
+    "1b-32k": GPTConfig(layers=24, d_model=2048, heads=16, kv_heads=4,
+                        seq_len=32768, dtype="bfloat16"),
+}
+
+
+def _dense(features, axes, name, dtype):
+  return nn.Dense(features, use_bias=False, dtype=dtype, name=name,
+                  kernel_init=nn.with_logical_partitioning(
+                      nn.initializers.normal(0.02), axes))
+
+
+class Block(nn.Module):
+  cfg: GPTConfig
+
+  @nn.compact
+  def __call__(self, x, segment_ids):
+    cfg = self.cfg
+    dtype = jnp.dtype(cfg.dtype)
+    h = nn.RMSNorm(dtype=dtype, name="ln1")(x)
+    window = None if cfg.window is None else (cfg.window, 0)
+    impl = None if cfg.attention == "jaxflash" else cfg.attention
+    h = FlashMultiHeadDotProductAttention(
+        num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, causal=True,
+        local_window_size=window, rope_theta=cfg.rope_theta, dtype=dtype,
+        use_bias=False, kernel_init=nn.initializers.normal(0.02),
+        implementation=impl, interpret=cfg.interpret, name="attn")(
+            h, segment_ids=segment_ids)
+    x = x + h
+    h = nn.RMSNorm(dtype=dtype, name="ln2")(x)
+    h = _dense(cfg.ff, ("embed", "mlp"), "up", dtype)(h)
+    h = nn.with_logical_constraint(nn.gelu(h), ("batch", "length", "mlp"))
+    h = _dense(cfg.d_model, ("mlp", "embed"), "down", dtype)(h)
+    return nn.with_logical_constraint(x + h, ("batch", "length", "embed"))
+
+
+class GPT(nn.Module):
+  cfg: GPTConfig
+
+  @nn.compact
+  def __call__(self, tokens, segment_ids):
+    cfg = self.cfg
+    embed = nn.Embed(cfg.vocab, cfg.d_model, name="embed",
+                     embedding_init=nn.with_logical_partitioning(
+                         nn.initializers.normal(0.02), ("vocab", "embed")))
+    x = embed(tokens).astype(jnp.dtype(cfg.dtype))
+    x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+    for i in range(cfg.layers):
+      x = Block(cfg, name=f"block{i}")(x, segment_ids)
+    x = nn.RMSNorm(dtype=jnp.dtype(cfg.dtype), name="ln_f")(x)
+    logits = embed.attend(x.astype(jnp.float32))
+    return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
