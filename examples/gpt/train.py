@@ -30,14 +30,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import data as data_lib  # noqa: E402
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import model as model_lib  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-
-import data as data_lib  # noqa: E402
-import model as model_lib  # noqa: E402
 
 AXES = ("data", "fsdp", "tensor")
 RULES = (("batch", ("data", "fsdp")), ("length", None),
