@@ -1,0 +1,76 @@
+"""Times Hopper-kernel configs (MosaicConfig) on an H100/H200: the data
+behind jaxflash/mosaic_gpu/tuning.json.
+
+    PYTHONPATH=. python3 tools/mosaic_sweep.py [--head-dims 64,128,256]
+        [--seqs 2048,8192] [--out DIR]
+
+Forward only (the backward is the Triton kernels'); bf16; 16k tokens per
+call and width 2048 as in shared/ANCHORS.md. Prints the best config per
+(head_dim, causal) and writes every row to mosaic_sweep.json; failures
+(shared memory, compile errors) are rows with the reason.
+"""
+
+import argparse
+import itertools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+import jaxflash
+from jaxflash.bench import core
+
+
+def candidates(head_dim):
+  for bkv, stages, wgs, p_smem in itertools.product(
+      (64, 128, 192), (2, 3, 4), (2, 1), (False, True)):
+    cfg = jaxflash.MosaicConfig(block_q=64, block_kv=bkv, stages=stages,
+                                compute_wgs=wgs, p_in_smem=p_smem,
+                                schedule_barrier=wgs == 2)
+    if cfg.smem_bytes(head_dim) <= 227 * 1024:
+      yield cfg
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--head-dims", default="64,128,256")
+  ap.add_argument("--seqs", default="2048,8192")
+  ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  args = ap.parse_args()
+  rows = []
+  for d in core.parse_int_list(args.head_dims):
+    for s in core.parse_int_list(args.seqs):
+      for causal in (False, True):
+        shape = core.Shape(16384 // s, s, s, 2048 // d, 2048 // d, d, causal)
+        ks = jax.random.split(jax.random.key(0), 3)
+        q, k, v = (jax.random.normal(kk, (shape.batch, s, shape.heads, d),
+                                     jnp.bfloat16) for kk in ks)
+        for cfg in candidates(d):
+          f = jax.jit(lambda q, k, v, cfg=cfg, causal=causal:
+                      jaxflash.flash_attention(q, k, v, causal=causal,
+                                               config=cfg))
+          row = dict(head_dim=d, seq=s, causal=causal,
+                     config=cfg.__dict__.copy())
+          try:
+            t = core.time_fn(f, q, k, v, samples=5)
+            row.update(ms=t * 1e3, tflops=core.flops(shape, "fwd") / t / 1e12)
+          except Exception as e:  # noqa: BLE001 - a failing config is a row
+            row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+          rows.append(row)
+          print(json.dumps(row), flush=True)
+  with open(os.path.join(args.out, "mosaic_sweep.json"), "w") as f:
+    json.dump(rows, f, indent=1)
+  print("\nbest per (head_dim, seq, causal):")
+  key = lambda r: (r["head_dim"], r["seq"], r["causal"])
+  for k_, group in itertools.groupby(sorted(rows, key=key), key=key):
+    ok = [r for r in group if "tflops" in r]
+    if ok:
+      best = max(ok, key=lambda r: r["tflops"])
+      print(k_, f"{best['tflops']:.0f} TFLOP/s", best["config"])
+    else:
+      print(k_, "no config ran")
+
+
+if __name__ == "__main__":
+  main()
