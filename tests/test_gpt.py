@@ -116,3 +116,55 @@ def test_checkpoint_resume_continues_the_curve(tmp_path):
   assert 5 in got and 0 not in got  # resumed at step 3
   np.testing.assert_allclose(got[5], want[5], rtol=1e-5)
   assert (tmp_path / "b" / "loss.png").exists()
+
+
+def _free_port():
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_match_one(tmp_path):
+  """Two processes of 4 CPU devices each (gloo, local coordinator) train
+  the same losses as one process of 8 devices."""
+  import json
+  import subprocess
+  script = os.path.join(os.path.dirname(__file__), "..", "examples", "gpt",
+                        "train.py")
+  common = ["--steps", "3", "--batch", "8", "--seq-len", "64",
+            "--limit-bytes", "200000", "--eval-every", "0",
+            "--sample-bytes", "2", "--mesh", "data=-1"]
+  root = os.path.join(os.path.dirname(__file__), "..")
+  env = dict(os.environ, PYTHONPATH=os.path.abspath(root))
+  port = _free_port()
+  procs = []
+  for i in range(2):
+    e = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    procs.append(subprocess.Popen(
+        [sys.executable, script, *common, "--out", str(tmp_path / f"p{i}"),
+         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+         "--process-id", str(i), "--losses-to", str(tmp_path / "multi")],
+        env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+  outs = [p.communicate(timeout=600)[0] for p in procs]
+  assert all(p.returncode == 0 for p in procs), outs[0][-2000:]
+  e = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  single = subprocess.run(
+      [sys.executable, script, *common, "--out", str(tmp_path / "single"),
+       "--losses-to", str(tmp_path / "single")], env=e, capture_output=True,
+      text=True, timeout=600)
+  assert single.returncode == 0, single.stderr[-2000:]
+  multi = json.load(open(tmp_path / "multi.0"))
+  one = json.load(open(tmp_path / "single.0"))
+  np.testing.assert_allclose([h["loss"] for h in multi],
+                             [h["loss"] for h in one], rtol=1e-5)
+
+
+def test_pmap_script_runs():
+  import train_pmap
+  if jax.local_device_count() < 2:
+    pytest.skip("needs several devices")
+  losses = train_pmap.main(["--steps", "4", "--batch", "8", "--seq-len",
+                            "64", "--limit-bytes", "200000"])
+  assert len(losses) == 4 and np.isfinite(losses).all()
+  assert losses[-1] < losses[0]

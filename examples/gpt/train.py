@@ -183,9 +183,13 @@ def main(argv=None):
   ap.add_argument("--coordinator", default=None)
   ap.add_argument("--num-processes", type=int, default=None)
   ap.add_argument("--process-id", type=int, default=None)
+  ap.add_argument("--losses-to", default=None,
+                  help="also write each process's log records here (tests)")
   args = ap.parse_args(argv)
 
   if args.coordinator or args.num_processes:
+    # CPU processes exchange through gloo (no effect on GPU backends).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(args.coordinator, args.num_processes,
                                args.process_id)
   elif any(v in os.environ for v in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")):
@@ -266,6 +270,9 @@ def main(argv=None):
       ckpt.save(step + 1, args=ocp.args.StandardSave(state))
   if ckpt is not None:
     ckpt.wait_until_finished()
+  if args.losses_to:
+    with open(f"{args.losses_to}.{jax.process_index()}", "w") as f:
+      json.dump(history, f)
   if not lead:
     return history
   log.close()
