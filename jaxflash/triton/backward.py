@@ -30,16 +30,15 @@ from jaxflash.triton.common import LOG2E, Problem, dot, logits, out_struct
 from jaxflash.triton.config import TritonConfig
 
 
-def _dscores(q, k, v, do, lse2, delta, q_idx, k_idx, *, prob: Problem,
-             masked: bool, valid, seg):
+def _dscores(q, k, v, do, lse2, delta, visible, *, prob: Problem):
   """(P, dS) of one tile, float32; dS is w.r.t. the scaled logits / scale.
 
+  ``visible``: the tile's element mask, or None for a fully visible tile.
   lse2 is +inf for rows that saw no key (see _lse2), so P = 0 there.
   """
   s, th = logits(q, k, prob)
-  if masked:
-    s = jnp.where(prob.mask.visible(q_idx, k_idx, **valid, **seg), s,
-                  -jnp.inf)
+  if visible is not None:
+    s = jnp.where(visible, s, -jnp.inf)
   p = jnp.exp2(s - lse2[:, None])
   dp = dot(do, v, trans_b=True)           # dO V^T
   ds = p * (dp - delta[:, None])          # softmax backward
@@ -72,15 +71,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
     q_slice = pl.ds(pl.multiple_of(t * block_q, block_q), block_q)
     q = q_ref[q_slice, g, :]
     do = do_ref[q_slice, g, :]
-    q_idx = t * block_q + lax.broadcasted_iota(
-        jnp.int32, (block_q, block_k), 0)
-    seg = {}
-    if k_seg is not None:
-      seg = dict(q_seg=tiles.slice_tile(q_seg_ref, t, block_q)[:, None],
-                 k_seg=k_seg)
+    visible = None
+    if masked:
+      visible = tiles.q_tile_visible(prob.mask, k_idx, t, block_q,
+                                     valid=valid, k_seg=k_seg,
+                                     q_seg_ref=q_seg_ref)
     p, ds = _dscores(q, k, v, do, lse2_ref[g, q_slice],
-                     delta_ref[g, q_slice], q_idx, k_idx, prob=prob,
-                     masked=masked, valid=valid, seg=seg)
+                     delta_ref[g, q_slice], visible, prob=prob)
     dv = dv + dot(p.astype(do.dtype), do, trans_a=True)  # P^T dO
     dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)   # dS^T Q
     return dk, dv
@@ -119,14 +116,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
   def body(t, dq, *, masked: bool):
     k = tiles.slice_tile(k_ref, t, block_k)
     v = tiles.slice_tile(v_ref, t, block_k)
-    k_idx = t * block_k + lax.broadcasted_iota(
-        jnp.int32, (block_q, block_k), 1)
-    seg = {}
-    if q_seg is not None:
-      seg = dict(q_seg=q_seg,
-                 k_seg=tiles.slice_tile(kv_seg_ref, t, block_k)[None, :])
-    _, ds = _dscores(q, k, v, do, lse2, delta, q_idx, k_idx, prob=prob,
-                     masked=masked, valid=valid, seg=seg)
+    visible = None
+    if masked:
+      visible = tiles.kv_tile_visible(prob.mask, q_idx, t, block_k,
+                                      valid=valid, q_seg=q_seg,
+                                      kv_seg_ref=kv_seg_ref)
+    _, ds = _dscores(q, k, v, do, lse2, delta, visible, prob=prob)
     return dq + dot(ds.astype(k.dtype), k)
 
   dq = tiles.tile_loop(

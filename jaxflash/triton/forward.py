@@ -46,13 +46,9 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
     # Base-2 logits with the softmax scale folded in: exp(x) = exp2(x log2e).
     s, _ = logits(q, k, prob)  # [block_q, block_k] float32
     if masked:
-      k_idx = t * block_k + lax.broadcasted_iota(
-          jnp.int32, (block_q, block_k), 1)
-      seg = {}
-      if q_seg is not None:
-        seg = dict(q_seg=q_seg,
-                   k_seg=tiles.slice_tile(kv_seg_ref, t, block_k)[None, :])
-      s = jnp.where(mask.visible(q_idx, k_idx, **valid, **seg), s, -jnp.inf)
+      visible = tiles.kv_tile_visible(mask, q_idx, t, block_k, valid=valid,
+                                      q_seg=q_seg, kv_seg_ref=kv_seg_ref)
+      s = jnp.where(visible, s, -jnp.inf)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
     if masked:
       # A row with no visible key so far has m = -inf; subtracting 0

@@ -138,6 +138,28 @@ def tile_loop(spec: masks.MaskSpec, *, held_q: bool, held_start,
   return (carry, count) if count_tiles else carry
 
 
+def kv_tile_visible(spec: masks.MaskSpec, q_idx, t, block_k: int, *,
+                    valid: dict, q_seg, kv_seg_ref):
+  """Element mask of streamed key tile ``t`` for a held query tile
+  (``q_idx [block_q, block_k]``, ``q_seg [block_q, 1]`` or None)."""
+  k_idx = t * block_k + lax.broadcasted_iota(jnp.int32, q_idx.shape, 1)
+  seg = {}
+  if q_seg is not None:
+    seg = dict(q_seg=q_seg, k_seg=slice_tile(kv_seg_ref, t, block_k)[None, :])
+  return spec.visible(q_idx, k_idx, **valid, **seg)
+
+
+def q_tile_visible(spec: masks.MaskSpec, k_idx, t, block_q: int, *,
+                   valid: dict, k_seg, q_seg_ref):
+  """Element mask of streamed query tile ``t`` for a held key tile
+  (``k_idx [block_q, block_k]``, ``k_seg [1, block_k]`` or None)."""
+  q_idx = t * block_q + lax.broadcasted_iota(jnp.int32, k_idx.shape, 0)
+  seg = {}
+  if k_seg is not None:
+    seg = dict(q_seg=slice_tile(q_seg_ref, t, block_q)[:, None], k_seg=k_seg)
+  return spec.visible(q_idx, k_idx, **valid, **seg)
+
+
 def slice_tile(ref, t, block: int):
   """``ref[t*block:(t+1)*block]`` along the first axis."""
   return ref[pl.ds(pl.multiple_of(t * block, block), block)]
