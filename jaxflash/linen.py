@@ -188,6 +188,10 @@ class FlashMultiHeadDotProductAttention(nn.Module):
   local_window_size: int | tuple[int, int] | None = None
   logits_soft_cap: float | None = None
   rope_theta: float | None = None
+  # Replaces the jaxflash call, e.g. to compare with another attention in
+  # the same model: f(query, key, value, *, causal, segment_ids,
+  # local_window_size, q_seq_lengths, kv_seq_lengths) -> output.
+  attention_override: Callable | None = None
   implementation: str | Sequence[str] | None = None
   config: Any = None
   interpret: bool = False
@@ -265,14 +269,20 @@ class FlashMultiHeadDotProductAttention(nn.Module):
       key, value, kv_seq_lengths, causal = self._decode_cache(
           query, key, value, kv_seq_lengths, causal)
 
-    attend = make_attention_fn(
-        causal=causal, segment_ids=segment_ids,
-        local_window_size=self.local_window_size,
-        q_seq_lengths=q_seq_lengths, kv_seq_lengths=kv_seq_lengths,
-        logits_soft_cap=self.logits_soft_cap,
-        implementation=self.implementation, config=self.config,
-        interpret=self.interpret)
-    x = attend(query, key, value, dtype=self.dtype)
+    if self.attention_override is not None:
+      x = self.attention_override(
+          query, key, value, causal=causal, segment_ids=segment_ids,
+          local_window_size=self.local_window_size,
+          q_seq_lengths=q_seq_lengths, kv_seq_lengths=kv_seq_lengths)
+    else:
+      attend = make_attention_fn(
+          causal=causal, segment_ids=segment_ids,
+          local_window_size=self.local_window_size,
+          q_seq_lengths=q_seq_lengths, kv_seq_lengths=kv_seq_lengths,
+          logits_soft_cap=self.logits_soft_cap,
+          implementation=self.implementation, config=self.config,
+          interpret=self.interpret)
+      x = attend(query, key, value, dtype=self.dtype)
     x = nn.with_logical_constraint(x, act)
     out = nn.DenseGeneral(
         features=features, axis=(-2, -1), dtype=self.dtype,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from jaxflash.linen import FlashMultiHeadDotProductAttention
@@ -30,7 +31,9 @@ class GPTConfig:
   window: int | None = None
   rope_theta: float = 10000.0
   dtype: str = "float32"   # compute dtype; parameters stay float32
-  attention: str = "jaxflash"  # jaxflash backend choice: see train.py
+  # "jaxflash" (best backend), a jaxflash backend ("triton", "mosaic_gpu",
+  # "xla"), or jax.nn's "cudnn" / "jax-xla" for comparison.
+  attention: str = "jaxflash"
   interpret: bool = False
 
   @property
@@ -61,6 +64,23 @@ PRESETS = {
 }
 
 
+def jax_nn_attention(implementation: str):
+  """Attention through ``jax.nn.dot_product_attention`` (cuDNN or XLA),
+  for comparing end to end: segment ids become a dense [B, 1, T, T] mask,
+  as those implementations take no segment ids."""
+  def attend(query, key, value, *, causal, segment_ids, local_window_size,
+             q_seq_lengths, kv_seq_lengths):
+    del q_seq_lengths, kv_seq_lengths
+    mask = None
+    if segment_ids is not None:
+      mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    window = local_window_size
+    return jax.nn.dot_product_attention(
+        query, key, value, mask=mask, is_causal=causal,
+        local_window_size=window, implementation=implementation)
+  return attend
+
+
 def _dense(features, axes, name, dtype):
   return nn.Dense(features, use_bias=False, dtype=dtype, name=name,
                   kernel_init=nn.with_logical_partitioning(
@@ -76,12 +96,18 @@ class Block(nn.Module):
     dtype = jnp.dtype(cfg.dtype)
     h = nn.RMSNorm(dtype=dtype, name="ln1")(x)
     window = None if cfg.window is None else (cfg.window, 0)
-    impl = None if cfg.attention == "jaxflash" else cfg.attention
+    override, impl = None, None
+    if cfg.attention in ("cudnn", "jax-xla"):
+      override = jax_nn_attention("xla" if cfg.attention == "jax-xla"
+                                  else "cudnn")
+    elif cfg.attention != "jaxflash":
+      impl = cfg.attention  # one jaxflash backend
     h = FlashMultiHeadDotProductAttention(
         num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, causal=True,
         local_window_size=window, rope_theta=cfg.rope_theta, dtype=dtype,
         use_bias=False, kernel_init=nn.initializers.normal(0.02),
-        implementation=impl, interpret=cfg.interpret, name="attn")(
+        implementation=impl, interpret=cfg.interpret,
+        attention_override=override, name="attn")(
             h, segment_ids=segment_ids)
     x = x + h
     h = nn.RMSNorm(dtype=dtype, name="ln2")(x)

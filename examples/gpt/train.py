@@ -167,8 +167,10 @@ def main(argv=None):
   ap.add_argument("--warmup", type=int, default=30)
   ap.add_argument("--mesh", default="data=-1")
   ap.add_argument("--attention", default="jaxflash",
-                  choices=["jaxflash", "triton", "mosaic_gpu", "xla"],
-                  help="jaxflash: best backend; or one jaxflash backend")
+                  choices=["jaxflash", "triton", "mosaic_gpu", "xla", "cudnn",
+                           "jax-xla"],
+                  help="jaxflash (best backend), one jaxflash backend, or"
+                       " jax.nn's cudnn / jax-xla for comparison")
   ap.add_argument("--interpret", action="store_true",
                   help="run the Pallas kernels in interpret mode (CPU)")
   ap.add_argument("--seq-len", type=int, default=None)
