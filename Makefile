@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"; \
 	touch $(STAMP)
 
-# Trains the tiny GPT on the Python standard library (2-3 minutes on CPU).
+# Trains the tiny GPT on the Python standard library (1-2 minutes on CPU).
 demo: $(STAMP)
 	$(PY) examples/gpt/train.py --preset tiny --steps 300 --out out/demo
 
