@@ -7,31 +7,20 @@ import argparse
 import itertools
 import json
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 import jaxflash
+from jaxflash.bench import core
 
 
-def timeit(fn, *args, reps=10, samples=5):
-  out = fn(*args)
-  jax.block_until_ready(out)
-  ts = []
-  for _ in range(samples):
-    t = time.perf_counter()
-    for _ in range(reps):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    ts.append((time.perf_counter() - t) / reps)
-  return statistics.median(ts)
+def timeit(fn, *args):
+  return core.time_fn(fn, *args, samples=5)
 
 
 def flops(b, h, s, d, causal, mode):
-  f = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
-  return f * (3.5 if mode == "fwd_bwd" else 1.0)
+  return core.flops(core.Shape(b, s, s, h, h, d, causal), mode)
 
 
 def main():
