@@ -4,7 +4,6 @@ PYTHONPATH=. python3 tools/triton_sweep.py [--quick]
 """
 
 import argparse
-import itertools
 import json
 import os
 
