@@ -44,8 +44,7 @@ def _triton_check(q, k, v, *, interpret, **unused):
 
 def _mosaic_attention(q, k, v, *, mask, arrays, softmax_scale,
                       logits_soft_cap, config, interpret):
-  del arrays  # check_supported refused segment ids and lengths
-  return mosaic_backend.attention(q, k, v, mask=mask,
+  return mosaic_backend.attention(q, k, v, mask=mask, arrays=arrays,
                                   softmax_scale=softmax_scale,
                                   logits_soft_cap=logits_soft_cap,
                                   config=config, interpret=interpret)

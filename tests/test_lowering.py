@@ -71,6 +71,7 @@ def test_lowers_to_triton(fake_gpu, shape, causal, features):
     assert name in text
 
 
+@pytest.mark.parametrize("segments", [False, True], ids=["", "segments"])
 @pytest.mark.parametrize("cfg", [
     dict(),
     dict(p_in_smem=True),
@@ -84,7 +85,7 @@ def test_lowers_to_triton(fake_gpu, shape, causal, features):
     (2048, 2048, 4, 4, 256, True, None),
     (512, 512, 4, 2, 64, False, None),
 ], ids=["d128-causal", "d96-window", "d256-causal", "d64"])
-def test_mosaic_lowers_for_cuda(shape, cfg):
+def test_mosaic_lowers_for_cuda(shape, cfg, segments):
   """The Hopper kernel lowers to Mosaic GPU IR for its GPU configurations
   (the interpreter runs only some of them)."""
   from jaxflash import mosaic_gpu
@@ -93,9 +94,15 @@ def test_mosaic_lowers_for_cuda(shape, cfg):
   kv = jax.ShapeDtypeStruct((2, s, kh, d), jnp.bfloat16)
   mask = MaskSpec(t, s, causal, None, *(window or (None, None)))
   config = mosaic_gpu.MosaicConfig(**cfg)
-  fwd = lambda q, k, v: mosaic_gpu.attention(
-      q, k, v, mask=mask, softmax_scale=0.125, config=config)[0]
-  lower = lambda: jax.jit(fwd).trace(q, kv, kv).lower(
+  seg_q = jax.ShapeDtypeStruct((2, t), jnp.int32)
+  seg_kv = jax.ShapeDtypeStruct((2, s), jnp.int32)
+
+  def fwd(q, k, v, sq, skv):
+    arrays = MaskArrays(sq, skv) if segments else MaskArrays()
+    return mosaic_gpu.attention(q, k, v, mask=mask, arrays=arrays,
+                                softmax_scale=0.125, config=config)[0]
+
+  lower = lambda: jax.jit(fwd).trace(q, kv, kv, seg_q, seg_kv).lower(
       lowering_platforms=("cuda",)).as_text()
   dp = -(-d // 64) * 64
   if config.smem_bytes(dp) > 227 * 1024:

@@ -118,10 +118,6 @@ def test_dispatch_refuses_what_it_cannot_serve():
   q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
   attend = functools.partial(jaxflash.flash_attention,
                              implementation="mosaic_gpu", interpret=True)
-  with pytest.raises(NotImplementedError, match="does not take segment_ids"):
-    attend(q, q, q, segment_ids=jnp.zeros((1, 64), jnp.int32))
-  with pytest.raises(NotImplementedError, match="q_seq_lengths"):
-    attend(q, q, q, q_seq_lengths=jnp.array([3]))
   with pytest.raises(NotImplementedError, match="bfloat16 and float16"):
     attend(q.astype(jnp.float32), q.astype(jnp.float32),
            q.astype(jnp.float32))
@@ -130,7 +126,7 @@ def test_dispatch_refuses_what_it_cannot_serve():
       jaxflash.flash_attention(q, q, q, implementation="mosaic_gpu")
   # A sequence falls through to the next backend that can serve the call.
   out = jaxflash.flash_attention(
-      q, q, q, segment_ids=jnp.zeros((1, 64), jnp.int32),
+      q.astype(jnp.float32), q.astype(jnp.float32), q.astype(jnp.float32),
       implementation=("mosaic_gpu", "triton"), interpret=True)
   assert out.shape == q.shape
 
@@ -177,3 +173,72 @@ def test_gpu_soft_cap(causal):
                          logits_soft_cap=30.0)
   numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
                       causal=causal, logits_soft_cap=30.0)
+
+
+SEG_CASES = [
+    ("packed-causal-2wg", 256, 256, True, None, dict(docs=5, pad=9), TWO_WG),
+    ("lengths-q200-k300", 200, 300, False, None,
+     dict(q_len=[150, 200], kv_len=[300, 7]), ONE_WG),
+    ("packed-lengths-window", 256, 256, True, (60, 0),
+     dict(docs=4, pad=0, kv_len=[256, 100]), DEEP),
+]
+
+
+@pytest.mark.parametrize("case", SEG_CASES, ids=[c[0] for c in SEG_CASES])
+def test_segments_and_lengths_interpret(case):
+  """Segment ids (packed documents, padding) and sequence lengths, which
+  the kernel folds into segment ids; the group's key-tile range narrows to
+  the tiles whose ids can match."""
+  from test_mask_features import packed_segments
+  _, t, s, causal, window, spec_kw, cfg = case
+  args = numerics.random_inputs(jax.random.key(t + s), batch=2, q_len=t,
+                                kv_len=s, heads=4, kv_heads=2, head_dim=64,
+                                dtype=jnp.bfloat16)
+  arrays, ref_kw = {}, {}
+  if "docs" in spec_kw:
+    seg = packed_segments(jax.random.key(3), 2, t, spec_kw["docs"],
+                          pad_tail=spec_kw["pad"])
+    arrays.update(q_segment_ids=seg, kv_segment_ids=seg)
+    ref_kw["segment_ids"] = (seg, seg)
+  if "q_len" in spec_kw:
+    arrays["q_seq_lengths"] = ref_kw["q_seq_lengths"] = jnp.array(
+        spec_kw["q_len"])
+  if "kv_len" in spec_kw:
+    arrays["kv_seq_lengths"] = ref_kw["kv_seq_lengths"] = jnp.array(
+        spec_kw["kv_len"])
+  spec = masks.MaskSpec(t, s, causal, None, *(window or (None, None)))
+
+  def fn(q, k, v):
+    return mosaic_gpu.attention(q, k, v, mask=spec,
+                                arrays=masks.MaskArrays(**arrays),
+                                softmax_scale=0.125, config=cfg,
+                                interpret=RACES)
+
+  got = numerics.outputs_and_grads(fn, *args)
+  numerics.check_rule(got, *args, causal=causal, softmax_scale=0.125,
+                      window=window or (None, None), **ref_kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SEG_CASES, ids=[c[0] for c in SEG_CASES])
+def test_segments_and_lengths_gpu(case):
+  _, t, s, causal, window, spec_kw, _ = case
+  from test_mask_features import packed_segments
+  args = numerics.random_inputs(jax.random.key(7), batch=2, q_len=t,
+                                kv_len=s, heads=8, kv_heads=2, head_dim=128,
+                                dtype=jnp.bfloat16)
+  kw = dict(causal=causal, local_window_size=window)
+  if "docs" in spec_kw:
+    kw["segment_ids"] = packed_segments(jax.random.key(3), 2, t,
+                                        spec_kw["docs"],
+                                        pad_tail=spec_kw["pad"])
+  if "q_len" in spec_kw:
+    kw["q_seq_lengths"] = jnp.array(spec_kw["q_len"])
+  if "kv_len" in spec_kw:
+    kw["kv_seq_lengths"] = jnp.array(spec_kw["kv_len"])
+  fn = functools.partial(jaxflash.flash_attention, return_lse=True,
+                         implementation="mosaic_gpu", **kw)
+  kw.pop("local_window_size")
+  numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
+                      **numerics.reference_kwargs(
+                          local_window_size=window, **kw))

@@ -14,7 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxflash.masks import MaskArrays, MaskSpec
+from jaxflash import masks as masks_lib
+from jaxflash.masks import PAD_SEGMENT_ID, MaskArrays, MaskSpec
 from jaxflash.mosaic_gpu import forward as fwd_lib
 from jaxflash.mosaic_gpu.config import (
   INTERPRET_CONFIG,
@@ -51,7 +52,8 @@ def _interpret_params(interpret):
 
 def _plan(q, k, mask: MaskSpec, softmax_scale: float,
           config: MosaicConfig | None, interpret,
-          logits_soft_cap: float | None = None) -> _Static:
+          logits_soft_cap: float | None = None,
+          arrays: MaskArrays = MaskArrays()) -> _Static:
   B, T, H, D = q.shape
   S, K = k.shape[1], k.shape[2]
   dp = _head_dim_padded(D)
@@ -62,15 +64,44 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
       mask=mask, softmax_scale=float(softmax_scale), batch=B, num_heads=H,
       num_kv_heads=K, q_pad=round_up(T, config.compute_wgs * config.block_q),
       kv_pad=round_up(S, config.block_kv), head_dim_padded=dp,
-      logits_soft_cap=logits_soft_cap)
+      logits_soft_cap=logits_soft_cap,
+      has_segments=any(x is not None for x in arrays))
   return _Static(prob=prob, config=config, interpret=interpret, head_dim=D)
 
 
-def _forward(q, k, v, st: _Static):
+def _segments(arrays: MaskArrays, st: _Static, batch: int):
+  """Segment ids for the kernel, with the sequence lengths folded in
+  (positions past a row's length become PAD_SEGMENT_ID), padded to whole
+  tiles, and each query group's overlapping key-tile range."""
+  prob, cfg = st.prob, st.config
+
+  def ids(seg, lengths, full, padded):
+    pos = jnp.arange(full, dtype=jnp.int32)[None, :]
+    out = (jnp.zeros((batch, full), jnp.int32) if seg is None
+           else seg.astype(jnp.int32))
+    if lengths is not None:
+      out = jnp.where(pos < lengths.astype(jnp.int32)[:, None], out,
+                      PAD_SEGMENT_ID)
+    return jnp.pad(out, ((0, 0), (0, padded - full)),
+                   constant_values=PAD_SEGMENT_ID)
+
+  q_seg = ids(arrays.q_segment_ids, arrays.q_seq_lengths, prob.mask.q_len,
+              prob.q_pad)
+  kv_seg = ids(arrays.kv_segment_ids, arrays.kv_seq_lengths,
+               prob.mask.kv_len, prob.kv_pad)
+  seg_range = masks_lib.overlap_range(
+      masks_lib.tile_summary(q_seg, cfg.compute_wgs * cfg.block_q),
+      masks_lib.tile_summary(kv_seg, cfg.block_kv))
+  return q_seg, kv_seg, seg_range
+
+
+def _forward(q, k, v, st: _Static, arrays: MaskArrays = MaskArrays()):
   prob = st.prob
   pad = lambda x, n: pad_axis(pad_axis(x, 1, n), 3, prob.head_dim_padded)
+  segments = (_segments(arrays, st, q.shape[0]) if prob.has_segments
+              else None)
   out, lse = fwd_lib.forward(
-      pad(q, prob.q_pad), pad(k, prob.kv_pad), pad(v, prob.kv_pad),
+      pad(q, prob.q_pad), pad(k, prob.kv_pad), pad(v, prob.kv_pad), segments,
       prob=prob, cfg=st.config, interpret=_interpret_params(st.interpret))
   T = q.shape[1]
   return out[:, :T, :, :st.head_dim], lse[:, :, :T]
@@ -80,11 +111,11 @@ def forward(q, k, v, arrays: MaskArrays, *, mask: MaskSpec,
             softmax_scale: float, logits_soft_cap=None,
             config: MosaicConfig | None = None, interpret=False):
   """The Hopper forward kernel on (local) arrays: ``(out, lse)``."""
-  del arrays  # refused by check_supported
-  st = _plan(q, k, mask, softmax_scale, config, interpret, logits_soft_cap)
+  st = _plan(q, k, mask, softmax_scale, config, interpret, logits_soft_cap,
+             arrays)
   if interpret:
     _check_interpreter_threads(st.config)
-  return _forward(q, k, v, st)
+  return _forward(q, k, v, st, arrays)
 
 
 def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
@@ -113,8 +144,8 @@ def _check_interpreter_threads(config: MosaicConfig) -> None:
         " importing jax")
 
 
-def attention(q, k, v, *, mask: MaskSpec, softmax_scale: float,
-              logits_soft_cap: float | None = None,
+def attention(q, k, v, *, mask: MaskSpec, arrays: MaskArrays = MaskArrays(),
+              softmax_scale: float, logits_soft_cap: float | None = None,
               config: MosaicConfig | None = None, interpret=False):
   """Flash attention with the Hopper forward kernel.
 
@@ -123,7 +154,7 @@ def attention(q, k, v, *, mask: MaskSpec, softmax_scale: float,
   Returns ``(out, lse)`` like the other backends.
   """
   from jaxflash import op  # noqa: PLC0415 - op imports this module
-  return op.attention(q, k, v, MaskArrays(), op.OpParams(
+  return op.attention(q, k, v, arrays, op.OpParams(
       backend="mosaic_gpu", mask=mask, softmax_scale=float(softmax_scale),
       logits_soft_cap=logits_soft_cap, config=config, interpret=interpret))
 
@@ -135,13 +166,7 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
   if q.dtype not in SUPPORTED_DTYPES:
     raise NotImplementedError(
         f"mosaic_gpu backend supports bfloat16 and float16, got {q.dtype}")
-  missing = [name for name, val in (
-      ("segment_ids", arrays.q_segment_ids),
-      ("q_seq_lengths", arrays.q_seq_lengths),
-      ("kv_seq_lengths", arrays.kv_seq_lengths)) if val is not None]
-  if missing:
-    raise NotImplementedError(
-        f"mosaic_gpu backend does not take {', '.join(missing)} yet")
+  del arrays  # segment ids and lengths are served
   dp = _head_dim_padded(q.shape[3])
   if config is not None and config.smem_bytes(dp) > SMEM_LIMIT:
     raise NotImplementedError(

@@ -55,11 +55,21 @@ class Problem:
   kv_pad: int
   head_dim_padded: int
   logits_soft_cap: float | None = None
+  # Segment ids (also carrying sequence lengths: padding positions are
+  # PAD_SEGMENT_ID) as extra GMEM inputs q_seg [B, Tp], kv_seg [B, Sp] and
+  # seg_range [B, 2, n_groups] (the key tiles each query group can share
+  # an id with; masks.overlap_range).
+  has_segments: bool = False
 
 
-def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem2, k_smem, v_smem,
-            lse_smem2, k_ready, v_ready, q_ready, k_free, v_free, *extra,
-            prob: Problem, cfg: MosaicConfig, dtype):
+def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
+  if prob.has_segments:
+    q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, range_ref, *refs = refs
+  else:
+    q_ref, k_ref, v_ref, *refs = refs
+    qseg_ref = kvseg_ref = range_ref = None
+  (o_ref, lse_ref, qo_smem2, k_smem, v_smem, lse_smem2, k_ready, v_ready,
+   q_ready, k_free, v_free, *extra) = refs
   p_smem2 = extra[0] if cfg.p_in_smem else None
   sched = extra[-1] if _use_schedule(cfg) else None
   bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
@@ -71,6 +81,11 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem2, k_smem, v_smem,
   mask = prob.mask
   # Key tiles any consumer of this program needs: the producer loads them.
   u_lo, _, _, u_hi = mask.kv_block_range(group_start, group_rows, bk)
+  if range_ref is not None:
+    # Narrow to the key tiles whose segment ids can match this group's.
+    group = lax.axis_index("q_seq")
+    u_lo = jnp.maximum(u_lo, range_ref[b, 0, group])
+    u_hi = jnp.maximum(jnp.minimum(u_hi, range_ref[b, 1, group]), u_lo)
   n_steps = u_hi - u_lo
 
   def slot_of(t):
@@ -121,7 +136,19 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem2, k_smem, v_smem,
             jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
         k_idx = t * bk + plgpu.broadcasted_iota(
             jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
-        s = jnp.where(mask.visible(q_idx, k_idx), s, -jnp.inf)
+        seg = {}
+        if qseg_ref is not None:
+          # Straight from GMEM into the row / column layouts of S
+          # (a non-"optimized" load: GMEM is not swizzled SMEM).
+          q_seg = plgpu.load(qseg_ref.at[b, pl.ds(q_start, bq)],
+                             layout=plgpu.Layout.WGMMA.reduce(1),
+                             optimized=False)
+          k_seg = plgpu.load(kvseg_ref.at[b, pl.ds(t * bk, bk)],
+                             layout=plgpu.Layout.WGMMA.reduce(0),
+                             optimized=False)
+          seg = dict(q_seg=lax.broadcast_in_dim(q_seg, (bq, bk), [0]),
+                     k_seg=lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
+        s = jnp.where(mask.visible(q_idx, k_idx, **seg), s, -jnp.inf)
       m_next = jnp.maximum(m, s.max(axis=1))
       # While a row has seen no key, m = -inf: subtract 0 instead so that
       # exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
@@ -164,6 +191,14 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem2, k_smem, v_smem,
       return carry
 
     lo, full_lo, full_hi, hi = mask.kv_block_range(q_start, bq, bk)
+    # Stay inside the group's (segment-narrowed) range; with segment ids
+    # every visited tile takes the element mask.
+    lo = jnp.clip(lo, u_lo, u_hi)
+    hi = jnp.clip(hi, lo, u_hi)
+    if range_ref is not None:
+      full_lo = full_hi = hi
+    full_lo = jnp.clip(full_lo, lo, hi)
+    full_hi = jnp.clip(full_hi, full_lo, hi)
     if sched is not None:
       pl.when(wg == 1)(sched_sync)  # offset the two consumers by a half step
     carry = (acc, m, l)
@@ -226,9 +261,13 @@ def _use_schedule(cfg: MosaicConfig) -> bool:
   return cfg.schedule_barrier and cfg.compute_wgs == 2
 
 
-def forward(q, k, v, *, prob: Problem, cfg: MosaicConfig, interpret=None):
+def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
+            interpret=None):
   """Padded ``q [B, T, H, Dp]``, ``k, v [B, S, K, Dp]`` (bf16/fp16) ->
-  ``(out [B, T, H, Dp], lse [B, H, T] float32)``."""
+  ``(out [B, T, H, Dp], lse [B, H, T] float32)``.
+
+  ``segments``: ``(q_seg, kv_seg, seg_range)`` when ``prob.has_segments``.
+  """
   dtype = q.dtype
   dp = prob.head_dim_padded
   bq, bk = cfg.block_q, cfg.block_kv
@@ -268,4 +307,4 @@ def forward(q, k, v, *, prob: Problem, cfg: MosaicConfig, interpret=None):
       thread_name="wg",
       interpret=interpret,
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(q, k, v)
+  )(q, k, v, *(segments or ()))
