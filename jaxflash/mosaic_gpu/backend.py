@@ -27,6 +27,7 @@ from jaxflash.triton import backend as triton_backend
 from jaxflash.triton.common import pad_axis, round_up
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+NO_MASK_ARRAYS = MaskArrays()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +54,7 @@ def _interpret_params(interpret):
 def _plan(q, k, mask: MaskSpec, softmax_scale: float,
           config: MosaicConfig | None, interpret,
           logits_soft_cap: float | None = None,
-          arrays: MaskArrays = MaskArrays()) -> _Static:
+          arrays: MaskArrays = NO_MASK_ARRAYS) -> _Static:
   B, T, H, D = q.shape
   S, K = k.shape[1], k.shape[2]
   dp = _head_dim_padded(D)
@@ -95,7 +96,7 @@ def _segments(arrays: MaskArrays, st: _Static, batch: int):
   return q_seg, kv_seg, seg_range
 
 
-def _forward(q, k, v, st: _Static, arrays: MaskArrays = MaskArrays()):
+def _forward(q, k, v, st: _Static, arrays: MaskArrays = NO_MASK_ARRAYS):
   prob = st.prob
   pad = lambda x, n: pad_axis(pad_axis(x, 1, n), 3, prob.head_dim_padded)
   segments = (_segments(arrays, st, q.shape[0]) if prob.has_segments
@@ -144,7 +145,7 @@ def _check_interpreter_threads(config: MosaicConfig) -> None:
         " importing jax")
 
 
-def attention(q, k, v, *, mask: MaskSpec, arrays: MaskArrays = MaskArrays(),
+def attention(q, k, v, *, mask: MaskSpec, arrays: MaskArrays = NO_MASK_ARRAYS,
               softmax_scale: float, logits_soft_cap: float | None = None,
               config: MosaicConfig | None = None, interpret=False):
   """Flash attention with the Hopper forward kernel.
