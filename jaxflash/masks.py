@@ -96,20 +96,6 @@ def _cdiv(a, b: int):
   return lax.div(_i32(a) + (b - 1), _i32(b))
 
 
-def _min(*xs):
-  out = xs[0]
-  for x in xs[1:]:
-    out = jnp.minimum(out, x)
-  return out
-
-
-def _max(*xs):
-  out = xs[0]
-  for x in xs[1:]:
-    out = jnp.maximum(out, x)
-  return out
-
-
 @dataclasses.dataclass(frozen=True)
 class MaskSpec:
   """The static part of a mask; hashable, so it can be a static argument.

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxflash import masks as masks_lib
+from jaxflash._device import require_cuda
 from jaxflash.masks import PAD_SEGMENT_ID, MaskArrays, MaskSpec
 from jaxflash.mosaic_gpu import forward as fwd_lib
 from jaxflash.mosaic_gpu.config import (
@@ -175,14 +176,6 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
         f" head_dim {dp} (limit {SMEM_LIMIT})")
   if interpret:
     return
-  if jax.default_backend() != "gpu":
-    raise NotImplementedError(
-        "mosaic_gpu backend needs an sm90 GPU (default backend is"
-        f" {jax.default_backend()!r}); pass interpret=True to run it in the"
-        " Mosaic GPU interpreter")
-  dev = jax.devices()[0]
-  cc = getattr(dev, "compute_capability", None)
-  if cc is None or not str(cc).startswith("9"):
-    raise NotImplementedError(
-        f"mosaic_gpu backend needs compute capability 9.x (Hopper), got {cc}"
-        f" ({dev.device_kind})")
+  require_cuda("mosaic_gpu", "an sm90 GPU (compute capability 9.x, Hopper)",
+               lambda cc: cc.startswith("9"),
+               "pass interpret=True to run it in the Mosaic GPU interpreter")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 
+from jaxflash._device import require_cuda
 from jaxflash.masks import PAD_SEGMENT_ID, MaskArrays, MaskSpec
 from jaxflash.triton import backward as bwd_lib
 from jaxflash.triton import forward as fwd_lib
@@ -155,14 +155,6 @@ def check_supported(q, k, v, *, interpret: bool) -> None:
         f" {q.dtype}")
   if interpret:
     return
-  if jax.default_backend() != "gpu":
-    raise NotImplementedError(
-        "triton backend needs a CUDA GPU (default backend is"
-        f" {jax.default_backend()!r}); pass interpret=True to run its kernels"
-        " on CPU")
-  dev = jax.devices()[0]
-  cc = getattr(dev, "compute_capability", None)
-  if cc is not None and float(cc) < 8.0:
-    raise NotImplementedError(
-        f"triton backend needs compute capability >= 8.0, got {cc}"
-        f" ({dev.device_kind})")
+  require_cuda("triton", "a CUDA GPU of compute capability >= 8.0",
+               lambda cc: float(cc) >= 8.0,
+               "pass interpret=True to run its kernels on CPU")
