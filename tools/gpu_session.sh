@@ -20,12 +20,16 @@ git log --oneline -1 2>/dev/null | tee "$out/commit.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 if [ "$what" = tests ] || [ "$what" = all ]; then
   n=8; python3 -c 'import xdist' 2>/dev/null || n=0
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m gpu tests -p no:benchmark \
-    -p no:cacheprovider -n "$n" -rA --durations=15 -q \
+  # -v: one line per finished test, so a run stopped by the timeout still
+  # says which tests passed.  TESTS picks files (default: all of tests/).
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m gpu ${TESTS:-tests} \
+    -p no:benchmark -p no:cacheprovider -n "$n" -rfE --durations=15 -v \
     > "$out/gpu_tests.log" 2>&1
   echo "pytest rc=$?"
-  grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$out/gpu_tests.log" \
-    | grep -v "^PASSED" | tail -25
+  echo "passed: $(grep -c ' PASSED' "$out/gpu_tests.log")" \
+    "failed: $(grep -c ' FAILED' "$out/gpu_tests.log")" \
+    "skipped: $(grep -c ' SKIPPED' "$out/gpu_tests.log")"
+  grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu_tests.log" | tail -25
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout "${BENCH_TIMEOUT:-540}" python3 -m jaxflash.bench --out "$out" \

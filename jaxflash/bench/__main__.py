@@ -180,8 +180,11 @@ def main(argv=None) -> int:
         bar.set_description(f"d{shape.head_dim} s{shape.seq_q}"
                             f"{' causal' if shape.causal else ''} {name}"
                             f" {mode}")
-        results.append(run_one(name, shape, mode, arrays, ref_out, mask_kw,
-                               interpret=interpret, samples=args.samples))
+        row = run_one(name, shape, mode, arrays, ref_out, mask_kw,
+                      interpret=interpret, samples=args.samples)
+        results.append(row)
+        # One line per row as it lands, so a run cut short still reports.
+        bar.write(report.row_line(row), file=sys.stderr)
         bar.update()
     del arrays, ref_out
     gc.collect()

@@ -53,6 +53,15 @@ def table_rows(results: list[dict]) -> list[list[str]]:
   return rows
 
 
+def row_line(r: dict) -> str:
+  """One short line for a row as it lands (progress log)."""
+  what = (f"{r['error'][:120]}" if r["error"] else
+          f"{r['ms']:.3f} ms {r['tflops']:.1f} TFLOP/s")
+  return (f"d{r['head_dim']} s{r['seq_q']}{' causal' if r['causal'] else ''}"
+          f"{' ' + r['mask'] if r['mask'] else ''} {r['mode']} {r['impl']}:"
+          f" {what}")
+
+
 HEADER = ["head_dim", "seq", "causal", "mask", "mode", "impl", "ms",
           "TFLOP/s", "ratio to best other", "MiB", "error"]
 
