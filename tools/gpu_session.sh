@@ -5,7 +5,7 @@
 #           python3 -m pip download --no-deps --only-binary=:all: \
 #             --python-version 3.12 --implementation cp \
 #             --platform manylinux_2_17_x86_64 -d .whl pytest-xdist==3.8.0
-#   device: bash tools/gpu_session.sh tests|bench|all [bench args...]
+#   device: bash tools/gpu_session.sh tests|bench|all|sweep [args...]
 #           (carry .whl; results land in $OUT)
 set -u
 what=${1:-all}; shift || true
@@ -16,7 +16,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD/.site:$PWD/.whl/stub:$PWD PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-git log --oneline -1 2>/dev/null | tee "$out/commit.txt"
+# JAXFLASH_COMMIT: the commit of this tree (a copied .git may be stale).
+echo "${JAXFLASH_COMMIT:-$(git log --oneline -1 2>/dev/null)}" \
+  | tee "$out/commit.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 if [ "$what" = tests ] || [ "$what" = all ]; then
   n=8; python3 -c 'import xdist' 2>/dev/null || n=0
@@ -30,6 +32,12 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     "failed: $(grep -c ' FAILED' "$out/gpu_tests.log")" \
     "skipped: $(grep -c ' SKIPPED' "$out/gpu_tests.log")"
   grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu_tests.log" | tail -25
+fi
+if [ "$what" = sweep ]; then
+  timeout "${SWEEP_TIMEOUT:-300}" python3 tools/mosaic_sweep.py --out "$out" \
+    "$@" > "$out/sweep.log" 2>&1
+  echo "sweep rc=$?"
+  sed -n '/^best per/,$p' "$out/sweep.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout "${BENCH_TIMEOUT:-540}" python3 -m jaxflash.bench --out "$out" \

@@ -22,9 +22,12 @@ import jaxflash
 from jaxflash.bench import core
 
 
-def candidates(head_dim):
-  for bkv, stages, wgs, p_smem in itertools.product(
-      (64, 128, 192), (2, 3, 4), (2, 1), (False, True)):
+def candidates(head_dim, full=False):
+  """Two consumer warpgroups with P in registers (the fast form) over
+  block_kv x stages; ``full`` adds one consumer and P through SMEM."""
+  wgs_psmem = [(2, False)] + ([(1, False), (2, True)] if full else [])
+  for bkv, stages, (wgs, p_smem) in itertools.product(
+      (64, 128, 192), (2, 3, 4), wgs_psmem):
     cfg = jaxflash.MosaicConfig(block_q=64, block_kv=bkv, stages=stages,
                                 compute_wgs=wgs, p_in_smem=p_smem,
                                 schedule_barrier=wgs == 2)
@@ -37,6 +40,8 @@ def main():
   ap.add_argument("--head-dims", default="64,128,256")
   ap.add_argument("--seqs", default="4096")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  ap.add_argument("--full", action="store_true",
+                  help="also one consumer warpgroup and P through SMEM")
   args = ap.parse_args()
   rows = []
   for d in core.parse_int_list(args.head_dims):
@@ -46,7 +51,7 @@ def main():
         ks = jax.random.split(jax.random.key(0), 3)
         q, k, v = (jax.random.normal(kk, (shape.batch, s, shape.heads, d),
                                      jnp.bfloat16) for kk in ks)
-        for cfg in candidates(d):
+        for cfg in candidates(d, args.full):
           f = jax.jit(lambda q, k, v, cfg=cfg, causal=causal:
                       jaxflash.flash_attention(q, k, v, causal=causal,
                                                config=cfg))

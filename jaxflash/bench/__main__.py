@@ -30,6 +30,10 @@ CHECK_TOL = {"bfloat16": 2**-6, "float16": 2**-8, "float32": 1e-4}
 
 
 def _commit() -> str:
+  # A copy of the tree (e.g. on a remote GPU machine) may carry a stale
+  # .git: JAXFLASH_COMMIT names the commit the tree is at.
+  if os.environ.get("JAXFLASH_COMMIT"):
+    return os.environ["JAXFLASH_COMMIT"]
   try:
     here = os.path.dirname(os.path.abspath(__file__))
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,

@@ -16,10 +16,13 @@ union of the consumers' ranges; each consumer computes its own live tiles
 (masked or fully visible) and only acknowledges the others ("skip" steps),
 so every barrier phase is observed by every warpgroup.
 
-Accumulators: each ``wgmma`` writes a fresh scoped accumulator
-(``pl.run_scoped(..., plgpu.ACC)``) that is combined with the running
-output in registers — the form both the GPU and the Mosaic GPU interpreter
-accept (shared/STYLE.md).
+Accumulators: ``S = Q K^T`` goes into a fresh scoped accumulator
+(``pl.run_scoped(..., plgpu.ACC)``).  On the GPU, ``O`` is rescaled in
+registers and ``P V`` accumulates into it in place
+(``pl.run_state(...)(plgpu.ACC.init(acc))``, as FlashAttention-3 and JAX's
+attention_mgpu); the Mosaic GPU interpreter rejects that idiom, so
+interpreted runs write ``P V`` into a fresh scoped accumulator and add it
+in registers (docs/backends.md lists what only the GPU tests cover).
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ class Problem:
   has_segments: bool = False
 
 
-def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
+def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool):
   if prob.has_segments:
     q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, range_ref, *refs = refs
   else:
@@ -77,13 +80,18 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   b = lax.axis_index("batch")
   h = lax.axis_index("heads")
   wg = lax.axis_index("wg")
-  group_start = lax.axis_index("q_seq") * group_rows
   mask = prob.mask
+  group = lax.axis_index("q_seq")
+  if mask.causal:
+    # Causal work grows with the query index: launch the longest query
+    # groups first so the last wave is made of short ones (better balance
+    # across the 132 SMs; tokamax and FlashAttention-3 do the same).
+    group = prob.q_pad // group_rows - 1 - group
+  group_start = group * group_rows
   # Key tiles any consumer of this program needs: the producer loads them.
   u_lo, _, _, u_hi = mask.kv_block_range(group_start, group_rows, bk)
   if range_ref is not None:
     # Narrow to the key tiles whose segment ids can match this group's.
-    group = lax.axis_index("q_seq")
     u_lo = jnp.maximum(u_lo, range_ref[b, 0, group])
     u_hi = jnp.maximum(jnp.minimum(u_hi, range_ref[b, 1, group]), u_lo)
   n_steps = u_hi - u_lo
@@ -155,13 +163,24 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       m_use = jnp.where(m_next == -jnp.inf, 0.0, m_next) if masked else m_next
       alpha = jnp.exp2(m - m_use)
       p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-      l = l * alpha + p.sum(axis=1)
+      l = l * alpha
       p16 = p.astype(dtype)
+      if in_place:
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      # As JAX's attention_mgpu: at head_dim <= 128, finishing the row sum
+      # and pinning the softmax results before the barriers lets the
+      # compiler schedule them ahead of the wait (measured faster there).
+      early_sum = prob.head_dim_padded <= 128
+      if early_sum:
+        l = l + p.sum(axis=1)
+        acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
       if sched is not None:
         plgpu.barrier_arrive(sched)  # softmax done
       plgpu.barrier_wait(v_ready.at[slot])
       if sched is not None:
         plgpu.barrier_wait(sched)  # tensor cores free
+      if not early_sum:
+        l = l + p.sum(axis=1)
       if p_smem2 is not None:
         p_src = p_smem2.at[wg]
         p_src[...] = p16
@@ -169,14 +188,23 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       else:
         p_src = p16
 
-      def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
-        return acc_ref[...]
+      if in_place:
+        # O = alpha * O + P V accumulated in the wgmma registers themselves
+        # (FlashAttention-3); the interpreter rejects this idiom.
+        def pv_in_place(acc_ref):
+          plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
 
-      o = pl.run_scoped(pv, plgpu.ACC((bq, prob.head_dim_padded),
-                                      jnp.float32))
+        acc = pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
+      else:
+        # Interpretable form: a fresh scoped accumulator, added in registers.
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
+          return acc_ref[...]
+
+        o = pl.run_scoped(pv, plgpu.ACC((bq, prob.head_dim_padded),
+                                        jnp.float32))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
       plgpu.barrier_arrive(v_free.at[slot])
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
       return acc, m_next, l
 
     def skip(t, carry):
@@ -296,7 +324,8 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
   out_type = [out_struct(q.shape, dtype, q, k, v),
               out_struct((prob.batch, prob.num_heads, prob.q_pad),
                          jnp.float32, q, k, v)]
-  kernel = functools.partial(_kernel, prob=prob, cfg=cfg, dtype=dtype)
+  kernel = functools.partial(_kernel, prob=prob, cfg=cfg, dtype=dtype,
+                             in_place=not interpret)
   return plgpu.kernel(
       kernel,
       out_type=out_type,
