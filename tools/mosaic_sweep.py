@@ -40,6 +40,9 @@ def main():
   ap.add_argument("--head-dims", default="64,128,256")
   ap.add_argument("--seqs", default="4096")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  ap.add_argument("--default-only", action="store_true",
+                  help="time only the tuned default config")
+  ap.add_argument("--tag", default="", help="suffix of the output file")
   ap.add_argument("--full", action="store_true",
                   help="also one consumer warpgroup and P through SMEM")
   args = ap.parse_args()
@@ -51,12 +54,13 @@ def main():
         ks = jax.random.split(jax.random.key(0), 3)
         q, k, v = (jax.random.normal(kk, (shape.batch, s, shape.heads, d),
                                      jnp.bfloat16) for kk in ks)
-        for cfg in candidates(d, args.full):
+        for cfg in ([None] if args.default_only else
+                    candidates(d, args.full)):
           f = jax.jit(lambda q, k, v, cfg=cfg, causal=causal:
                       jaxflash.flash_attention(q, k, v, causal=causal,
                                                config=cfg))
           row = dict(head_dim=d, seq=s, causal=causal,
-                     config=cfg.__dict__.copy())
+                     config=cfg and cfg.__dict__.copy(), tag=args.tag)
           try:
             t = core.time_fn(f, q, k, v, samples=5)
             row.update(ms=t * 1e3, tflops=core.flops(shape, "fwd") / t / 1e12)
@@ -64,7 +68,7 @@ def main():
             row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
           rows.append(row)
           print(json.dumps(row), flush=True)
-  with open(os.path.join(args.out, "mosaic_sweep.json"), "w") as f:
+  with open(os.path.join(args.out, f"mosaic_sweep{args.tag}.json"), "w") as f:
     json.dump(rows, f, indent=1)
   print("\nbest per (head_dim, seq, causal):")
   key = lambda r: (r["head_dim"], r["seq"], r["causal"])

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -39,6 +40,8 @@ from jax import lax
 from jaxflash.masks import MaskSpec
 from jaxflash.mosaic_gpu.config import MosaicConfig
 from jaxflash.triton.common import out_struct
+
+EXP = set(os.environ.get("JAXFLASH_MGPU_EXP", "").split(","))
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -135,10 +138,15 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool):
       s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
       if prob.logits_soft_cap is None:
-        s = s * qk_scale  # base-2 logits, scale folded in
+        # Raw logits; the base-2 scale is applied to the row max and
+        # folded into exp2's argument below (one FMA per element).
+        scale = qk_scale
+        if "no_fma" in EXP:
+          s, scale = s * qk_scale, None
       else:  # cap * tanh(x / cap) on the scaled logits (Gemma 2)
         cap = prob.logits_soft_cap
         s = jnp.tanh(s * (prob.softmax_scale / cap)) * (cap * LOG2E)
+        scale = None
       if masked:
         q_idx = q_start + plgpu.broadcasted_iota(
             jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
@@ -157,12 +165,14 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool):
           seg = dict(q_seg=lax.broadcast_in_dim(q_seg, (bq, bk), [0]),
                      k_seg=lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
         s = jnp.where(mask.visible(q_idx, k_idx, **seg), s, -jnp.inf)
-      m_next = jnp.maximum(m, s.max(axis=1))
+      row_max = s.max(axis=1)
+      m_next = jnp.maximum(m, row_max if scale is None else row_max * scale)
       # While a row has seen no key, m = -inf: subtract 0 instead so that
       # exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
       m_use = jnp.where(m_next == -jnp.inf, 0.0, m_next) if masked else m_next
       alpha = jnp.exp2(m - m_use)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+      m_b = lax.broadcast_in_dim(m_use, s.shape, [0])
+      p = jnp.exp2(s - m_b if scale is None else s * scale - m_b)
       l = l * alpha
       p16 = p.astype(dtype)
       if in_place:
@@ -170,7 +180,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool):
       # As JAX's attention_mgpu: at head_dim <= 128, finishing the row sum
       # and pinning the softmax results before the barriers lets the
       # compiler schedule them ahead of the wait (measured faster there).
-      early_sum = prob.head_dim_padded <= 128
+      early_sum = prob.head_dim_padded <= 128 and "late_sum" not in EXP
       if early_sum:
         l = l + p.sum(axis=1)
         acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
@@ -325,7 +335,7 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
               out_struct((prob.batch, prob.num_heads, prob.q_pad),
                          jnp.float32, q, k, v)]
   kernel = functools.partial(_kernel, prob=prob, cfg=cfg, dtype=dtype,
-                             in_place=not interpret)
+                             in_place=not interpret and "fresh_acc" not in EXP)
   return plgpu.kernel(
       kernel,
       out_type=out_type,
@@ -335,5 +345,7 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
       num_threads=cfg.compute_wgs + 1,
       thread_name="wg",
       interpret=interpret,
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True,
+          unsafe_no_auto_barriers="no_auto_barriers" in EXP),
   )(q, k, v, *(segments or ()))
