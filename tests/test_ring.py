@@ -17,8 +17,15 @@ TILES = jaxflash.TritonConfig(block_q=16, block_k=16, block_q_dkv=16,
                               block_k_dkv=16, block_q_dq=16, block_k_dq=16)
 
 
-def _global_ring(mesh, axis, *, causal, zigzag, seg_ids, batch_axis=None):
+def _global_ring(mesh, axis, *, causal, zigzag, seg_ids, batch_axis=None,
+                 kernel_kw=None):
+  """``attend(q, k, v) -> (out, lse)`` over whole sequences, by ring
+  attention on ``mesh``: tokens in zig-zag order, sequence split over
+  ``axis``.  ``kernel_kw``: implementation/config/interpret of the ring's
+  kernels (default: Triton in interpret mode, small tiles)."""
   n = mesh.shape[axis]
+  if kernel_kw is None:
+    kernel_kw = dict(config=TILES, interpret=True)
   seq = seg_ids.shape[1]
   order = sharding.zigzag_indices(seq, n) if (zigzag and causal) else (
       np.arange(seq))
@@ -28,7 +35,7 @@ def _global_ring(mesh, axis, *, causal, zigzag, seg_ids, batch_axis=None):
   def local(q, k, v, ids):
     return sharding.ring_attention(
         q, k, v, axis_name=axis, causal=causal, zigzag=zigzag,
-        segment_ids=ids, return_lse=True, config=TILES, interpret=True)
+        segment_ids=ids, return_lse=True, **kernel_kw)
 
   ring = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4,
                        out_specs=(spec, P(batch_axis, None, axis)),

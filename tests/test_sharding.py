@@ -30,6 +30,8 @@ LAYOUTS = {
     "2x4": [(("data",), ("tensor",)), (("data", "tensor"), None)],
     "2x2x2": [(("data", "fsdp"), ("tensor",)), (("data",), ("fsdp", "tensor"))],
 }
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute",
+               "reduce-scatter")
 CASES = [(m, i, t) for m in MESHES for i in range(len(LAYOUTS[m]))
          for t in (AxisType.Auto, AxisType.Explicit)]
 
@@ -84,8 +86,7 @@ def test_batch_and_head_sharding_is_local_and_exact(mesh_name, layout,
   assert got[0].sharding.is_equivalent_to(
       NamedSharding(mesh, P(b, None, h, None)), 4)
   hlo = fn.lower(*args).compile().as_text()
-  for collective in ("all-gather", "all-reduce", "all-to-all",
-                     "collective-permute", "reduce-scatter"):
+  for collective in COLLECTIVES:
     assert collective not in hlo, collective
 
 
