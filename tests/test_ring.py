@@ -1,6 +1,9 @@
 """Ring attention (context parallelism) on CPU devices, interpret kernels."""
 
 import functools
+import importlib
+import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -95,3 +98,27 @@ def test_ring_argument_errors():
       out_specs=P(None, "context"), check_vma=False)(q, q, q)
   with pytest.raises(ValueError, match="implementation='xla'"):
     call(implementation="xla")
+
+
+def test_ring_bench_smoke(tmp_path, monkeypatch):
+  """tools/ring_bench.py --smoke on the CPU devices: well-formed records."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  monkeypatch.syspath_prepend(pathlib.Path(__file__).parents[1] / "tools")
+  bench = importlib.import_module("ring_bench")
+  assert bench.main(["--smoke", "--causal", "on", "--out", str(tmp_path),
+                     "--name", "smoke"]) == 0
+  data = json.loads((tmp_path / "smoke.json").read_text())
+  n = jax.device_count()
+  assert data["meta"]["device_count"] == n
+  assert "NOT a performance figure" in data["meta"]["note"]
+  rows = data["results"]
+  assert [(r["seq"], r["mode"], r["causal"]) for r in rows] == [
+      (256, "fwd", True), (256, "fwd_bwd", True)]
+  for r in rows:
+    assert r["error"] is None, r["error"]
+    assert r["ms_1"] > 0 and r["ms_n"] > 0
+    assert r["speedup"] == pytest.approx(r["ms_1"] / r["ms_n"])
+    assert r["efficiency"] == pytest.approx(r["speedup"] / n)
+    assert r["devices"] == n
+  assert 0 <= rows[0]["max_abs_diff"] < 2 ** -4  # bf16 outputs, |out| < 4

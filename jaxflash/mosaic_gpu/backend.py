@@ -1,9 +1,10 @@
 """The Mosaic GPU (Hopper) backend: padding, config, custom VJP.
 
-The backward pass is the Triton backend's (FlashAttention-2 dK/dV and dQ
-kernels) until the Hopper backward kernel exists (issue 6): it needs only
-q, k, v, the output and the log-sum-exp, which this forward saves under the
-same residual names.
+Forward: :mod:`jaxflash.mosaic_gpu.forward`.  Backward: the Hopper dK/dV
+and dQ kernels of :mod:`jaxflash.mosaic_gpu.backward` for padded head_dim
+<= 128; above that their float32 dK and dV accumulators do not fit in a
+warpgroup's registers, and the gradient is the Triton backend's kernels
+(they need the same residuals: q, k, v, the output and the log-sum-exp).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 from jaxflash import masks as masks_lib
 from jaxflash._device import require_cuda
 from jaxflash.masks import PAD_SEGMENT_ID, MaskArrays, MaskSpec
+from jaxflash.mosaic_gpu import backward as bwd_lib
 from jaxflash.mosaic_gpu import forward as fwd_lib
 from jaxflash.mosaic_gpu.config import (
   INTERPRET_CONFIG,
@@ -28,6 +30,9 @@ from jaxflash.triton import backend as triton_backend
 from jaxflash.triton.common import pad_axis, round_up
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+# Largest padded head_dim of the Hopper backward kernels (see docstring).
+MAX_BWD_HEAD_DIM = 128
+LOG2E = 1.4426950408889634
 NO_MASK_ARRAYS = MaskArrays()
 
 
@@ -71,11 +76,10 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
   return _Static(prob=prob, config=config, interpret=interpret, head_dim=D)
 
 
-def _segments(arrays: MaskArrays, st: _Static, batch: int):
-  """Segment ids for the kernel, with the sequence lengths folded in
+def _segment_ids(arrays: MaskArrays, prob: fwd_lib.Problem, batch: int):
+  """Segment ids for the kernels, with the sequence lengths folded in
   (positions past a row's length become PAD_SEGMENT_ID), padded to whole
-  tiles, and each query group's overlapping key-tile range."""
-  prob, cfg = st.prob, st.config
+  tiles: ``(q_seg [B, q_pad], kv_seg [B, kv_pad])`` int32."""
 
   def ids(seg, lengths, full, padded):
     pos = jnp.arange(full, dtype=jnp.int32)[None, :]
@@ -87,14 +91,27 @@ def _segments(arrays: MaskArrays, st: _Static, batch: int):
     return jnp.pad(out, ((0, 0), (0, padded - full)),
                    constant_values=PAD_SEGMENT_ID)
 
-  q_seg = ids(arrays.q_segment_ids, arrays.q_seq_lengths, prob.mask.q_len,
-              prob.q_pad)
-  kv_seg = ids(arrays.kv_segment_ids, arrays.kv_seq_lengths,
-               prob.mask.kv_len, prob.kv_pad)
-  seg_range = masks_lib.overlap_range(
-      masks_lib.tile_summary(q_seg, cfg.compute_wgs * cfg.block_q),
-      masks_lib.tile_summary(kv_seg, cfg.block_kv))
-  return q_seg, kv_seg, seg_range
+  return (ids(arrays.q_segment_ids, arrays.q_seq_lengths, prob.mask.q_len,
+              prob.q_pad),
+          ids(arrays.kv_segment_ids, arrays.kv_seq_lengths, prob.mask.kv_len,
+              prob.kv_pad))
+
+
+def _group_range(held_seg, held_rows: int, streamed_seg, streamed_tile: int):
+  """Per group of held rows, the streamed tiles whose segment ids can
+  match (masks.overlap_range)."""
+  return masks_lib.overlap_range(
+      masks_lib.tile_summary(held_seg, held_rows),
+      masks_lib.tile_summary(streamed_seg, streamed_tile))
+
+
+def _segments(arrays: MaskArrays, st: _Static, batch: int):
+  """Forward kernel's segment inputs: ids and each query group's key-tile
+  range."""
+  cfg = st.config
+  q_seg, kv_seg = _segment_ids(arrays, st.prob, batch)
+  return q_seg, kv_seg, _group_range(q_seg, cfg.compute_wgs * cfg.block_q,
+                                     kv_seg, cfg.block_kv)
 
 
 def _forward(q, k, v, st: _Static, arrays: MaskArrays = NO_MASK_ARRAYS):
@@ -122,13 +139,54 @@ def forward(q, k, v, arrays: MaskArrays, *, mask: MaskSpec,
 
 def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
              mask: MaskSpec, softmax_scale: float, logits_soft_cap=None,
-             config=None, interpret=False):
-  """The gradient: the Triton backward kernels (until issue 6)."""
-  del config
-  return triton_backend.backward(
-      q, k, v, arrays, out, lse, dout, dlse, mask=mask,
-      softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
-      config=None, interpret=bool(interpret))
+             config: MosaicConfig | None = None, interpret=False):
+  """The gradient ``(dq, dk, dv)`` from the forward's residuals."""
+  B, T, H, D = q.shape
+  S, K = k.shape[1], k.shape[2]
+  dp = _head_dim_padded(D)
+  if dp > MAX_BWD_HEAD_DIM:
+    return triton_backend.backward(
+        q, k, v, arrays, out, lse, dout, dlse, mask=mask,
+        softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
+        config=None, interpret=bool(interpret))
+  if config is None:
+    config = (INTERPRET_CONFIG if interpret
+              else default_config(jax.devices()[0].device_kind, dp))
+  if interpret:
+    _check_interpreter_threads(config)
+  n = config.compute_wgs
+  prob = fwd_lib.Problem(
+      mask=mask, softmax_scale=float(softmax_scale), batch=B, num_heads=H,
+      num_kv_heads=K, q_pad=round_up(T, n * config.bwd_block_q),
+      kv_pad=round_up(S, n * config.bwd_block_kv), head_dim_padded=dp,
+      logits_soft_cap=logits_soft_cap,
+      has_segments=any(x is not None for x in arrays))
+  pad = lambda x, n: pad_axis(pad_axis(x, 1, n), 3, dp)
+  qp, dop = pad(q, prob.q_pad), pad(dout.astype(q.dtype), prob.q_pad)
+  kp, vp = pad(k, prob.kv_pad), pad(v, prob.kv_pad)
+  # delta_i = sum_d dO_id O_id - dlse_i in float32 (one fused XLA pass):
+  # d lse_i / d s_ij = P_ij, so the LSE cotangent enters with delta.
+  delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32),
+                     dout.astype(jnp.float32)) - dlse.astype(jnp.float32)
+  # Base-2 LSE; +inf for rows that saw no key (and for padding rows), so
+  # that P = exp2(-inf - inf) = 0 there rather than NaN.
+  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
+  pad_rows = lambda x, value: jnp.pad(
+      x, ((0, 0), (0, 0), (0, prob.q_pad - T)), constant_values=value)
+  lse2, delta = pad_rows(lse2, jnp.inf), pad_rows(delta, 0.0)
+  seg_dq = seg_dkv = None
+  if prob.has_segments:
+    q_seg, kv_seg = _segment_ids(arrays, prob, B)
+    seg_dq = (q_seg, kv_seg, _group_range(
+        q_seg, n * config.bwd_block_q, kv_seg, config.bwd_block_kv))
+    seg_dkv = (q_seg, kv_seg, _group_range(
+        kv_seg, n * config.bwd_block_kv, q_seg, config.bwd_block_q))
+  params = _interpret_params(interpret)
+  dq = bwd_lib.dq(qp, kp, vp, dop, lse2, delta, seg_dq, prob=prob,
+                  cfg=config, interpret=params)
+  dk, dv = bwd_lib.dkv(qp, kp, vp, dop, lse2, delta, seg_dkv, prob=prob,
+                       cfg=config, interpret=params)
+  return dq[:, :T, :, :D], dk[:, :S, :, :D], dv[:, :S, :, :D]
 
 
 def _check_interpreter_threads(config: MosaicConfig) -> None:

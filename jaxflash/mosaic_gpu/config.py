@@ -29,6 +29,13 @@ class MosaicConfig:
       both.
     schedule_barrier: with two consumer warpgroups, alternate their
       matmuls (FlashAttention-3's ping-pong, arXiv 2407.08608 §3.1).
+    bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
+      64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
+      key rows and streams ``bwd_block_q`` query rows; the dQ kernel gives
+      each ``bwd_block_q`` query rows and streams ``bwd_block_kv`` keys.
+      ``p_in_smem`` and ``compute_wgs`` apply to them too (``P`` and
+      ``dS`` are the register operands there).
+    bwd_stages: depth of the backward kernels' shared-memory rings.
   """
 
   block_q: int = 64
@@ -37,14 +44,19 @@ class MosaicConfig:
   compute_wgs: int = 2
   p_in_smem: bool = False
   schedule_barrier: bool = True
+  bwd_block_q: int = 64
+  bwd_block_kv: int = 64
+  bwd_stages: int = 2
 
   def __post_init__(self):
-    for name in ("block_q", "block_kv"):
+    for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
       val = getattr(self, name)
       if not isinstance(val, int) or val < 64 or val % 64:
         raise ValueError(f"{name}={val!r} must be a positive multiple of 64")
-    if not isinstance(self.stages, int) or self.stages < 2:
-      raise ValueError(f"stages={self.stages!r} must be an integer >= 2")
+    for name in ("stages", "bwd_stages"):
+      val = getattr(self, name)
+      if not isinstance(val, int) or val < 2:
+        raise ValueError(f"{name}={val!r} must be an integer >= 2")
     if self.compute_wgs not in (1, 2):
       raise ValueError(f"compute_wgs={self.compute_wgs!r} must be 1 or 2")
 
@@ -56,6 +68,19 @@ class MosaicConfig:
          if self.p_in_smem else 0)
     lse = self.compute_wgs * self.block_q * 4
     return qo + kv + p + lse
+
+  def bwd_smem_bytes(self, head_dim_padded: int, itemsize: int = 2) -> int:
+    """Shared memory of the larger of the two backward kernels."""
+    bq, bk, n = self.bwd_block_q, self.bwd_block_kv, self.compute_wgs
+    a_op = n * bq * bk * itemsize if self.p_in_smem else 0
+    # dK/dV: K, V held per consumer; Q, dO, lse, delta streamed.
+    dkv = (2 * n * bk * head_dim_padded * itemsize
+           + self.bwd_stages * (2 * bq * head_dim_padded * itemsize + 8 * bq)
+           + a_op)
+    # dQ: Q, dO held per consumer; K, V streamed.
+    dq = (2 * n * bq * head_dim_padded * itemsize
+          + self.bwd_stages * 2 * bk * head_dim_padded * itemsize + a_op)
+    return max(dkv, dq)
 
 
 # Hopper: 227 KiB of shared memory per block (sm90 opt-in maximum).

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflash.masks import MaskSpec
+from jaxflash.mosaic_gpu import pipeline
 from jaxflash.mosaic_gpu.config import MosaicConfig
 from jaxflash.triton.common import out_struct
 
@@ -96,9 +97,6 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool):
     u_hi = jnp.maximum(jnp.minimum(u_hi, range_ref[b, 1, group]), u_lo)
   n_steps = u_hi - u_lo
 
-  def slot_of(t):
-    return lax.rem(t - u_lo, stages)
-
   def sched_sync():
     if sched is not None:
       plgpu.barrier_arrive(sched)
@@ -122,9 +120,9 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool):
         plgpu.Layout.WGMMA)
     qk_scale = prob.softmax_scale * LOG2E
 
-    def compute(t, carry, *, masked: bool):
+    def compute(step, t, carry, *, masked: bool):
       acc, m, l = carry
-      slot = slot_of(t)
+      slot = lax.rem(step, stages)
       plgpu.barrier_wait(k_ready.at[slot])
 
       def qk(acc_ref):
@@ -216,9 +214,9 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool):
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_next, l
 
-    def skip(t, carry):
+    def skip(step, carry):
       # A tile only the other consumer needs: observe and release it.
-      slot = slot_of(t)
+      slot = lax.rem(step, stages)
       plgpu.barrier_wait(k_ready.at[slot])
       plgpu.barrier_arrive(k_free.at[slot])
       sched_sync()
@@ -227,26 +225,12 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool):
       sched_sync()
       return carry
 
-    lo, full_lo, full_hi, hi = mask.kv_block_range(q_start, bq, bk)
-    # Stay inside the group's (segment-narrowed) range; with segment ids
-    # every visited tile takes the element mask.
-    lo = jnp.clip(lo, u_lo, u_hi)
-    hi = jnp.clip(hi, lo, u_hi)
-    if range_ref is not None:
-      full_lo = full_hi = hi
-    full_lo = jnp.clip(full_lo, lo, hi)
-    full_hi = jnp.clip(full_hi, full_lo, hi)
     if sched is not None:
       pl.when(wg == 1)(sched_sync)  # offset the two consumers by a half step
-    carry = (acc, m, l)
-    carry = lax.fori_loop(u_lo, lo, skip, carry)
-    carry = lax.fori_loop(lo, full_lo, functools.partial(compute, masked=True),
-                          carry)
-    carry = lax.fori_loop(full_lo, full_hi,
-                          functools.partial(compute, masked=False), carry)
-    carry = lax.fori_loop(full_hi, hi, functools.partial(compute, masked=True),
-                          carry)
-    acc, m, l = lax.fori_loop(hi, u_hi, skip, carry)
+    acc, m, l = pipeline.tile_loop(
+        u_lo, u_hi, mask.kv_block_range(q_start, bq, bk), first_step=0,
+        compute=compute, skip=skip,
+        element_mask_everywhere=range_ref is not None, carry=(acc, m, l))
     if sched is not None:
       pl.when(wg == 0)(sched_sync)
 
@@ -268,30 +252,14 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool):
     kv_head = lax.div(h, jnp.asarray(prob.num_heads // prob.num_kv_heads,
                                      h.dtype))
 
-    def load(t, slot):
-      src = (b, pl.ds(t * bk, bk), kv_head)
+    def load(step, slot):
+      src = (b, pl.ds((u_lo + step) * bk, bk), kv_head)
       plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot],
                               k_ready.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot],
                               v_ready.at[slot])
 
-    for i in range(stages):  # fill the ring
-      pl.when(i < n_steps)(functools.partial(lambda i: load(u_lo + i, i), i))
-
-    @pl.loop(u_lo + stages, jnp.maximum(u_hi, u_lo + stages))
-    def _(t):
-      slot = slot_of(t)
-      plgpu.barrier_wait(k_free.at[slot])
-      plgpu.barrier_wait(v_free.at[slot])
-      load(t, slot)
-
-    # Drain: observe the consumers' last releases, so that every barrier
-    # phase is waited on before the barriers go away.
-    @pl.loop(jnp.maximum(u_hi - stages, u_lo), u_hi)
-    def _(t):
-      slot = slot_of(t)
-      plgpu.barrier_wait(k_free.at[slot])
-      plgpu.barrier_wait(v_free.at[slot])
+    pipeline.produce(n_steps, stages, load, [k_free, v_free])
 
 
 def _use_schedule(cfg: MosaicConfig) -> bool:
@@ -308,11 +276,7 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
   dtype = q.dtype
   dp = prob.head_dim_padded
   bq, bk = cfg.block_q, cfg.block_kv
-  # 128-byte swizzle over 64-element (bf16/fp16) rows: the layout wgmma
-  # reads without bank conflicts.
-  tiling = plgpu.TilingTransform((8, 64))
-  swizzle = plgpu.SwizzleTransform(128)
-  tiled = dict(transforms=(tiling, swizzle))
+  tiled = pipeline.TILED
   scratch = [
       plgpu.SMEM((cfg.compute_wgs, bq, dp), dtype, **tiled),
       plgpu.SMEM((cfg.stages, bk, dp), dtype, **tiled),

@@ -1,0 +1,400 @@
+"""Hopper backward kernels in Pallas Mosaic GPU.
+
+FlashAttention-2's backward (arXiv 2307.08691, Algorithm 2) with the
+Hopper structure of the forward kernel (arXiv 2407.08608): a producer
+warpgroup streams tiles with TMA into a ``bwd_stages``-deep shared-memory
+ring, ``compute_wgs`` consumer warpgroups run ``wgmma`` with float32
+accumulators in registers.  Two kernels and no atomics, so gradients are
+bitwise reproducible:
+
+* dK/dV: each consumer holds ``bwd_block_kv`` rows of K and V and streams
+  the query tiles (Q, dO, log-sum-exp, delta) of every query head of its
+  key/value head's group, so GQA's group sum happens on chip::
+
+      S^T = K Q^T            P^T  = exp2(S^T * scale * log2(e) - lse2)
+      dP^T = V dO^T          dS^T = P^T * (dP^T - delta)
+      dV += P^T dO           dK  += dS^T Q          (dK *= scale at the end)
+
+* dQ: each consumer holds ``bwd_block_q`` rows of Q and dO and streams K/V
+  tiles: ``S = Q K^T``, ``dP = dO V^T``, ``dS = P * (dP - delta)``,
+  ``dQ += dS K``.
+
+``P`` is recomputed from the forward's base-2 log-sum-exp (``lse2 = +inf``
+for rows that saw no key, so ``P = 0`` there rather than NaN); ``delta =
+rowsum(dO * O) - dlse`` is one XLA pass before the kernels.  With a soft
+cap, ``dS`` is multiplied by ``1 - tanh^2`` (the derivative of ``cap *
+tanh(x / cap)``).  Tiles follow the forward's rule: fully masked tiles are
+skipped, fully visible ones take no per-element mask
+(:meth:`jaxflash.masks.MaskSpec.q_block_range` / ``kv_block_range``).
+
+``dV``, ``dK`` and ``dQ`` accumulate in long-lived ``plgpu.ACC`` registers
+across the loop; ``P`` and ``dS`` feed the second matmuls from registers on
+the GPU, or through shared memory with ``p_in_smem`` (the form the Mosaic
+GPU interpreter runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from jaxflash.mosaic_gpu import pipeline
+from jaxflash.mosaic_gpu.config import MosaicConfig
+from jaxflash.mosaic_gpu.forward import Problem
+from jaxflash.triton.common import out_struct
+
+LOG2E = math.log2(math.e)
+ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
+COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
+
+
+def _probs_and_dscores(s, dp, lse2, delta, visible, *, prob: Problem,
+                       row_axis: int):
+  """``P`` and ``dS`` of one tile (float32) from the raw ``q . k`` products.
+
+  ``lse2``/``delta`` are per query; ``row_axis`` says which axis of the
+  tile is the query axis (0 in the dQ kernel, 1 in the transposed dK/dV
+  kernel).  ``dS`` is the gradient w.r.t. the scaled logits.
+  """
+  bcast = lambda x: lax.broadcast_in_dim(x, s.shape, [row_axis])
+  if prob.logits_soft_cap is None:
+    th = None
+    logits2 = s * (prob.softmax_scale * LOG2E)
+  else:
+    cap = prob.logits_soft_cap
+    th = jnp.tanh(s * (prob.softmax_scale / cap))
+    logits2 = th * (cap * LOG2E)
+  if visible is not None:
+    logits2 = jnp.where(visible, logits2, -jnp.inf)
+  p = jnp.exp2(logits2 - bcast(lse2))
+  ds = p * (dp - bcast(delta))
+  if th is not None:
+    ds = ds * (1.0 - th * th)
+  return p, ds
+
+
+def _segment_kwargs(q_seg_ref, kv_seg_ref, b, q_start, n_q, k_start, n_k,
+                    q_axis: int):
+  """Segment ids of the tile's queries and keys, broadcast to the tile."""
+  if q_seg_ref is None:
+    return {}
+  k_axis = 1 - q_axis
+  shape = (n_q, n_k) if q_axis == 0 else (n_k, n_q)
+  layout = lambda axis: ROW if axis == 0 else COL
+  q_seg = plgpu.load(q_seg_ref.at[b, pl.ds(q_start, n_q)],
+                     layout=layout(q_axis), optimized=False)
+  k_seg = plgpu.load(kv_seg_ref.at[b, pl.ds(k_start, n_k)],
+                     layout=layout(k_axis), optimized=False)
+  return dict(q_seg=lax.broadcast_in_dim(q_seg, shape, [q_axis]),
+              k_seg=lax.broadcast_in_dim(k_seg, shape, [k_axis]))
+
+
+def _a_operand(value, a_smem, dtype):
+  """A wgmma A operand: the registers themselves, or staged through SMEM."""
+  value = value.astype(dtype)
+  if a_smem is None:
+    return value
+  a_smem[...] = value
+  plgpu.commit_smem()
+  return a_smem
+
+
+# -- dK / dV ------------------------------------------------------------------
+
+def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
+  if prob.has_segments:
+    (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, qseg_ref, kvseg_ref,
+     range_ref, *refs) = refs
+  else:
+    q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs = refs
+    qseg_ref = kvseg_ref = range_ref = None
+  (dk_ref, dv_ref, k_smem2, v_smem2, q_ring, do_ring, lse_ring, delta_ring,
+   kv_ready, ready, free, *extra) = refs
+  a_smem2 = extra[0] if cfg.p_in_smem else None
+  bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
+  group_rows = cfg.compute_wgs * bk
+  group_size = prob.num_heads // prob.num_kv_heads
+  b = lax.axis_index("batch")
+  kh = lax.axis_index("heads")  # the key/value head
+  wg = lax.axis_index("wg")
+  grp = lax.axis_index("kv_seq")
+  mask = prob.mask
+  group_start = grp * group_rows
+  # Query tiles any consumer of this program needs (per query head).
+  u_lo, _, _, u_hi = mask.q_block_range(group_start, group_rows, bq)
+  if range_ref is not None:
+    u_lo = jnp.maximum(u_lo, range_ref[b, 0, grp])
+    u_hi = jnp.maximum(jnp.minimum(u_hi, range_ref[b, 1, grp]), u_lo)
+  n_tiles = u_hi - u_lo
+  n_steps = group_size * n_tiles  # every query head of the group
+
+  @pl.when(wg < cfg.compute_wgs)
+  def _consumer():
+    if cfg.compute_wgs == 2:
+      plgpu.set_max_registers(232, action="increase")
+    k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+    a_smem = None if a_smem2 is None else a_smem2.at[wg]
+    k_start = group_start + wg * bk
+    rows = (b, pl.ds(k_start, bk), kh)
+    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg])
+    plgpu.barrier_wait(kv_ready.at[wg])
+    k_idx = k_start + plgpu.broadcasted_iota(
+        jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
+
+    def compute(step, t, carry, *, masked: bool, dk_acc, dv_acc):
+      slot = lax.rem(step, stages)
+      plgpu.barrier_wait(ready.at[slot])
+      q_t, do_t = q_ring.at[slot], do_ring.at[slot]
+
+      def sdp(s_acc, dp_acc):
+        plgpu.wgmma(s_acc, k_smem, q_t.T)     # S^T = K Q^T
+        plgpu.wgmma(dp_acc, v_smem, do_t.T)   # dP^T = V dO^T
+        return s_acc[...], dp_acc[...]
+
+      acc = plgpu.ACC((bk, bq), jnp.float32)
+      s, dp = pl.run_scoped(sdp, acc, acc)
+      lse2 = plgpu.load(lse_ring.at[slot], layout=COL)
+      delta = plgpu.load(delta_ring.at[slot], layout=COL)
+      visible = None
+      if masked:
+        q_idx = t * bq + plgpu.broadcasted_iota(
+            jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
+        visible = mask.visible(q_idx, k_idx, **_segment_kwargs(
+            qseg_ref, kvseg_ref, b, t * bq, bq, k_start, bk, q_axis=1))
+      p, ds = _probs_and_dscores(s, dp, lse2, delta, visible, prob=prob,
+                                 row_axis=1)
+      plgpu.wgmma(dv_acc, _a_operand(p, a_smem, dtype), do_t)  # dV += P^T dO
+      if a_smem is not None:
+        plgpu.wgmma_wait(0)  # the staging buffer is reused for dS^T
+      plgpu.wgmma(dk_acc, _a_operand(ds, a_smem, dtype), q_t)  # dK += dS^T Q
+      plgpu.wgmma_wait(0)
+      plgpu.barrier_arrive(free.at[slot])
+      return carry
+
+    def skip(step, carry):
+      slot = lax.rem(step, stages)
+      plgpu.barrier_wait(ready.at[slot])
+      plgpu.barrier_arrive(free.at[slot])
+      return carry
+
+    own = mask.q_block_range(k_start, bk, bq)
+
+    def accumulate(dk_acc, dv_acc):
+      @pl.loop(0, group_size)
+      def _(g):
+        pipeline.tile_loop(
+            u_lo, u_hi, own, first_step=g * n_tiles,
+            compute=functools.partial(compute, dk_acc=dk_acc, dv_acc=dv_acc),
+            skip=skip, element_mask_everywhere=range_ref is not None)
+      return dk_acc[...], dv_acc[...]
+
+    acc = plgpu.ACC((bk, prob.head_dim_padded), jnp.float32)
+    dk, dv = pl.run_scoped(accumulate, acc, acc)
+    # dS is w.r.t. the scaled logits: d(scale * q.k)/dk = scale * q.
+    k_smem[...] = (dk * prob.softmax_scale).astype(dtype)
+    v_smem[...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows])
+    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == cfg.compute_wgs)
+  def _producer():
+    if cfg.compute_wgs == 2:
+      plgpu.set_max_registers(40, action="decrease")
+
+    def load(step, slot):
+      g = lax.div(step, jnp.maximum(n_tiles, 1))
+      t = u_lo + step - g * n_tiles
+      h = kh * group_size + g
+      rows = pl.ds(t * bq, bq)
+      plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_ring.at[slot],
+                              ready.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_ring.at[slot],
+                              ready.at[slot])
+      plgpu.copy_gmem_to_smem(lse2_ref.at[b, h, rows], lse_ring.at[slot],
+                              ready.at[slot])
+      plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_ring.at[slot],
+                              ready.at[slot])
+
+    pipeline.produce(n_steps, stages, load, [free])
+
+
+def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
+        cfg: MosaicConfig, interpret=None):
+  """``(dk, dv)`` padded like ``k``; q/do ``[B, Tp, H, Dp]``, lse2/delta
+  ``[B, H, Tp]`` float32, ``segments = (q_seg, kv_seg, kv_group_range)``."""
+  dtype = q.dtype
+  dp = prob.head_dim_padded
+  bq, bk, n = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.compute_wgs
+  tiled = pipeline.TILED
+  scratch = [
+      plgpu.SMEM((n, bk, dp), dtype, **tiled),               # K per consumer
+      plgpu.SMEM((n, bk, dp), dtype, **tiled),               # V per consumer
+      plgpu.SMEM((cfg.bwd_stages, bq, dp), dtype, **tiled),  # Q ring
+      plgpu.SMEM((cfg.bwd_stages, bq, dp), dtype, **tiled),  # dO ring
+      plgpu.SMEM((cfg.bwd_stages, bq), jnp.float32),         # lse2 ring
+      plgpu.SMEM((cfg.bwd_stages, bq), jnp.float32),         # delta ring
+      plgpu.Barrier(num_arrivals=2, num_barriers=n),         # K, V loaded
+      plgpu.Barrier(num_arrivals=4, num_barriers=cfg.bwd_stages),  # slot full
+      plgpu.Barrier(num_arrivals=n, num_barriers=cfg.bwd_stages),  # slot free
+  ]
+  if cfg.p_in_smem:
+    scratch.append(plgpu.SMEM((n, bk, bq), dtype, **tiled))
+  out_type = [out_struct(k.shape, dtype, q, k, v),
+              out_struct(v.shape, dtype, q, k, v)]
+  return plgpu.kernel(
+      functools.partial(_dkv_kernel, prob=prob, cfg=cfg, dtype=dtype),
+      out_type=out_type,
+      scratch_types=scratch,
+      grid=(prob.num_kv_heads, prob.kv_pad // (n * bk), prob.batch),
+      grid_names=("heads", "kv_seq", "batch"),
+      num_threads=n + 1,
+      thread_name="wg",
+      interpret=interpret,
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(q, k, v, do, lse2, delta, *(segments or ()))
+
+
+# -- dQ -----------------------------------------------------------------------
+
+def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
+  if prob.has_segments:
+    (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, qseg_ref, kvseg_ref,
+     range_ref, *refs) = refs
+  else:
+    q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs = refs
+    qseg_ref = kvseg_ref = range_ref = None
+  (dq_ref, q_smem2, do_smem2, k_ring, v_ring, qdo_ready, ready, free,
+   *extra) = refs
+  a_smem2 = extra[0] if cfg.p_in_smem else None
+  bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
+  group_rows = cfg.compute_wgs * bq
+  b = lax.axis_index("batch")
+  h = lax.axis_index("heads")
+  wg = lax.axis_index("wg")
+  grp = lax.axis_index("q_seq")
+  mask = prob.mask
+  if mask.causal:  # longest query groups first, as in the forward
+    grp = prob.q_pad // group_rows - 1 - grp
+  group_start = grp * group_rows
+  u_lo, _, _, u_hi = mask.kv_block_range(group_start, group_rows, bk)
+  if range_ref is not None:
+    u_lo = jnp.maximum(u_lo, range_ref[b, 0, grp])
+    u_hi = jnp.maximum(jnp.minimum(u_hi, range_ref[b, 1, grp]), u_lo)
+
+  @pl.when(wg < cfg.compute_wgs)
+  def _consumer():
+    if cfg.compute_wgs == 2:
+      plgpu.set_max_registers(232, action="increase")
+    q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+    a_smem = None if a_smem2 is None else a_smem2.at[wg]
+    q_start = group_start + wg * bq
+    rows = (b, pl.ds(q_start, bq), h)
+    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, qdo_ready.at[wg])
+    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, qdo_ready.at[wg])
+    lse2 = plgpu.load(lse2_ref.at[b, h, pl.ds(q_start, bq)], layout=ROW,
+                      optimized=False)
+    delta = plgpu.load(delta_ref.at[b, h, pl.ds(q_start, bq)], layout=ROW,
+                       optimized=False)
+    plgpu.barrier_wait(qdo_ready.at[wg])
+    q_idx = q_start + plgpu.broadcasted_iota(
+        jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
+
+    def compute(step, t, carry, *, masked: bool, dq_acc):
+      slot = lax.rem(step, stages)
+      plgpu.barrier_wait(ready.at[slot])
+      k_t, v_t = k_ring.at[slot], v_ring.at[slot]
+
+      def sdp(s_acc, dp_acc):
+        plgpu.wgmma(s_acc, q_smem, k_t.T)     # S = Q K^T
+        plgpu.wgmma(dp_acc, do_smem, v_t.T)   # dP = dO V^T
+        return s_acc[...], dp_acc[...]
+
+      acc = plgpu.ACC((bq, bk), jnp.float32)
+      s, dp = pl.run_scoped(sdp, acc, acc)
+      visible = None
+      if masked:
+        k_idx = t * bk + plgpu.broadcasted_iota(
+            jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
+        visible = mask.visible(q_idx, k_idx, **_segment_kwargs(
+            qseg_ref, kvseg_ref, b, q_start, bq, t * bk, bk, q_axis=0))
+      _, ds = _probs_and_dscores(s, dp, lse2, delta, visible, prob=prob,
+                                 row_axis=0)
+      plgpu.wgmma(dq_acc, _a_operand(ds, a_smem, dtype), k_t)  # dQ += dS K
+      plgpu.wgmma_wait(0)
+      plgpu.barrier_arrive(free.at[slot])
+      return carry
+
+    def skip(step, carry):
+      slot = lax.rem(step, stages)
+      plgpu.barrier_wait(ready.at[slot])
+      plgpu.barrier_arrive(free.at[slot])
+      return carry
+
+    own = mask.kv_block_range(q_start, bq, bk)
+
+    def accumulate(dq_acc):
+      pipeline.tile_loop(
+          u_lo, u_hi, own, first_step=0,
+          compute=functools.partial(compute, dq_acc=dq_acc), skip=skip,
+          element_mask_everywhere=range_ref is not None)
+      return dq_acc[...]
+
+    dq = pl.run_scoped(accumulate,
+                       plgpu.ACC((bq, prob.head_dim_padded), jnp.float32))
+    q_smem[...] = (dq * prob.softmax_scale).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == cfg.compute_wgs)
+  def _producer():
+    if cfg.compute_wgs == 2:
+      plgpu.set_max_registers(40, action="decrease")
+    kv_head = lax.div(h, jnp.asarray(prob.num_heads // prob.num_kv_heads,
+                                     h.dtype))
+
+    def load(step, slot):
+      src = (b, pl.ds((u_lo + step) * bk, bk), kv_head)
+      plgpu.copy_gmem_to_smem(k_ref.at[src], k_ring.at[slot], ready.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[src], v_ring.at[slot], ready.at[slot])
+
+    pipeline.produce(u_hi - u_lo, stages, load, [free])
+
+
+def dq(q, k, v, do, lse2, delta, segments, *, prob: Problem,
+       cfg: MosaicConfig, interpret=None):
+  """``dq`` padded like ``q``; ``segments = (q_seg, kv_seg, q_group_range)``."""
+  dtype = q.dtype
+  dp = prob.head_dim_padded
+  bq, bk, n = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.compute_wgs
+  tiled = pipeline.TILED
+  scratch = [
+      plgpu.SMEM((n, bq, dp), dtype, **tiled),               # Q per consumer
+      plgpu.SMEM((n, bq, dp), dtype, **tiled),               # dO per consumer
+      plgpu.SMEM((cfg.bwd_stages, bk, dp), dtype, **tiled),  # K ring
+      plgpu.SMEM((cfg.bwd_stages, bk, dp), dtype, **tiled),  # V ring
+      plgpu.Barrier(num_arrivals=2, num_barriers=n),         # Q, dO loaded
+      plgpu.Barrier(num_arrivals=2, num_barriers=cfg.bwd_stages),  # slot full
+      plgpu.Barrier(num_arrivals=n, num_barriers=cfg.bwd_stages),  # slot free
+  ]
+  if cfg.p_in_smem:
+    scratch.append(plgpu.SMEM((n, bq, bk), dtype, **tiled))
+  return plgpu.kernel(
+      functools.partial(_dq_kernel, prob=prob, cfg=cfg, dtype=dtype),
+      out_type=out_struct(q.shape, dtype, q, k, v),
+      scratch_types=scratch,
+      grid=(prob.num_heads, prob.q_pad // (n * bq), prob.batch),
+      grid_names=("heads", "q_seq", "batch"),
+      num_threads=n + 1,
+      thread_name="wg",
+      interpret=interpret,
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(q, k, v, do, lse2, delta, *(segments or ()))

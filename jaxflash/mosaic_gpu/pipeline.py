@@ -1,0 +1,86 @@
+"""The producer/consumer tile pipeline shared by the Hopper kernels.
+
+A producer warpgroup fills a ``stages``-deep shared-memory ring with TMA
+copies (slot ``step % stages``), each slot completing on a "ready" barrier;
+consumer warpgroups release slots on "free" barriers.  Every consumer
+observes every step of the ring: it computes the steps of the tiles it
+needs and only acknowledges ("skips") those that only another consumer of
+the program needs, so every barrier phase is waited on by every
+warpgroup (the invariant Mosaic GPU's barriers need).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+# 128-byte swizzle over 64-element (bf16/fp16) rows: the shared-memory
+# layout wgmma reads without bank conflicts.
+TILED = dict(transforms=(plgpu.TilingTransform((8, 64)),
+                         plgpu.SwizzleTransform(128)))
+
+
+def produce(n_steps, stages: int, load, free_barriers) -> None:
+  """Producer side: ``load(step, slot)`` for ``step in [0, n_steps)``.
+
+  The first ``stages`` loads fill the empty ring; later ones wait until the
+  consumers freed the slot.  A final drain observes the consumers' last
+  releases, so no barrier phase is left unobserved when the kernel ends.
+  """
+  for i in range(stages):
+    pl.when(i < n_steps)(functools.partial(
+        lambda i: load(jnp.int32(i), i), i))
+
+  def wait_free(slot):
+    for barrier in free_barriers:
+      plgpu.barrier_wait(barrier.at[slot])
+
+  @pl.loop(stages, jnp.maximum(n_steps, stages))
+  def _(step):
+    slot = lax.rem(step, stages)
+    wait_free(slot)
+    load(step, slot)
+
+  @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
+  def _(step):
+    wait_free(lax.rem(step, stages))
+
+
+def tile_loop(u_lo, u_hi, own, *, first_step, compute, skip,
+              element_mask_everywhere: bool, carry=()):
+  """Consumer side: one step per tile ``t`` in ``[u_lo, u_hi)`` (the tiles
+  the producer streams), ``step = first_step + t - u_lo``.
+
+  ``own = (lo, full_lo, full_hi, hi)`` are this consumer's tiles (from
+  :class:`jaxflash.masks.MaskSpec`): ``compute(step, t, carry,
+  masked=...)`` runs for ``[lo, hi)`` (``masked=False`` on the fully
+  visible ``[full_lo, full_hi)``), ``skip(step, carry)`` for the others.
+  ``element_mask_everywhere``: every computed tile takes the element mask
+  (segment ids: a tile inside the position band may still cross
+  documents).
+  """
+  lo, full_lo, full_hi, hi = own
+  lo = jnp.clip(lo, u_lo, u_hi)
+  hi = jnp.clip(hi, lo, u_hi)
+  if element_mask_everywhere:
+    full_lo = full_hi = hi
+  full_lo = jnp.clip(full_lo, lo, hi)
+  full_hi = jnp.clip(full_hi, full_lo, hi)
+  step_of = lambda t: first_step + t - u_lo
+
+  def run(start, stop, fn, carry):
+    return lax.fori_loop(start, stop, lambda t, c: fn(step_of(t), t, c),
+                         carry)
+
+  do_skip = lambda step, t, c: skip(step, c)
+  masked = functools.partial(compute, masked=True)
+  carry = run(u_lo, lo, do_skip, carry)
+  carry = run(lo, full_lo, masked, carry)
+  carry = run(full_lo, full_hi, functools.partial(compute, masked=False),
+              carry)
+  carry = run(full_hi, hi, masked, carry)
+  return run(hi, u_hi, do_skip, carry)
