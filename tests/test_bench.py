@@ -106,6 +106,23 @@ def test_writers(tmp_path):
   assert (tmp_path / "r.png").stat().st_size > 1000
 
 
+def test_merge_runs(tmp_path):
+  rows = _rows()
+  meta = dict(jax_version="0.11.2", device_kind="NVIDIA H200",
+              device_count=1, commit="abc1234", date="2026-11-30",
+              flop_formula=core.FLOP_FORMULA)
+  a, b, c = (str(tmp_path / f"{n}.json") for n in "abc")
+  report.write_json(a, meta, rows[:1])
+  report.write_json(b, {**meta, "date": "2026-12-01"}, rows[1:])
+  assert report.main([str(tmp_path / "m"), a, b]) == 0
+  merged_meta, merged = report.read_json(str(tmp_path / "m.json"))
+  assert merged == rows and merged_meta["date"] == "2026-12-01"
+  assert (tmp_path / "m.md").exists()
+  report.write_json(c, {**meta, "commit": "other"}, rows)
+  with pytest.raises(ValueError, match="different commit"):
+    report.merge([a, c])
+
+
 def test_failing_implementation_is_a_row(monkeypatch):
   def broken(shape, mask_kw, interpret):
     raise NotImplementedError("no such kernel here")

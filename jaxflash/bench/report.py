@@ -105,6 +105,41 @@ def read_json(path: str) -> tuple[dict, list[dict]]:
   return data, results
 
 
+def merge(paths: list[str]) -> tuple[dict, list[dict]]:
+  """One record from several runs of the same commit on the same card
+  (a grid split across calls).  Refuses runs that differ in commit,
+  device kind or jax version."""
+  metas, results = [], []
+  for p in paths:
+    meta, rows = read_json(p)
+    metas.append(meta)
+    results += rows
+  for key in ("commit", "device_kind", "jax_version"):
+    values = sorted({str(m.get(key)) for m in metas})
+    if len(values) > 1:
+      raise ValueError(f"cannot merge runs with different {key}: {values}")
+  meta = dict(metas[0])
+  meta["date"] = max(m["date"] for m in metas)
+  return meta, results
+
+
+def main(argv=None) -> int:
+  """``python -m jaxflash.bench.report OUT_STEM RUN.json...``: merge runs
+  into OUT_STEM.json/.md/.png."""
+  import sys
+  args = sys.argv[1:] if argv is None else argv
+  if len(args) < 2:
+    print(main.__doc__, file=sys.stderr)
+    return 2
+  meta, results = merge(args[1:])
+  write_json(args[0] + ".json", meta, results)
+  with open(args[0] + ".md", "w") as f:
+    f.write(markdown(meta, results))
+  plot(args[0] + ".png", meta, results)
+  print(terminal_table(results))
+  return 0
+
+
 def plot(path: str, meta: dict, results: list[dict]) -> bool:
   """TFLOP/s against sequence length, one panel per (mode, head_dim,
   causal).  Returns False when matplotlib is missing."""
@@ -154,3 +189,7 @@ def plot(path: str, meta: dict, results: list[dict]) -> bool:
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return True
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
