@@ -7,6 +7,8 @@ lowering a GPU description (jax's private ``gpu_info`` hook), so a
 construct the lowering rejects fails CI rather than the GPU run.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -111,3 +113,48 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
       lower()
   else:
     assert "mosaic_gpu" in lower()
+
+
+@pytest.mark.parametrize("segments", [False, True], ids=["", "segments"])
+@pytest.mark.parametrize("cfg", [
+    dict(),
+    dict(p_in_smem=True),
+    dict(compute_wgs=1, schedule_barrier=False),
+    dict(bwd_stages=3, bwd_block_kv=128),
+], ids=["default", "p-in-smem", "one-wg", "deep"])
+@pytest.mark.parametrize("shape", [
+    # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
+    (1024, 1024, 8, 2, 128, True, None),
+    (300, 1000, 4, 1, 96, False, (128, 0)),
+    (512, 512, 4, 4, 64, False, None),
+], ids=["d128-gqa-causal", "d96-window", "d64"])
+def test_mosaic_backward_lowers_for_cuda(shape, cfg, segments):
+  """The Hopper dK/dV and dQ kernels lower to Mosaic GPU IR in their GPU
+  configurations (registers as wgmma A operands, which the interpreter
+  cannot run), and the shared-memory estimate agrees with the compiler."""
+  from jaxflash import mosaic_gpu
+  t, s, h, kh, d, causal, window = shape
+  q = jax.ShapeDtypeStruct((2, t, h, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, s, kh, d), jnp.bfloat16)
+  mask = MaskSpec(t, s, causal, None, *(window or (None, None)))
+  config = mosaic_gpu.MosaicConfig(**cfg)
+  seg_q = jax.ShapeDtypeStruct((2, t), jnp.int32)
+  seg_kv = jax.ShapeDtypeStruct((2, s), jnp.int32)
+
+  def loss(q, k, v, sq, skv):
+    arrays = MaskArrays(sq, skv) if segments else MaskArrays()
+    out, lse = mosaic_gpu.attention(q, k, v, mask=mask, arrays=arrays,
+                                    softmax_scale=0.125, config=config)
+    return out.astype(jnp.float32).sum() + jnp.where(
+        jnp.isfinite(lse), lse, 0).sum()
+
+  lower = lambda: jax.jit(jax.grad(loss, (0, 1, 2))).trace(
+      q, kv, kv, seg_q, seg_kv).lower(lowering_platforms=("cuda",)).as_text()
+  dp = -(-d // 64) * 64
+  if config.bwd_smem_bytes(dp) > 227 * 1024:
+    with pytest.raises(Exception, match="exceeds available shared memory"):
+      lower()
+  else:
+    # Three Mosaic GPU kernels: the forward, dQ and dK/dV (no Triton).
+    kernels = re.findall(r"custom_call @(\w+)", lower())
+    assert kernels.count("mosaic_gpu_v2") == 3, kernels

@@ -228,10 +228,14 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
         f"mosaic_gpu backend supports bfloat16 and float16, got {q.dtype}")
   del arrays  # segment ids and lengths are served
   dp = _head_dim_padded(q.shape[3])
-  if config is not None and config.smem_bytes(dp) > SMEM_LIMIT:
-    raise NotImplementedError(
-        f"{config} needs {config.smem_bytes(dp)} bytes of shared memory at"
-        f" head_dim {dp} (limit {SMEM_LIMIT})")
+  if config is not None:
+    need = config.smem_bytes(dp)
+    if dp <= MAX_BWD_HEAD_DIM:  # the Hopper backward kernels run too
+      need = max(need, config.bwd_smem_bytes(dp))
+    if need > SMEM_LIMIT:
+      raise NotImplementedError(
+          f"{config} needs {need} bytes of shared memory at head_dim {dp}"
+          f" (limit {SMEM_LIMIT})")
   if interpret:
     return
   require_cuda("mosaic_gpu", "an sm90 GPU (compute capability 9.x, Hopper)",
