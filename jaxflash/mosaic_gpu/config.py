@@ -67,7 +67,7 @@ class MosaicConfig:
     p = (self.compute_wgs * self.block_q * self.block_kv * itemsize
          if self.p_in_smem else 0)
     lse = self.compute_wgs * self.block_q * 4
-    return qo + kv + p + lse
+    return qo + kv + p + lse + _reserved(4 + self.p_in_smem)
 
   def bwd_smem_bytes(self, head_dim_padded: int, itemsize: int = 2) -> int:
     """Shared memory of the larger of the two backward kernels."""
@@ -80,7 +80,17 @@ class MosaicConfig:
     # dQ: Q, dO held per consumer; K, V streamed.
     dq = (2 * n * bq * head_dim_padded * itemsize
           + self.bwd_stages * 2 * bk * head_dim_padded * itemsize + a_op)
-    return max(dkv, dq)
+    return max(dkv + _reserved(6 + self.p_in_smem),
+               dq + _reserved(4 + self.p_in_smem))
+
+
+def _reserved(n_buffers: int) -> int:
+  """What Pallas adds to the scratch buffers: its reduction scratch
+  (``CompilerParams.reduction_scratch_bytes``, 2 KiB by default) and up to
+  1 KiB of alignment per buffer (swizzled tiles start on 1024-byte
+  boundaries).  Without it, block_kv=128 with 3 stages at head_dim 128
+  looked like 224.5 KiB and failed to compile on the H200."""
+  return 2048 + 1024 * n_buffers
 
 
 # Hopper: 227 KiB of shared memory per block (sm90 opt-in maximum).
