@@ -3,6 +3,7 @@
 import json
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from jaxflash.bench import __main__ as bench_main
@@ -133,18 +134,25 @@ def test_failing_implementation_is_a_row(monkeypatch):
   monkeypatch.setitem(impls.IMPLS, "broken", broken)
   monkeypatch.setitem(impls.IMPLS, "wrong", wrong)
   shape = core.Shape(1, 32, 32, 2, 2, 16, causal=True, dtype="float32")
-  arrays = bench_main._inputs(shape)
-  ref = bench_main._reference_out(shape, *arrays[:3], {})
-  row = bench_main.run_one("broken", shape, "fwd", arrays, ref, {},
-                           interpret=True, samples=1)
-  assert row["error"] == "NotImplementedError: no such kernel here"
-  assert row["tflops"] is None
-  row = bench_main.run_one("wrong", shape, "fwd", arrays, ref, {},
-                           interpret=True, samples=1)
-  assert row["error"].startswith("wrong result: max_abs_err")
-  row = bench_main.run_one("jaxflash-triton", shape, "fwd_bwd", arrays, ref,
-                           {}, interpret=True, samples=1)
-  assert row["error"] is None and row["tflops"] > 0 and row["peak_bytes"]
+  rows = bench_main.run_shape(shape, ["broken", "wrong", "jaxflash-triton"],
+                              ["fwd", "fwd_bwd"], interpret=True, samples=2)
+  by = {(r["impl"], r["mode"]): r for r in rows}
+  assert len(rows) == 6
+  assert by["broken", "fwd"]["error"] == (
+      "NotImplementedError: no such kernel here")
+  assert by["broken", "fwd"]["tflops"] is None
+  assert by["wrong", "fwd_bwd"]["error"].startswith(
+      "wrong result: max_abs_err")
+  for mode in ("fwd", "fwd_bwd"):
+    row = by["jaxflash-triton", mode]
+    assert row["error"] is None and row["tflops"] > 0 and row["peak_bytes"]
+
+
+def test_interleaved_timing_reports_failures():
+  calls = {"ok": (lambda x: x + 1, (jnp.ones(4),)),
+           "bad": (lambda x: 1 / 0, (jnp.ones(4),))}
+  got = core.time_interleaved(calls, samples=3, min_sample_s=0.0)
+  assert got["ok"] > 0 and isinstance(got["bad"], ZeroDivisionError)
 
 
 def test_cpu_smoke_end_to_end(tmp_path, capsys):

@@ -103,9 +103,10 @@ def _reference_out(shape, q, k, v, mask_kw):
   return f(_spot(q, shape), _spot(k, shape, True), _spot(v, shape, True))
 
 
-def run_one(name: str, shape: core.Shape, mode: str, arrays, ref_out,
-            mask_kw, *, interpret: bool, samples: int) -> dict:
-  """Builds, checks and times one implementation; failures become rows."""
+def prepare(name: str, shape: core.Shape, mode: str, arrays, ref_out,
+            mask_kw, *, interpret: bool):
+  """Builds and checks one implementation: ``(fn, args, max_abs_err)``, or
+  a result row when it fails or answers wrongly."""
   q, k, v, do = arrays
   try:
     attend = impls.IMPLS[name](shape, mask_kw, interpret)
@@ -120,18 +121,54 @@ def run_one(name: str, shape: core.Shape, mode: str, arrays, ref_out,
                          error=f"wrong result: max_abs_err {err:.3g} >"
                                f" tolerance {tol:.3g}")
     if mode == "fwd":
-      fn, args = fwd, (q, k, v)
-    else:
-      def fwd_bwd(q, k, v, do):
-        _, vjp = jax.vjp(attend, q, k, v)
-        return vjp(do)
-      fn, args = jax.jit(fwd_bwd), (q, k, v, do)
-    secs = core.time_fn(fn, *args, samples=samples)
-    return core.record(shape, name, mode, ms=secs * 1e3, max_abs_err=err,
-                       peak_bytes=core.compiled_bytes(fn, *args))
+      return fwd, (q, k, v), err
+
+    def fwd_bwd(q, k, v, do):
+      _, vjp = jax.vjp(attend, q, k, v)
+      return vjp(do)
+    fn, args = jax.jit(fwd_bwd), (q, k, v, do)
+    jax.block_until_ready(fn(*args))  # compile here: errors are this row's
+    return fn, args, err
   except Exception as e:  # noqa: BLE001 - every failure is a reported row
-    msg = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-    return core.record(shape, name, mode, error=msg)
+    return core.record(shape, name, mode, error=_message(e))
+
+
+def _message(e: Exception) -> str:
+  return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+
+
+def run_shape(shape: core.Shape, names, modes, *, interpret: bool,
+              samples: int, progress=None) -> list[dict]:
+  """Every implementation and mode at one shape: built and checked one by
+  one, then timed together in interleaved rounds."""
+  arrays = _inputs(shape)
+  mask_kw = impls.mask_kwargs(shape)
+  ref_out = _reference_out(shape, *arrays[:3], mask_kw)
+  rows, calls, errs = {}, {}, {}
+  for name in names:
+    for mode in modes:
+      if progress is not None:
+        progress.set_description(
+            f"d{shape.head_dim} s{shape.seq_q}"
+            f"{' causal' if shape.causal else ''} {name} {mode}")
+      got = prepare(name, shape, mode, arrays, ref_out, mask_kw,
+                    interpret=interpret)
+      if isinstance(got, dict):
+        rows[name, mode] = got
+      else:
+        calls[name, mode], errs[name, mode] = got[:2], got[2]
+      if progress is not None:
+        progress.update()
+  times = core.time_interleaved(calls, samples=samples)
+  for key, secs in times.items():
+    name, mode = key
+    if isinstance(secs, Exception):
+      rows[key] = core.record(shape, name, mode, error=_message(secs))
+    else:
+      rows[key] = core.record(
+          shape, name, mode, ms=secs * 1e3, max_abs_err=errs[key],
+          peak_bytes=core.compiled_bytes(*calls[key][:1], *calls[key][1]))
+  return [rows[name, mode] for name in names for mode in modes]
 
 
 def main(argv=None) -> int:
@@ -176,21 +213,11 @@ def main(argv=None) -> int:
   bar = tqdm(total=len(shapes) * len(names) * len(modes), unit="run",
              file=sys.stderr)
   for shape in shapes:
-    arrays = _inputs(shape)
-    mask_kw = impls.mask_kwargs(shape)
-    ref_out = _reference_out(shape, *arrays[:3], mask_kw)
-    for name in names:
-      for mode in modes:
-        bar.set_description(f"d{shape.head_dim} s{shape.seq_q}"
-                            f"{' causal' if shape.causal else ''} {name}"
-                            f" {mode}")
-        row = run_one(name, shape, mode, arrays, ref_out, mask_kw,
-                      interpret=interpret, samples=args.samples)
-        results.append(row)
-        # One line per row as it lands, so a run cut short still reports.
-        bar.write(report.row_line(row), file=sys.stderr)
-        bar.update()
-    del arrays, ref_out
+    rows = run_shape(shape, names, modes, interpret=interpret,
+                     samples=args.samples, progress=bar)
+    for row in rows:  # one line per row as it lands: a cut run still reports
+      bar.write(report.row_line(row), file=sys.stderr)
+    results += rows
     gc.collect()
   bar.close()
 

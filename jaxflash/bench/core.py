@@ -122,6 +122,39 @@ def time_fn(fn: Callable, *args, min_sample_s: float = 0.02,
   return statistics.median(times)
 
 
+def time_interleaved(calls: dict, *, min_sample_s: float = 0.02,
+                     samples: int = 7) -> dict:
+  """Median seconds per call of each ``name -> (fn, args)``, sampled in
+  rounds (one sample of every call per round) so that clock and thermal
+  drift during a run touch every implementation alike.  A call that raises
+  maps to the exception instead of a time."""
+  reps, out = {}, {}
+  for name, (fn, args) in calls.items():
+    try:
+      jax.block_until_ready(fn(*args))  # compiled and warm
+      t = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      once = max(time.perf_counter() - t, 1e-6)
+      reps[name] = max(1, int(min_sample_s / once))
+    except Exception as e:  # noqa: BLE001 - reported as a row
+      out[name] = e
+  times = {name: [] for name in reps}
+  for _ in range(samples):
+    for name in list(times):
+      fn, args = calls[name]
+      try:
+        t = time.perf_counter()
+        for _ in range(reps[name]):
+          res = fn(*args)
+        jax.block_until_ready(res)
+        times[name].append((time.perf_counter() - t) / reps[name])
+      except Exception as e:  # noqa: BLE001 - reported as a row
+        out[name] = e
+        del times[name]
+  out.update({name: statistics.median(ts) for name, ts in times.items()})
+  return out
+
+
 def compiled_bytes(fn: Callable, *args) -> int | None:
   """Device memory one call needs: arguments + outputs + temporaries, from
   XLA's memory analysis of the compiled function (None if unavailable)."""
