@@ -178,3 +178,20 @@ def test_jax_nn_attention_path_matches():
   a, _ = _run_steps(_trainer("data=8"), steps=3)
   b, _ = _run_steps(_trainer("data=8", attention="jax-xla"), steps=3)
   np.testing.assert_allclose(a, b, rtol=1e-4)
+
+
+def test_compare_script_reports_rows(tmp_path):
+  """examples/gpt/compare.py: one row per (preset, attention), a failing
+  attention (cuDNN without a GPU) is a row with its error."""
+  import compare
+  attention = "xla,cudnn" if jax.default_backend() != "gpu" else "xla"
+  rc = compare.main(["--presets", "tiny", "--attention", attention,
+                     "--steps", "11", "--batch", "8", "--limit-bytes",
+                     "100000", "--out", str(tmp_path)])
+  rows = {r["attention"]: r for r in
+          __import__("json").load(open(tmp_path / "gpt-compare.json"))[
+              "results"]}
+  assert rows["xla"]["error"] is None and rows["xla"]["tokens_per_s"] > 0
+  if "cudnn" in rows:
+    assert rc == 1 and rows["cudnn"]["error"]
+  assert "| tiny | xla |" in (tmp_path / "gpt-compare.md").read_text()

@@ -256,7 +256,7 @@ def main(argv=None):
       mfu = tps * cfg.flops_per_token() / _peak_flops(peak) if _peak_flops(
           peak) else float("nan")
       rec = dict(step=step, loss=loss, lr=float(schedule(step)),
-                 tokens_per_s=tps, mfu=mfu)
+                 tokens_per_s=tps, mfu=mfu, peak_bytes=_peak_bytes())
       if args.eval_every and (step % args.eval_every == 0
                               or step == args.steps - 1):
         rec["val_loss"] = float(eval_fn(state["params"],
@@ -283,6 +283,13 @@ def main(argv=None):
   png = _plot(history, os.path.join(args.out, "loss.png"))
   print(f"\nlog: {log_path}" + (f"\nplot: {png}" if png else ""))
   return history
+
+
+def _peak_bytes():
+  """Peak device memory of device 0 so far (None where the backend does
+  not report it, e.g. CPU)."""
+  stats = jax.local_devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use")
 
 
 # Dense bf16 peak per device (datasheet; MFU denominator).
