@@ -19,6 +19,7 @@ import pytest
 
 import jaxflash
 from jaxflash import masks, mosaic_gpu
+from jaxflash.mosaic_gpu.config import needed_smem_bytes
 
 RACES = plgpu.InterpretGPUParams(detect_races=True)
 ONE_WG = mosaic_gpu.INTERPRET_CONFIG
@@ -28,6 +29,14 @@ TWO_WG = mosaic_gpu.MosaicConfig(block_q=64, block_kv=64, stages=2,
 DEEP = mosaic_gpu.MosaicConfig(block_q=64, block_kv=64, stages=4,
                                compute_wgs=2, p_in_smem=True,
                                schedule_barrier=True)
+
+SPLIT = mosaic_gpu.MosaicConfig(block_q=64, block_kv=64, stages=2,
+                                compute_wgs=1, p_in_smem=True,
+                                schedule_barrier=False, bwd_compute_wgs=1,
+                                bwd_split_dkv=True)
+SPLIT_2WG = mosaic_gpu.MosaicConfig(block_q=64, block_kv=64, stages=2,
+                                    compute_wgs=2, p_in_smem=True,
+                                    schedule_barrier=True, bwd_split_dkv=True)
 
 # (name, q_len, kv_len, heads, kv_heads, head_dim, dtype, causal, window, cfg)
 CASES = [
@@ -48,6 +57,11 @@ CASES = [
      (10, 10), DEEP),
     ("d32-tiny-window-empty", 100, 100, 2, 2, 32, jnp.bfloat16, True, (0, 0),
      TWO_WG),
+    # dV and dK in two passes (the head_dim > 128 form of the backward).
+    ("d256-split-dkv-gqa", 130, 200, 4, 2, 256, jnp.bfloat16, True, None,
+     SPLIT),
+    ("d64-split-dkv-2wg-window", 200, 200, 2, 1, 64, jnp.float16, False,
+     (30, 40), SPLIT_2WG),
 ]
 
 
@@ -77,6 +91,10 @@ GPU_CONFIGS = {
     "p-in-smem": mosaic_gpu.MosaicConfig(p_in_smem=True),
     "one-wg": mosaic_gpu.MosaicConfig(compute_wgs=1, schedule_barrier=False),
     "deep": mosaic_gpu.MosaicConfig(block_kv=64, stages=4),
+    # The Hopper backward at every head_dim (one consumer in the backward
+    # keeps head_dim 256 inside shared memory).
+    "bwd-split": mosaic_gpu.MosaicConfig(bwd_split_dkv=True,
+                                         bwd_compute_wgs=1),
 }
 
 
@@ -86,9 +104,11 @@ GPU_CONFIGS = {
 def test_gpu(case, cfg):
   config = GPU_CONFIGS[cfg]
   dp = -(-case[5] // 64) * 64
-  if config is not None and config.smem_bytes(dp) > 227 * 1024:
-    pytest.skip(f"{cfg} needs {config.smem_bytes(dp)} bytes of shared memory"
-                f" at head_dim {dp} (limit 227 KiB): not a valid config")
+  if config is not None:
+    need = needed_smem_bytes(config, dp)
+    if need > 227 * 1024:
+      pytest.skip(f"{cfg} needs {need} bytes of shared memory at head_dim"
+                  f" {dp} (limit 227 KiB): not a valid config")
   _run(case, False, config)
 
 

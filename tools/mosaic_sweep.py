@@ -2,15 +2,18 @@
 behind jaxflash/mosaic_gpu/tuning.json.
 
     PYTHONPATH=. python3 tools/mosaic_sweep.py [--head-dims 64,128,256]
-        [--seqs 4096] [--out DIR]
+        [--seqs 4096] [--out DIR] [--bwd]
 
-Forward only (the backward is the Triton kernels'); bf16; 16k tokens per
-call and width 2048 as in shared/ANCHORS.md. Prints the best config per
+Forward tiles, or with ``--bwd`` forward+backward over the backward tiles
+(``bwd_*`` fields); bf16; 16k tokens per call and width 2048 as in
+shared/ANCHORS.md. Prints the best config per
 (head_dim, causal) and writes every row to mosaic_sweep.json; failures
 (shared memory, compile errors) are rows with the reason.
 """
 
 import argparse
+import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -20,6 +23,7 @@ import jax.numpy as jnp
 
 import jaxflash
 from jaxflash.bench import core
+from jaxflash.mosaic_gpu.config import needed_smem_bytes
 
 
 def candidates(head_dim, full=False):
@@ -35,6 +39,22 @@ def candidates(head_dim, full=False):
       yield cfg
 
 
+def bwd_candidates(head_dim):
+  """Backward tiles on top of the tuned forward: dK and dV in one pass
+  (padded head_dim <= 128) over ring depth, or split into two passes."""
+  fwd = jaxflash.mosaic_gpu.default_config("NVIDIA H200", head_dim)
+  variants = [dict(bwd_stages=2), dict(bwd_stages=3),
+              dict(bwd_split_dkv=True), dict(bwd_split_dkv=True,
+                                             bwd_block_kv=128)]
+  if head_dim > 128:
+    variants = [dict(bwd_split_dkv=True, bwd_compute_wgs=1),
+                dict(bwd_split_dkv=True, bwd_compute_wgs=1, bwd_stages=3)]
+  for kw in variants:
+    cfg = dataclasses.replace(fwd, **kw)
+    if needed_smem_bytes(cfg, head_dim) <= 227 * 1024:
+      yield cfg
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--head-dims", default="64,128,256")
@@ -45,7 +65,12 @@ def main():
   ap.add_argument("--tag", default="", help="suffix of the output file")
   ap.add_argument("--full", action="store_true",
                   help="also one consumer warpgroup and P through SMEM")
+  ap.add_argument("--bwd", action="store_true",
+                  help="forward+backward over backward tiles (and the"
+                       " default, whose gradient at head_dim > 128 is the"
+                       " Triton kernels')")
   args = ap.parse_args()
+  mode = "fwd_bwd" if args.bwd else "fwd"
   rows = []
   for d in core.parse_int_list(args.head_dims):
     for s in core.parse_int_list(args.seqs):
@@ -54,16 +79,25 @@ def main():
         ks = jax.random.split(jax.random.key(0), 3)
         q, k, v = (jax.random.normal(kk, (shape.batch, s, shape.heads, d),
                                      jnp.bfloat16) for kk in ks)
-        for cfg in ([None] if args.default_only else
-                    candidates(d, args.full)):
-          f = jax.jit(lambda q, k, v, cfg=cfg, causal=causal:
-                      jaxflash.flash_attention(q, k, v, causal=causal,
-                                               config=cfg))
-          row = dict(head_dim=d, seq=s, causal=causal,
+        if args.default_only:
+          cfgs = [None]
+        elif args.bwd:
+          cfgs = [None, *bwd_candidates(d)]
+        else:
+          cfgs = list(candidates(d, args.full))
+        for cfg in cfgs:
+          attend = functools.partial(jaxflash.flash_attention, causal=causal,
+                                     config=cfg)
+          if args.bwd:
+            f = jax.jit(lambda q, k, v, attend=attend:
+                        jax.vjp(attend, q, k, v)[1](q))
+          else:
+            f = jax.jit(attend)
+          row = dict(head_dim=d, seq=s, causal=causal, mode=mode,
                      config=cfg and cfg.__dict__.copy(), tag=args.tag)
           try:
             t = core.time_fn(f, q, k, v, samples=5)
-            row.update(ms=t * 1e3, tflops=core.flops(shape, "fwd") / t / 1e12)
+            row.update(ms=t * 1e3, tflops=core.flops(shape, mode) / t / 1e12)
           except Exception as e:  # noqa: BLE001 - a failing config is a row
             row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
           rows.append(row)

@@ -2,14 +2,17 @@
 
 Forward: :mod:`jaxflash.mosaic_gpu.forward`.  Backward: the Hopper dK/dV
 and dQ kernels of :mod:`jaxflash.mosaic_gpu.backward` for padded head_dim
-<= 128; above that their float32 dK and dV accumulators do not fit in a
-warpgroup's registers, and the gradient is the Triton backend's kernels
-(they need the same residuals: q, k, v, the output and the log-sum-exp).
+<= 128.  Above that their two float32 accumulators (dK, dV) do not fit in
+a warpgroup's registers: with ``MosaicConfig(bwd_split_dkv=True)`` the
+dK/dV kernel runs as two passes of one accumulator each; otherwise the
+gradient is the Triton backend's kernels (they need the same residuals:
+q, k, v, the output and the log-sum-exp).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -22,16 +25,16 @@ from jaxflash.mosaic_gpu import backward as bwd_lib
 from jaxflash.mosaic_gpu import forward as fwd_lib
 from jaxflash.mosaic_gpu.config import (
   INTERPRET_CONFIG,
+  MAX_BWD_HEAD_DIM,
   SMEM_LIMIT,
   MosaicConfig,
   default_config,
+  needed_smem_bytes,
 )
 from jaxflash.triton import backend as triton_backend
 from jaxflash.triton.common import pad_axis, round_up
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
-# Largest padded head_dim of the Hopper backward kernels (see docstring).
-MAX_BWD_HEAD_DIM = 128
 LOG2E = 1.4426950408889634
 NO_MASK_ARRAYS = MaskArrays()
 
@@ -144,17 +147,17 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
   B, T, H, D = q.shape
   S, K = k.shape[1], k.shape[2]
   dp = _head_dim_padded(D)
-  if dp > MAX_BWD_HEAD_DIM:
+  if config is None:
+    config = (INTERPRET_CONFIG if interpret
+              else default_config(jax.devices()[0].device_kind, dp))
+  if dp > MAX_BWD_HEAD_DIM and not config.bwd_split_dkv:
     return triton_backend.backward(
         q, k, v, arrays, out, lse, dout, dlse, mask=mask,
         softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
         config=None, interpret=bool(interpret))
-  if config is None:
-    config = (INTERPRET_CONFIG if interpret
-              else default_config(jax.devices()[0].device_kind, dp))
   if interpret:
     _check_interpreter_threads(config)
-  n = config.compute_wgs
+  n = config.bwd_compute_wgs
   prob = fwd_lib.Problem(
       mask=mask, softmax_scale=float(softmax_scale), batch=B, num_heads=H,
       num_kv_heads=K, q_pad=round_up(T, n * config.bwd_block_q),
@@ -184,8 +187,12 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
   params = _interpret_params(interpret)
   dq = bwd_lib.dq(qp, kp, vp, dop, lse2, delta, seg_dq, prob=prob,
                   cfg=config, interpret=params)
-  dk, dv = bwd_lib.dkv(qp, kp, vp, dop, lse2, delta, seg_dkv, prob=prob,
-                       cfg=config, interpret=params)
+  dkv = functools.partial(bwd_lib.dkv, qp, kp, vp, dop, lse2, delta, seg_dkv,
+                          prob=prob, cfg=config, interpret=params)
+  if config.bwd_split_dkv:
+    (dv,), (dk,) = dkv(parts=("dv",)), dkv(parts=("dk",))
+  else:
+    dk, dv = dkv(parts=("dk", "dv"))
   return dq[:, :T, :, :D], dk[:, :S, :, :D], dv[:, :S, :, :D]
 
 
@@ -194,7 +201,7 @@ def _check_interpreter_threads(config: MosaicConfig) -> None:
   own CPU thread, and blocks in barrier waits; with fewer host devices than
   warpgroups + 1, jax 0.11.2's CPU runtime has too few threads and the
   kernel deadlocks (seen here).  Refuse instead of hanging."""
-  need = config.compute_wgs + 2
+  need = max(config.compute_wgs, config.bwd_compute_wgs) + 2
   have = len(jax.devices("cpu"))
   if have < need:
     raise NotImplementedError(
@@ -229,9 +236,7 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
   del arrays  # segment ids and lengths are served
   dp = _head_dim_padded(q.shape[3])
   if config is not None:
-    need = config.smem_bytes(dp)
-    if dp <= MAX_BWD_HEAD_DIM:  # the Hopper backward kernels run too
-      need = max(need, config.bwd_smem_bytes(dp))
+    need = needed_smem_bytes(config, dp)
     if need > SMEM_LIMIT:
       raise NotImplementedError(
           f"{config} needs {need} bytes of shared memory at head_dim {dp}"

@@ -3,7 +3,7 @@
 FlashAttention-2's backward (arXiv 2307.08691, Algorithm 2) with the
 Hopper structure of the forward kernel (arXiv 2407.08608): a producer
 warpgroup streams tiles with TMA into a ``bwd_stages``-deep shared-memory
-ring, ``compute_wgs`` consumer warpgroups run ``wgmma`` with float32
+ring, ``bwd_compute_wgs`` consumer warpgroups run ``wgmma`` with float32
 accumulators in registers.  Two kernels and no atomics, so gradients are
 bitwise reproducible:
 
@@ -72,6 +72,8 @@ def _probs_and_dscores(s, dp, lse2, delta, visible, *, prob: Problem,
   if visible is not None:
     logits2 = jnp.where(visible, logits2, -jnp.inf)
   p = jnp.exp2(logits2 - bcast(lse2))
+  if dp is None:  # only P is wanted (the dV pass)
+    return p, None
   ds = p * (dp - bcast(delta))
   if th is not None:
     ds = ds * (1.0 - th * th)
@@ -106,18 +108,21 @@ def _a_operand(value, a_smem, dtype):
 
 # -- dK / dV ------------------------------------------------------------------
 
-def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
+def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
+                parts: tuple[str, ...]):
   if prob.has_segments:
     (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, qseg_ref, kvseg_ref,
      range_ref, *refs) = refs
   else:
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs = refs
     qseg_ref = kvseg_ref = range_ref = None
-  (dk_ref, dv_ref, k_smem2, v_smem2, q_ring, do_ring, lse_ring, delta_ring,
-   kv_ready, ready, free, *extra) = refs
+  out_refs = dict(zip(parts, refs[:len(parts)]))
+  (k_smem2, v_smem2, q_ring, do_ring, lse_ring, delta_ring, kv_ready, ready,
+   free, *extra) = refs[len(parts):]
+  want_dk, want_dv = "dk" in parts, "dv" in parts
   a_smem2 = extra[0] if cfg.p_in_smem else None
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
-  group_rows = cfg.compute_wgs * bk
+  group_rows = cfg.bwd_compute_wgs * bk
   group_size = prob.num_heads // prob.num_kv_heads
   b = lax.axis_index("batch")
   kh = lax.axis_index("heads")  # the key/value head
@@ -133,32 +138,35 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   n_tiles = u_hi - u_lo
   n_steps = group_size * n_tiles  # every query head of the group
 
-  @pl.when(wg < cfg.compute_wgs)
+  @pl.when(wg < cfg.bwd_compute_wgs)
   def _consumer():
-    if cfg.compute_wgs == 2:
+    if cfg.bwd_compute_wgs == 2:
       plgpu.set_max_registers(232, action="increase")
     k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
     a_smem = None if a_smem2 is None else a_smem2.at[wg]
     k_start = group_start + wg * bk
     rows = (b, pl.ds(k_start, bk), kh)
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[wg])
-    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg])
+    if want_dk:  # V enters only through dP^T = V dO^T
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg])
     plgpu.barrier_wait(kv_ready.at[wg])
     k_idx = k_start + plgpu.broadcasted_iota(
         jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
 
-    def compute(step, t, carry, *, masked: bool, dk_acc, dv_acc):
+    def compute(step, t, carry, *, masked: bool, accs):
       slot = lax.rem(step, stages)
       plgpu.barrier_wait(ready.at[slot])
       q_t, do_t = q_ring.at[slot], do_ring.at[slot]
 
-      def sdp(s_acc, dp_acc):
+      def sdp(s_acc, dp_acc=None):
         plgpu.wgmma(s_acc, k_smem, q_t.T)     # S^T = K Q^T
+        if dp_acc is None:
+          return s_acc[...], None
         plgpu.wgmma(dp_acc, v_smem, do_t.T)   # dP^T = V dO^T
         return s_acc[...], dp_acc[...]
 
       acc = plgpu.ACC((bk, bq), jnp.float32)
-      s, dp = pl.run_scoped(sdp, acc, acc)
+      s, dp = pl.run_scoped(sdp, *(acc,) * (1 + want_dk))
       lse2 = plgpu.load(lse_ring.at[slot], layout=COL)
       delta = plgpu.load(delta_ring.at[slot], layout=COL)
       visible = None
@@ -169,10 +177,12 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
             qseg_ref, kvseg_ref, b, t * bq, bq, k_start, bk, q_axis=1))
       p, ds = _probs_and_dscores(s, dp, lse2, delta, visible, prob=prob,
                                  row_axis=1)
-      plgpu.wgmma(dv_acc, _a_operand(p, a_smem, dtype), do_t)  # dV += P^T dO
-      if a_smem is not None:
-        plgpu.wgmma_wait(0)  # the staging buffer is reused for dS^T
-      plgpu.wgmma(dk_acc, _a_operand(ds, a_smem, dtype), q_t)  # dK += dS^T Q
+      if want_dv:  # dV += P^T dO
+        plgpu.wgmma(accs["dv"], _a_operand(p, a_smem, dtype), do_t)
+        if a_smem is not None and want_dk:
+          plgpu.wgmma_wait(0)  # the staging buffer is reused for dS^T
+      if want_dk:  # dK += dS^T Q
+        plgpu.wgmma(accs["dk"], _a_operand(ds, a_smem, dtype), q_t)
       plgpu.wgmma_wait(0)
       plgpu.barrier_arrive(free.at[slot])
       return carry
@@ -185,28 +195,34 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
 
     own = mask.q_block_range(k_start, bk, bq)
 
-    def accumulate(dk_acc, dv_acc):
+    def accumulate(*acc_refs):
+      accs = dict(zip(parts, acc_refs))
+
       @pl.loop(0, group_size)
       def _(g):
         pipeline.tile_loop(
             u_lo, u_hi, own, first_step=g * n_tiles,
-            compute=functools.partial(compute, dk_acc=dk_acc, dv_acc=dv_acc),
+            compute=functools.partial(compute, accs=accs),
             skip=skip, element_mask_everywhere=range_ref is not None)
-      return dk_acc[...], dv_acc[...]
+      return tuple(a[...] for a in acc_refs)
 
     acc = plgpu.ACC((bk, prob.head_dim_padded), jnp.float32)
-    dk, dv = pl.run_scoped(accumulate, acc, acc)
-    # dS is w.r.t. the scaled logits: d(scale * q.k)/dk = scale * q.
-    k_smem[...] = (dk * prob.softmax_scale).astype(dtype)
-    v_smem[...] = dv.astype(dtype)
+    grads = dict(zip(parts, pl.run_scoped(accumulate, *(acc,) * len(parts))))
+    # K's and V's buffers are free now: stage the results there.
+    staging = dict(dk=k_smem, dv=v_smem)
+    if "dk" in grads:
+      # dS is w.r.t. the scaled logits: d(scale * q.k)/dk = scale * q.
+      k_smem[...] = (grads["dk"] * prob.softmax_scale).astype(dtype)
+    if "dv" in grads:
+      v_smem[...] = grads["dv"].astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows])
-    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows])
+    for part in parts:
+      plgpu.copy_smem_to_gmem(staging[part], out_refs[part].at[rows])
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == cfg.compute_wgs)
+  @pl.when(wg == cfg.bwd_compute_wgs)
   def _producer():
-    if cfg.compute_wgs == 2:
+    if cfg.bwd_compute_wgs == 2:
       plgpu.set_max_registers(40, action="decrease")
 
     def load(step, slot):
@@ -227,12 +243,15 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
 
 
 def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
-        cfg: MosaicConfig, interpret=None):
-  """``(dk, dv)`` padded like ``k``; q/do ``[B, Tp, H, Dp]``, lse2/delta
-  ``[B, H, Tp]`` float32, ``segments = (q_seg, kv_seg, kv_group_range)``."""
+        cfg: MosaicConfig, parts=("dk", "dv"), interpret=None):
+  """``parts`` of ``(dk, dv)``, padded like ``k``; q/do ``[B, Tp, H, Dp]``,
+  lse2/delta ``[B, H, Tp]`` float32, ``segments = (q_seg, kv_seg,
+  kv_group_range)``.  ``parts=("dv",)`` and ``("dk",)`` split the work
+  into two passes, each holding one float32 accumulator (head_dim > 128,
+  where two do not fit in a warpgroup's registers)."""
   dtype = q.dtype
   dp = prob.head_dim_padded
-  bq, bk, n = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.compute_wgs
+  bq, bk, n = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_compute_wgs
   tiled = pipeline.TILED
   scratch = [
       plgpu.SMEM((n, bk, dp), dtype, **tiled),               # K per consumer
@@ -241,16 +260,17 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
       plgpu.SMEM((cfg.bwd_stages, bq, dp), dtype, **tiled),  # dO ring
       plgpu.SMEM((cfg.bwd_stages, bq), jnp.float32),         # lse2 ring
       plgpu.SMEM((cfg.bwd_stages, bq), jnp.float32),         # delta ring
-      plgpu.Barrier(num_arrivals=2, num_barriers=n),         # K, V loaded
+      plgpu.Barrier(num_arrivals=1 + ("dk" in parts),
+                    num_barriers=n),                         # K (, V) loaded
       plgpu.Barrier(num_arrivals=4, num_barriers=cfg.bwd_stages),  # slot full
       plgpu.Barrier(num_arrivals=n, num_barriers=cfg.bwd_stages),  # slot free
   ]
   if cfg.p_in_smem:
     scratch.append(plgpu.SMEM((n, bk, bq), dtype, **tiled))
-  out_type = [out_struct(k.shape, dtype, q, k, v),
-              out_struct(v.shape, dtype, q, k, v)]
+  out_type = [out_struct(k.shape, dtype, q, k, v) for _ in parts]
   return plgpu.kernel(
-      functools.partial(_dkv_kernel, prob=prob, cfg=cfg, dtype=dtype),
+      functools.partial(_dkv_kernel, prob=prob, cfg=cfg, dtype=dtype,
+                        parts=tuple(parts)),
       out_type=out_type,
       scratch_types=scratch,
       grid=(prob.num_kv_heads, prob.kv_pad // (n * bk), prob.batch),
@@ -275,7 +295,7 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
    *extra) = refs
   a_smem2 = extra[0] if cfg.p_in_smem else None
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
-  group_rows = cfg.compute_wgs * bq
+  group_rows = cfg.bwd_compute_wgs * bq
   b = lax.axis_index("batch")
   h = lax.axis_index("heads")
   wg = lax.axis_index("wg")
@@ -289,9 +309,9 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
     u_lo = jnp.maximum(u_lo, range_ref[b, 0, grp])
     u_hi = jnp.maximum(jnp.minimum(u_hi, range_ref[b, 1, grp]), u_lo)
 
-  @pl.when(wg < cfg.compute_wgs)
+  @pl.when(wg < cfg.bwd_compute_wgs)
   def _consumer():
-    if cfg.compute_wgs == 2:
+    if cfg.bwd_compute_wgs == 2:
       plgpu.set_max_registers(232, action="increase")
     q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
     a_smem = None if a_smem2 is None else a_smem2.at[wg]
@@ -354,9 +374,9 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
     plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == cfg.compute_wgs)
+  @pl.when(wg == cfg.bwd_compute_wgs)
   def _producer():
-    if cfg.compute_wgs == 2:
+    if cfg.bwd_compute_wgs == 2:
       plgpu.set_max_registers(40, action="decrease")
     kv_head = lax.div(h, jnp.asarray(prob.num_heads // prob.num_kv_heads,
                                      h.dtype))
@@ -374,7 +394,7 @@ def dq(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   """``dq`` padded like ``q``; ``segments = (q_seg, kv_seg, q_group_range)``."""
   dtype = q.dtype
   dp = prob.head_dim_padded
-  bq, bk, n = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.compute_wgs
+  bq, bk, n = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_compute_wgs
   tiled = pipeline.TILED
   scratch = [
       plgpu.SMEM((n, bq, dp), dtype, **tiled),               # Q per consumer

@@ -33,9 +33,16 @@ class MosaicConfig:
       64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
       key rows and streams ``bwd_block_q`` query rows; the dQ kernel gives
       each ``bwd_block_q`` query rows and streams ``bwd_block_kv`` keys.
-      ``p_in_smem`` and ``compute_wgs`` apply to them too (``P`` and
-      ``dS`` are the register operands there).
+      ``p_in_smem`` applies to them too (``P`` and ``dS`` are the
+      register operands there).
     bwd_stages: depth of the backward kernels' shared-memory rings.
+    bwd_compute_wgs: consumer warpgroups of the backward kernels (1 or 2).
+    bwd_split_dkv: compute dV and dK in two passes of the dK/dV kernel,
+      each holding one float32 accumulator instead of two (one more
+      ``K Q^T`` per tile pair).  The Hopper backward serves padded
+      head_dim > 128 only with it (two 64 x 256 float32 accumulators do
+      not fit in a warpgroup's registers); without it the gradient runs
+      the Triton kernels there.
   """
 
   block_q: int = 64
@@ -47,6 +54,8 @@ class MosaicConfig:
   bwd_block_q: int = 64
   bwd_block_kv: int = 64
   bwd_stages: int = 2
+  bwd_compute_wgs: int = 2
+  bwd_split_dkv: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
@@ -57,8 +66,9 @@ class MosaicConfig:
       val = getattr(self, name)
       if not isinstance(val, int) or val < 2:
         raise ValueError(f"{name}={val!r} must be an integer >= 2")
-    if self.compute_wgs not in (1, 2):
-      raise ValueError(f"compute_wgs={self.compute_wgs!r} must be 1 or 2")
+    for name in ("compute_wgs", "bwd_compute_wgs"):
+      if getattr(self, name) not in (1, 2):
+        raise ValueError(f"{name}={getattr(self, name)!r} must be 1 or 2")
 
   def smem_bytes(self, head_dim_padded: int, itemsize: int = 2) -> int:
     """Shared memory the forward kernel allocates."""
@@ -71,7 +81,7 @@ class MosaicConfig:
 
   def bwd_smem_bytes(self, head_dim_padded: int, itemsize: int = 2) -> int:
     """Shared memory of the larger of the two backward kernels."""
-    bq, bk, n = self.bwd_block_q, self.bwd_block_kv, self.compute_wgs
+    bq, bk, n = self.bwd_block_q, self.bwd_block_kv, self.bwd_compute_wgs
     a_op = n * bq * bk * itemsize if self.p_in_smem else 0
     # dK/dV: K, V held per consumer; Q, dO, lse, delta streamed.
     dkv = (2 * n * bk * head_dim_padded * itemsize
@@ -82,6 +92,15 @@ class MosaicConfig:
           + self.bwd_stages * 2 * bk * head_dim_padded * itemsize + a_op)
     return max(dkv + _reserved(6 + self.p_in_smem),
                dq + _reserved(4 + self.p_in_smem))
+
+
+def needed_smem_bytes(config: "MosaicConfig", head_dim_padded: int) -> int:
+  """Shared memory of the largest kernel a call with this config runs
+  (the forward, and the Hopper backward where it serves the head_dim)."""
+  need = config.smem_bytes(head_dim_padded)
+  if head_dim_padded <= MAX_BWD_HEAD_DIM or config.bwd_split_dkv:
+    need = max(need, config.bwd_smem_bytes(head_dim_padded))
+  return need
 
 
 def _reserved(n_buffers: int) -> int:
@@ -95,12 +114,16 @@ def _reserved(n_buffers: int) -> int:
 
 # Hopper: 227 KiB of shared memory per block (sm90 opt-in maximum).
 SMEM_LIMIT = 227 * 1024
+# Largest padded head_dim of the Hopper backward with dK and dV in one pass
+# (two 64 x head_dim float32 accumulators per warpgroup); above it the
+# backward needs ``bwd_split_dkv`` or falls back to the Triton kernels.
+MAX_BWD_HEAD_DIM = 128
 
 # Runs under the Mosaic GPU interpreter (CPU tests): one consumer
 # warpgroup, P through shared memory.
 INTERPRET_CONFIG = MosaicConfig(block_q=64, block_kv=64, stages=2,
                                 compute_wgs=1, p_in_smem=True,
-                                schedule_barrier=False)
+                                schedule_barrier=False, bwd_compute_wgs=1)
 
 
 @functools.cache
