@@ -187,11 +187,7 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
       plgpu.barrier_arrive(free.at[slot])
       return carry
 
-    def skip(step, carry):
-      slot = lax.rem(step, stages)
-      plgpu.barrier_wait(ready.at[slot])
-      plgpu.barrier_arrive(free.at[slot])
-      return carry
+    skip = pipeline.acknowledge(ready, free, stages)
 
     own = mask.q_block_range(k_start, bk, bq)
 
@@ -352,11 +348,7 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       plgpu.barrier_arrive(free.at[slot])
       return carry
 
-    def skip(step, carry):
-      slot = lax.rem(step, stages)
-      plgpu.barrier_wait(ready.at[slot])
-      plgpu.barrier_arrive(free.at[slot])
-      return carry
+    skip = pipeline.acknowledge(ready, free, stages)
 
     own = mask.kv_block_range(q_start, bq, bk)
 

@@ -50,6 +50,17 @@ def produce(n_steps, stages: int, load, free_barriers) -> None:
     wait_free(lax.rem(step, stages))
 
 
+def acknowledge(ready, free, stages: int):
+  """A consumer's ``skip`` for a ring with one ready and one free barrier
+  per slot: observe the slot's phase and release it untouched."""
+  def skip(step, carry):
+    slot = lax.rem(step, stages)
+    plgpu.barrier_wait(ready.at[slot])
+    plgpu.barrier_arrive(free.at[slot])
+    return carry
+  return skip
+
+
 def tile_loop(u_lo, u_hi, own, *, first_step, compute, skip,
               element_mask_everywhere: bool, carry=()):
   """Consumer side: one step per tile ``t`` in ``[u_lo, u_hi)`` (the tiles
