@@ -81,7 +81,8 @@ def test_lowers_to_triton(fake_gpu, shape, causal, features):
     dict(compute_wgs=1, schedule_barrier=False),
     dict(block_kv=64, stages=4),
     dict(block_kv=128, stages=3),
-], ids=["default", "p-in-smem", "one-wg", "deep", "wide"])
+    dict(persistent=True),
+], ids=["default", "p-in-smem", "one-wg", "deep", "wide", "persistent"])
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),

@@ -8,6 +8,7 @@ form the interpreter cannot run.  Gradients go through the Triton backward
 kernels (interpret mode on CPU).
 """
 
+import dataclasses
 import functools
 import zlib
 
@@ -38,6 +39,9 @@ SPLIT_2WG = mosaic_gpu.MosaicConfig(block_q=64, block_kv=64, stages=2,
                                     compute_wgs=2, p_in_smem=True,
                                     schedule_barrier=True, bwd_split_dkv=True)
 
+PERSISTENT = dataclasses.replace(ONE_WG, persistent=True)
+PERSISTENT_2WG = dataclasses.replace(TWO_WG, persistent=True, stages=3)
+
 # (name, q_len, kv_len, heads, kv_heads, head_dim, dtype, causal, window, cfg)
 CASES = [
     ("d64-full", 256, 256, 2, 2, 64, jnp.bfloat16, False, None, ONE_WG),
@@ -62,6 +66,12 @@ CASES = [
      SPLIT),
     ("d64-split-dkv-2wg-window", 200, 200, 2, 1, 64, jnp.float16, False,
      (30, 40), SPLIT_2WG),
+    # Persistent grid: 2 programs, each looping over several work items
+    # with the K/V ring running on across them.
+    ("d64-persistent-2wg-causal", 256, 256, 4, 2, 64, jnp.bfloat16, True,
+     None, PERSISTENT_2WG),
+    ("d128-persistent-window-q200-k300", 200, 300, 2, 1, 128, jnp.float16,
+     False, (50, 20), PERSISTENT),
 ]
 
 
@@ -95,6 +105,7 @@ GPU_CONFIGS = {
     # keeps head_dim 256 inside shared memory).
     "bwd-split": mosaic_gpu.MosaicConfig(bwd_split_dkv=True,
                                          bwd_compute_wgs=1),
+    "persistent": mosaic_gpu.MosaicConfig(persistent=True),
 }
 
 
@@ -203,6 +214,8 @@ SEG_CASES = [
      dict(q_len=[150, 200], kv_len=[300, 7]), ONE_WG),
     ("packed-lengths-window", 256, 256, True, (60, 0),
      dict(docs=4, pad=0, kv_len=[256, 100]), DEEP),
+    ("packed-causal-persistent", 256, 256, True, None, dict(docs=5, pad=9),
+     PERSISTENT_2WG),
 ]
 
 

@@ -29,6 +29,10 @@ class MosaicConfig:
       both.
     schedule_barrier: with two consumer warpgroups, alternate their
       matmuls (FlashAttention-3's ping-pong, arXiv 2407.08608 §3.1).
+    persistent: a grid of one program per SM, each looping over work
+      items (head, query group, batch) with the K/V ring running on across
+      them, so one item's epilogue overlaps the next one's loads (as
+      tokamax's non-causal default).  Tested; not yet timed on a GPU.
     bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
       64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
       key rows and streams ``bwd_block_q`` query rows; the dQ kernel gives
@@ -51,6 +55,7 @@ class MosaicConfig:
   compute_wgs: int = 2
   p_in_smem: bool = False
   schedule_barrier: bool = True
+  persistent: bool = False
   bwd_block_q: int = 64
   bwd_block_kv: int = 64
   bwd_stages: int = 2

@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import math
 
+import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
@@ -66,7 +67,8 @@ class Problem:
   has_segments: bool = False
 
 
-def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool):
+def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
+            n_programs: int | None):
   if prob.has_segments:
     q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, range_ref, *refs = refs
   else:
@@ -78,34 +80,42 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool):
   sched = extra[-1] if _use_schedule(cfg) else None
   bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
   group_rows = cfg.compute_wgs * bq
-  b = lax.axis_index("batch")
-  h = lax.axis_index("heads")
+  persistent = n_programs is not None
+  if not persistent:  # one program per (head, query group, batch)
+    b = lax.axis_index("batch")
+    h = lax.axis_index("heads")
   wg = lax.axis_index("wg")
   mask = prob.mask
-  group = lax.axis_index("q_seq")
-  if mask.causal:
-    # Causal work grows with the query index: launch the longest query
-    # groups first so the last wave is made of short ones (better balance
-    # across the 132 SMs; tokamax and FlashAttention-3 do the same).
-    group = prob.q_pad // group_rows - 1 - group
-  group_start = group * group_rows
-  # Key tiles any consumer of this program needs: the producer loads them.
-  u_lo, _, _, u_hi = mask.kv_block_range(group_start, group_rows, bk)
-  if range_ref is not None:
-    # Narrow to the key tiles whose segment ids can match this group's.
-    u_lo = jnp.maximum(u_lo, range_ref[b, 0, group])
-    u_hi = jnp.maximum(jnp.minimum(u_hi, range_ref[b, 1, group]), u_lo)
-  n_steps = u_hi - u_lo
+  n_groups = prob.q_pad // group_rows
+
+  def item_ranges(b, group):
+    """A work item's first query row and the key tiles it streams."""
+    if mask.causal:
+      # Causal work grows with the query index: run the longest query
+      # groups first so the last wave is made of short ones (better balance
+      # across the 132 SMs; tokamax and FlashAttention-3 do the same).
+      group = n_groups - 1 - group
+    group_start = group * group_rows
+    # Key tiles any consumer of this program needs: the producer loads them.
+    u_lo, _, _, u_hi = mask.kv_block_range(group_start, group_rows, bk)
+    if range_ref is not None:
+      # Narrow to the key tiles whose segment ids can match this group's.
+      u_lo = jnp.maximum(u_lo, range_ref[b, 0, group])
+      u_hi = jnp.maximum(jnp.minimum(u_hi, range_ref[b, 1, group]), u_lo)
+    return group_start, u_lo, u_hi
+
+  if not persistent:
+    group_start, u_lo, u_hi = item_ranges(b, lax.axis_index("q_seq"))
+    n_steps = u_hi - u_lo
 
   def sched_sync():
     if sched is not None:
       plgpu.barrier_arrive(sched)
       plgpu.barrier_wait(sched)
 
-  @pl.when(wg < cfg.compute_wgs)
-  def _consumer():
-    if cfg.compute_wgs == 2:
-      plgpu.set_max_registers(232, action="increase")
+  def consume(b, h, group_start, u_lo, u_hi, first_step):
+    """One work item on a consumer warpgroup: ring steps ``first_step +
+    [0, u_hi - u_lo)``."""
     qo_smem = qo_smem2.at[wg]
     lse_smem = lse_smem2.at[wg]
     q_start = group_start + wg * bq
@@ -228,7 +238,8 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool):
     if sched is not None:
       pl.when(wg == 1)(sched_sync)  # offset the two consumers by a half step
     acc, m, l = pipeline.tile_loop(
-        u_lo, u_hi, mask.kv_block_range(q_start, bq, bk), first_step=0,
+        u_lo, u_hi, mask.kv_block_range(q_start, bq, bk),
+        first_step=first_step,
         compute=compute, skip=skip,
         element_mask_everywhere=range_ref is not None, carry=(acc, m, l))
     if sched is not None:
@@ -245,10 +256,8 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool):
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_start, bq)])
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == cfg.compute_wgs)
-  def _producer():
-    if cfg.compute_wgs == 2:
-      plgpu.set_max_registers(40, action="decrease")
+  def produce(b, h, u_lo, n_steps, first_step):
+    """One work item on the producer: its K/V tiles into the ring."""
     kv_head = lax.div(h, jnp.asarray(prob.num_heads // prob.num_kv_heads,
                                      h.dtype))
 
@@ -259,7 +268,62 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool):
       plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot],
                               v_ready.at[slot])
 
-    pipeline.produce(n_steps, stages, load, [k_free, v_free])
+    if persistent:
+      pipeline.produce_continuing(first_step, n_steps, stages, load,
+                                  [k_free, v_free])
+    else:
+      pipeline.produce(n_steps, stages, load, [k_free, v_free])
+
+  def for_each_item(run):
+    """Persistent grid: program ``sm`` takes work items ``sm, sm +
+    n_programs, ...`` (heads fastest, then query groups, then batch), the
+    ring's step count running on across them.  Returns the total steps."""
+    sm = lax.axis_index("sm")
+    total = prob.num_heads * n_groups * prob.batch
+    n_items = lax.div(total - sm + n_programs - 1, n_programs)
+
+    def body(i, first_step):
+      w = sm + i * n_programs
+      h = lax.rem(w, prob.num_heads)
+      rest = lax.div(w, prob.num_heads)
+      b = lax.div(rest, n_groups)
+      group_start, u_lo, u_hi = item_ranges(b, lax.rem(rest, n_groups))
+      run(b, h, group_start, u_lo, u_hi, first_step)
+      return first_step + (u_hi - u_lo)
+
+    return lax.fori_loop(0, n_items, body, jnp.int32(0))
+
+  @pl.when(wg < cfg.compute_wgs)
+  def _consumer():
+    if cfg.compute_wgs == 2:
+      plgpu.set_max_registers(232, action="increase")
+    if persistent:
+      for_each_item(consume)
+    else:
+      consume(b, h, group_start, u_lo, u_hi, 0)
+
+  @pl.when(wg == cfg.compute_wgs)
+  def _producer():
+    if cfg.compute_wgs == 2:
+      plgpu.set_max_registers(40, action="decrease")
+    if persistent:
+      total_steps = for_each_item(
+          lambda b, h, group_start, u_lo, u_hi, first: produce(
+              b, h, u_lo, u_hi - u_lo, first))
+      pipeline.drain(total_steps, stages, [k_free, v_free])
+    else:
+      produce(b, h, u_lo, n_steps, 0)
+
+
+def _sm_count(x) -> int:
+  """Streaming multiprocessors of the device ``x`` lives on (132 on an
+  H100/H200 SXM when the runtime does not say)."""
+  try:
+    device = next(iter(x.devices())) if hasattr(x, "devices") else None
+  except Exception:  # noqa: BLE001 - tracers have no devices
+    device = None
+  device = device or jax.devices()[0]
+  return int(getattr(device, "core_count", 0) or 132)
 
 
 def _use_schedule(cfg: MosaicConfig) -> bool:
@@ -297,14 +361,24 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
   out_type = [out_struct(q.shape, dtype, q, k, v),
               out_struct((prob.batch, prob.num_heads, prob.q_pad),
                          jnp.float32, q, k, v)]
+  n_groups = prob.q_pad // (cfg.compute_wgs * bq)
+  n_programs = None
+  grid = (prob.num_heads, n_groups, prob.batch)
+  grid_names = ("heads", "q_seq", "batch")
+  if cfg.persistent:
+    # One program per SM; interpreted runs use 2 so that each program
+    # loops over several work items.
+    n_sm = 2 if interpret else _sm_count(q)
+    n_programs = min(n_sm, prob.num_heads * n_groups * prob.batch)
+    grid, grid_names = (n_programs,), ("sm",)
   kernel = functools.partial(_kernel, prob=prob, cfg=cfg, dtype=dtype,
-                             in_place=not interpret)
+                             in_place=not interpret, n_programs=n_programs)
   return plgpu.kernel(
       kernel,
       out_type=out_type,
       scratch_types=scratch,
-      grid=(prob.num_heads, prob.q_pad // (cfg.compute_wgs * bq), prob.batch),
-      grid_names=("heads", "q_seq", "batch"),
+      grid=grid,
+      grid_names=grid_names,
       num_threads=cfg.compute_wgs + 1,
       thread_name="wg",
       interpret=interpret,

@@ -50,6 +50,33 @@ def produce(n_steps, stages: int, load, free_barriers) -> None:
     wait_free(lax.rem(step, stages))
 
 
+def produce_continuing(first_step, n_steps, stages: int, load,
+                       free_barriers) -> None:
+  """Producer side of one work item of a persistent kernel: ring steps
+  ``first_step + [0, n_steps)``, ``load(step, slot)`` with the item's own
+  ``step``.  A slot is reused once the consumers freed it; the ring is
+  drained once at the end (:func:`drain`)."""
+  @pl.loop(0, n_steps)
+  def _(step):
+    ring_step = first_step + step
+    slot = lax.rem(ring_step, stages)
+
+    @pl.when(ring_step >= stages)
+    def _():
+      for barrier in free_barriers:
+        plgpu.barrier_wait(barrier.at[slot])
+
+    load(step, slot)
+
+
+def drain(total_steps, stages: int, free_barriers) -> None:
+  """Observe the consumers' releases of the last ``stages`` ring steps."""
+  @pl.loop(jnp.maximum(total_steps - stages, 0), total_steps)
+  def _(step):
+    for barrier in free_barriers:
+      plgpu.barrier_wait(barrier.at[lax.rem(step, stages)])
+
+
 def acknowledge(ready, free, stages: int):
   """A consumer's ``skip`` for a ring with one ready and one free barrier
   per slot: observe the slot's phase and release it untouched."""
