@@ -4,8 +4,10 @@ On CPU it runs in the Mosaic GPU interpreter with race detection
 (``InterpretGPUParams(detect_races=True)``): TMA, barriers, wgmma, one or
 two consumer warpgroups with the ping-pong schedule barrier.  The ``gpu``
 variants compile it for the H200, including the register-operand ``P V``
-form the interpreter cannot run.  Gradients go through the Triton backward
-kernels (interpret mode on CPU).
+form the interpreter cannot run.  Gradients go through the Hopper dK/dV and
+dQ kernels (padded head_dim <= 128, or with ``bwd_split_dkv``), else the
+Triton backward kernels.  A race the detector reports fails the test
+(the detector only prints; ``_no_races`` reads the output).
 """
 
 import dataclasses
@@ -23,6 +25,14 @@ from jaxflash import masks, mosaic_gpu
 from jaxflash.mosaic_gpu.config import needed_smem_bytes
 
 RACES = plgpu.InterpretGPUParams(detect_races=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_races(capfd):
+  """jax's race detector prints "RACE DETECTED" and carries on: fail on it."""
+  yield
+  out, err = capfd.readouterr()
+  assert "RACE DETECTED" not in out + err, out + err
 ONE_WG = mosaic_gpu.INTERPRET_CONFIG
 TWO_WG = mosaic_gpu.MosaicConfig(block_q=64, block_kv=64, stages=2,
                                  compute_wgs=2, p_in_smem=True,

@@ -213,7 +213,7 @@ def _check_interpreter_threads(config: MosaicConfig) -> None:
   if have < need:
     raise NotImplementedError(
         f"the Mosaic GPU interpreter needs >= {need} host devices for"
-        f" {config.compute_wgs + 1} warpgroups, this process has {have}: set"
+        f" {need - 1} warpgroups, this process has {have}: set"
         " XLA_FLAGS=--xla_force_host_platform_device_count=8 before"
         " importing jax")
 

@@ -168,7 +168,8 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
       acc = plgpu.ACC((bk, bq), jnp.float32)
       s, dp = pl.run_scoped(sdp, *(acc,) * (1 + want_dk))
       lse2 = plgpu.load(lse_ring.at[slot], layout=COL)
-      delta = plgpu.load(delta_ring.at[slot], layout=COL)
+      delta = (plgpu.load(delta_ring.at[slot], layout=COL) if want_dk
+               else None)
       visible = None
       if masked:
         q_idx = t * bq + plgpu.broadcasted_iota(
@@ -232,8 +233,9 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
                               ready.at[slot])
       plgpu.copy_gmem_to_smem(lse2_ref.at[b, h, rows], lse_ring.at[slot],
                               ready.at[slot])
-      plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_ring.at[slot],
-                              ready.at[slot])
+      if want_dk:  # delta enters only dS
+        plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows],
+                                delta_ring.at[slot], ready.at[slot])
 
     pipeline.produce(n_steps, stages, load, [free])
 
@@ -258,7 +260,8 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
       plgpu.SMEM((cfg.bwd_stages, bq), jnp.float32),         # delta ring
       plgpu.Barrier(num_arrivals=1 + ("dk" in parts),
                     num_barriers=n),                         # K (, V) loaded
-      plgpu.Barrier(num_arrivals=4, num_barriers=cfg.bwd_stages),  # slot full
+      plgpu.Barrier(num_arrivals=3 + ("dk" in parts),
+                    num_barriers=cfg.bwd_stages),            # slot full
       plgpu.Barrier(num_arrivals=n, num_barriers=cfg.bwd_stages),  # slot free
   ]
   if cfg.p_in_smem:

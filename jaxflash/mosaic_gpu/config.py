@@ -31,8 +31,9 @@ class MosaicConfig:
       matmuls (FlashAttention-3's ping-pong, arXiv 2407.08608 §3.1).
     persistent: a grid of one program per SM, each looping over work
       items (head, query group, batch) with the K/V ring running on across
-      them, so one item's epilogue overlaps the next one's loads (as
-      tokamax's non-causal default).  Tested; not yet timed on a GPU.
+      them, so one item's epilogue overlaps the next one's K/V loads (as
+      tokamax's non-causal default; the next Q load still waits for the
+      output's copy out of shared memory).  Tested; not yet timed on a GPU.
     bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
       64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
       key rows and streams ``bwd_block_q`` query rows; the dQ kernel gives
@@ -43,10 +44,12 @@ class MosaicConfig:
     bwd_compute_wgs: consumer warpgroups of the backward kernels (1 or 2).
     bwd_split_dkv: compute dV and dK in two passes of the dK/dV kernel,
       each holding one float32 accumulator instead of two (one more
-      ``K Q^T`` per tile pair).  The Hopper backward serves padded
-      head_dim > 128 only with it (two 64 x 256 float32 accumulators do
-      not fit in a warpgroup's registers); without it the gradient runs
-      the Triton kernels there.
+      ``K Q^T`` per tile pair, and Q/dO/LSE streamed twice).  The Hopper
+      backward serves padded head_dim > 128 only with it (two 64 x 256
+      float32 accumulators do not fit in a warpgroup's registers; without
+      it the gradient runs the Triton kernels there), and at head_dim 256
+      only with ``bwd_compute_wgs=1`` (two consumers' K and V exceed
+      shared memory; ``check_supported`` refuses such a config).
   """
 
   block_q: int = 64
@@ -146,8 +149,9 @@ def default_config(device_kind: str | None, head_dim_padded: int
   dims = sorted(int(d) for d in entries)
   pick = next((d for d in dims if d >= head_dim_padded), dims[-1])
   cfg = MosaicConfig(**entries[str(pick)])
-  if cfg.smem_bytes(head_dim_padded) > SMEM_LIMIT:
+  need = needed_smem_bytes(cfg, head_dim_padded)
+  if need > SMEM_LIMIT:
     raise ValueError(
-        f"tuned config {cfg} needs {cfg.smem_bytes(head_dim_padded)} bytes"
-        f" of shared memory at head_dim {head_dim_padded} (> {SMEM_LIMIT})")
+        f"tuned config {cfg} needs {need} bytes of shared memory at"
+        f" head_dim {head_dim_padded} (> {SMEM_LIMIT})")
   return cfg

@@ -1,6 +1,7 @@
 """Hopper forward kernel in Pallas Mosaic GPU (FlashAttention-3 structure).
 
-One program per (query tile group, batch, head).  Warp specialisation
+One program per (head, query tile group, batch), or with ``persistent``
+one per SM looping over those work items.  Warp specialisation
 (arXiv 2407.08608 §3.1): a producer warpgroup streams K and V tiles with
 TMA into a ``stages``-deep shared-memory ring, each slot completing on a
 barrier; ``compute_wgs`` consumer warpgroups each own ``block_q`` query
@@ -254,7 +255,10 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q_start, bq), h])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_start, bq)])
-    plgpu.wait_smem_to_gmem(0)
+    # Persistent: the next item may refill Q/O's buffer once the store has
+    # read it (its GMEM writes finish in the background; the kernel's last
+    # wait is a full one).
+    plgpu.wait_smem_to_gmem(0, wait_read_only=persistent)
 
   def produce(b, h, u_lo, n_steps, first_step):
     """One work item on the producer: its K/V tiles into the ring."""
@@ -299,6 +303,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       plgpu.set_max_registers(232, action="increase")
     if persistent:
       for_each_item(consume)
+      plgpu.wait_smem_to_gmem(0)
     else:
       consume(b, h, group_start, u_lo, u_hi, 0)
 
