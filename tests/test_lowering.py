@@ -74,6 +74,17 @@ def test_lowers_to_triton(fake_gpu, shape, causal, features):
     assert name in text
 
 
+def _mosaic_case(shape):
+  """Abstract inputs and the mask of a (q_len, kv_len, heads, kv_heads,
+  head_dim, causal, window) case, batch 2, bf16."""
+  t, s, h, kh, d, causal, window = shape
+  return (jax.ShapeDtypeStruct((2, t, h, d), jnp.bfloat16),
+          jax.ShapeDtypeStruct((2, s, kh, d), jnp.bfloat16),
+          jax.ShapeDtypeStruct((2, t), jnp.int32),
+          jax.ShapeDtypeStruct((2, s), jnp.int32),
+          MaskSpec(t, s, causal, None, *(window or (None, None))))
+
+
 @pytest.mark.parametrize("segments", [False, True], ids=["", "segments"])
 @pytest.mark.parametrize("cfg", [
     dict(),
@@ -94,13 +105,9 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
   """The Hopper kernel lowers to Mosaic GPU IR for its GPU configurations
   (the interpreter runs only some of them)."""
   from jaxflash import mosaic_gpu
-  t, s, h, kh, d, causal, window = shape
-  q = jax.ShapeDtypeStruct((2, t, h, d), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((2, s, kh, d), jnp.bfloat16)
-  mask = MaskSpec(t, s, causal, None, *(window or (None, None)))
+  d = shape[4]
+  q, kv, seg_q, seg_kv, mask = _mosaic_case(shape)
   config = mosaic_gpu.MosaicConfig(**cfg)
-  seg_q = jax.ShapeDtypeStruct((2, t), jnp.int32)
-  seg_kv = jax.ShapeDtypeStruct((2, s), jnp.int32)
 
   def fwd(q, k, v, sq, skv):
     arrays = MaskArrays(sq, skv) if segments else MaskArrays()
@@ -138,13 +145,9 @@ def test_mosaic_backward_lowers_for_cuda(shape, cfg, segments):
   configurations (registers as wgmma A operands, which the interpreter
   cannot run), and the shared-memory estimate agrees with the compiler."""
   from jaxflash import mosaic_gpu
-  t, s, h, kh, d, causal, window = shape
-  q = jax.ShapeDtypeStruct((2, t, h, d), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((2, s, kh, d), jnp.bfloat16)
-  mask = MaskSpec(t, s, causal, None, *(window or (None, None)))
+  d = shape[4]
+  q, kv, seg_q, seg_kv, mask = _mosaic_case(shape)
   config = mosaic_gpu.MosaicConfig(**cfg)
-  seg_q = jax.ShapeDtypeStruct((2, t), jnp.int32)
-  seg_kv = jax.ShapeDtypeStruct((2, s), jnp.int32)
 
   def loss(q, k, v, sq, skv):
     arrays = MaskArrays(sq, skv) if segments else MaskArrays()

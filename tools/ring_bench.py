@@ -26,7 +26,6 @@ import functools
 import gc
 import json
 import os
-import subprocess
 import sys
 from typing import Any
 
@@ -61,19 +60,6 @@ class Setting:
   config: Any
   samples: int
   min_sample_s: float
-
-
-def _commit() -> str:
-  """JAXFLASH_COMMIT (a copied tree may carry a stale .git), else git."""
-  if os.environ.get("JAXFLASH_COMMIT"):
-    return os.environ["JAXFLASH_COMMIT"]
-  try:
-    here = os.path.dirname(os.path.abspath(__file__))
-    return subprocess.run(["git", "log", "--oneline", "-1"], cwd=here,
-                          capture_output=True, text=True,
-                          check=True).stdout.strip() or "unknown"
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
 
 
 def default_impl(head_dim: int, dtype) -> str:
@@ -286,7 +272,7 @@ def run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
   dev = devices[0]
   meta = dict(jax_version=jax.__version__, device_kind=dev.device_kind,
               platform=dev.platform, device_count=n,
-              date=datetime.date.today().isoformat(), commit=_commit(),
+              date=datetime.date.today().isoformat(), commit=core.commit(),
               impl=impl, batch=s.batch, heads=s.heads, kv_heads=s.kv_heads,
               head_dim=s.head_dim, dtype=s.dtype, samples=s.samples,
               flop_formula=core.FLOP_FORMULA,

@@ -93,9 +93,11 @@ def main(argv=None) -> int:
       print(json.dumps(row), flush=True)
       rows.append(row)
   import jax
+
+  from jaxflash.bench import core
   meta = dict(device_kind=jax.devices()[0].device_kind,
               device_count=jax.device_count(), jax_version=jax.__version__,
-              commit=os.environ.get("JAXFLASH_COMMIT") or _git_commit(),
+              commit=core.commit(),
               date=datetime.date.today().isoformat(), mesh=args.mesh)
   with open(os.path.join(args.out, "gpt-compare.json"), "w") as f:
     json.dump({**meta, "results": rows}, f, indent=1)
@@ -104,15 +106,6 @@ def main(argv=None) -> int:
     f.write(text)
   print(text)
   return 0 if all(r["error"] is None for r in rows) else 1
-
-
-def _git_commit() -> str:
-  try:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
-                          capture_output=True, text=True,
-                          check=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ import argparse
 import datetime
 import gc
 import os
-import subprocess
 import sys
 
 import jax
@@ -27,20 +26,6 @@ from jaxflash.bench import core, impls, report
 # Output-check tolerance, relative to max(1, max|ref|): a few units in the
 # last place of each dtype; a wrong mask or tile shows as errors of 1e-1.
 CHECK_TOL = {"bfloat16": 2**-6, "float16": 2**-8, "float32": 1e-4}
-
-
-def _commit() -> str:
-  # A copy of the tree (e.g. on a remote GPU machine) may carry a stale
-  # .git: JAXFLASH_COMMIT names the commit the tree is at.
-  if os.environ.get("JAXFLASH_COMMIT"):
-    return os.environ["JAXFLASH_COMMIT"]
-  try:
-    here = os.path.dirname(os.path.abspath(__file__))
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
-                          capture_output=True, text=True,
-                          check=True).stdout.strip() or "unknown"
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -223,7 +208,7 @@ def main(argv=None) -> int:
 
   dev = jax.devices()[0]
   meta = dict(jax_version=jax.__version__, device_kind=dev.device_kind,
-              device_count=jax.device_count(), commit=_commit(),
+              device_count=jax.device_count(), commit=core.commit(),
               date=datetime.date.today().isoformat(),
               flop_formula=core.FLOP_FORMULA)
   if args.cpu_smoke:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -177,3 +179,18 @@ def record(shape: Shape, impl: str, mode: str, *, ms=None, peak_bytes=None,
               head_dim=shape.head_dim, causal=shape.causal, dtype=shape.dtype,
               mask=shape.mask, mode=mode, ms=ms, tflops=tflops,
               peak_bytes=peak_bytes, max_abs_err=max_abs_err, error=error)
+
+
+def commit() -> str:
+  """The jaxflash tree's commit.  A copy of the tree (e.g. on a remote GPU
+  machine) may carry a stale .git: ``JAXFLASH_COMMIT`` names the commit the
+  tree is at and wins."""
+  if os.environ.get("JAXFLASH_COMMIT"):
+    return os.environ["JAXFLASH_COMMIT"]
+  try:
+    here = os.path.dirname(os.path.abspath(__file__))
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
+                          capture_output=True, text=True,
+                          check=True).stdout.strip() or "unknown"
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"

@@ -132,16 +132,13 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
   group_start = grp * group_rows
   # Query tiles any consumer of this program needs (per query head).
   u_lo, _, _, u_hi = mask.q_block_range(group_start, group_rows, bq)
-  if range_ref is not None:
-    u_lo = jnp.maximum(u_lo, range_ref[b, 0, grp])
-    u_hi = jnp.maximum(jnp.minimum(u_hi, range_ref[b, 1, grp]), u_lo)
+  u_lo, u_hi = pipeline.narrow_to_segments(u_lo, u_hi, range_ref, b, grp)
   n_tiles = u_hi - u_lo
   n_steps = group_size * n_tiles  # every query head of the group
 
   @pl.when(wg < cfg.bwd_compute_wgs)
   def _consumer():
-    if cfg.bwd_compute_wgs == 2:
-      plgpu.set_max_registers(232, action="increase")
+    pipeline.split_registers(False, cfg.bwd_compute_wgs)
     k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
     a_smem = None if a_smem2 is None else a_smem2.at[wg]
     k_start = group_start + wg * bk
@@ -219,8 +216,7 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
 
   @pl.when(wg == cfg.bwd_compute_wgs)
   def _producer():
-    if cfg.bwd_compute_wgs == 2:
-      plgpu.set_max_registers(40, action="decrease")
+    pipeline.split_registers(True, cfg.bwd_compute_wgs)
 
     def load(step, slot):
       g = lax.div(step, jnp.maximum(n_tiles, 1))
@@ -304,14 +300,11 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
     grp = prob.q_pad // group_rows - 1 - grp
   group_start = grp * group_rows
   u_lo, _, _, u_hi = mask.kv_block_range(group_start, group_rows, bk)
-  if range_ref is not None:
-    u_lo = jnp.maximum(u_lo, range_ref[b, 0, grp])
-    u_hi = jnp.maximum(jnp.minimum(u_hi, range_ref[b, 1, grp]), u_lo)
+  u_lo, u_hi = pipeline.narrow_to_segments(u_lo, u_hi, range_ref, b, grp)
 
   @pl.when(wg < cfg.bwd_compute_wgs)
   def _consumer():
-    if cfg.bwd_compute_wgs == 2:
-      plgpu.set_max_registers(232, action="increase")
+    pipeline.split_registers(False, cfg.bwd_compute_wgs)
     q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
     a_smem = None if a_smem2 is None else a_smem2.at[wg]
     q_start = group_start + wg * bq
@@ -371,8 +364,7 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
 
   @pl.when(wg == cfg.bwd_compute_wgs)
   def _producer():
-    if cfg.bwd_compute_wgs == 2:
-      plgpu.set_max_registers(40, action="decrease")
+    pipeline.split_registers(True, cfg.bwd_compute_wgs)
     kv_head = lax.div(h, jnp.asarray(prob.num_heads // prob.num_kv_heads,
                                      h.dtype))
 

@@ -99,10 +99,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     group_start = group * group_rows
     # Key tiles any consumer of this program needs: the producer loads them.
     u_lo, _, _, u_hi = mask.kv_block_range(group_start, group_rows, bk)
-    if range_ref is not None:
-      # Narrow to the key tiles whose segment ids can match this group's.
-      u_lo = jnp.maximum(u_lo, range_ref[b, 0, group])
-      u_hi = jnp.maximum(jnp.minimum(u_hi, range_ref[b, 1, group]), u_lo)
+    u_lo, u_hi = pipeline.narrow_to_segments(u_lo, u_hi, range_ref, b, group)
     return group_start, u_lo, u_hi
 
   if not persistent:
@@ -299,8 +296,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
 
   @pl.when(wg < cfg.compute_wgs)
   def _consumer():
-    if cfg.compute_wgs == 2:
-      plgpu.set_max_registers(232, action="increase")
+    pipeline.split_registers(False, cfg.compute_wgs)
     if persistent:
       for_each_item(consume)
       plgpu.wait_smem_to_gmem(0)
@@ -309,8 +305,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
 
   @pl.when(wg == cfg.compute_wgs)
   def _producer():
-    if cfg.compute_wgs == 2:
-      plgpu.set_max_registers(40, action="decrease")
+    pipeline.split_registers(True, cfg.compute_wgs)
     if persistent:
       total_steps = for_each_item(
           lambda b, h, group_start, u_lo, u_hi, first: produce(
@@ -320,15 +315,10 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       produce(b, h, u_lo, n_steps, 0)
 
 
-def _sm_count(x) -> int:
-  """Streaming multiprocessors of the device ``x`` lives on (132 on an
-  H100/H200 SXM when the runtime does not say)."""
-  try:
-    device = next(iter(x.devices())) if hasattr(x, "devices") else None
-  except Exception:  # noqa: BLE001 - tracers have no devices
-    device = None
-  device = device or jax.devices()[0]
-  return int(getattr(device, "core_count", 0) or 132)
+def _sm_count() -> int:
+  """Streaming multiprocessors of the default device (132 on an H100/H200
+  SXM when the runtime does not say)."""
+  return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
 def _use_schedule(cfg: MosaicConfig) -> bool:
@@ -373,7 +363,7 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
   if cfg.persistent:
     # One program per SM; interpreted runs use 2 so that each program
     # loops over several work items.
-    n_sm = 2 if interpret else _sm_count(q)
+    n_sm = 2 if interpret else _sm_count()
     n_programs = min(n_sm, prob.num_heads * n_groups * prob.batch)
     grid, grid_names = (n_programs,), ("sm",)
   kernel = functools.partial(_kernel, prob=prob, cfg=cfg, dtype=dtype,

@@ -24,6 +24,27 @@ TILED = dict(transforms=(plgpu.TilingTransform((8, 64)),
                          plgpu.SwizzleTransform(128)))
 
 
+def narrow_to_segments(u_lo, u_hi, range_ref, b, group):
+  """Clip a work item's streamed tile range ``[u_lo, u_hi)`` to the tiles
+  whose segment ids can match its own (``range_ref [B, 2, n_groups]``,
+  from :func:`jaxflash.masks.overlap_range`); unchanged without segments."""
+  if range_ref is None:
+    return u_lo, u_hi
+  u_lo = jnp.maximum(u_lo, range_ref[b, 0, group])
+  u_hi = jnp.maximum(jnp.minimum(u_hi, range_ref[b, 1, group]), u_lo)
+  return u_lo, u_hi
+
+
+def split_registers(is_producer: bool, n_consumers: int) -> None:
+  """With two consumers, move registers from the producer (which only
+  issues TMA copies) to the consumers' float32 accumulators."""
+  if n_consumers == 2:
+    if is_producer:
+      plgpu.set_max_registers(40, action="decrease")
+    else:
+      plgpu.set_max_registers(232, action="increase")
+
+
 def produce(n_steps, stages: int, load, free_barriers) -> None:
   """Producer side: ``load(step, slot)`` for ``step in [0, n_steps)``.
 
