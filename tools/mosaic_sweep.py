@@ -3,6 +3,7 @@ behind jaxflash/mosaic_gpu/tuning.json.
 
     PYTHONPATH=. python3 tools/mosaic_sweep.py [--head-dims 64,128,256]
         [--seqs 4096] [--out DIR] [--bwd]
+        [--variants "persistent=1;bwd_split_dkv=1,bwd_compute_wgs=1"]
 
 Forward tiles, or with ``--bwd`` forward+backward over the backward tiles
 (``bwd_*`` fields); bf16; 16k tokens per call and width 2048 as in
@@ -55,6 +56,39 @@ def bwd_candidates(head_dim):
       yield cfg
 
 
+def parse_variants(text):
+  """``"a=1,b=2;c=0"`` -> [{"a": 1, "b": 2}, {"c": 0}] (ints; 0/1 for
+  booleans are turned into bools by the field's type)."""
+  out = []
+  for part in filter(None, (p.strip() for p in text.split(";"))):
+    kw = {}
+    for item in part.split(","):
+      name, _, val = item.partition("=")
+      field = {f.name: f for f in
+               dataclasses.fields(jaxflash.MosaicConfig)}.get(name.strip())
+      if field is None:
+        raise SystemExit(f"unknown MosaicConfig field {name!r}")
+      val = int(val)
+      kw[field.name] = bool(val) if field.type in (bool, "bool") else val
+    out.append(kw)
+  return out
+
+
+def variant_configs(head_dim, variants):
+  """The tuned default, then the default with each variant's overrides
+  (those over shared memory or refused by the backend are skipped)."""
+  base = jaxflash.mosaic_gpu.default_config("NVIDIA H200", head_dim)
+  yield base
+  for kw in variants:
+    try:
+      cfg = dataclasses.replace(base, **kw)
+    except ValueError as e:
+      print(f"skip {kw}: {e}", flush=True)
+      continue
+    if needed_smem_bytes(cfg, head_dim) <= 227 * 1024:
+      yield cfg
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--head-dims", default="64,128,256")
@@ -63,6 +97,9 @@ def main():
   ap.add_argument("--default-only", action="store_true",
                   help="time only the tuned default config")
   ap.add_argument("--tag", default="", help="suffix of the output file")
+  ap.add_argument("--variants", default="",
+                  help="time the tuned default and these overrides of it"
+                       " (';' between variants, ',' between fields)")
   ap.add_argument("--full", action="store_true",
                   help="also one consumer warpgroup and P through SMEM")
   ap.add_argument("--bwd", action="store_true",
@@ -79,7 +116,9 @@ def main():
         ks = jax.random.split(jax.random.key(0), 3)
         q, k, v = (jax.random.normal(kk, (shape.batch, s, shape.heads, d),
                                      jnp.bfloat16) for kk in ks)
-        if args.default_only:
+        if args.variants:
+          cfgs = list(variant_configs(d, parse_variants(args.variants)))
+        elif args.default_only:
           cfgs = [None]
         elif args.bwd:
           cfgs = [None, *bwd_candidates(d)]
