@@ -157,6 +157,24 @@ def test_config_validation():
   assert mosaic_gpu.default_config("some future GPU", 256).block_q % 64 == 0
 
 
+def test_default_config_rules():
+  """tuning.json's persistent rule: short non-causal calls only (and the
+  d256 backward splits dK/dV with one consumer, the only form that fits)."""
+  dflt = functools.partial(mosaic_gpu.default_config, "NVIDIA H200")
+  assert dflt(128, causal=False, kv_len=1024).persistent
+  assert dflt(128, causal=False, kv_len=2048).persistent
+  assert not dflt(128, causal=False, kv_len=4096).persistent
+  assert not dflt(128, causal=True, kv_len=1024).persistent
+  assert not dflt(128).persistent  # no call to judge: the plain grid
+  assert dflt(64, causal=True, kv_len=1024).persistent
+  d256 = dflt(256, causal=True, kv_len=8192)
+  assert d256.bwd_split_dkv and d256.bwd_compute_wgs == 1
+  assert not dflt(128).bwd_split_dkv
+  # Unlisted devices keep the plain entries.
+  assert not mosaic_gpu.default_config("some future GPU", 128,
+                                       kv_len=1024).persistent
+
+
 def test_dispatch_refuses_what_it_cannot_serve():
   q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
   attend = functools.partial(jaxflash.flash_attention,

@@ -88,34 +88,46 @@ def _reference_out(shape, q, k, v, mask_kw):
   return f(_spot(q, shape), _spot(k, shape, True), _spot(v, shape, True))
 
 
-def prepare(name: str, shape: core.Shape, mode: str, arrays, ref_out,
-            mask_kw, *, interpret: bool):
-  """Builds and checks one implementation: ``(fn, args, max_abs_err)``, or
-  a result row when it fails or answers wrongly."""
+def prepare(name: str, shape: core.Shape, modes, arrays, ref_out,
+            mask_kw, *, interpret: bool) -> dict:
+  """Builds and checks one implementation in every mode: ``mode -> (fn,
+  args, max_abs_err, peak_bytes)``, or ``mode -> row`` where it fails or
+  answers wrongly.  Each (implementation, mode) is compiled once, ahead of
+  time; that executable is timed and its memory analysis gives the peak."""
   q, k, v, do = arrays
   try:
     attend = impls.IMPLS[name](shape, mask_kw, interpret)
-    fwd = jax.jit(attend)
-    out = fwd(q, k, v)
-    got = np.asarray(_spot(out, shape), np.float32)
+    fwd = jax.jit(attend).lower(q, k, v).compile()
+    got = np.asarray(_spot(fwd(q, k, v), shape), np.float32)
     want = np.asarray(ref_out, np.float32)
     err = float(np.max(np.abs(got - want))) if got.size else 0.0
     tol = CHECK_TOL[shape.dtype] * max(1.0, float(np.max(np.abs(want))))
     if not np.isfinite(err) or err > tol:
-      return core.record(shape, name, mode, max_abs_err=err,
-                         error=f"wrong result: max_abs_err {err:.3g} >"
-                               f" tolerance {tol:.3g}")
-    if mode == "fwd":
-      return fwd, (q, k, v), err
-
-    def fwd_bwd(q, k, v, do):
-      _, vjp = jax.vjp(attend, q, k, v)
-      return vjp(do)
-    fn, args = jax.jit(fwd_bwd), (q, k, v, do)
-    jax.block_until_ready(fn(*args))  # compile here: errors are this row's
-    return fn, args, err
+      return {mode: core.record(shape, name, mode, max_abs_err=err,
+                                error=f"wrong result: max_abs_err {err:.3g}"
+                                      f" > tolerance {tol:.3g}")
+              for mode in modes}
   except Exception as e:  # noqa: BLE001 - every failure is a reported row
-    return core.record(shape, name, mode, error=_message(e))
+    return {mode: core.record(shape, name, mode, error=_message(e))
+            for mode in modes}
+
+  def fwd_bwd(q, k, v, do):
+    _, vjp = jax.vjp(attend, q, k, v)
+    return vjp(do)
+
+  out = {}
+  for mode in modes:
+    try:
+      if mode == "fwd":
+        fn, args = fwd, (q, k, v)
+      else:
+        args = (q, k, v, do)
+        fn = jax.jit(fwd_bwd).lower(*args).compile()
+      jax.block_until_ready(fn(*args))  # run errors are this row's
+      out[mode] = (fn, args, err, core.compiled_bytes(fn))
+    except Exception as e:  # noqa: BLE001 - every failure is a reported row
+      out[mode] = core.record(shape, name, mode, error=_message(e))
+  return out
 
 
 def _message(e: Exception) -> str:
@@ -131,28 +143,28 @@ def run_shape(shape: core.Shape, names, modes, *, interpret: bool,
   ref_out = _reference_out(shape, *arrays[:3], mask_kw)
   rows, calls, errs = {}, {}, {}
   for name in names:
-    for mode in modes:
-      if progress is not None:
-        progress.set_description(
-            f"d{shape.head_dim} s{shape.seq_q}"
-            f"{' causal' if shape.causal else ''} {name} {mode}")
-      got = prepare(name, shape, mode, arrays, ref_out, mask_kw,
-                    interpret=interpret)
-      if isinstance(got, dict):
-        rows[name, mode] = got
+    if progress is not None:
+      progress.set_description(
+          f"d{shape.head_dim} s{shape.seq_q}"
+          f"{' causal' if shape.causal else ''} {name}")
+    got = prepare(name, shape, modes, arrays, ref_out, mask_kw,
+                  interpret=interpret)
+    for mode, res in got.items():
+      if isinstance(res, dict):
+        rows[name, mode] = res
       else:
-        calls[name, mode], errs[name, mode] = got[:2], got[2]
-      if progress is not None:
-        progress.update()
+        calls[name, mode], errs[name, mode] = res[:2], res[2:]
+    if progress is not None:
+      progress.update(len(modes))
   times = core.time_interleaved(calls, samples=samples)
   for key, secs in times.items():
     name, mode = key
     if isinstance(secs, Exception):
       rows[key] = core.record(shape, name, mode, error=_message(secs))
     else:
-      rows[key] = core.record(
-          shape, name, mode, ms=secs * 1e3, max_abs_err=errs[key],
-          peak_bytes=core.compiled_bytes(*calls[key][:1], *calls[key][1]))
+      err, peak = errs[key]
+      rows[key] = core.record(shape, name, mode, ms=secs * 1e3,
+                              max_abs_err=err, peak_bytes=peak)
   return [rows[name, mode] for name in names for mode in modes]
 
 
@@ -193,19 +205,6 @@ def main(argv=None) -> int:
   modes = list(core.MODES) if args.mode == "both" else [args.mode]
   interpret = not on_gpu
 
-  from tqdm import tqdm
-  results = []
-  bar = tqdm(total=len(shapes) * len(names) * len(modes), unit="run",
-             file=sys.stderr)
-  for shape in shapes:
-    rows = run_shape(shape, names, modes, interpret=interpret,
-                     samples=args.samples, progress=bar)
-    for row in rows:  # one line per row as it lands: a cut run still reports
-      bar.write(report.row_line(row), file=sys.stderr)
-    results += rows
-    gc.collect()
-  bar.close()
-
   dev = jax.devices()[0]
   meta = dict(jax_version=jax.__version__, device_kind=dev.device_kind,
               device_count=jax.device_count(), commit=core.commit(),
@@ -218,6 +217,23 @@ def main(argv=None) -> int:
   stem = args.name or "{}-{}".format(
       dev.device_kind.lower().replace(" ", "-"), meta["date"])
   base = os.path.join(args.out, stem)
+
+  from tqdm import tqdm
+  results = []
+  bar = tqdm(total=len(shapes) * len(names) * len(modes), unit="run",
+             file=sys.stderr)
+  for shape in shapes:
+    rows = run_shape(shape, names, modes, interpret=interpret,
+                     samples=args.samples, progress=bar)
+    for row in rows:  # one line per row as it lands: a cut run still reports
+      bar.write(report.row_line(row), file=sys.stderr)
+    results += rows
+    # The JSON so far after every shape: a run stopped by a time limit keeps
+    # what it measured (marked partial until the grid is done).
+    report.write_json(base + ".json", {**meta, "partial": True}, results)
+    gc.collect()
+  bar.close()
+
   report.write_json(base + ".json", meta, results)
   with open(base + ".md", "w") as f:
     f.write(report.markdown(meta, results))

@@ -157,11 +157,12 @@ def time_interleaved(calls: dict, *, min_sample_s: float = 0.02,
   return out
 
 
-def compiled_bytes(fn: Callable, *args) -> int | None:
+def compiled_bytes(compiled) -> int | None:
   """Device memory one call needs: arguments + outputs + temporaries, from
-  XLA's memory analysis of the compiled function (None if unavailable)."""
+  XLA's memory analysis of a compiled executable (``jax.stages.Compiled``;
+  None where the backend has no analysis)."""
   try:
-    m = jax.jit(fn).lower(*args).compile().memory_analysis()
+    m = compiled.memory_analysis()
     return int(m.argument_size_in_bytes + m.output_size_in_bytes
                + m.temp_size_in_bytes - m.alias_size_in_bytes)
   except Exception:  # noqa: BLE001 - backends without the analysis

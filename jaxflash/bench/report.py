@@ -120,6 +120,9 @@ def merge(paths: list[str]) -> tuple[dict, list[dict]]:
       raise ValueError(f"cannot merge runs with different {key}: {values}")
   meta = dict(metas[0])
   meta["date"] = max(m["date"] for m in metas)
+  meta.pop("partial", None)
+  if any(m.get("partial") for m in metas):
+    meta["partial"] = True
   return meta, results
 
 

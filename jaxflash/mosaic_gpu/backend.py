@@ -61,14 +61,15 @@ def _interpret_params(interpret):
 
 
 def _resolve_config(config: MosaicConfig | None, interpret,
-                    dp: int) -> MosaicConfig:
+                    dp: int, mask: MaskSpec) -> MosaicConfig:
   """The caller's config, else the interpretable one or the tuned default
-  for this device kind and padded head_dim."""
+  for this device kind, padded head_dim and call."""
   if config is not None:
     return config
   if interpret:
     return INTERPRET_CONFIG
-  return default_config(jax.devices()[0].device_kind, dp)
+  return default_config(jax.devices()[0].device_kind, dp,
+                        causal=mask.causal, kv_len=mask.kv_len)
 
 
 def _plan(q, k, mask: MaskSpec, softmax_scale: float,
@@ -78,7 +79,7 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
   B, T, H, D = q.shape
   S, K = k.shape[1], k.shape[2]
   dp = _head_dim_padded(D)
-  config = _resolve_config(config, interpret, dp)
+  config = _resolve_config(config, interpret, dp, mask)
   prob = fwd_lib.Problem(
       mask=mask, softmax_scale=float(softmax_scale), batch=B, num_heads=H,
       num_kv_heads=K, q_pad=round_up(T, config.compute_wgs * config.block_q),
@@ -156,7 +157,7 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
   B, T, H, D = q.shape
   S, K = k.shape[1], k.shape[2]
   dp = _head_dim_padded(D)
-  config = _resolve_config(config, interpret, dp)
+  config = _resolve_config(config, interpret, dp, mask)
   if dp > MAX_BWD_HEAD_DIM and not config.bwd_split_dkv:
     return triton_backend.backward(
         q, k, v, arrays, out, lse, dout, dlse, mask=mask,

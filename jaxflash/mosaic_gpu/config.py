@@ -33,7 +33,10 @@ class MosaicConfig:
       items (head, query group, batch) with the K/V ring running on across
       them, so one item's epilogue overlaps the next one's K/V loads (as
       tokamax's non-causal default; the next Q load still waits for the
-      output's copy out of shared memory).  Tested; not yet timed on a GPU.
+      output's copy out of shared memory).  The tuned defaults turn it on
+      for short non-causal calls (``persistent_max_kv`` in tuning.json):
+      +7-11% at 1024 keys on the H200, neutral at 4096, and slower on
+      causal calls at head_dim >= 128.
     bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
       64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
       key rows and streams ``bwd_block_q`` query rows; the dQ kernel gives
@@ -49,7 +52,9 @@ class MosaicConfig:
       float32 accumulators do not fit in a warpgroup's registers; without
       it the gradient runs the Triton kernels there), and at head_dim 256
       only with ``bwd_compute_wgs=1`` (two consumers' K and V exceed
-      shared memory; ``check_supported`` refuses such a config).
+      shared memory; ``check_supported`` refuses such a config).  The
+      H200 default at head_dim 256 (fwd+bwd twice as fast as the Triton
+      backward there).
   """
 
   block_q: int = 64
@@ -140,15 +145,28 @@ def _tuning() -> dict:
     return json.load(f)
 
 
-def default_config(device_kind: str | None, head_dim_padded: int
+def default_config(device_kind: str | None, head_dim_padded: int, *,
+                   causal: bool = False, kv_len: int | None = None
                    ) -> MosaicConfig:
   """The tuned entry for this device kind and head_dim (nearest larger
-  head_dim; the ``default`` kind when the device is not listed)."""
+  head_dim; the ``default`` kind when the device is not listed).
+
+  An entry's ``persistent_max_kv`` rule turns on the persistent forward
+  for calls with at most that many keys (per causal setting): measured on
+  the H200, it pays where the key loop is short and the prologue and
+  epilogue it overlaps are a large share of a program, and loses on
+  causal calls at head_dim >= 128 (their longest-first order is lost).
+  """
   table = _tuning()["devices"]
   entries = table.get(device_kind or "", table["default"])
   dims = sorted(int(d) for d in entries)
   pick = next((d for d in dims if d >= head_dim_padded), dims[-1])
-  cfg = MosaicConfig(**entries[str(pick)])
+  fields = dict(entries[str(pick)])
+  rule = fields.pop("persistent_max_kv", {})
+  limit = rule.get("causal" if causal else "noncausal")
+  if kv_len is not None and limit is not None and kv_len <= limit:
+    fields["persistent"] = True
+  cfg = MosaicConfig(**fields)
   need = needed_smem_bytes(cfg, head_dim_padded)
   if need > SMEM_LIMIT:
     raise ValueError(
