@@ -118,6 +118,8 @@ def merge(paths: list[str]) -> tuple[dict, list[dict]]:
     values = sorted({str(m.get(key)) for m in metas})
     if len(values) > 1:
       raise ValueError(f"cannot merge runs with different {key}: {values}")
+  # Grid order (head_dim, seq, causal), each run's order kept within.
+  results.sort(key=lambda r: (r["head_dim"], r["seq_q"], r["causal"]))
   meta = dict(metas[0])
   meta["date"] = max(m["date"] for m in metas)
   meta.pop("partial", None)
@@ -159,6 +161,11 @@ def plot(path: str, meta: dict, results: list[dict]) -> bool:
   nrow = math.ceil(len(panels) / ncol)
   fig, axes = plt.subplots(nrow, ncol, figsize=(4 * ncol, 3.2 * nrow),
                            squeeze=False)
+  # One colour per implementation across every panel (panels hold
+  # different subsets when a grid was split across runs).
+  impls = sorted({r["impl"] for r in results})
+  cmap = plt.get_cmap("tab10")
+  color = {impl: cmap(i % 10) for i, impl in enumerate(impls)}
   for ax, (mode, d, causal) in zip(axes.flat, panels):
     series = defaultdict(list)
     for r in results:
@@ -168,7 +175,8 @@ def plot(path: str, meta: dict, results: list[dict]) -> bool:
     for impl, pts in sorted(series.items()):
       pts.sort()
       style = "-o" if impl.startswith("jaxflash") else "--."
-      ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=impl)
+      ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=impl,
+              color=color[impl])
     ax.set_xscale("log", base=2)
     ax.set_title(f"{mode}, head_dim {d}, {'causal' if causal else 'full'}",
                  fontsize=9)
@@ -184,6 +192,8 @@ def plot(path: str, meta: dict, results: list[dict]) -> bool:
       if ll not in labels:
         handles.append(hh)
         labels.append(ll)
+  order = sorted(range(len(labels)), key=lambda i: labels[i])
+  handles, labels = [handles[i] for i in order], [labels[i] for i in order]
   fig.legend(handles, labels, loc="lower center", ncol=min(7, len(labels)),
              fontsize=8)
   fig.suptitle(f"{meta['device_kind']} — {meta['date']} — {meta['commit']}",
