@@ -132,7 +132,10 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
     dict(compute_wgs=1, schedule_barrier=False),
     dict(bwd_stages=3, bwd_block_kv=128),
     dict(bwd_split_dkv=True, bwd_compute_wgs=1),
-], ids=["default", "p-in-smem", "one-wg", "deep", "split"])
+    dict(bwd_atomic_dq=True),
+    dict(bwd_atomic_dq=True, p_in_smem=True, bwd_compute_wgs=1),
+], ids=["default", "p-in-smem", "one-wg", "deep", "split", "atomic-dq",
+        "atomic-dq-p-in-smem-one-wg"])
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),
@@ -166,6 +169,7 @@ def test_mosaic_backward_lowers_for_cuda(shape, cfg, segments):
       lower()
   else:
     # Mosaic GPU kernels only: the forward, dQ and dK/dV (dV and dK as two
-    # passes when split).
+    # passes when split; no dQ kernel with atomic dQ).
     kernels = re.findall(r"custom_call @(\w+)", lower())
-    assert kernels == ["mosaic_gpu_v2"] * (3 + config.bwd_split_dkv), kernels
+    n = 3 + config.bwd_split_dkv - config.bwd_atomic_dq
+    assert kernels == ["mosaic_gpu_v2"] * n, kernels

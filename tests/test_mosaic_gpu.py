@@ -116,6 +116,10 @@ GPU_CONFIGS = {
     "bwd-split": mosaic_gpu.MosaicConfig(bwd_split_dkv=True,
                                          bwd_compute_wgs=1),
     "persistent": mosaic_gpu.MosaicConfig(persistent=True),
+    # dQ by TMA reduce-add from the dK/dV kernel (no interpreter support).
+    "atomic-dq": mosaic_gpu.MosaicConfig(bwd_atomic_dq=True),
+    "atomic-dq-one-wg": mosaic_gpu.MosaicConfig(
+        bwd_atomic_dq=True, bwd_compute_wgs=1, bwd_block_kv=128),
 }
 
 
@@ -173,6 +177,40 @@ def test_default_config_rules():
   # Unlisted devices keep the plain entries.
   assert not mosaic_gpu.default_config("some future GPU", 128,
                                        kv_len=1024).persistent
+
+
+def test_atomic_dq_needs_one_pass_and_a_gpu():
+  with pytest.raises(ValueError, match="bwd_split_dkv=True"):
+    mosaic_gpu.MosaicConfig(bwd_atomic_dq=True, bwd_split_dkv=True)
+  q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="no TMA reduce-add"):
+    jaxflash.flash_attention(
+        q, q, q, implementation="mosaic_gpu", interpret=True,
+        config=dataclasses.replace(ONE_WG, bwd_atomic_dq=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_atomic_dq_matches_deterministic(causal):
+  """The TMA reduce-add dQ agrees with the two-kernel dQ to float32
+  summation-order noise (dK and dV come from the same kernel code)."""
+  args = numerics.random_inputs(jax.random.key(3), batch=2, q_len=1000,
+                                kv_len=1000, heads=8, kv_heads=2,
+                                head_dim=128, dtype=jnp.bfloat16)[:3]
+
+  def grads(cfg):
+    loss = lambda q, k, v: jaxflash.flash_attention(
+        q, k, v, causal=causal, implementation="mosaic_gpu",
+        config=cfg).astype(jnp.float32).sum()
+    return jax.jit(jax.grad(loss, (0, 1, 2)))(*args)
+
+  base = mosaic_gpu.MosaicConfig()
+  want = grads(base)
+  got = grads(dataclasses.replace(base, bwd_atomic_dq=True))
+  for name, g, w in zip("qkv", got, want):
+    scale = float(jnp.max(jnp.abs(w.astype(jnp.float32))))
+    err = numerics.max_abs_diff(g, w)
+    assert err <= 2 ** -7 * scale, (name, err, scale)
 
 
 def test_dispatch_refuses_what_it_cannot_serve():

@@ -86,12 +86,6 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default=os.environ.get("OUT", "out/gpt-compare"))
   args = ap.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
-  rows = []
-  for preset in args.presets.split(","):
-    for attention in args.attention.split(","):
-      row = run_one(preset, attention, args)
-      print(json.dumps(row), flush=True)
-      rows.append(row)
   import jax
 
   from jaxflash.bench import core
@@ -99,11 +93,19 @@ def main(argv=None) -> int:
               device_count=jax.device_count(), jax_version=jax.__version__,
               commit=core.commit(),
               date=datetime.date.today().isoformat(), mesh=args.mesh)
-  with open(os.path.join(args.out, "gpt-compare.json"), "w") as f:
-    json.dump({**meta, "results": rows}, f, indent=1)
-  text = markdown(meta, rows)
-  with open(os.path.join(args.out, "gpt-compare.md"), "w") as f:
-    f.write(text)
+  rows = []
+  for preset in args.presets.split(","):
+    for attention in args.attention.split(","):
+      row = run_one(preset, attention, args)
+      print(json.dumps(row), flush=True)
+      rows.append(row)
+      # Written after every row: a run stopped by a time limit keeps what
+      # it measured.
+      with open(os.path.join(args.out, "gpt-compare.json"), "w") as f:
+        json.dump({**meta, "results": rows}, f, indent=1)
+      text = markdown(meta, rows)
+      with open(os.path.join(args.out, "gpt-compare.md"), "w") as f:
+        f.write(text)
   print(text)
   return 0 if all(r["error"] is None for r in rows) else 1
 

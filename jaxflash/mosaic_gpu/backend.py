@@ -193,10 +193,17 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
     seg_dkv = (q_seg, kv_seg, _group_range(
         kv_seg, n * config.bwd_block_kv, q_seg, config.bwd_block_q))
   params = _interpret_params(interpret)
-  dq = bwd_lib.dq(qp, kp, vp, dop, lse2, delta, seg_dq, prob=prob,
-                  cfg=config, interpret=params)
   dkv = functools.partial(bwd_lib.dkv, qp, kp, vp, dop, lse2, delta, seg_dkv,
                           prob=prob, cfg=config, interpret=params)
+  if config.bwd_atomic_dq:
+    # dQ is summed over key tiles by TMA reduce-adds from the dK/dV kernel
+    # into this zeroed float32 buffer (the kernel writes it in place).
+    dq_acc = jax.new_ref(jnp.zeros(qp.shape, jnp.float32))
+    dk, dv = dkv(parts=("dk", "dv"), dq_acc=dq_acc)
+    dq = (dq_acc[...] * prob.softmax_scale).astype(q.dtype)
+    return dq[:, :T, :, :D], dk[:, :S, :, :D], dv[:, :S, :, :D]
+  dq = bwd_lib.dq(qp, kp, vp, dop, lse2, delta, seg_dq, prob=prob,
+                  cfg=config, interpret=params)
   if config.bwd_split_dkv:
     (dv,), (dk,) = dkv(parts=("dv",)), dkv(parts=("dk",))
   else:
@@ -250,6 +257,10 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
           f"{config} needs {need} bytes of shared memory at head_dim {dp}"
           f" (limit {SMEM_LIMIT})")
   if interpret:
+    if config is not None and config.bwd_atomic_dq:
+      raise NotImplementedError(
+          "bwd_atomic_dq=True needs a GPU: the Mosaic GPU interpreter has"
+          " no TMA reduce-add")
     return
   require_cuda("mosaic_gpu", "an sm90 GPU (compute capability 9.x, Hopper)",
                lambda cc: cc.startswith("9"),

@@ -27,6 +27,12 @@ tanh(x / cap)``).  Tiles follow the forward's rule: fully masked tiles are
 skipped, fully visible ones take no per-element mask
 (:meth:`jaxflash.masks.MaskSpec.q_block_range` / ``kv_block_range``).
 
+With ``MosaicConfig.bwd_atomic_dq`` the dQ kernel is not run: the dK/dV
+kernel also computes each tile pair's ``dQ_t = dS K`` (``dS^T`` staged in
+shared memory is the transposed A operand) and adds it into a zeroed
+float32 buffer in global memory with a TMA reduce-add, as FlashAttention-3
+does (5 matmuls per tile pair instead of 7; not bitwise reproducible).
+
 ``dV``, ``dK`` and ``dQ`` accumulate in long-lived ``plgpu.ACC`` registers
 across the loop; ``P`` and ``dS`` feed the second matmuls from registers on
 the GPU, or through shared memory with ``p_in_smem`` (the form the Mosaic
@@ -49,6 +55,9 @@ from jaxflash.mosaic_gpu.forward import Problem
 from jaxflash.triton.common import out_struct
 
 LOG2E = math.log2(math.e)
+# float32 tiles: 32 elements are one 128-byte swizzled row.
+TILED_F32 = dict(transforms=(plgpu.TilingTransform((8, 32)),
+                             plgpu.SwizzleTransform(128)))
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
@@ -106,21 +115,51 @@ def _a_operand(value, a_smem, dtype):
   return a_smem
 
 
+def _dk_and_atomic_dq(ds, ds_smem, dq_smem, q_t, dk_acc, k_smem, dq_dst, *,
+                      dtype, prob: Problem):
+  """``dK += dS^T Q`` and ``dQ[tile] += dS K`` (bwd_atomic_dq).
+
+  ``ds`` is ``dS^T`` (key rows x query columns) in registers; staged in
+  shared memory it is the A operand of both matmuls, transposed for dQ.
+  The float32 ``dS K`` goes through ``dq_smem`` to a TMA reduce-add into
+  ``dq_dst``; before ``dq_smem`` is rewritten, the previous tile's
+  reduction must have finished reading it.
+  """
+  ds_smem[...] = ds.astype(dtype)
+  plgpu.commit_smem()
+  plgpu.wgmma(dk_acc, ds_smem, q_t)  # dK += dS^T Q
+
+  def dq_tile(acc):
+    plgpu.wgmma(acc, ds_smem.T, k_smem)  # dS K
+    return acc[...]
+
+  dq_t = pl.run_scoped(dq_tile, plgpu.ACC(
+      (ds_smem.shape[1], prob.head_dim_padded), jnp.float32))
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  dq_smem[...] = dq_t
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(dq_smem, dq_dst, reduction_op="add")
+
+
 # -- dK / dV ------------------------------------------------------------------
 
 def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
-                parts: tuple[str, ...]):
+                parts: tuple[str, ...], atomic_dq: bool):
   if prob.has_segments:
     (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, qseg_ref, kvseg_ref,
      range_ref, *refs) = refs
   else:
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs = refs
     qseg_ref = kvseg_ref = range_ref = None
+  dq_acc_ref = refs.pop(0) if atomic_dq else None  # float32, zeroed
   out_refs = dict(zip(parts, refs[:len(parts)]))
   (k_smem2, v_smem2, q_ring, do_ring, lse_ring, delta_ring, kv_ready, ready,
    free, *extra) = refs[len(parts):]
   want_dk, want_dv = "dk" in parts, "dv" in parts
-  a_smem2 = extra[0] if cfg.p_in_smem else None
+  a_smem2 = extra.pop(0) if cfg.p_in_smem else None
+  if atomic_dq:
+    ds_smem2 = a_smem2 if a_smem2 is not None else extra.pop(0)
+    dq_smem2 = extra.pop(0)
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
   group_rows = cfg.bwd_compute_wgs * bk
   group_size = prob.num_heads // prob.num_kv_heads
@@ -141,6 +180,8 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     pipeline.split_registers(False, cfg.bwd_compute_wgs)
     k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
     a_smem = None if a_smem2 is None else a_smem2.at[wg]
+    if atomic_dq:
+      ds_smem, dq_smem = ds_smem2.at[wg], dq_smem2.at[wg]
     k_start = group_start + wg * bk
     rows = (b, pl.ds(k_start, bk), kh)
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[wg])
@@ -150,7 +191,7 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     k_idx = k_start + plgpu.broadcasted_iota(
         jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
 
-    def compute(step, t, carry, *, masked: bool, accs):
+    def compute(step, t, carry, *, masked: bool, accs, g):
       slot = lax.rem(step, stages)
       plgpu.barrier_wait(ready.at[slot])
       q_t, do_t = q_ring.at[slot], do_ring.at[slot]
@@ -179,7 +220,13 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
         plgpu.wgmma(accs["dv"], _a_operand(p, a_smem, dtype), do_t)
         if a_smem is not None and want_dk:
           plgpu.wgmma_wait(0)  # the staging buffer is reused for dS^T
-      if want_dk:  # dK += dS^T Q
+      if atomic_dq:
+        plgpu.wgmma_wait(0)  # P's staging buffer is reused for dS^T
+        _dk_and_atomic_dq(ds, ds_smem, dq_smem, q_t, accs["dk"], k_smem,
+                          dq_acc_ref.at[b, pl.ds(t * bq, bq),
+                                        kh * group_size + g],
+                          dtype=dtype, prob=prob)
+      elif want_dk:  # dK += dS^T Q
         plgpu.wgmma(accs["dk"], _a_operand(ds, a_smem, dtype), q_t)
       plgpu.wgmma_wait(0)
       plgpu.barrier_arrive(free.at[slot])
@@ -196,7 +243,7 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
       def _(g):
         pipeline.tile_loop(
             u_lo, u_hi, own, first_step=g * n_tiles,
-            compute=functools.partial(compute, accs=accs),
+            compute=functools.partial(compute, accs=accs, g=g),
             skip=skip, element_mask_everywhere=range_ref is not None)
       return tuple(a[...] for a in acc_refs)
 
@@ -237,12 +284,17 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
 
 
 def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
-        cfg: MosaicConfig, parts=("dk", "dv"), interpret=None):
+        cfg: MosaicConfig, parts=("dk", "dv"), dq_acc=None, interpret=None):
   """``parts`` of ``(dk, dv)``, padded like ``k``; q/do ``[B, Tp, H, Dp]``,
   lse2/delta ``[B, H, Tp]`` float32, ``segments = (q_seg, kv_seg,
   kv_group_range)``.  ``parts=("dv",)`` and ``("dk",)`` split the work
   into two passes, each holding one float32 accumulator (head_dim > 128,
-  where two do not fit in a warpgroup's registers)."""
+  where two do not fit in a warpgroup's registers).  ``dq_acc``: a
+  zeroed float32 ``jax.Ref`` shaped like ``q``, into which the kernel
+  adds ``dS K`` (unscaled; ``bwd_atomic_dq``)."""
+  atomic_dq = dq_acc is not None
+  if atomic_dq and tuple(parts) != ("dk", "dv"):
+    raise ValueError(f"dq_acc needs parts=('dk', 'dv'), got {parts}")
   dtype = q.dtype
   dp = prob.head_dim_padded
   bq, bk, n = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_compute_wgs
@@ -260,12 +312,14 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
                     num_barriers=cfg.bwd_stages),            # slot full
       plgpu.Barrier(num_arrivals=n, num_barriers=cfg.bwd_stages),  # slot free
   ]
-  if cfg.p_in_smem:
+  if cfg.p_in_smem or atomic_dq:  # P (and dS^T) staged for wgmma
     scratch.append(plgpu.SMEM((n, bk, bq), dtype, **tiled))
+  if atomic_dq:  # one float32 dS K tile per consumer
+    scratch.append(plgpu.SMEM((n, bq, dp), jnp.float32, **TILED_F32))
   out_type = [out_struct(k.shape, dtype, q, k, v) for _ in parts]
   return plgpu.kernel(
       functools.partial(_dkv_kernel, prob=prob, cfg=cfg, dtype=dtype,
-                        parts=tuple(parts)),
+                        parts=tuple(parts), atomic_dq=atomic_dq),
       out_type=out_type,
       scratch_types=scratch,
       grid=(prob.num_kv_heads, prob.kv_pad // (n * bk), prob.batch),
@@ -274,7 +328,8 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
       thread_name="wg",
       interpret=interpret,
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(q, k, v, do, lse2, delta, *(segments or ()))
+  )(q, k, v, do, lse2, delta, *(segments or ()),
+    *((dq_acc,) if atomic_dq else ()))
 
 
 # -- dQ -----------------------------------------------------------------------

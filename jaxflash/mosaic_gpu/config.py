@@ -55,6 +55,17 @@ class MosaicConfig:
       shared memory; ``check_supported`` refuses such a config).  The
       H200 default at head_dim 256 (fwd+bwd twice as fast as the Triton
       backward there).
+    bwd_atomic_dq: accumulate dQ in the dK/dV kernel instead of a dQ
+      kernel: each tile's ``dS K`` (float32, through shared memory) is
+      added into a zeroed float32 buffer in global memory by a TMA
+      reduce-add (``cp.reduce.async.bulk``), FlashAttention-3's scheme.
+      5 matmuls per tile pair instead of 7 (the dQ kernel recomputes
+      ``S`` and ``dP``), but the order of the float32 additions varies
+      from run to run, so gradients are not bitwise reproducible; off by
+      default (the two-kernel form is).  Needs dK and dV in one pass
+      (padded head_dim <= 128, ``bwd_split_dkv=False``) and a GPU (the
+      Mosaic GPU interpreter has no TMA reduction).  Lowering is tested
+      on CPU; not yet run on a GPU.
   """
 
   block_q: int = 64
@@ -69,6 +80,7 @@ class MosaicConfig:
   bwd_stages: int = 2
   bwd_compute_wgs: int = 2
   bwd_split_dkv: bool = False
+  bwd_atomic_dq: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
@@ -82,6 +94,10 @@ class MosaicConfig:
     for name in ("compute_wgs", "bwd_compute_wgs"):
       if getattr(self, name) not in (1, 2):
         raise ValueError(f"{name}={getattr(self, name)!r} must be 1 or 2")
+    if self.bwd_atomic_dq and self.bwd_split_dkv:
+      raise ValueError(
+          "bwd_atomic_dq=True needs dK and dV in one pass of the dK/dV"
+          " kernel (it reuses that pass's dS), got bwd_split_dkv=True")
 
   def smem_bytes(self, head_dim_padded: int, itemsize: int = 2) -> int:
     """Shared memory the forward kernel allocates."""
@@ -100,10 +116,18 @@ class MosaicConfig:
     dkv = (2 * n * bk * head_dim_padded * itemsize
            + self.bwd_stages * (2 * bq * head_dim_padded * itemsize + 8 * bq)
            + a_op)
+    dkv_buffers = 6 + self.p_in_smem
+    if self.bwd_atomic_dq:
+      # dS^T staged per consumer (the dQ matmul's transposed A operand)
+      # unless P's buffer exists, and one float32 dQ tile per consumer.
+      dkv += (0 if self.p_in_smem else n * bq * bk * itemsize)
+      dkv += n * bq * head_dim_padded * 4
+      dkv_buffers += 1 + (not self.p_in_smem)
+      return dkv + _reserved(dkv_buffers)
     # dQ: Q, dO held per consumer; K, V streamed.
     dq = (2 * n * bq * head_dim_padded * itemsize
           + self.bwd_stages * 2 * bk * head_dim_padded * itemsize + a_op)
-    return max(dkv + _reserved(6 + self.p_in_smem),
+    return max(dkv + _reserved(dkv_buffers),
                dq + _reserved(4 + self.p_in_smem))
 
 
