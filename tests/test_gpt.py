@@ -170,6 +170,17 @@ def test_pmap_script_runs():
   assert losses[-1] < losses[0]
 
 
+def test_remat_trains_the_same_losses():
+  """--remat recomputes block activations in the backward: same losses."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  a, _ = _run_steps(_trainer("data=8"), steps=3)
+  t = _trainer("data=8")
+  t = train_lib.Trainer(dataclasses.replace(t.cfg, remat=True), t.mesh, t.tx)
+  b, _ = _run_steps(t, steps=3)
+  np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
 def test_jax_nn_attention_path_matches():
   """--attention jax-xla (jax.nn with a dense segment mask) trains the same
   losses as jaxflash (the comparison path of the benchmarks)."""

@@ -30,6 +30,7 @@ def run_one(preset: str, attention: str, args) -> dict:
          str(args.batch), "--mesh", args.mesh, "--out", out,
          "--eval-every", "0", "--sample-bytes", "0"]
   cmd += ["--interpret"] if args.interpret else []
+  cmd += ["--remat"] if args.remat else []
   cmd += ["--limit-bytes", str(args.limit_bytes)]
   row = dict(preset=preset, attention=attention, batch=args.batch,
              steps=args.steps, tokens_per_s=None, mfu=None, peak_bytes=None,
@@ -83,6 +84,9 @@ def main(argv=None) -> int:
   ap.add_argument("--mesh", default="data=-1")
   ap.add_argument("--limit-bytes", type=int, default=4_000_000)
   ap.add_argument("--interpret", action="store_true")
+  ap.add_argument("--remat", action="store_true",
+                  help="pass --remat to train.py (the 1B preset at seq 8192"
+                       " on one GPU)")
   ap.add_argument("--out", default=os.environ.get("OUT", "out/gpt-compare"))
   args = ap.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)

@@ -174,6 +174,9 @@ def main(argv=None):
   ap.add_argument("--interpret", action="store_true",
                   help="run the Pallas kernels in interpret mode (CPU)")
   ap.add_argument("--seq-len", type=int, default=None)
+  ap.add_argument("--remat", action="store_true",
+                  help="recompute each block's activations in the backward"
+                       " pass (less memory, ~1/3 more compute)")
   ap.add_argument("--data", default=None)
   ap.add_argument("--limit-bytes", type=int, default=4_000_000,
                   help="corpus size cap for the default corpus")
@@ -201,7 +204,7 @@ def main(argv=None):
   cfg = model_lib.PRESETS[args.preset]
   cfg = dataclasses.replace(
       cfg, attention=args.attention, interpret=args.interpret,
-      seq_len=args.seq_len or cfg.seq_len)
+      seq_len=args.seq_len or cfg.seq_len, remat=args.remat or cfg.remat)
   mesh = make_mesh(parse_mesh(args.mesh, jax.device_count()))
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, args.lr, args.warmup, max(args.steps, args.warmup + 1),
