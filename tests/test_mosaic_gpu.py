@@ -174,9 +174,11 @@ def test_default_config_rules():
   d256 = dflt(256, causal=True, kv_len=8192)
   assert d256.bwd_split_dkv and d256.bwd_compute_wgs == 1
   assert not dflt(128).bwd_split_dkv
-  # Unlisted devices keep the plain entries.
-  assert not mosaic_gpu.default_config("some future GPU", 128,
-                                       kv_len=1024).persistent
+  # Unlisted devices: the persistent rule is the H200's alone; the split
+  # backward at head_dim 256 is carried over.
+  other = functools.partial(mosaic_gpu.default_config, "some future GPU")
+  assert not other(128, kv_len=1024).persistent
+  assert other(256).bwd_split_dkv
 
 
 def test_atomic_dq_needs_one_pass_and_a_gpu():
