@@ -201,13 +201,13 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
     dq_acc = jax.new_ref(jnp.zeros(qp.shape, jnp.float32))
     dk, dv = dkv(parts=("dk", "dv"), dq_acc=dq_acc)
     dq = (dq_acc[...] * prob.softmax_scale).astype(q.dtype)
-    return dq[:, :T, :, :D], dk[:, :S, :, :D], dv[:, :S, :, :D]
-  dq = bwd_lib.dq(qp, kp, vp, dop, lse2, delta, seg_dq, prob=prob,
-                  cfg=config, interpret=params)
-  if config.bwd_split_dkv:
-    (dv,), (dk,) = dkv(parts=("dv",)), dkv(parts=("dk",))
   else:
-    dk, dv = dkv(parts=("dk", "dv"))
+    dq = bwd_lib.dq(qp, kp, vp, dop, lse2, delta, seg_dq, prob=prob,
+                    cfg=config, interpret=params)
+    if config.bwd_split_dkv:
+      (dv,), (dk,) = dkv(parts=("dv",)), dkv(parts=("dk",))
+    else:
+      dk, dv = dkv(parts=("dk", "dv"))
   return dq[:, :T, :, :D], dk[:, :S, :, :D], dv[:, :S, :, :D]
 
 

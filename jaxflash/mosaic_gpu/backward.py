@@ -105,6 +105,17 @@ def _segment_kwargs(q_seg_ref, kv_seg_ref, b, q_start, n_q, k_start, n_k,
               k_seg=lax.broadcast_in_dim(k_seg, shape, [k_axis]))
 
 
+def _split_inputs(refs, prob: Problem):
+  """Both backward kernels' operands: ``(q, k, v, do, lse2, delta)``, the
+  segment refs ``(q_seg, kv_seg, group_range)`` (Nones without segment
+  ids) and the remaining refs, as a list."""
+  refs = list(refs)
+  tensors, refs = refs[:6], refs[6:]
+  segments = (refs[:3], refs[3:]) if prob.has_segments else ([None] * 3,
+                                                              refs)
+  return tuple(tensors), tuple(segments[0]), segments[1]
+
+
 def _a_operand(value, a_smem, dtype):
   """A wgmma A operand: the registers themselves, or staged through SMEM."""
   value = value.astype(dtype)
@@ -145,12 +156,8 @@ def _dk_and_atomic_dq(ds, ds_smem, dq_smem, q_t, dk_acc, k_smem, dq_dst, *,
 
 def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
                 parts: tuple[str, ...], atomic_dq: bool):
-  if prob.has_segments:
-    (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, qseg_ref, kvseg_ref,
-     range_ref, *refs) = refs
-  else:
-    q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs = refs
-    qseg_ref = kvseg_ref = range_ref = None
+  ((q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref),
+   (qseg_ref, kvseg_ref, range_ref), refs) = _split_inputs(refs, prob)
   dq_acc_ref = refs.pop(0) if atomic_dq else None  # float32, zeroed
   out_refs = dict(zip(parts, refs[:len(parts)]))
   (k_smem2, v_smem2, q_ring, do_ring, lse_ring, delta_ring, kv_ready, ready,
@@ -220,8 +227,7 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
         plgpu.wgmma(accs["dv"], _a_operand(p, a_smem, dtype), do_t)
         if a_smem is not None and want_dk:
           plgpu.wgmma_wait(0)  # the staging buffer is reused for dS^T
-      if atomic_dq:
-        plgpu.wgmma_wait(0)  # P's staging buffer is reused for dS^T
+      if atomic_dq:  # (with p_in_smem, the wait above freed P's buffer)
         _dk_and_atomic_dq(ds, ds_smem, dq_smem, q_t, accs["dk"], k_smem,
                           dq_acc_ref.at[b, pl.ds(t * bq, bq),
                                         kh * group_size + g],
@@ -317,17 +323,13 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   if atomic_dq:  # one float32 dS K tile per consumer
     scratch.append(plgpu.SMEM((n, bq, dp), jnp.float32, **TILED_F32))
   out_type = [out_struct(k.shape, dtype, q, k, v) for _ in parts]
-  return plgpu.kernel(
+  return pipeline.launch(
       functools.partial(_dkv_kernel, prob=prob, cfg=cfg, dtype=dtype,
                         parts=tuple(parts), atomic_dq=atomic_dq),
-      out_type=out_type,
-      scratch_types=scratch,
+      out_type=out_type, scratch=scratch,
       grid=(prob.num_kv_heads, prob.kv_pad // (n * bk), prob.batch),
-      grid_names=("heads", "kv_seq", "batch"),
-      num_threads=n + 1,
-      thread_name="wg",
+      grid_names=("heads", "kv_seq", "batch"), consumers=n,
       interpret=interpret,
-      compiler_params=plgpu.CompilerParams(approx_math=True),
   )(q, k, v, do, lse2, delta, *(segments or ()),
     *((dq_acc,) if atomic_dq else ()))
 
@@ -335,12 +337,8 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
 # -- dQ -----------------------------------------------------------------------
 
 def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
-  if prob.has_segments:
-    (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, qseg_ref, kvseg_ref,
-     range_ref, *refs) = refs
-  else:
-    q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs = refs
-    qseg_ref = kvseg_ref = range_ref = None
+  ((q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref),
+   (qseg_ref, kvseg_ref, range_ref), refs) = _split_inputs(refs, prob)
   (dq_ref, q_smem2, do_smem2, k_ring, v_ring, qdo_ready, ready, free,
    *extra) = refs
   a_smem2 = extra[0] if cfg.p_in_smem else None
@@ -449,14 +447,10 @@ def dq(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   ]
   if cfg.p_in_smem:
     scratch.append(plgpu.SMEM((n, bq, bk), dtype, **tiled))
-  return plgpu.kernel(
+  return pipeline.launch(
       functools.partial(_dq_kernel, prob=prob, cfg=cfg, dtype=dtype),
-      out_type=out_struct(q.shape, dtype, q, k, v),
-      scratch_types=scratch,
+      out_type=out_struct(q.shape, dtype, q, k, v), scratch=scratch,
       grid=(prob.num_heads, prob.q_pad // (n * bq), prob.batch),
-      grid_names=("heads", "q_seq", "batch"),
-      num_threads=n + 1,
-      thread_name="wg",
+      grid_names=("heads", "q_seq", "batch"), consumers=n,
       interpret=interpret,
-      compiler_params=plgpu.CompilerParams(approx_math=True),
   )(q, k, v, do, lse2, delta, *(segments or ()))

@@ -368,14 +368,7 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
     grid, grid_names = (n_programs,), ("sm",)
   kernel = functools.partial(_kernel, prob=prob, cfg=cfg, dtype=dtype,
                              in_place=not interpret, n_programs=n_programs)
-  return plgpu.kernel(
-      kernel,
-      out_type=out_type,
-      scratch_types=scratch,
-      grid=grid,
-      grid_names=grid_names,
-      num_threads=cfg.compute_wgs + 1,
-      thread_name="wg",
-      interpret=interpret,
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(q, k, v, *(segments or ()))
+  return pipeline.launch(
+      kernel, out_type=out_type, scratch=scratch, grid=grid,
+      grid_names=grid_names, consumers=cfg.compute_wgs,
+      interpret=interpret)(q, k, v, *(segments or ()))

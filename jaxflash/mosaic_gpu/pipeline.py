@@ -24,6 +24,18 @@ TILED = dict(transforms=(plgpu.TilingTransform((8, 64)),
                          plgpu.SwizzleTransform(128)))
 
 
+def launch(body, *, out_type, scratch, grid, grid_names, consumers: int,
+           interpret):
+  """``plgpu.kernel`` in the layout every jaxflash Hopper kernel uses:
+  ``consumers`` compute warpgroups plus one producer (thread axis
+  ``"wg"``, the producer last), hardware-approximate ``exp2``/``tanh``."""
+  return plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch, grid=grid,
+      grid_names=grid_names, num_threads=consumers + 1, thread_name="wg",
+      interpret=interpret,
+      compiler_params=plgpu.CompilerParams(approx_math=True))
+
+
 def narrow_to_segments(u_lo, u_hi, range_ref, b, group):
   """Clip a work item's streamed tile range ``[u_lo, u_hi)`` to the tiles
   whose segment ids can match its own (``range_ref [B, 2, n_groups]``,
