@@ -53,6 +53,26 @@ def zigzag_indices(seq_len: int, n: int) -> np.ndarray:
   return np.asarray(order)
 
 
+def kernel_backend(q, *, config=None, interpret=False) -> str:
+  """The kernel backend ring attention runs when none is named: the one
+  ``config`` belongs to; else Mosaic GPU where it serves ``q``'s head_dim
+  and dtype (Hopper), else Triton (other GPUs, and interpret mode)."""
+  from jaxflash import mosaic_gpu, triton  # noqa: PLC0415
+  from jaxflash.mosaic_gpu import backend as mosaic_backend  # noqa: PLC0415
+  if isinstance(config, mosaic_gpu.MosaicConfig):
+    return "mosaic_gpu"
+  if isinstance(config, triton.TritonConfig) or interpret:
+    return "triton"
+  x = jax.ShapeDtypeStruct((1, 128, 1, q.shape[-1]), q.dtype)
+  try:
+    mosaic_backend.check_supported(x, x, x, arrays=MaskArrays(),
+                                   logits_soft_cap=None, config=None,
+                                   interpret=False)
+  except NotImplementedError:
+    return "triton"
+  return "mosaic_gpu"
+
+
 def _merge(out_a, lse_a, out_b, lse_b):
   """Exact merge of two partial softmax results (float32 accumulators)."""
   lse = jnp.logaddexp(lse_a, lse_b)
@@ -239,7 +259,7 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
                    segment_ids=None, softmax_scale: float | None = None,
                    zigzag: bool = True, return_lse: bool = False,
-                   implementation: str = "triton", config=None,
+                   implementation: str | None = None, config=None,
                    interpret: bool = False):
   """Attention over a sequence split across ``axis_name`` (in shard_map).
 
@@ -254,12 +274,14 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
       or a pair for q and k/v; they travel with their blocks.
     zigzag: balance causal work (see module docstring).
     implementation: the kernel backend of each block (``"triton"`` or
-      ``"mosaic_gpu"``); ``config`` and ``interpret`` as for
-      :func:`jaxflash.flash_attention`.
+      ``"mosaic_gpu"``); ``None`` picks it as :func:`kernel_backend` does.
+      ``config`` and ``interpret`` as for :func:`jaxflash.flash_attention`.
 
   Returns ``out`` (and ``lse``), this device's block; differentiable.
   """
   n = lax.axis_size(axis_name)
+  if implementation is None:
+    implementation = kernel_backend(q, config=config, interpret=interpret)
   if implementation not in ("triton", "mosaic_gpu"):
     raise ValueError(
         f"implementation={implementation!r}: ring attention runs the kernel"

@@ -54,7 +54,7 @@ def test_split_and_batches_are_deterministic():
 
 def test_parse_mesh():
   assert train_lib.parse_mesh("data=2,tensor=-1", 8) == dict(
-      data=2, fsdp=1, tensor=4)
+      data=2, fsdp=1, tensor=4, context=1)
   with pytest.raises(ValueError, match="does not cover 8 devices"):
     train_lib.parse_mesh("data=3", 8)
   with pytest.raises(ValueError, match="'pipe' is not one of"):
@@ -82,15 +82,19 @@ def _run_steps(trainer, steps=4, batch=8):
   return losses, state
 
 
-@pytest.mark.parametrize("mesh", ["data=8", "data=2,fsdp=2,tensor=2"])
+@pytest.mark.parametrize("mesh", ["data=8", "data=2,fsdp=2,tensor=2",
+                                  "data=2,context=4",
+                                  "fsdp=2,tensor=2,context=2"])
 def test_mesh_training_matches_one_device(mesh):
+  """Data, FSDP, tensor and context (ring attention, zig-zag order)
+  parallel steps equal the one-device steps."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
   losses, state = _run_steps(_trainer(mesh))
   assert losses[-1] < losses[0]
   one = train_lib.Trainer(_trainer("data=8").cfg, jax.make_mesh(
-      (1, 1, 1), train_lib.AXES, devices=jax.devices()[:1],
-      axis_types=(jax.sharding.AxisType.Auto,) * 3),
+      (1,) * len(train_lib.AXES), train_lib.AXES, devices=jax.devices()[:1],
+      axis_types=(jax.sharding.AxisType.Auto,) * len(train_lib.AXES)),
       _trainer("data=8").tx)
   losses1, state1 = _run_steps(one)
   np.testing.assert_allclose(losses, losses1, rtol=2e-5)
@@ -179,6 +183,18 @@ def test_remat_trains_the_same_losses():
   t = train_lib.Trainer(dataclasses.replace(t.cfg, remat=True), t.mesh, t.tx)
   b, _ = _run_steps(t, steps=3)
   np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+def test_context_axis_needs_jaxflash_and_whole_chunks():
+  with pytest.raises(ValueError, match="multiple of 2 x context"):
+    train_lib.Trainer(dataclasses.replace(model_lib.GPTConfig(**SMALL),
+                                          seq_len=60),
+                      train_lib.make_mesh(train_lib.parse_mesh(
+                          "data=2,context=4", 8)), None)
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  with pytest.raises(ValueError, match="context parallelism runs"):
+    _run_steps(_trainer("data=2,context=4", attention="jax-xla"), steps=1)
 
 
 def test_jax_nn_attention_path_matches():

@@ -36,9 +36,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxflash
-from jaxflash import sharding
+from jaxflash import ring, sharding
 from jaxflash.bench import core
-from jaxflash.masks import MaskArrays
 
 # CPU smoke run: interpret-mode Triton kernels with small tiles.
 SMOKE_TILES = jaxflash.TritonConfig(block_q=16, block_k=16, block_q_dkv=16,
@@ -60,20 +59,6 @@ class Setting:
   config: Any
   samples: int
   min_sample_s: float
-
-
-def default_impl(head_dim: int, dtype) -> str:
-  """The kernel backend ``flash_attention`` picks here: Mosaic GPU where it
-  serves the call (Hopper), else Triton."""
-  from jaxflash.mosaic_gpu import backend as mosaic_backend  # noqa: PLC0415
-  x = jnp.zeros((1, 128, 1, head_dim), dtype)
-  try:
-    mosaic_backend.check_supported(x, x, x, arrays=MaskArrays(),
-                                   logits_soft_cap=None, config=None,
-                                   interpret=False)
-  except NotImplementedError:
-    return "triton"
-  return "mosaic_gpu"
 
 
 def _kernel_kw(s: Setting) -> dict:
@@ -258,7 +243,8 @@ def run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
   if n < 2:
     raise ValueError(f"ring attention needs >= 2 devices, have {n}")
   impl = "triton" if smoke else (
-      args.impl or default_impl(head_dim, jnp.dtype(args.dtype)))
+      args.impl or ring.kernel_backend(
+          jax.ShapeDtypeStruct((1, 1, 1, head_dim), jnp.dtype(args.dtype))))
   s = Setting(batch=args.batch, heads=heads,
               kv_heads=args.kv_heads or heads, head_dim=head_dim,
               dtype=args.dtype, impl=impl, interpret=smoke,

@@ -5,17 +5,24 @@ embeddings; causal attention restricted to each packed document by segment
 ids, optional GQA and sliding window. Every parameter and activation
 carries logical axis names (``batch``, ``length``, ``embed``, ``heads``,
 ``kv_heads``, ``kv``, ``mlp``, ``vocab``) that the trainer maps to mesh
-axes.
+axes.  Given a mesh with a ``context`` axis of size > 1, attention is
+jaxflash's ring attention over it (context parallelism; the tokens must
+then be in :func:`jaxflash.ring.zigzag_indices` order, with their original
+``positions`` for the rotary embeddings).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from jaxflash import sharding
 from jaxflash.linen import FlashMultiHeadDotProductAttention
 
 
@@ -85,6 +92,37 @@ def jax_nn_attention(implementation: str):
   return attend
 
 
+def context_size(mesh) -> int:
+  """Size of ``mesh``'s ``context`` axis (1 without a mesh or the axis)."""
+  return 1 if mesh is None else dict(mesh.shape).get("context", 1)
+
+
+def ring_attention(mesh, interpret: bool):
+  """Attention with the sequence split over ``mesh``'s ``context`` axis:
+  jaxflash's ring attention inside ``shard_map``, batch split over
+  (data, fsdp) and heads over tensor as the logical rules put them.
+  Causal is zig-zag balanced, so the tokens must be in
+  ``zigzag_indices`` order."""
+  batch = tuple(a for a in ("data", "fsdp") if a in mesh.shape)
+  heads = "tensor" if "tensor" in mesh.shape else None
+  qkv, ids = P(batch, "context", heads, None), P(batch, "context")
+
+  def attend(query, key, value, *, causal, segment_ids, local_window_size,
+             q_seq_lengths, kv_seq_lengths):
+    if local_window_size is not None or q_seq_lengths is not None or \
+        kv_seq_lengths is not None:
+      raise NotImplementedError(
+          "ring attention (context parallelism) takes causal and segment"
+          " ids; got a window or sequence lengths")
+    ring = functools.partial(sharding.ring_attention, axis_name="context",
+                             causal=causal, zigzag=True, interpret=interpret)
+    return jax.shard_map(
+        lambda q, k, v, s: ring(q, k, v, segment_ids=s), mesh=mesh,
+        in_specs=(qkv, qkv, qkv, ids), out_specs=qkv, check_vma=False)(
+            query, key, value, segment_ids)
+  return attend
+
+
 def _dense(features, axes, name, dtype):
   return nn.Dense(features, use_bias=False, dtype=dtype, name=name,
                   kernel_init=nn.with_logical_partitioning(
@@ -93,15 +131,25 @@ def _dense(features, axes, name, dtype):
 
 class Block(nn.Module):
   cfg: GPTConfig
+  mesh: Any = None  # a context axis > 1 selects ring attention
 
   @nn.compact
-  def __call__(self, x, segment_ids):
+  def __call__(self, x, segment_ids, positions=None):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
     h = nn.RMSNorm(dtype=dtype, name="ln1")(x)
     window = None if cfg.window is None else (cfg.window, 0)
     override, impl = None, None
-    if cfg.attention in ("cudnn", "jax-xla"):
+    if context_size(self.mesh) > 1:
+      if cfg.attention != "jaxflash":
+        raise ValueError(
+            f"attention={cfg.attention!r}: context parallelism runs"
+            " jaxflash's ring attention (attention='jaxflash')")
+      # Ring attention runs the flash kernels (no reference fallback); on
+      # a CPU they run in interpret mode.
+      override = ring_attention(
+          self.mesh, cfg.interpret or jax.default_backend() == "cpu")
+    elif cfg.attention in ("cudnn", "jax-xla"):
       override = jax_nn_attention("xla" if cfg.attention == "jax-xla"
                                   else "cudnn")
     elif cfg.attention != "jaxflash":
@@ -112,7 +160,7 @@ class Block(nn.Module):
         use_bias=False, kernel_init=nn.initializers.normal(0.02),
         implementation=impl, interpret=cfg.interpret,
         attention_override=override, name="attn")(
-            h, segment_ids=segment_ids)
+            h, segment_ids=segment_ids, positions=positions)
     x = x + h
     h = nn.RMSNorm(dtype=dtype, name="ln2")(x)
     h = _dense(cfg.ff, ("embed", "mlp"), "up", dtype)(h)
@@ -123,9 +171,12 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
   cfg: GPTConfig
+  mesh: Any = None  # a context axis > 1 selects ring attention
 
   @nn.compact
-  def __call__(self, tokens, segment_ids):
+  def __call__(self, tokens, segment_ids, positions=None):
+    """Logits ``[batch, length, vocab]``; ``positions`` (default
+    ``0..length-1``) are the tokens' places for the rotary embeddings."""
     cfg = self.cfg
     embed = nn.Embed(cfg.vocab, cfg.d_model, name="embed",
                      embedding_init=nn.with_logical_partitioning(
@@ -134,7 +185,7 @@ class GPT(nn.Module):
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
     block = nn.remat(Block) if cfg.remat else Block
     for i in range(cfg.layers):
-      x = block(cfg, name=f"block{i}")(x, segment_ids)
+      x = block(cfg, self.mesh, name=f"block{i}")(x, segment_ids, positions)
     x = nn.RMSNorm(dtype=jnp.dtype(cfg.dtype), name="ln_f")(x)
     logits = embed.attend(x.astype(jnp.float32))
     return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))

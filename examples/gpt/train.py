@@ -3,10 +3,15 @@
     python examples/gpt/train.py --preset tiny --steps 300          # CPU
     python examples/gpt/train.py --preset gpt2-124m --mesh data=8   # 8 GPUs
     python examples/gpt/train.py --mesh data=2,fsdp=2,tensor=2
+    python examples/gpt/train.py --preset 1b-32k --mesh data=2,context=4
 
-A ``jax.sharding.Mesh`` over all devices with axes (data, fsdp, tensor);
-Flax logical axis rules map the model's axis names onto it, and the train
-step is one ``jit`` with input/output shardings (no manual collectives).
+A ``jax.sharding.Mesh`` over all devices with axes (data, fsdp, tensor,
+context); Flax logical axis rules map the model's axis names onto it, and
+the train step is one ``jit`` with input/output shardings (no manual
+collectives).  A ``context`` axis splits every row's sequence: activations
+are sharded along it and attention is jaxflash's ring attention; the step
+puts each row's tokens in zig-zag order (causal load balance) and gives
+the rotary embeddings their original positions.
 optax AdamW with warm-up and cosine decay, gradient clipping, gradient
 accumulation; float32 master weights, compute in the preset's dtype; orbax
 checkpoints (``--ckpt-every``, resumed automatically); validation loss and
@@ -38,14 +43,16 @@ import model as model_lib  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-AXES = ("data", "fsdp", "tensor")
-RULES = (("batch", ("data", "fsdp")), ("length", None),
+from jaxflash import ring  # noqa: E402
+
+AXES = ("data", "fsdp", "tensor", "context")
+RULES = (("batch", ("data", "fsdp")), ("length", "context"),
          ("embed", "fsdp"), ("heads", "tensor"), ("kv_heads", "tensor"),
          ("kv", None), ("mlp", "tensor"), ("vocab", "tensor"))
 
 
 def parse_mesh(text: str, n_devices: int) -> dict[str, int]:
-  """``"data=2,tensor=4"`` -> sizes of (data, fsdp, tensor); one size may
+  """``"data=2,tensor=4"`` -> sizes of AXES; one size may
   be -1 (the rest of the devices); unnamed axes get 1."""
   sizes = {a: 1 for a in AXES}
   if text:
@@ -67,7 +74,7 @@ def parse_mesh(text: str, n_devices: int) -> dict[str, int]:
 
 def make_mesh(sizes: dict[str, int]):
   return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES,
-                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
 
 
 @dataclasses.dataclass
@@ -78,15 +85,28 @@ class Trainer:
   accum: int = 1
 
   def __post_init__(self):
-    self.model = model_lib.GPT(self.cfg)
+    # The training model sees the mesh (ring attention over a context
+    # axis); initialisation and sampling run the plain one (same params).
+    self.model = model_lib.GPT(self.cfg, self.mesh)
+    self.plain_model = model_lib.GPT(self.cfg)
+    # Rows hold seq_len + 1 tokens (inputs and shifted targets): split over
+    # the batch axes only; the step splits the sequence (context axis).
     self.data_sharding = jax.sharding.NamedSharding(
-        self.mesh, nn.logical_to_mesh_axes(("batch", "length"), RULES))
+        self.mesh, nn.logical_to_mesh_axes(("batch", None), RULES))
+    n = model_lib.context_size(self.mesh)
+    if self.cfg.seq_len % (2 * n):
+      raise ValueError(
+          f"seq_len={self.cfg.seq_len} must be a multiple of 2 x context"
+          f" ({2 * n}): ring attention's zig-zag order cuts each row into"
+          f" {2 * n} chunks")
+    self.order = (None if n == 1 else
+                  jnp.asarray(ring.zigzag_indices(self.cfg.seq_len, n)))
 
   def abstract_state(self, batch: int):
     tok = jnp.zeros((batch, self.cfg.seq_len), jnp.int32)
 
     def init(rng):
-      params = self.model.init(rng, tok, tok)["params"]
+      params = self.plain_model.init(rng, tok, tok)["params"]
       return {"params": params, "opt": self.tx.init(params),
               "step": jnp.zeros((), jnp.int32)}
     abstract = jax.eval_shape(init, jax.random.key(0))
@@ -102,9 +122,16 @@ class Trainer:
     return state, shardings
 
   def loss(self, params, tokens, seg):
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    inputs, targets, seg = tokens[:, :-1], tokens[:, 1:], seg[:, :-1]
+    positions = None
+    if self.order is not None:
+      # Zig-zag order for ring attention; the mean loss over tokens does
+      # not depend on their order.
+      inputs, targets, seg = (x[:, self.order] for x in (inputs, targets,
+                                                          seg))
+      positions = jnp.broadcast_to(self.order, inputs.shape)
     with nn.logical_axis_rules(RULES):
-      logits = self.model.apply({"params": params}, inputs, seg[:, :-1])
+      logits = self.model.apply({"params": params}, inputs, seg, positions)
     return optax.softmax_cross_entropy_with_integer_labels(
         logits, targets).mean()
 
@@ -145,7 +172,8 @@ def sample(trainer, params, prompt: bytes, n: int, temperature=0.8,
   cfg = trainer.cfg
   toks = list(prompt)
   rng = np.random.default_rng(seed)
-  fwd = jax.jit(lambda p, t, s: trainer.model.apply({"params": p}, t, s))
+  fwd = jax.jit(lambda p, t, s: trainer.plain_model.apply({"params": p}, t,
+                                                          s))
   for _ in range(n):
     ctx = toks[-cfg.seq_len:]
     t = np.zeros((1, cfg.seq_len), np.int32)
