@@ -222,3 +222,20 @@ def test_compare_script_reports_rows(tmp_path):
   if "cudnn" in rows:
     assert rc == 1 and rows["cudnn"]["error"]
   assert "| tiny | xla |" in (tmp_path / "gpt-compare.md").read_text()
+
+
+def test_compare_script_scaling(tmp_path):
+  """--meshes: each mesh runs on exactly its devices, the batch grows with
+  data parallelism, and efficiency is against the one-device run."""
+  import compare
+  rc = compare.main(["--presets", "tiny", "--attention", "xla", "--meshes",
+                     "data=1;data=2", "--steps", "11", "--batch", "4",
+                     "--limit-bytes", "100000", "--out", str(tmp_path)])
+  assert rc == 0
+  one, two = __import__("json").load(open(tmp_path / "gpt-compare.json"))[
+      "results"]
+  assert (one["devices"], one["batch"]) == (1, 4)
+  assert (two["devices"], two["batch"]) == (2, 8)
+  assert one["scaling_efficiency"] == 1.0
+  assert two["scaling_efficiency"] == two["tokens_per_s"] / (
+      2 * one["tokens_per_s"])
