@@ -74,10 +74,11 @@ def parse_variants(text):
   return out
 
 
-def variant_configs(head_dim, variants):
-  """The tuned default, then the default with each variant's overrides
-  (those over shared memory or refused by the backend are skipped)."""
-  base = jaxflash.mosaic_gpu.default_config("NVIDIA H200", head_dim)
+def variant_configs(head_dim, variants, *, causal, kv_len):
+  """The tuned default of this call, then that default with each
+  variant's overrides (those over shared memory or refused are skipped)."""
+  base = jaxflash.mosaic_gpu.default_config("NVIDIA H200", head_dim,
+                                            causal=causal, kv_len=kv_len)
   yield base
   for kw in variants:
     try:
@@ -117,7 +118,8 @@ def main():
         q, k, v = (jax.random.normal(kk, (shape.batch, s, shape.heads, d),
                                      jnp.bfloat16) for kk in ks)
         if args.variants:
-          cfgs = list(variant_configs(d, parse_variants(args.variants)))
+          cfgs = list(variant_configs(d, parse_variants(args.variants),
+                                      causal=causal, kv_len=s))
         elif args.default_only:
           cfgs = [None]
         elif args.bwd:
