@@ -20,6 +20,7 @@ serve the call raises that error to the caller, never falls back.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,16 +46,18 @@ def _triton_check(q, k, v, *, interpret, **unused):
 
 
 def _mosaic_attention(q, k, v, *, mask, arrays, softmax_scale,
-                      logits_soft_cap, config, interpret):
+                      logits_soft_cap, config, interpret, deterministic):
   return mosaic_backend.attention(q, k, v, mask=mask, arrays=arrays,
                                   softmax_scale=softmax_scale,
                                   logits_soft_cap=logits_soft_cap,
-                                  config=config, interpret=interpret)
+                                  config=config, interpret=interpret,
+                                  deterministic=deterministic)
 
 
 def _xla_attention(q, k, v, *, mask: MaskSpec, arrays: MaskArrays,
-                   softmax_scale, logits_soft_cap, config, interpret):
-  del config, interpret
+                   softmax_scale, logits_soft_cap, config, interpret,
+                   deterministic):
+  del config, interpret, deterministic  # XLA's gradient has no atomics
   segs = None
   if arrays.q_segment_ids is not None:
     segs = (arrays.q_segment_ids, arrays.kv_segment_ids)
@@ -67,7 +70,8 @@ def _xla_attention(q, k, v, *, mask: MaskSpec, arrays: MaskArrays,
 
 
 def _triton_attention(q, k, v, *, mask, arrays, softmax_scale,
-                      logits_soft_cap, config, interpret):
+                      logits_soft_cap, config, interpret, deterministic):
+  del deterministic  # the Triton backward is always reproducible
   return triton_backend.attention(
       q, k, v, mask=mask, arrays=arrays, softmax_scale=softmax_scale,
       logits_soft_cap=logits_soft_cap, config=config, interpret=interpret)
@@ -252,6 +256,7 @@ def flash_attention(
     implementation: str | Sequence[str] | None = None,
     config: Any = None,
     interpret: bool = False,
+    deterministic: bool | None = None,
 ):
   """Exact attention in O(sequence) memory.
 
@@ -289,6 +294,12 @@ def flash_attention(
       ``implementation`` is None.
     interpret: run Pallas kernels in interpret mode (on CPU, for testing);
       with ``implementation=None`` this selects the Triton kernels.
+    deterministic: ``True`` makes the gradients bitwise reproducible run
+      to run.  Only the Hopper backward has a non-deterministic fast path
+      (dQ summed by atomic adds, the H200 default at head_dim <= 64); with
+      ``True`` it uses its dQ kernel instead (measured cost in
+      docs/backends.md).  ``None`` (default): ``True`` when ``XLA_FLAGS``
+      holds ``--xla_gpu_deterministic_ops=true``, else ``False``.
 
   Returns:
     ``out`` shaped and typed like ``q``, or ``(out, lse)`` with
@@ -303,12 +314,26 @@ def flash_attention(
       local_window_size=local_window_size, q_seq_lengths=q_seq_lengths,
       kv_seq_lengths=kv_seq_lengths, logits_soft_cap=logits_soft_cap,
       softmax_scale=softmax_scale, return_lse=return_lse,
-      implementation=implementation, config=config, interpret=interpret)
+      implementation=implementation, config=config, interpret=interpret,
+      deterministic=deterministic)
+
+
+def _deterministic(value) -> bool:
+  """``deterministic`` resolved: None follows XLA's own switch for
+  reproducible GPU reductions, ``--xla_gpu_deterministic_ops``."""
+  if value is None:
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return any(f.lower() in ("--xla_gpu_deterministic_ops",
+                             "--xla_gpu_deterministic_ops=true")
+               for f in flags)
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"deterministic must be a bool or None, got {value!r}")
+  return bool(value)
 
 
 def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
                q_seq_lengths, kv_seq_lengths, logits_soft_cap, softmax_scale,
-               return_lse, implementation, config, interpret):
+               return_lse, implementation, config, interpret, deterministic):
   """Validation and dispatch shared by the public entry points.
 
   ``offset``: query ``i`` is aligned with key ``i + offset`` (None:
@@ -328,6 +353,9 @@ def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
   mask = MaskSpec(q_len=q.shape[1], kv_len=k.shape[1], causal=bool(causal),
                   offset=offset, window_left=left, window_right=right)
   arrays = _mask_arrays(q, k, segment_ids, q_seq_lengths, kv_seq_lengths)
+  deterministic = _deterministic(deterministic)
+  if isinstance(config, mosaic_backend.MosaicConfig):
+    mosaic_backend.check_deterministic(config, deterministic)
 
   names, explicit = _candidates(implementation, config, interpret)
   reasons = []
@@ -347,7 +375,7 @@ def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
     out, lse = attend(q, k, v, mask=mask, arrays=arrays,
                       softmax_scale=softmax_scale,
                       logits_soft_cap=logits_soft_cap, config=config,
-                      interpret=interpret)
+                      interpret=interpret, deterministic=deterministic)
     return (out, lse) if return_lse else out
   msg = "; ".join(reasons)
   if explicit:
@@ -374,6 +402,7 @@ def dot_product_attention(
     logits_soft_cap: float | None = None,
     config: Any = None,
     interpret: bool = False,
+    deterministic: bool | None = None,
 ):
   """Drop-in for ``jax.nn.dot_product_attention``, served by jaxflash.
 
@@ -382,8 +411,8 @@ def dot_product_attention(
   are aligned top-left (query ``i`` sees keys ``j <= i``), ``scale``
   defaults to ``1/sqrt(H)``, ``return_residual=True`` adds the log-sum-exp
   shaped ``[B, T, N]`` in the output dtype.  Extras: ``segment_ids`` and
-  ``logits_soft_cap`` (see :func:`flash_attention`), ``config`` and
-  ``interpret``.
+  ``logits_soft_cap`` (see :func:`flash_attention`), ``config``,
+  ``interpret`` and ``deterministic``.
 
   ``implementation``: a jaxflash backend name (``"triton"``, ``"xla"``), a
   sequence of them, or None (best available).  ``bias`` and a dense
@@ -429,7 +458,7 @@ def dot_product_attention(
         q_seq_lengths=query_seq_lengths, kv_seq_lengths=key_value_seq_lengths,
         logits_soft_cap=logits_soft_cap, softmax_scale=scale,
         return_lse=True, implementation=implementation, config=config,
-        interpret=interpret)
+        interpret=interpret, deterministic=deterministic)
     res = jnp.swapaxes(lse, 1, 2).astype(out.dtype)  # [B, N, T] -> [B, T, N]
   if squeeze:
     out = out[0]

@@ -75,6 +75,7 @@ def make_attention_fn(
     implementation: str | Sequence[str] | None = None,
     config: Any = None,
     interpret: bool = False,
+    deterministic_grads: bool | None = None,
 ) -> Callable[..., jax.Array]:
   """An ``attention_fn`` for Flax attention modules, served by jaxflash.
 
@@ -86,6 +87,10 @@ def make_attention_fn(
   dense mask or a ``bias`` raises NotImplementedError naming the compact
   options; attention dropout in training and ``sow_weights`` (which need
   the N x N weights) raise NotImplementedError too.
+
+  ``deterministic_grads`` is :func:`jaxflash.flash_attention`'s
+  ``deterministic`` (bitwise-reproducible gradients), renamed because
+  Flax's ``deterministic`` means "no dropout".
   """
 
   def attention_fn(query, key, value, bias=None, mask=None,
@@ -134,7 +139,8 @@ def make_attention_fn(
         causal=bool(causal or is_causal), segment_ids=seg,
         local_window_size=local_window_size, q_seq_lengths=q_seq_lengths,
         kv_seq_lengths=kv_seq_lengths, logits_soft_cap=logits_soft_cap,
-        implementation=implementation, config=config, interpret=interpret)
+        implementation=implementation, config=config, interpret=interpret,
+        deterministic=deterministic_grads)
     return out.reshape(query.shape)
 
   return attention_fn
@@ -155,7 +161,8 @@ class FlashMultiHeadDotProductAttention(nn.Module):
   Extra attributes: ``causal``, ``num_kv_heads`` (GQA/MQA: key/value
   projections to fewer heads), ``local_window_size``, ``logits_soft_cap``,
   ``rope_theta`` (rotary embeddings on queries and keys),
-  ``implementation``, ``config``, ``interpret``.  Extra call arguments:
+  ``implementation``, ``config``, ``interpret``, ``deterministic_grads``
+  (``flash_attention``'s ``deterministic``).  Extra call arguments:
   ``segment_ids`` (packed documents), ``q_seq_lengths`` /
   ``kv_seq_lengths``, ``positions`` (for the rotary embeddings; default
   ``0..length-1``).
@@ -195,6 +202,9 @@ class FlashMultiHeadDotProductAttention(nn.Module):
   implementation: str | Sequence[str] | None = None
   config: Any = None
   interpret: bool = False
+  # flash_attention's ``deterministic`` (bitwise-reproducible gradients);
+  # ``deterministic`` above is Flax's dropout switch.
+  deterministic_grads: bool | None = None
 
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *,
@@ -281,7 +291,8 @@ class FlashMultiHeadDotProductAttention(nn.Module):
           q_seq_lengths=q_seq_lengths, kv_seq_lengths=kv_seq_lengths,
           logits_soft_cap=self.logits_soft_cap,
           implementation=self.implementation, config=self.config,
-          interpret=self.interpret)
+          interpret=self.interpret,
+          deterministic_grads=self.deterministic_grads)
       x = attend(query, key, value, dtype=self.dtype)
     x = nn.with_logical_constraint(x, act)
     out = nn.DenseGeneral(

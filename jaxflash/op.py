@@ -47,6 +47,9 @@ class OpParams:
   logits_soft_cap: float | None
   config: Any
   interpret: Any
+  # Bitwise-reproducible gradients: backends whose fastest backward sums
+  # with atomics (Mosaic GPU's bwd_atomic_dq) use their fixed-order form.
+  deterministic: bool = False
 
 
 def _module(backend: str):
@@ -63,6 +66,10 @@ def _kwargs(p: OpParams) -> dict:
   return dict(mask=p.mask, softmax_scale=p.softmax_scale,
               logits_soft_cap=p.logits_soft_cap, config=p.config,
               interpret=p.interpret)
+
+
+def _bwd_kwargs(p: OpParams) -> dict:
+  return dict(_kwargs(p), deterministic=p.deterministic)
 
 
 def _pack(arrays: MaskArrays):
@@ -86,7 +93,7 @@ def _local_forward(p: OpParams, present, q, k, v, *flat):
 def _local_backward(p: OpParams, present, q, k, v, out, lse, dout, dlse,
                     *flat):
   return _module(p.backend).backward(q, k, v, _unpack(flat, present), out,
-                                     lse, dout, dlse, **_kwargs(p))
+                                     lse, dout, dlse, **_bwd_kwargs(p))
 
 
 def local_forward(p: OpParams, q, k, v, arrays: MaskArrays):
@@ -99,7 +106,7 @@ def local_backward(p: OpParams, q, k, v, arrays: MaskArrays, out, lse, dout,
                    dlse):
   """The backend's backward kernels from given residuals (local arrays)."""
   return _module(p.backend).backward(q, k, v, arrays, out, lse, dout, dlse,
-                                     **_kwargs(p))
+                                     **_bwd_kwargs(p))
 
 
 _forward_cp = custom_partitioning(_local_forward, static_argnums=(0, 1))

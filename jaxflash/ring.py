@@ -34,8 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxflash import api, triton
 from jaxflash import op as op_lib
 from jaxflash.masks import MaskArrays, MaskSpec
+from jaxflash.mosaic_gpu import backend as mosaic_backend
 
 
 def zigzag_indices(seq_len: int, n: int) -> np.ndarray:
@@ -57,9 +59,7 @@ def kernel_backend(q, *, config=None, interpret=False) -> str:
   """The kernel backend ring attention runs when none is named: the one
   ``config`` belongs to; else Mosaic GPU where it serves ``q``'s head_dim
   and dtype (Hopper), else Triton (other GPUs, and interpret mode)."""
-  from jaxflash import mosaic_gpu, triton  # noqa: PLC0415
-  from jaxflash.mosaic_gpu import backend as mosaic_backend  # noqa: PLC0415
-  if isinstance(config, mosaic_gpu.MosaicConfig):
+  if isinstance(config, mosaic_backend.MosaicConfig):
     return "mosaic_gpu"
   if isinstance(config, triton.TritonConfig) or interpret:
     return "triton"
@@ -260,7 +260,8 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
                    segment_ids=None, softmax_scale: float | None = None,
                    zigzag: bool = True, return_lse: bool = False,
                    implementation: str | None = None, config=None,
-                   interpret: bool = False):
+                   interpret: bool = False,
+                   deterministic: bool | None = None):
   """Attention over a sequence split across ``axis_name`` (in shard_map).
 
   Args:
@@ -275,7 +276,9 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
     zigzag: balance causal work (see module docstring).
     implementation: the kernel backend of each block (``"triton"`` or
       ``"mosaic_gpu"``); ``None`` picks it as :func:`kernel_backend` does.
-      ``config`` and ``interpret`` as for :func:`jaxflash.flash_attention`.
+      ``config``, ``interpret`` and ``deterministic`` as for
+      :func:`jaxflash.flash_attention` (the ring itself sums in a fixed
+      order).
 
   Returns ``out`` (and ``lse``), this device's block; differentiable.
   """
@@ -302,10 +305,15 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
                      else (segment_ids, segment_ids))
     q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
 
+  deterministic = api._deterministic(deterministic)  # noqa: SLF001
+  if implementation == "mosaic_gpu":
+    mosaic_backend.check_deterministic(config, deterministic)
+
   def params_for(spec):
     return op_lib.OpParams(backend=implementation, mask=spec,
                            softmax_scale=scale, logits_soft_cap=None,
-                           config=config, interpret=interpret)
+                           config=config, interpret=interpret,
+                           deterministic=deterministic)
 
   ring = _Ring(axis_name, n, causal, zigzag, params_for)
   out, lse = _ring(ring, q, k, v, q_seg, kv_seg)

@@ -239,3 +239,15 @@ def test_compare_script_scaling(tmp_path):
   assert one["scaling_efficiency"] == 1.0
   assert two["scaling_efficiency"] == two["tokens_per_s"] / (
       2 * one["tokens_per_s"])
+
+
+def test_compare_script_run_timeout(tmp_path):
+  """--run-timeout: a run past it is a row with the error, not a hang."""
+  import compare
+  rc = compare.main(["--presets", "tiny", "--attention", "xla", "--steps",
+                     "11", "--batch", "4", "--run-timeout", "0.5",
+                     "--out", str(tmp_path)])
+  (row,) = __import__("json").load(open(tmp_path / "gpt-compare.json"))[
+      "results"]
+  assert rc == 1 and "--run-timeout 0.5" in row["error"]
+  assert row["tokens_per_s"] is None and row["wall_s"] >= 0.5

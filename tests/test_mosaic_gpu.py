@@ -174,11 +174,45 @@ def test_default_config_rules():
   d256 = dflt(256, causal=True, kv_len=8192)
   assert d256.bwd_split_dkv and d256.bwd_compute_wgs == 1
   assert not dflt(128).bwd_split_dkv
+  # dQ by TMA reduce-add: measured faster at padded head_dim 64 only.
+  assert dflt(64).bwd_atomic_dq and dflt(32, causal=True).bwd_atomic_dq
+  assert not dflt(128).bwd_atomic_dq and not dflt(256).bwd_atomic_dq
   # Unlisted devices: the persistent rule is the H200's alone; the split
   # backward at head_dim 256 is carried over.
   other = functools.partial(mosaic_gpu.default_config, "some future GPU")
   assert not other(128, kv_len=1024).persistent
   assert other(256).bwd_split_dkv
+  assert not other(64).bwd_atomic_dq
+
+
+def test_deterministic_turns_off_atomic_dq(monkeypatch):
+  """deterministic=True: the tuned default's atomic dQ becomes the dQ
+  kernel; a config that asks for atomics conflicts (ValueError); None
+  follows XLA's --xla_gpu_deterministic_ops."""
+  from jaxflash import api
+  from jaxflash.masks import MaskSpec
+  from jaxflash.mosaic_gpu import backend
+  monkeypatch.setattr(backend, "_device_kind", lambda: "NVIDIA H200")
+  mask = MaskSpec(q_len=4096, kv_len=4096, causal=True)
+  resolve = functools.partial(backend._resolve_config, None, False, 64, mask)
+  assert resolve().bwd_atomic_dq
+  assert not resolve(deterministic=True).bwd_atomic_dq
+  assert resolve(deterministic=True) == dataclasses.replace(
+      resolve(), bwd_atomic_dq=False)
+  q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+  atomic = mosaic_gpu.MosaicConfig(bwd_atomic_dq=True)
+  for impl in ("mosaic_gpu", None):
+    with pytest.raises(ValueError, match="bwd_atomic_dq=True"):
+      jaxflash.flash_attention(q, q, q, config=atomic, deterministic=True,
+                               implementation=impl, interpret=True)
+  with pytest.raises(ValueError, match="deterministic must be a bool"):
+    jaxflash.flash_attention(q, q, q, deterministic="yes")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
+  assert api._deterministic(None)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=false")
+  assert not api._deterministic(None)
+  monkeypatch.delenv("XLA_FLAGS")
+  assert not api._deterministic(None) and api._deterministic(True)
 
 
 def test_atomic_dq_needs_one_pass_and_a_gpu():
@@ -349,7 +383,8 @@ def test_segments_and_lengths_gpu(case):
 
 # -- backward ------------------------------------------------------------------
 
-def _grads_twice(shape, config, interpret, causal=True, segments=False):
+def _grads_twice(shape, config, interpret, causal=True, segments=False,
+                 deterministic=None):
   t, h, kh, d = shape
   args = numerics.random_inputs(jax.random.key(11), batch=2, q_len=t,
                                 kv_len=t, heads=h, kv_heads=kh, head_dim=d,
@@ -361,7 +396,8 @@ def _grads_twice(shape, config, interpret, causal=True, segments=False):
                                         pad_tail=5)
   fn = functools.partial(jaxflash.flash_attention, causal=causal,
                          return_lse=True, implementation="mosaic_gpu",
-                         interpret=interpret, config=config, **kw)
+                         interpret=interpret, config=config,
+                         deterministic=deterministic, **kw)
   first = numerics.outputs_and_grads(fn, *args)
   # A second, separately compiled run of the same inputs.
   second = jax.jit(lambda *a: numerics.outputs_and_grads(fn, *a))(*args)
@@ -377,8 +413,12 @@ def test_backward_is_deterministic_interpret():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("segments", [False, True])
-def test_gpu_backward_is_deterministic(segments):
-  _grads_twice((2048, 8, 2, 128), None, False, segments=segments)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_backward_is_deterministic(segments, head_dim):
+  """deterministic=True: bitwise-equal gradients with the tuned default
+  (whose d64 backward on the H200 otherwise adds dQ atomically)."""
+  _grads_twice((2048, 8, 2, head_dim), None, False, segments=segments,
+               deterministic=True)
 
 
 def _layer_loss(params, x, attend):

@@ -5,7 +5,7 @@
 #           python3 -m pip download --no-deps --only-binary=:all: \
 #             --python-version 3.12 --implementation cp \
 #             --platform manylinux_2_17_x86_64 -d .whl pytest-xdist==3.8.0
-#   device: bash tools/gpu_session.sh tests|bench|all|sweep [args...]
+#   device: bash tools/gpu_session.sh tests|bench|all|sweep|gpt [args...]
 #           (carry .whl; results land in $OUT)
 set -u
 what=${1:-all}; shift || true
@@ -38,6 +38,16 @@ if [ "$what" = sweep ]; then
     "$@" > "$out/sweep.log" 2>&1
   echo "sweep rc=$?"
   sed -n '/^best per/,$p' "$out/sweep.log"
+fi
+if [ "$what" = gpt ]; then
+  # The training runs write logs, plots and checkpoints per run: keep them
+  # off $OUT (a call returns few files) and bring back the two tables.
+  tag=${GPT_TAG:-gpt}
+  timeout "${GPT_TIMEOUT:-540}" python3 examples/gpt/compare.py \
+    --out "/tmp/$tag" "$@" > "$out/$tag.log" 2>&1
+  echo "gpt rc=$?"
+  cp "/tmp/$tag/gpt-compare.json" "$out/$tag.json"
+  cp "/tmp/$tag/gpt-compare.md" "$out/$tag.md" && cat "$out/$tag.md"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout "${BENCH_TIMEOUT:-540}" python3 -m jaxflash.bench --out "$out" \

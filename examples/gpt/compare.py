@@ -26,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -75,11 +76,19 @@ def run_one(preset: str, attention: str, mesh: str, args,
   row = dict(preset=preset, attention=attention, mesh=mesh, devices=devices,
              batch=batch, steps=args.steps, tokens_per_s=None, mfu=None,
              peak_bytes=None, final_loss=None, scaling_efficiency=None,
-             error=None)
+             wall_s=None, error=None)
   if os.path.exists(os.path.join(out, "log.jsonl")):
     os.remove(os.path.join(out, "log.jsonl"))
-  proc = subprocess.run(cmd, capture_output=True, text=True,
-                        env=_device_env(devices, backend))
+  start = time.perf_counter()
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          env=_device_env(devices, backend),
+                          timeout=args.run_timeout)
+  except subprocess.TimeoutExpired:
+    row["error"] = f"stopped after --run-timeout {args.run_timeout} s"
+    return row
+  finally:
+    row["wall_s"] = round(time.perf_counter() - start, 1)
   if proc.returncode != 0:
     tail = (proc.stderr or proc.stdout).strip().splitlines()
     row["error"] = (tail[-1] if tail else f"exit {proc.returncode}")[:300]
@@ -164,6 +173,9 @@ def main(argv=None) -> int:
   ap.add_argument("--remat", action="store_true",
                   help="pass --remat to train.py (the 1B preset at seq 8192"
                        " on one GPU)")
+  ap.add_argument("--run-timeout", type=float, default=None,
+                  help="seconds one training run may take (a row with an"
+                       " error after that)")
   ap.add_argument("--out", default=os.environ.get("OUT", "out/gpt-compare"))
   args = ap.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)

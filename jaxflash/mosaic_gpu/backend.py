@@ -60,16 +60,38 @@ def _interpret_params(interpret):
   return interpret  # an InterpretGPUParams instance
 
 
+def _device_kind() -> str:
+  return jax.devices()[0].device_kind
+
+
 def _resolve_config(config: MosaicConfig | None, interpret,
-                    dp: int, mask: MaskSpec) -> MosaicConfig:
+                    dp: int, mask: MaskSpec,
+                    deterministic: bool = False) -> MosaicConfig:
   """The caller's config, else the interpretable one or the tuned default
-  for this device kind, padded head_dim and call."""
+  for this device kind, padded head_dim and call.  ``deterministic``
+  turns the tuned default's TMA reduce-add dQ (``bwd_atomic_dq``, summed
+  in whatever order the programs finish) into the dQ kernel, which owns
+  its tiles and sums in a fixed order."""
   if config is not None:
+    check_deterministic(config, deterministic)
     return config
   if interpret:
     return INTERPRET_CONFIG
-  return default_config(jax.devices()[0].device_kind, dp,
-                        causal=mask.causal, kv_len=mask.kv_len)
+  config = default_config(_device_kind(), dp,
+                          causal=mask.causal, kv_len=mask.kv_len)
+  if deterministic and config.bwd_atomic_dq:
+    config = dataclasses.replace(config, bwd_atomic_dq=False)
+  return config
+
+
+def check_deterministic(config: MosaicConfig | None,
+                        deterministic: bool) -> None:
+  """ValueError when ``config`` asks for atomics that ``deterministic``
+  forbids."""
+  if deterministic and config is not None and config.bwd_atomic_dq:
+    raise ValueError(
+        "deterministic=True asks for bitwise-reproducible gradients, but"
+        f" the config sets bwd_atomic_dq=True (dQ by atomic adds): {config}")
 
 
 def _plan(q, k, mask: MaskSpec, softmax_scale: float,
@@ -152,12 +174,14 @@ def forward(q, k, v, arrays: MaskArrays, *, mask: MaskSpec,
 
 def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
              mask: MaskSpec, softmax_scale: float, logits_soft_cap=None,
-             config: MosaicConfig | None = None, interpret=False):
-  """The gradient ``(dq, dk, dv)`` from the forward's residuals."""
+             config: MosaicConfig | None = None, interpret=False,
+             deterministic: bool = False):
+  """The gradient ``(dq, dk, dv)`` from the forward's residuals;
+  bitwise reproducible when ``deterministic`` (no atomic dQ)."""
   B, T, H, D = q.shape
   S, K = k.shape[1], k.shape[2]
   dp = _head_dim_padded(D)
-  config = _resolve_config(config, interpret, dp, mask)
+  config = _resolve_config(config, interpret, dp, mask, deterministic)
   if dp > MAX_BWD_HEAD_DIM and not config.bwd_split_dkv:
     return triton_backend.backward(
         q, k, v, arrays, out, lse, dout, dlse, mask=mask,
@@ -228,17 +252,22 @@ def _check_interpreter_threads(config: MosaicConfig) -> None:
 
 def attention(q, k, v, *, mask: MaskSpec, arrays: MaskArrays = NO_MASK_ARRAYS,
               softmax_scale: float, logits_soft_cap: float | None = None,
-              config: MosaicConfig | None = None, interpret=False):
+              config: MosaicConfig | None = None, interpret=False,
+              deterministic: bool = False):
   """Flash attention with the Hopper forward kernel.
 
   ``interpret``: False (compile for the GPU), True, or a
   ``plgpu.InterpretGPUParams`` (e.g. with ``detect_races=True``).
-  Returns ``(out, lse)`` like the other backends.
+  ``deterministic``: bitwise-reproducible gradients (see
+  :func:`_resolve_config`).  Returns ``(out, lse)`` like the other
+  backends.
   """
   from jaxflash import op  # noqa: PLC0415 - op imports this module
+  check_deterministic(config, deterministic)
   return op.attention(q, k, v, arrays, op.OpParams(
       backend="mosaic_gpu", mask=mask, softmax_scale=float(softmax_scale),
-      logits_soft_cap=logits_soft_cap, config=config, interpret=interpret))
+      logits_soft_cap=logits_soft_cap, config=config, interpret=interpret,
+      deterministic=bool(deterministic)))
 
 
 def check_supported(q, k, v, *, arrays: MaskArrays,

@@ -102,8 +102,15 @@ def forward(q, k, v, arrays: MaskArrays, *, mask: MaskSpec,
 def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
              mask: MaskSpec, softmax_scale: float,
              logits_soft_cap: float | None = None,
-             config: TritonConfig | None = None, interpret: bool = False):
-  """The backward kernels from the forward's residuals: ``(dq, dk, dv)``."""
+             config: TritonConfig | None = None, interpret: bool = False,
+             deterministic: bool = False):
+  """The backward kernels from the forward's residuals: ``(dq, dk, dv)``.
+
+  Always bitwise reproducible (``deterministic`` is accepted for the
+  common interface): dQ and dK/dV are separate kernels that each own their
+  output tiles and sum in a fixed order, with no atomics.
+  """
+  del deterministic
   st = _plan(q, k, mask, arrays, softmax_scale, logits_soft_cap, config,
              interpret)
   prob = st.prob
