@@ -173,3 +173,27 @@ def test_mosaic_backward_lowers_for_cuda(shape, cfg, segments):
     kernels = re.findall(r"custom_call @(\w+)", lower())
     n = 3 + config.bwd_split_dkv - config.bwd_atomic_dq
     assert kernels == ["mosaic_gpu_v2"] * n, kernels
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["dq-kernel", "atomic"])
+def test_mosaic_backward_traces_without_effects(atomic):
+  """custom_partitioning (every sharded jit) cannot lower a jaxpr with
+  effects: the atomic-dQ buffer must be discharged state (run_state), not a
+  `jax.new_ref` (seen failing on two H200s)."""
+  from jaxflash import mosaic_gpu
+  from jaxflash.mosaic_gpu import backend
+  q, kv, _, _, mask = _mosaic_case((512, 512, 4, 2, 64, True, None))
+  lse = jax.ShapeDtypeStruct((2, 4, 512), jnp.float32)
+
+  def grads(q, k, v, out, lse, dout):
+    return backend.backward(
+        q, k, v, MaskArrays(), out, lse, dout, jnp.zeros_like(lse),
+        mask=mask, softmax_scale=0.125,
+        config=mosaic_gpu.MosaicConfig(bwd_atomic_dq=atomic))
+
+  jaxpr = jax.make_jaxpr(grads)(q, kv, kv, q, lse, q)
+  assert not jaxpr.effects, jaxpr.effects
+  text = jax.jit(grads).trace(q, kv, kv, q, lse, q).lower(
+      lowering_platforms=("cuda",)).as_text()
+  kernels = re.findall(r"custom_call @(\w+)", text)
+  assert kernels == ["mosaic_gpu_v2"] * (1 if atomic else 2), kernels

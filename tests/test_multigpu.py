@@ -138,6 +138,38 @@ def test_batch_and_head_sharding_is_local_and_exact(case, axis_type):
   assert not _collectives(hlo), sorted(_collectives(hlo))
 
 
+
+@pytest.mark.parametrize("deterministic", [True, False],
+                         ids=["deterministic", "atomic-dq"])
+def test_batch_sharding_at_head_dim_64(deterministic):
+  """head_dim 64, where the H200's default backward adds dQ by TMA
+  reduce-adds into a run_state buffer: the partitioned backward lowers
+  (a `jax.new_ref` there failed), equals the single-device result bitwise
+  with ``deterministic=True`` and to float32 summation-order noise
+  without."""
+  n = _num_devices()
+  mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
+  q, k, v = numerics.random_inputs(
+      jax.random.key(5), batch=2 * n, q_len=SEQ, kv_len=SEQ, heads=8,
+      kv_heads=2, head_dim=64, dtype=jnp.bfloat16)[:3]
+  do = jax.random.normal(jax.random.key(6), q.shape, jnp.bfloat16)
+
+  def fwd_bwd(q, k, v, do):
+    attend = functools.partial(jaxflash.flash_attention, causal=True,
+                               deterministic=deterministic, **KERNEL_KW)
+    out, vjp = jax.vjp(attend, q, k, v)
+    return (out, *vjp(do))
+
+  fn = jax.jit(fwd_bwd)
+  want = fn(q, k, v, do)
+  got = fn(*_shard(mesh, "data", None, q, k, v, do, None)[:4])
+  for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+    if deterministic or name != "dq":
+      _assert_bitwise(name, g, w)
+    else:
+      scale = float(jnp.max(jnp.abs(w.astype(jnp.float32))))
+      assert numerics.max_abs_diff(g, w) <= 2 ** -7 * scale, name
+
 @pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=lambda t: t.name)
 def test_mqa_head_sharding(axis_type):
   """One key/value head, query heads sharded: out and dQ exact; dK/dV

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from jaxflash import masks as masks_lib
 from jaxflash._device import require_cuda
@@ -221,10 +222,19 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
                           prob=prob, cfg=config, interpret=params)
   if config.bwd_atomic_dq:
     # dQ is summed over key tiles by TMA reduce-adds from the dK/dV kernel
-    # into this zeroed float32 buffer (the kernel writes it in place).
-    dq_acc = jax.new_ref(jnp.zeros(qp.shape, jnp.float32))
-    dk, dv = dkv(parts=("dk", "dv"), dq_acc=dq_acc)
-    dq = (dq_acc[...] * prob.softmax_scale).astype(q.dtype)
+    # into a zeroed float32 buffer that the kernel writes in place.  The
+    # buffer is a ref of `run_state`, which discharges the state: the
+    # traced backward has no effects, as custom_partitioning (sharded
+    # jit) requires -- a `jax.new_ref` there fails to lower ("Cannot lower
+    # jaxpr with effects").
+    def run(refs):
+      dq_ref, dk_ref, dv_ref = refs
+      dk_ref[...], dv_ref[...] = dkv(parts=("dk", "dv"), dq_acc=dq_ref)
+
+    kv_zeros = jnp.zeros(kp.shape, q.dtype)
+    dq_acc, dk, dv = pl.run_state(run)(
+        (jnp.zeros(qp.shape, jnp.float32), kv_zeros, kv_zeros))
+    dq = (dq_acc * prob.softmax_scale).astype(q.dtype)
   else:
     dq = bwd_lib.dq(qp, kp, vp, dop, lse2, delta, seg_dq, prob=prob,
                     cfg=config, interpret=params)
