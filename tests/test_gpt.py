@@ -251,3 +251,23 @@ def test_compare_script_run_timeout(tmp_path):
       "results"]
   assert rc == 1 and "--run-timeout 0.5" in row["error"]
   assert row["tokens_per_s"] is None and row["wall_s"] >= 0.5
+
+
+def test_compare_error_line_skips_jax_notes():
+  import compare
+  text = """Traceback (most recent call last):
+  File "train.py", line 3, in <module>
+ValueError: Cannot lower jaxpr with effects: {InternalMutableArrayEffect}
+
+The above exception was the direct cause of the following exception:
+
+jax.errors.JaxRuntimeError: INTERNAL: custom_partitioner: Traceback
+--------------------
+""" + ("For simplicity, JAX has removed its internal frames from the"
+       " traceback of the following exception.")
+  line = compare.error_line(text)
+  assert line.startswith("ValueError: Cannot lower jaxpr with effects")
+  assert line.endswith("JaxRuntimeError: INTERNAL: custom_partitioner:"
+                       " Traceback")
+  assert compare.error_line("just one line") == "just one line"
+  assert compare.error_line("") is None

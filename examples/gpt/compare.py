@@ -23,6 +23,7 @@ import datetime
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -55,6 +56,22 @@ def _device_env(n: int | None, backend: str) -> dict[str, str]:
     flags = [f for f in env.get("XLA_FLAGS", "").split() if flag not in f]
     env["XLA_FLAGS"] = " ".join([*flags, f"{flag}={n}"])
   return env
+
+
+# "SomeError: message" at the start of a line (a traceback's last frame).
+_ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Exit)\b.*:")
+
+
+def error_line(text: str) -> str | None:
+  """The telling lines of a failed run's output: the last two lines that
+  name an exception (a chained error and its cause), skipping JAX's note
+  about the frames it filtered, which comes last."""
+  lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+  named = [ln for ln in lines if _ERROR_LINE.match(ln)
+           and "JAX has removed its internal frames" not in ln]
+  if named:
+    return " | ".join(ln[:200] for ln in named[-2:])
+  return lines[-1][:300] if lines else None
 
 
 def run_one(preset: str, attention: str, mesh: str, args,
@@ -90,8 +107,11 @@ def run_one(preset: str, attention: str, mesh: str, args,
   finally:
     row["wall_s"] = round(time.perf_counter() - start, 1)
   if proc.returncode != 0:
-    tail = (proc.stderr or proc.stdout).strip().splitlines()
-    row["error"] = (tail[-1] if tail else f"exit {proc.returncode}")[:300]
+    text = (proc.stderr or proc.stdout).strip()
+    row["error"] = error_line(text) or f"exit {proc.returncode}"
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "stderr.txt"), "w") as f:
+      f.write(text)
     return row
   with open(os.path.join(out, "log.jsonl")) as f:
     recs = [json.loads(line) for line in f]
