@@ -88,14 +88,31 @@ def _chunks(x, parts: int):
   return jnp.split(x, parts, axis=1) if parts > 1 else [x]
 
 
+def _varying_axes(x) -> frozenset:
+  """The manual mesh axes ``x``'s type varies over (empty outside
+  shard_map or with check_vma=False)."""
+  return jax.typeof(x).mat.varying
+
+
 class _Ring:
   """Static description of one ring attention call."""
 
-  def __init__(self, axis_name, n, causal, zigzag, params_for):
+  def __init__(self, axis_name, n, causal, zigzag, params_for, typed):
     self.axis_name, self.n, self.causal = axis_name, n, causal
     self.zigzag = zigzag and causal
     self.parts = 2 if self.zigzag else 1
     self.params_for = params_for  # MaskSpec -> OpParams
+    # shard_map(check_vma=True): the blocks' types say they vary over the
+    # axis, and so must every value the loops and branches combine them
+    # with (zeros of skipped pairs, initial accumulators).
+    self.typed = typed
+
+  def vary(self, *xs):
+    """``xs`` typed as varying over the ring axis (under check_vma)."""
+    if not self.typed:
+      return xs
+    return tuple(x if self.axis_name in _varying_axes(x)
+                 else lax.pcast(x, self.axis_name, to="varying") for x in xs)
 
   def chunk_ids(self, dev):
     """Global chunk indices of the chunks device ``dev`` holds."""
@@ -122,8 +139,9 @@ def _pair_forward(ring: _Ring, rel, q, k, v, q_seg, k_seg):
     return out.astype(jnp.float32), lse
 
   def skip():
-    return (jnp.zeros(q.shape, jnp.float32),
-            jnp.full((q.shape[0], q.shape[2], t), -jnp.inf, jnp.float32))
+    return ring.vary(jnp.zeros(q.shape, jnp.float32),
+                     jnp.full((q.shape[0], q.shape[2], t), -jnp.inf,
+                              jnp.float32))
 
   return lax.switch(rel, [skip, lambda: run(True), lambda: run(False)])
 
@@ -141,8 +159,9 @@ def _pair_backward(ring: _Ring, rel, q, k, v, q_seg, k_seg, out, lse, dout,
             dv.astype(jnp.float32))
 
   def skip():
-    return (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
-            jnp.zeros(v.shape, jnp.float32))
+    return ring.vary(jnp.zeros(q.shape, jnp.float32),
+                     jnp.zeros(k.shape, jnp.float32),
+                     jnp.zeros(v.shape, jnp.float32))
 
   return lax.switch(rel, [skip, lambda: run(True), lambda: run(False)])
 
@@ -159,9 +178,10 @@ def _ring_forward(ring: _Ring, q, k, v, q_seg, kv_seg):
   qs_parts = _chunks(q_seg, ring.parts) if q_seg is not None else None
   q_ids = ring.chunk_ids(dev)
   B, T, H, _ = q.shape
-  outs = [jnp.zeros(x.shape, jnp.float32) for x in q_parts]
-  lses = [jnp.full((B, H, x.shape[1]), -jnp.inf, jnp.float32)
-          for x in q_parts]
+  outs = list(ring.vary(*(jnp.zeros(x.shape, jnp.float32)
+                           for x in q_parts)))
+  lses = list(ring.vary(*(jnp.full((B, H, x.shape[1]), -jnp.inf, jnp.float32)
+                          for x in q_parts)))
 
   def step(i, carry):
     outs, lses, k, v, kv_seg = carry
@@ -200,9 +220,9 @@ def _ring_backward(ring: _Ring, q, k, v, q_seg, kv_seg, out, lse, dout,
               else [dlse])
   qs_parts = split(q_seg) if q_seg is not None else None
   q_ids = ring.chunk_ids(dev)
-  dq = [jnp.zeros(x.shape, jnp.float32) for x in q_parts]
-  dk = jnp.zeros(k.shape, jnp.float32)
-  dv = jnp.zeros(v.shape, jnp.float32)
+  dq = list(ring.vary(*(jnp.zeros(x.shape, jnp.float32) for x in q_parts)))
+  dk, dv = ring.vary(jnp.zeros(k.shape, jnp.float32),
+                     jnp.zeros(v.shape, jnp.float32))
 
   def step(i, carry):
     dq, k, v, kv_seg, dk, dv = carry
@@ -315,6 +335,7 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
                            config=config, interpret=interpret,
                            deterministic=deterministic)
 
-  ring = _Ring(axis_name, n, causal, zigzag, params_for)
+  ring = _Ring(axis_name, n, causal, zigzag, params_for,
+               typed=axis_name in _varying_axes(q))
   out, lse = _ring(ring, q, k, v, q_seg, kv_seg)
   return (out, lse) if return_lse else out
