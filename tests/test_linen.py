@@ -139,6 +139,33 @@ def test_attention_fn_in_linen_mha():
   _close(plain.apply(p, x, mask=pad_mask), base.apply(p, x, mask=pad_mask))
 
 
+def test_deterministic_grads_reaches_flash_attention(monkeypatch):
+  """``deterministic_grads`` (module and attention_fn) is
+  flash_attention's ``deterministic``; Flax's ``deterministic`` (dropout)
+  is not."""
+  from jaxflash import api
+  seen = []
+  real = api.flash_attention
+
+  def spy(*args, **kw):
+    seen.append(kw["deterministic"])
+    return real(*args, **kw)
+
+  monkeypatch.setattr(api, "flash_attention", spy)
+  x = _x()
+  mod = FlashMultiHeadDotProductAttention(num_heads=4, causal=True,
+                                          deterministic_grads=True, **KERNEL)
+  p = mod.init(jax.random.key(1), x)
+  mod.apply(p, x, deterministic=False)
+  fn = make_attention_fn(causal=True, deterministic_grads=False, **KERNEL)
+  nn.MultiHeadDotProductAttention(num_heads=4, attention_fn=fn).apply(
+      p, x, deterministic=True)
+  assert seen == [True, True, False]
+  with pytest.raises(ValueError, match="deterministic must be a bool"):
+    make_attention_fn(deterministic_grads="yes", **KERNEL)(
+        x[..., None, :], x[..., None, :], x[..., None, :])
+
+
 def test_attention_fn_in_nnx_mha_with_decode():
   x = _x((2, 8, 32))
   kw = dict(num_heads=4, in_features=32, num_kv_heads=2, decode=False,
