@@ -5,7 +5,8 @@ Hopper structure of the forward kernel (arXiv 2407.08608): a producer
 warpgroup streams tiles with TMA into a ``bwd_stages``-deep shared-memory
 ring, ``bwd_compute_wgs`` consumer warpgroups run ``wgmma`` with float32
 accumulators in registers.  Two kernels and no atomics, so gradients are
-bitwise reproducible:
+bitwise reproducible (the default except at head_dim 64 on the H200, and
+always with ``deterministic=True``):
 
 * dK/dV: each consumer holds ``bwd_block_kv`` rows of K and V and streams
   the query tiles (Q, dO, log-sum-exp, delta) of every query head of its
@@ -31,7 +32,8 @@ With ``MosaicConfig.bwd_atomic_dq`` the dQ kernel is not run: the dK/dV
 kernel also computes each tile pair's ``dQ_t = dS K`` (``dS^T`` staged in
 shared memory is the transposed A operand) and adds it into a zeroed
 float32 buffer in global memory with a TMA reduce-add, as FlashAttention-3
-does (5 matmuls per tile pair instead of 7; not bitwise reproducible).
+does (5 matmuls per tile pair instead of 7; not bitwise reproducible;
+the buffer is a ``pl.run_state`` ref, see ``backend.backward``).
 
 ``dV``, ``dK`` and ``dQ`` accumulate in long-lived ``plgpu.ACC`` registers
 across the loop; ``P`` and ``dS`` feed the second matmuls from registers on
@@ -296,7 +298,7 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   kv_group_range)``.  ``parts=("dv",)`` and ``("dk",)`` split the work
   into two passes, each holding one float32 accumulator (head_dim > 128,
   where two do not fit in a warpgroup's registers).  ``dq_acc``: a
-  zeroed float32 ``jax.Ref`` shaped like ``q``, into which the kernel
+  zeroed float32 ref shaped like ``q``, into which the kernel
   adds ``dS K`` (unscaled; ``bwd_atomic_dq``)."""
   atomic_dq = dq_acc is not None
   if atomic_dq and tuple(parts) != ("dk", "dv"):

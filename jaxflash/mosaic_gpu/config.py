@@ -61,11 +61,12 @@ class MosaicConfig:
       reduce-add (``cp.reduce.async.bulk``), FlashAttention-3's scheme.
       5 matmuls per tile pair instead of 7 (the dQ kernel recomputes
       ``S`` and ``dP``), but the order of the float32 additions varies
-      from run to run, so gradients are not bitwise reproducible; off by
-      default (the two-kernel form is).  Needs dK and dV in one pass
-      (padded head_dim <= 128, ``bwd_split_dkv=False``) and a GPU (the
-      Mosaic GPU interpreter has no TMA reduction).  Lowering is tested
-      on CPU; not yet run on a GPU.
+      from run to run, so gradients are not bitwise reproducible.  The
+      H200 default at padded head_dim 64 (fwd+bwd +1-9%; it loses 8-16%
+      at 128), turned off by ``flash_attention(deterministic=True)``.
+      Needs dK and dV in one pass (padded head_dim <= 128,
+      ``bwd_split_dkv=False``) and a GPU (the Mosaic GPU interpreter has
+      no TMA reduction).
   """
 
   block_q: int = 64
