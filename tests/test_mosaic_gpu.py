@@ -207,6 +207,9 @@ def test_deterministic_turns_off_atomic_dq(monkeypatch):
                                implementation=impl, interpret=True)
   with pytest.raises(ValueError, match="deterministic must be a bool"):
     jaxflash.flash_attention(q, q, q, deterministic="yes")
+  with pytest.raises(ValueError, match="bwd_atomic_dq=True"):
+    jaxflash.dot_product_attention(q, q, q, config=atomic,
+                                   deterministic=True, interpret=True)
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
   assert api._deterministic(None)
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=false")
