@@ -124,6 +124,11 @@ def test_ring_argument_errors():
       out_specs=P(None, "context"), check_vma=False)(q, q, q)
   with pytest.raises(ValueError, match="implementation='xla'"):
     call(implementation="xla")
+  with pytest.raises(ValueError, match="bwd_atomic_dq=True"):
+    call(config=jaxflash.MosaicConfig(bwd_atomic_dq=True),
+         deterministic=True)
+  with pytest.raises(ValueError, match="deterministic must be a bool"):
+    call(deterministic="yes", interpret=True)
 
 
 def test_ring_bench_smoke(tmp_path, monkeypatch):
