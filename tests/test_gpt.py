@@ -271,3 +271,8 @@ jax.errors.JaxRuntimeError: INTERNAL: custom_partitioner: Traceback
                        " Traceback")
   assert compare.error_line("just one line") == "just one line"
   assert compare.error_line("") is None
+
+
+def test_every_preset_has_a_learning_rate():
+  assert set(train_lib.PEAK_LR) == set(model_lib.PRESETS)
+  assert train_lib.PEAK_LR["tiny"] == 3e-3  # what `make demo` was tuned on
