@@ -338,6 +338,13 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
   deterministic = api._deterministic(deterministic)  # noqa: SLF001
   if implementation == "mosaic_gpu":
     mosaic_backend.check_deterministic(config, deterministic)
+    if interpret:
+      # The ring calls the kernels directly (no dispatch): refuse here,
+      # with the reason, what the Mosaic GPU interpreter cannot run (it
+      # fails inside shard_map over several devices).
+      mosaic_backend.check_supported(q, k, v, arrays=MaskArrays(),
+                                     logits_soft_cap=None, config=config,
+                                     interpret=interpret)
 
   def params_for(spec):
     return op_lib.OpParams(backend=implementation, mask=spec,

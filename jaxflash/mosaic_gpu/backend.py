@@ -280,6 +280,18 @@ def attention(q, k, v, *, mask: MaskSpec, arrays: MaskArrays = NO_MASK_ARRAYS,
       deterministic=bool(deterministic)))
 
 
+def _manual_devices() -> int:
+  """Devices of the enclosing shard_map's manual axes (1 outside)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return 1
+  shape = dict(mesh.shape)
+  n = 1
+  for axis in mesh.manual_axes:
+    n *= shape[axis]
+  return n
+
+
 def check_supported(q, k, v, *, arrays: MaskArrays,
                     logits_soft_cap: float | None, config, interpret) -> None:
   """Raises NotImplementedError when this backend cannot serve the call."""
@@ -300,6 +312,13 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
       raise NotImplementedError(
           "bwd_atomic_dq=True needs a GPU: the Mosaic GPU interpreter has"
           " no TMA reduce-add")
+    manual = _manual_devices()
+    if manual > 1:
+      raise NotImplementedError(
+          f"the Mosaic GPU interpreter inside shard_map over {manual}"
+          " devices: jax 0.11.2's interpreter fails there (a barrier left"
+          " allocated, seen in tests); run the Triton kernels in interpret"
+          " mode instead")
     return
   require_cuda("mosaic_gpu", "an sm90 GPU (compute capability 9.x, Hopper)",
                lambda cc: cc.startswith("9"),
