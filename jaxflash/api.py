@@ -20,7 +20,6 @@ serve the call raises that error to the caller, never falls back.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflash import mosaic_gpu as mosaic_backend
+from jaxflash import op as op_lib
 from jaxflash import reference
 from jaxflash import triton as triton_backend
 from jaxflash.masks import MaskArrays, MaskSpec
@@ -318,19 +318,6 @@ def flash_attention(
       deterministic=deterministic)
 
 
-def _deterministic(value) -> bool:
-  """``deterministic`` resolved: None follows XLA's own switch for
-  reproducible GPU reductions, ``--xla_gpu_deterministic_ops``."""
-  if value is None:
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    return any(f.lower() in ("--xla_gpu_deterministic_ops",
-                             "--xla_gpu_deterministic_ops=true")
-               for f in flags)
-  if not isinstance(value, (bool, np.bool_)):
-    raise ValueError(f"deterministic must be a bool or None, got {value!r}")
-  return bool(value)
-
-
 def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
                q_seq_lengths, kv_seq_lengths, logits_soft_cap, softmax_scale,
                return_lse, implementation, config, interpret, deterministic):
@@ -353,7 +340,7 @@ def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
   mask = MaskSpec(q_len=q.shape[1], kv_len=k.shape[1], causal=bool(causal),
                   offset=offset, window_left=left, window_right=right)
   arrays = _mask_arrays(q, k, segment_ids, q_seq_lengths, kv_seq_lengths)
-  deterministic = _deterministic(deterministic)
+  deterministic = op_lib.resolve_deterministic(deterministic)
   if isinstance(config, mosaic_backend.MosaicConfig):
     mosaic_backend.check_deterministic(config, deterministic)
 

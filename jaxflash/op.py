@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -50,6 +52,20 @@ class OpParams:
   # Bitwise-reproducible gradients: backends whose fastest backward sums
   # with atomics (Mosaic GPU's bwd_atomic_dq) use their fixed-order form.
   deterministic: bool = False
+
+
+def resolve_deterministic(value) -> bool:
+  """The ``deterministic`` argument resolved: None follows XLA's own
+  switch for reproducible GPU reductions, ``--xla_gpu_deterministic_ops``
+  in ``XLA_FLAGS``."""
+  if value is None:
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return any(f.lower() in ("--xla_gpu_deterministic_ops",
+                             "--xla_gpu_deterministic_ops=true")
+               for f in flags)
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"deterministic must be a bool or None, got {value!r}")
+  return bool(value)
 
 
 def _module(backend: str):

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxflash import api, triton
 from jaxflash import op as op_lib
+from jaxflash import triton
 from jaxflash.masks import MaskArrays, MaskSpec
 from jaxflash.mosaic_gpu import backend as mosaic_backend
 
@@ -335,7 +335,7 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
                      else (segment_ids, segment_ids))
     q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
 
-  deterministic = api._deterministic(deterministic)  # noqa: SLF001
+  deterministic = op_lib.resolve_deterministic(deterministic)
   if implementation == "mosaic_gpu":
     mosaic_backend.check_deterministic(config, deterministic)
     if interpret:

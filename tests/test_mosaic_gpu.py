@@ -191,7 +191,7 @@ def test_deterministic_turns_off_atomic_dq(monkeypatch):
   """deterministic=True: the tuned default's atomic dQ becomes the dQ
   kernel; a config that asks for atomics conflicts (ValueError); None
   follows XLA's --xla_gpu_deterministic_ops."""
-  from jaxflash import api
+  from jaxflash import op
   from jaxflash.masks import MaskSpec
   from jaxflash.mosaic_gpu import backend
   monkeypatch.setattr(backend, "_device_kind", lambda: "NVIDIA H200")
@@ -213,11 +213,11 @@ def test_deterministic_turns_off_atomic_dq(monkeypatch):
     jaxflash.dot_product_attention(q, q, q, config=atomic,
                                    deterministic=True, interpret=True)
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
-  assert api._deterministic(None)
+  assert op.resolve_deterministic(None)
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=false")
-  assert not api._deterministic(None)
+  assert not op.resolve_deterministic(None)
   monkeypatch.delenv("XLA_FLAGS")
-  assert not api._deterministic(None) and api._deterministic(True)
+  assert not op.resolve_deterministic(None) and op.resolve_deterministic(True)
 
 
 def test_atomic_dq_needs_one_pass_and_a_gpu():
