@@ -21,7 +21,8 @@ echo "${JAXFLASH_COMMIT:-$(git log --oneline -1 2>/dev/null)}" \
   | tee "$out/commit.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  n=8; python3 -c 'import xdist' 2>/dev/null || n=0
+  # XDIST=0 for tests that use every GPU (tests/test_multigpu.py).
+  n=${XDIST:-8}; python3 -c 'import xdist' 2>/dev/null || n=0
   # -v: one line per finished test, so a run stopped by the timeout still
   # says which tests passed.  TESTS picks files (default: all of tests/).
   timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m gpu ${TESTS:-tests} \
