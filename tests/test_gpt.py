@@ -276,3 +276,18 @@ jax.errors.JaxRuntimeError: INTERNAL: custom_partitioner: Traceback
 def test_every_preset_has_a_learning_rate():
   assert set(train_lib.PEAK_LR) == set(model_lib.PRESETS)
   assert train_lib.PEAK_LR["tiny"] == 3e-3  # what `make demo` was tuned on
+
+
+def test_mfu_counts_every_device(monkeypatch):
+  """MFU is the fraction of all devices' peak: twice the devices at the
+  same global tokens/s is half the utilisation."""
+  class Dev:
+    device_kind = "NVIDIA H200"
+  monkeypatch.setattr(train_lib.jax, "devices", lambda: [Dev()])
+  monkeypatch.setattr(train_lib.jax, "device_count", lambda: 1)
+  one = train_lib._mfu(1e5, 1e9)
+  np.testing.assert_allclose(one, 1e14 / 989e12)
+  monkeypatch.setattr(train_lib.jax, "device_count", lambda: 2)
+  np.testing.assert_allclose(train_lib._mfu(1e5, 1e9), one / 2)
+  Dev.device_kind = "cpu"
+  assert np.isnan(train_lib._mfu(1e5, 1e9))

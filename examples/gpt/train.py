@@ -295,9 +295,7 @@ def main(argv=None):
       done = 10 if step > start else 1
       tps = tokens_per_step * done / (now - t_last)
       t_last = now
-      peak = jax.devices()[0].device_kind
-      mfu = tps * cfg.flops_per_token() / _peak_flops(peak) if _peak_flops(
-          peak) else float("nan")
+      mfu = _mfu(tps, cfg.flops_per_token())
       rec = dict(step=step, loss=loss, lr=float(schedule(step)),
                  tokens_per_s=tps, mfu=mfu, peak_bytes=_peak_bytes())
       if args.eval_every and (step % args.eval_every == 0
@@ -341,6 +339,16 @@ _PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 def _peak_flops(kind: str):
   return next((v for k, v in _PEAKS.items() if k in kind), None)
+
+
+def _mfu(tokens_per_s: float, flops_per_token: float) -> float:
+  """Model FLOPs utilisation of all devices together: the global
+  tokens/s times the model FLOPs per token over the peak of every device
+  (NaN where the device's peak is unknown, e.g. CPU)."""
+  peak = _peak_flops(jax.devices()[0].device_kind)
+  if not peak:
+    return float("nan")
+  return tokens_per_s * flops_per_token / (jax.device_count() * peak)
 
 
 def _plot(history, path):
