@@ -134,8 +134,9 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
     dict(bwd_split_dkv=True, bwd_compute_wgs=1),
     dict(bwd_atomic_dq=True),
     dict(bwd_atomic_dq=True, p_in_smem=True, bwd_compute_wgs=1),
+    dict(bwd_atomic_dq=True, bwd_shared_dq=True),
 ], ids=["default", "p-in-smem", "one-wg", "deep", "split", "atomic-dq",
-        "atomic-dq-p-in-smem-one-wg"])
+        "atomic-dq-p-in-smem-one-wg", "shared-dq"])
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),
@@ -164,6 +165,10 @@ def test_mosaic_backward_lowers_for_cuda(shape, cfg, segments):
   dp = -(-d // 64) * 64
   if dp > 128 and not config.bwd_split_dkv:
     pytest.skip("the gradient runs the Triton kernels here (test above)")
+  if config.bwd_shared_dq and dp % 128:
+    with pytest.raises(NotImplementedError, match="multiple of 128"):
+      lower()
+    return
   if needed_smem_bytes(config, dp) > 227 * 1024:
     with pytest.raises(Exception, match="exceeds available shared memory"):
       lower()

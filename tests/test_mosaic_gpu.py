@@ -122,6 +122,9 @@ GPU_CONFIGS = {
     "atomic-dq": mosaic_gpu.MosaicConfig(bwd_atomic_dq=True),
     "atomic-dq-one-wg": mosaic_gpu.MosaicConfig(
         bwd_atomic_dq=True, bwd_compute_wgs=1, bwd_block_kv=128),
+    # The two consumers share each tile's dQ (padded head_dim 128 only).
+    "shared-dq": mosaic_gpu.MosaicConfig(bwd_atomic_dq=True,
+                                         bwd_shared_dq=True),
 }
 
 
@@ -131,6 +134,9 @@ GPU_CONFIGS = {
 def test_gpu(case, cfg):
   config = GPU_CONFIGS[cfg]
   dp = -(-case[5] // 64) * 64
+  if config is not None and config.bwd_shared_dq and dp != 128:
+    pytest.skip("bwd_shared_dq serves padded head_dim 128 only (its"
+                " refusal elsewhere: test_shared_dq_validation)")
   if config is not None:
     need = needed_smem_bytes(config, dp)
     if need > 227 * 1024:
@@ -176,9 +182,12 @@ def test_default_config_rules():
   d256 = dflt(256, causal=True, kv_len=8192)
   assert d256.bwd_split_dkv and d256.bwd_compute_wgs == 1
   assert not dflt(128).bwd_split_dkv
-  # dQ by TMA reduce-add: measured faster at padded head_dim 64 only.
+  # dQ by TMA reduce-add at padded head_dim 64; at 128 shared between the
+  # two consumers (the per-consumer form lost there).
   assert dflt(64).bwd_atomic_dq and dflt(32, causal=True).bwd_atomic_dq
-  assert not dflt(128).bwd_atomic_dq and not dflt(256).bwd_atomic_dq
+  assert not dflt(64).bwd_shared_dq
+  assert dflt(128).bwd_shared_dq and dflt(96, causal=True).bwd_shared_dq
+  assert not dflt(256).bwd_atomic_dq
   # Unlisted devices: the persistent rule is the H200's alone; the split
   # backward at head_dim 256 is carried over.
   other = functools.partial(mosaic_gpu.default_config, "some future GPU")
@@ -230,9 +239,29 @@ def test_atomic_dq_needs_one_pass_and_a_gpu():
         config=dataclasses.replace(ONE_WG, bwd_atomic_dq=True))
 
 
+def test_shared_dq_validation():
+  """bwd_shared_dq shares the atomic dQ of two consumers (ValueError
+  otherwise) in halves of 64 columns (NotImplementedError below padded
+  head_dim 128); deterministic=True turns both off."""
+  for bad in [dict(bwd_shared_dq=True),
+              dict(bwd_shared_dq=True, bwd_atomic_dq=True,
+                   bwd_compute_wgs=1, bwd_block_kv=128)]:
+    with pytest.raises(ValueError, match="bwd_shared_dq=True"):
+      mosaic_gpu.MosaicConfig(**bad)
+  shared = mosaic_gpu.MosaicConfig(bwd_atomic_dq=True, bwd_shared_dq=True)
+  q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="multiple of 128, got 64"):
+    jaxflash.flash_attention(q, q, q, implementation="mosaic_gpu",
+                             interpret=True, config=shared)
+  with pytest.raises(ValueError, match="bwd_atomic_dq=True"):
+    jaxflash.flash_attention(q, q, q, implementation="mosaic_gpu",
+                             config=shared, deterministic=True)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["atomic", "shared"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_atomic_dq_matches_deterministic(causal):
+def test_gpu_atomic_dq_matches_deterministic(causal, variant):
   """The TMA reduce-add dQ agrees with the two-kernel dQ to float32
   summation-order noise (dK and dV come from the same kernel code)."""
   args = numerics.random_inputs(jax.random.key(3), batch=2, q_len=1000,
@@ -247,7 +276,8 @@ def test_gpu_atomic_dq_matches_deterministic(causal):
 
   base = mosaic_gpu.MosaicConfig()
   want = grads(base)
-  got = grads(dataclasses.replace(base, bwd_atomic_dq=True))
+  got = grads(dataclasses.replace(base, bwd_atomic_dq=True,
+                                  bwd_shared_dq=variant == "shared"))
   for name, g, w in zip("qkv", got, want):
     scale = float(jnp.max(jnp.abs(w.astype(jnp.float32))))
     err = numerics.max_abs_diff(g, w)

@@ -33,7 +33,11 @@ kernel also computes each tile pair's ``dQ_t = dS K`` (``dS^T`` staged in
 shared memory is the transposed A operand) and adds it into a zeroed
 float32 buffer in global memory with a TMA reduce-add, as FlashAttention-3
 does (5 matmuls per tile pair instead of 7; not bitwise reproducible;
-the buffer is a ``pl.run_state`` ref, see ``backend.backward``).
+the buffer is a ``pl.run_state`` ref, see ``backend.backward``).  With
+``MosaicConfig.bwd_shared_dq`` the two consumers share that ``dS K``
+(FlashAttention-3's layout): each stages its ``dS^T`` in shared memory
+and, once both are written, computes half of the head_dim columns over
+both consumers' keys (:func:`_dk_and_shared_dq`).
 
 ``dV``, ``dK`` and ``dQ`` accumulate in long-lived ``plgpu.ACC`` registers
 across the loop; ``P`` and ``dS`` feed the second matmuls from registers on
@@ -154,6 +158,46 @@ def _dk_and_atomic_dq(ds, ds_smem, dq_smem, q_t, dk_acc, k_smem, dq_dst, *,
   plgpu.copy_smem_to_gmem(dq_smem, dq_dst, reduction_op="add")
 
 
+def _dk_and_shared_dq(ds, q_t, dk_acc, *, buf, wg, ds_smem2, ds_ready,
+                      k_smem2, dq_smem, dq_dst, dtype, prob: Problem):
+  """``dK += dS^T Q`` and this consumer's half of ``dQ[tile] += dS K``
+  (bwd_shared_dq, FlashAttention-3's layout).
+
+  Consumer ``wg`` writes its ``dS^T`` (zeros when ``ds`` is None: it
+  skips the tile, but its half of dQ still sums the other consumer's
+  keys) into ``ds_smem2[buf, wg]`` and arrives on ``ds_ready[buf]``;
+  once both arrived, it computes head_dim columns ``[wg * D/2, (wg + 1) *
+  D/2)`` of ``dS K`` over the keys of both consumers (``sum_j dS_j
+  K_j``) and reduce-adds them into ``dq_dst``.  The two ``buf`` buffers
+  alternate by ring step: a consumer rewrites ``ds_smem2[buf]`` two steps
+  later, after the other consumer arrived on the step in between, that
+  is after its matmuls of this step completed.
+  """
+  n, bk, bq = ds_smem2.shape[1:]
+  own = ds_smem2.at[buf, wg]
+  if ds is None:
+    ds = plgpu.layout_cast(jnp.full((bk, bq), 0, dtype), plgpu.Layout.WGMMA)
+  own[...] = ds.astype(dtype)
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(ds_ready.at[buf])
+  if dk_acc is not None:
+    plgpu.wgmma(dk_acc, own, q_t)  # dK += dS^T Q
+  plgpu.barrier_wait(ds_ready.at[buf])
+  half = prob.head_dim_padded // 2
+  cols = pl.ds(wg * half, half)
+
+  def dq_tile(acc):
+    for j in range(n):  # dS K = sum over the consumers' key rows
+      plgpu.wgmma(acc, ds_smem2.at[buf, j].T, k_smem2.at[j, :, cols])
+    return acc[...]
+
+  dq_t = pl.run_scoped(dq_tile, plgpu.ACC((bq, half), jnp.float32))
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  dq_smem[...] = dq_t
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(dq_smem, dq_dst.at[:, cols], reduction_op="add")
+
+
 # -- dK / dV ------------------------------------------------------------------
 
 def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
@@ -166,7 +210,10 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
    free, *extra) = refs[len(parts):]
   want_dk, want_dv = "dk" in parts, "dv" in parts
   a_smem2 = extra.pop(0) if cfg.p_in_smem else None
-  if atomic_dq:
+  shared_dq = atomic_dq and cfg.bwd_shared_dq
+  if shared_dq:
+    ds_smem2, dq_smem2, ds_ready = extra
+  elif atomic_dq:
     ds_smem2 = a_smem2 if a_smem2 is not None else extra.pop(0)
     dq_smem2 = extra.pop(0)
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
@@ -189,8 +236,10 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     pipeline.split_registers(False, cfg.bwd_compute_wgs)
     k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
     a_smem = None if a_smem2 is None else a_smem2.at[wg]
+    if atomic_dq and not shared_dq:
+      ds_smem = ds_smem2.at[wg]
     if atomic_dq:
-      ds_smem, dq_smem = ds_smem2.at[wg], dq_smem2.at[wg]
+      dq_smem = dq_smem2.at[wg]
     k_start = group_start + wg * bk
     rows = (b, pl.ds(k_start, bk), kh)
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[wg])
@@ -229,18 +278,32 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
         plgpu.wgmma(accs["dv"], _a_operand(p, a_smem, dtype), do_t)
         if a_smem is not None and want_dk:
           plgpu.wgmma_wait(0)  # the staging buffer is reused for dS^T
-      if atomic_dq:  # (with p_in_smem, the wait above freed P's buffer)
+      if shared_dq:
+        _dk_and_shared_dq(ds, q_t, accs["dk"], **shared_kw(step, t, g))
+      elif atomic_dq:  # (with p_in_smem, the wait above freed P's buffer)
         _dk_and_atomic_dq(ds, ds_smem, dq_smem, q_t, accs["dk"], k_smem,
-                          dq_acc_ref.at[b, pl.ds(t * bq, bq),
-                                        kh * group_size + g],
-                          dtype=dtype, prob=prob)
+                          dq_dst(t, g), dtype=dtype, prob=prob)
       elif want_dk:  # dK += dS^T Q
         plgpu.wgmma(accs["dk"], _a_operand(ds, a_smem, dtype), q_t)
       plgpu.wgmma_wait(0)
       plgpu.barrier_arrive(free.at[slot])
       return carry
 
-    skip = pipeline.acknowledge(ready, free, stages)
+    def dq_dst(t, g):  # the query tile's rows of dQ (float32, padded)
+      return dq_acc_ref.at[b, pl.ds(t * bq, bq), kh * group_size + g]
+
+    def shared_kw(step, t, g):
+      return dict(buf=lax.rem(step, 2), wg=wg, ds_smem2=ds_smem2,
+                  ds_ready=ds_ready, k_smem2=k_smem2, dq_smem=dq_smem,
+                  dq_dst=dq_dst(t, g), dtype=dtype, prob=prob)
+
+    acknowledge = pipeline.acknowledge(ready, free, stages)
+
+    def skip(step, carry, *, g):
+      if shared_dq:  # the other consumer's keys still need this dQ half
+        t = u_lo + step - g * n_tiles
+        _dk_and_shared_dq(None, None, None, **shared_kw(step, t, g))
+      return acknowledge(step, carry)
 
     own = mask.q_block_range(k_start, bk, bq)
 
@@ -252,7 +315,8 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
         pipeline.tile_loop(
             u_lo, u_hi, own, first_step=g * n_tiles,
             compute=functools.partial(compute, accs=accs, g=g),
-            skip=skip, element_mask_everywhere=range_ref is not None)
+            skip=functools.partial(skip, g=g),
+            element_mask_everywhere=range_ref is not None)
       return tuple(a[...] for a in acc_refs)
 
     acc = plgpu.ACC((bk, prob.head_dim_padded), jnp.float32)
@@ -320,9 +384,19 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
                     num_barriers=cfg.bwd_stages),            # slot full
       plgpu.Barrier(num_arrivals=n, num_barriers=cfg.bwd_stages),  # slot free
   ]
-  if cfg.p_in_smem or atomic_dq:  # P (and dS^T) staged for wgmma
+  shared_dq = atomic_dq and cfg.bwd_shared_dq
+  if shared_dq and (n != 2 or dp % 128):
+    raise NotImplementedError(
+        f"bwd_shared_dq needs two consumers and a padded head_dim that is a"
+        f" multiple of 128 (halves of whole swizzled tiles), got"
+        f" bwd_compute_wgs={n}, head_dim {dp}")
+  if cfg.p_in_smem or (atomic_dq and not shared_dq):  # P (and dS^T) staged
     scratch.append(plgpu.SMEM((n, bk, bq), dtype, **tiled))
-  if atomic_dq:  # one float32 dS K tile per consumer
+  if shared_dq:  # both consumers' dS^T, double-buffered; half-width dQ
+    scratch += [plgpu.SMEM((2, n, bk, bq), dtype, **tiled),
+                plgpu.SMEM((n, bq, dp // 2), jnp.float32, **TILED_F32),
+                plgpu.Barrier(num_arrivals=n, num_barriers=2)]
+  elif atomic_dq:  # one float32 dS K tile per consumer
     scratch.append(plgpu.SMEM((n, bq, dp), jnp.float32, **TILED_F32))
   out_type = [out_struct(k.shape, dtype, q, k, v) for _ in parts]
   return pipeline.launch(

@@ -67,6 +67,15 @@ class MosaicConfig:
       Needs dK and dV in one pass (padded head_dim <= 128,
       ``bwd_split_dkv=False``) and a GPU (the Mosaic GPU interpreter has
       no TMA reduction).
+    bwd_shared_dq: with ``bwd_atomic_dq`` and two consumers, share each
+      tile pair's dQ between them as FlashAttention-3 does: both stage
+      their ``dS^T`` in shared memory (double-buffered, a barrier says
+      both are written), and consumer ``w`` computes head_dim columns
+      ``[w * D/2, (w + 1) * D/2)`` of ``dS K`` over both consumers' keys.
+      Against one full-width ``dS K`` per consumer: half the float32 dQ
+      registers (the suspected cause of atomic dQ's loss at head_dim 128)
+      and half the reduce-add traffic to global memory.  Needs padded
+      head_dim 128 (a half of 64 columns is one swizzled tile).
   """
 
   block_q: int = 64
@@ -82,6 +91,7 @@ class MosaicConfig:
   bwd_compute_wgs: int = 2
   bwd_split_dkv: bool = False
   bwd_atomic_dq: bool = False
+  bwd_shared_dq: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
@@ -99,6 +109,13 @@ class MosaicConfig:
       raise ValueError(
           "bwd_atomic_dq=True needs dK and dV in one pass of the dK/dV"
           " kernel (it reuses that pass's dS), got bwd_split_dkv=True")
+    if self.bwd_shared_dq and not (self.bwd_atomic_dq
+                                   and self.bwd_compute_wgs == 2):
+      raise ValueError(
+          "bwd_shared_dq=True shares the atomic dQ between two consumers:"
+          " it needs bwd_atomic_dq=True and bwd_compute_wgs=2, got"
+          f" bwd_atomic_dq={self.bwd_atomic_dq},"
+          f" bwd_compute_wgs={self.bwd_compute_wgs}")
 
   def smem_bytes(self, head_dim_padded: int, itemsize: int = 2) -> int:
     """Shared memory the forward kernel allocates."""
@@ -118,6 +135,11 @@ class MosaicConfig:
            + self.bwd_stages * (2 * bq * head_dim_padded * itemsize + 8 * bq)
            + a_op)
     dkv_buffers = 6 + self.p_in_smem
+    if self.bwd_shared_dq:
+      # Both consumers' dS^T, double-buffered, and a float32 half-width
+      # dQ tile per consumer.
+      dkv += 2 * n * bk * bq * itemsize + n * bq * head_dim_padded // 2 * 4
+      return dkv + _reserved(dkv_buffers + 3)
     if self.bwd_atomic_dq:
       # dS^T staged per consumer (the dQ matmul's transposed A operand)
       # unless P's buffer exists, and one float32 dQ tile per consumer.
