@@ -183,10 +183,14 @@ def test_default_config_rules():
   assert d256.bwd_split_dkv and d256.bwd_compute_wgs == 1
   assert not dflt(128).bwd_split_dkv
   # dQ by TMA reduce-add at padded head_dim 64; at 128 shared between the
-  # two consumers (the per-consumer form lost there).
+  # two consumers (the per-consumer form lost there), for non-causal calls
+  # only (causal ones keep the dQ kernel: causal_overrides).
   assert dflt(64).bwd_atomic_dq and dflt(32, causal=True).bwd_atomic_dq
   assert not dflt(64).bwd_shared_dq
-  assert dflt(128).bwd_shared_dq and dflt(96, causal=True).bwd_shared_dq
+  assert dflt(128).bwd_shared_dq and dflt(96, kv_len=4096).bwd_shared_dq
+  shared_off = dflt(128, causal=True, kv_len=8192)
+  assert not shared_off.bwd_atomic_dq and not shared_off.bwd_shared_dq
+  assert shared_off.block_kv == dflt(128).block_kv  # only the overrides
   assert not dflt(256).bwd_atomic_dq
   # Unlisted devices: the persistent rule is the H200's alone; the split
   # backward at head_dim 256 is carried over.

@@ -7,8 +7,8 @@ forward, or of the gradient, with the tuned default config; no GPU
 needed).  Equal hashes at two commits mean the same kernels were built,
 so a GPU figure measured at one holds for the other.  The config's own
 repr is left out (new config fields with defaults do not change a
-kernel), and so is ``OpParams.deterministic``.  ``--against COMMIT`` runs the same cases in a worktree of that
-commit and compares.
+kernel), and so is ``OpParams.deterministic``.  ``--against COMMIT``
+runs the same cases in a worktree of that commit and compares.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ CASES = [
     ("d64-full-fwd", 64, False, False, None, False),
     ("d128-full-fwd", 128, False, False, None, False),
     ("d128-causal-grad", 128, True, False, None, True),
+    ("d128-full-grad", 128, False, False, None, True),
     ("d64-segments-causal-grad", 64, True, True, None, True),
     ("d96-window-grad", 96, False, False, (50, 0), True),
     ("d256-causal-fwd", 256, True, False, None, False),

@@ -198,7 +198,8 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
   """The tuned entry for this device kind and head_dim (nearest larger
   head_dim; the ``default`` kind when the device is not listed).
 
-  An entry's ``persistent_max_kv`` rule turns on the persistent forward
+  An entry's ``causal_overrides`` replace its fields for causal calls.
+  Its ``persistent_max_kv`` rule turns on the persistent forward
   for calls with at most that many keys (per causal setting): measured on
   the H200, it pays where the key loop is short and the prologue and
   epilogue it overlaps are a large share of a program, and loses on
@@ -209,6 +210,11 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
   dims = sorted(int(d) for d in entries)
   pick = next((d for d in dims if d >= head_dim_padded), dims[-1])
   fields = dict(entries[str(pick)])
+  # Fields that differ for causal calls (e.g. the shared atomic dQ loses
+  # there, measured on the H200).
+  causal_overrides = fields.pop("causal_overrides", {})
+  if causal:
+    fields.update(causal_overrides)
   rule = fields.pop("persistent_max_kv", {})
   limit = rule.get("causal" if causal else "noncausal")
   if kv_len is not None and limit is not None and kv_len <= limit:
