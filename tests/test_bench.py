@@ -174,3 +174,32 @@ def test_cpu_smoke_end_to_end(tmp_path, capsys):
   assert "segment ids" in by[("xla", "fwd", 64)]["error"]
   assert (tmp_path / "s.md").exists() and (tmp_path / "s.png").exists()
   assert bench_main.main(["--impls", "nope", "--cpu-smoke"]) == 2
+
+
+def test_mosaic_variants_are_rows_of_the_same_run(tmp_path, monkeypatch):
+  """--mosaic-variants adds one row per named config override, timed with
+  the others (here the interpretable config, on CPU); bad specs exit 2."""
+  if jax.default_backend() == "gpu":
+    pytest.skip("CPU path")
+  seen = {}
+  make = impls.mosaic_variant
+
+  def spy(overrides):
+    seen.update(overrides)
+    return make(overrides)
+
+  monkeypatch.setattr(impls, "mosaic_variant", spy)
+  interpretable = ("one:compute_wgs=1,p_in_smem=1,schedule_barrier=0,"
+                   "bwd_compute_wgs=1")
+  rc = bench_main.main(["--cpu-smoke", "--out", str(tmp_path), "--name", "v",
+                        "--impls", "jaxflash-xla", "--mode", "fwd",
+                        "--causal", "off", "--samples", "1",
+                        "--mosaic-variants", interpretable])
+  assert rc == 0
+  assert seen == dict(compute_wgs=1, p_in_smem=True, schedule_barrier=False,
+                      bwd_compute_wgs=1)
+  _, rows = report.read_json(str(tmp_path / "v.json"))
+  variant = [r for r in rows if r["impl"] == "jaxflash-mosaic_gpu[one]"]
+  assert len(variant) == 2 and all(r["error"] is None for r in variant)
+  for bad in ["noname", "x:not_a_field=1", "x:bwd_stages=three"]:
+    assert bench_main.main(["--cpu-smoke", "--mosaic-variants", bad]) == 2

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 import jaxflash
 from jaxflash.bench import core
-from jaxflash.mosaic_gpu.config import needed_smem_bytes
+from jaxflash.mosaic_gpu.config import needed_smem_bytes, parse_overrides
 
 
 def candidates(head_dim, full=False):
@@ -57,21 +57,12 @@ def bwd_candidates(head_dim):
 
 
 def parse_variants(text):
-  """``"a=1,b=2;c=0"`` -> [{"a": 1, "b": 2}, {"c": 0}] (ints; 0/1 for
-  booleans are turned into bools by the field's type)."""
-  out = []
-  for part in filter(None, (p.strip() for p in text.split(";"))):
-    kw = {}
-    for item in part.split(","):
-      name, _, val = item.partition("=")
-      field = {f.name: f for f in
-               dataclasses.fields(jaxflash.MosaicConfig)}.get(name.strip())
-      if field is None:
-        raise SystemExit(f"unknown MosaicConfig field {name!r}")
-      val = int(val)
-      kw[field.name] = bool(val) if field.type in (bool, "bool") else val
-    out.append(kw)
-  return out
+  """``"a=1,b=2;c=0"`` -> [{"a": 1, "b": 2}, {"c": 0}]
+  (:func:`jaxflash.mosaic_gpu.config.parse_overrides` per variant)."""
+  try:
+    return [parse_overrides(part) for part in text.split(";") if part.strip()]
+  except ValueError as e:
+    raise SystemExit(str(e)) from None
 
 
 def variant_configs(head_dim, variants, *, causal, kv_len):

@@ -47,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--mode", default="both", choices=["fwd", "fwd_bwd", "both"])
   p.add_argument("--impls", default=None,
                  help=f"comma-separated subset of {', '.join(impls.IMPLS)}")
+  p.add_argument("--mosaic-variants", default="",
+                 help="extra Hopper-kernel rows, each the tuned default"
+                      " config with overrides, timed in the same rounds:"
+                      " 'NAME:field=value,...;NAME2:...' (0/1 for booleans)")
   p.add_argument("--out", default="docs/benchmarks")
   p.add_argument("--name", default=None, help="file stem of the outputs")
   p.add_argument("--samples", type=int, default=7)
@@ -89,14 +93,14 @@ def _reference_out(shape, q, k, v, mask_kw):
 
 
 def prepare(name: str, shape: core.Shape, modes, arrays, ref_out,
-            mask_kw, *, interpret: bool) -> dict:
+            mask_kw, *, interpret: bool, makers=None) -> dict:
   """Builds and checks one implementation in every mode: ``mode -> (fn,
   args, max_abs_err, peak_bytes)``, or ``mode -> row`` where it fails or
   answers wrongly.  Each (implementation, mode) is compiled once, ahead of
   time; that executable is timed and its memory analysis gives the peak."""
   q, k, v, do = arrays
   try:
-    attend = impls.IMPLS[name](shape, mask_kw, interpret)
+    attend = (makers or impls.IMPLS)[name](shape, mask_kw, interpret)
     fwd = jax.jit(attend).lower(q, k, v).compile()
     got = np.asarray(_spot(fwd(q, k, v), shape), np.float32)
     want = np.asarray(ref_out, np.float32)
@@ -135,7 +139,7 @@ def _message(e: Exception) -> str:
 
 
 def run_shape(shape: core.Shape, names, modes, *, interpret: bool,
-              samples: int, progress=None) -> list[dict]:
+              samples: int, progress=None, makers=None) -> list[dict]:
   """Every implementation and mode at one shape: built and checked one by
   one, then timed together in interleaved rounds."""
   arrays = _inputs(shape)
@@ -148,7 +152,7 @@ def run_shape(shape: core.Shape, names, modes, *, interpret: bool,
           f"d{shape.head_dim} s{shape.seq_q}"
           f"{' causal' if shape.causal else ''} {name}")
     got = prepare(name, shape, modes, arrays, ref_out, mask_kw,
-                  interpret=interpret)
+                  interpret=interpret, makers=makers)
     for mode, res in got.items():
       if isinstance(res, dict):
         rows[name, mode] = res
@@ -202,6 +206,14 @@ def main(argv=None) -> int:
       print(f"error: unknown implementations {unknown}; known:"
             f" {list(impls.IMPLS)}", file=sys.stderr)
       return 2
+  makers = dict(impls.IMPLS)
+  try:
+    variants = impls.parse_mosaic_variants(args.mosaic_variants)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  makers.update(variants)
+  names += list(variants)
   modes = list(core.MODES) if args.mode == "both" else [args.mode]
   interpret = not on_gpu
 
@@ -224,7 +236,7 @@ def main(argv=None) -> int:
              file=sys.stderr)
   for shape in shapes:
     rows = run_shape(shape, names, modes, interpret=interpret,
-                     samples=args.samples, progress=bar)
+                     samples=args.samples, progress=bar, makers=makers)
     for row in rows:  # one line per row as it lands: a cut run still reports
       bar.write(report.row_line(row), file=sys.stderr)
     results += rows

@@ -7,6 +7,7 @@ with the reason), which the benchmark records as a row, never a crash.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 
@@ -92,6 +93,43 @@ IMPLS: dict[str, Callable] = {
     "tokamax-mosaic": _tokamax("mosaic"),
     "tokamax-triton": _tokamax("triton"),
 }
+
+def mosaic_variant(overrides: dict) -> Callable:
+  """The Hopper kernel with each shape's tuned default config (the one
+  ``implementation=None`` would pick on this device) and ``overrides``
+  (MosaicConfig fields) replaced, so that configs are compared in the same
+  interleaved rounds as the other implementations."""
+  def make(shape: Shape, mask_kw: dict, interpret: bool) -> Callable:
+    from jaxflash import mosaic_gpu  # noqa: PLC0415
+    padded = -(-shape.head_dim // 64) * 64
+    base = mosaic_gpu.default_config(
+        jax.devices()[0].device_kind, padded, causal=shape.causal,
+        kv_len=shape.seq_k)
+    config = dataclasses.replace(base, **overrides)
+
+    def attend(q, k, v):
+      return jaxflash.flash_attention(q, k, v, causal=shape.causal,
+                                      implementation="mosaic_gpu",
+                                      config=config, interpret=interpret,
+                                      **mask_kw)
+    return attend
+  return make
+
+
+def parse_mosaic_variants(text: str) -> dict[str, Callable]:
+  """``"shared0:bwd_shared_dq=0;dqk:bwd_atomic_dq=0,bwd_shared_dq=0"`` ->
+  implementations ``jaxflash-mosaic_gpu[shared0]``, ... (ValueError on an
+  unnamed variant or an unknown field)."""
+  from jaxflash.mosaic_gpu.config import parse_overrides  # noqa: PLC0415
+  out = {}
+  for part in filter(None, (p.strip() for p in text.split(";"))):
+    name, sep, fields = part.partition(":")
+    if not sep or not name.strip():
+      raise ValueError(f"variant {part!r}: expected NAME:field=value,...")
+    out[f"jaxflash-mosaic_gpu[{name.strip()}]"] = mosaic_variant(
+        parse_overrides(fields))
+  return out
+
 
 # A tiny CPU smoke run exercises these (interpret mode for the kernel).
 CPU_IMPLS = ("jaxflash-triton", "jaxflash-xla", "xla")

@@ -154,6 +154,27 @@ class MosaicConfig:
                dq + _reserved(4 + self.p_in_smem))
 
 
+def parse_overrides(text: str) -> dict:
+  """``"bwd_atomic_dq=1,bwd_stages=3"`` -> ``{"bwd_atomic_dq": True,
+  "bwd_stages": 3}``: MosaicConfig fields with integer values (0/1 for
+  booleans), as the tuning tools and the benchmark take them.  Unknown
+  fields and non-integer values raise ValueError."""
+  fields = {f.name: f for f in dataclasses.fields(MosaicConfig)}
+  out = {}
+  for item in filter(None, (i.strip() for i in text.split(","))):
+    name, _, val = item.partition("=")
+    field = fields.get(name.strip())
+    if field is None:
+      raise ValueError(f"unknown MosaicConfig field {name.strip()!r} in"
+                       f" {text!r}; fields: {sorted(fields)}")
+    try:
+      num = int(val)
+    except ValueError:
+      raise ValueError(f"{item!r}: the value must be an integer") from None
+    out[field.name] = bool(num) if field.type in (bool, "bool") else num
+  return out
+
+
 def needed_smem_bytes(config: "MosaicConfig", head_dim_padded: int) -> int:
   """Shared memory of the largest kernel a call with this config runs
   (the forward, and the Hopper backward where it serves the head_dim)."""
