@@ -291,3 +291,46 @@ def test_mfu_counts_every_device(monkeypatch):
   np.testing.assert_allclose(train_lib._mfu(1e5, 1e9), one / 2)
   Dev.device_kind = "cpu"
   assert np.isnan(train_lib._mfu(1e5, 1e9))
+
+
+def test_convergence_gaps():
+  """The attention gap compares attentions at the same seed, the seed gap
+  the reference attention's seeds, both from --skip on."""
+  import convergence
+  row = lambda a, s, losses: dict(attention=a, seed=s, error=None,
+                                  steps=[0, 10, 20], losses=losses)
+  rows = [row("jaxflash", 0, [5.5, 3.0, 2.0]),
+          row("jaxflash", 1, [5.5, 3.2, 2.1]),
+          row("xla", 0, [5.5, 3.05, 1.9]),
+          row("xla", 1, [9.0, 3.2, 2.1]),
+          dict(attention="cudnn", seed=0, error="no GPU", steps=[],
+               losses=[])]
+  got = convergence.gaps(rows, skip=10)
+  assert got["reference"] == "jaxflash" and got["from_step"] == 10
+  np.testing.assert_allclose(got["attention_gap"]["xla"], 0.1)
+  np.testing.assert_allclose(got["seed_gap"], 0.2)
+  assert "cudnn" not in got["attention_gap"]  # failed runs are left out
+  assert convergence.gaps(rows[:1], skip=0)["seed_gap"] is None
+
+
+def test_convergence_script_end_to_end(tmp_path):
+  """examples/gpt/convergence.py trains each (attention, seed), writes the
+  curves, the summary and the plot."""
+  import json
+
+  import convergence
+  rc = convergence.main(["--preset", "tiny", "--attention", "xla,jax-xla",
+                         "--seeds", "0,1", "--steps", "21", "--batch", "8",
+                         "--skip", "0", "--limit-bytes", "100000",
+                         "--out", str(tmp_path)])
+  assert rc == 0
+  got = json.load(open(tmp_path / "convergence.json"))
+  assert [(r["attention"], r["seed"]) for r in got["runs"]] == [
+      ("xla", 0), ("xla", 1), ("jax-xla", 0), ("jax-xla", 1)]
+  assert all(r["steps"] == [0, 10, 20] for r in got["runs"])
+  # The same seed: the same data and init; the attentions differ only by
+  # rounding, far below the seed-to-seed difference.
+  gap = got["summary"]["attention_gap"]["jax-xla"]
+  assert gap < 1e-2 < got["summary"]["seed_gap"]
+  assert (tmp_path / "convergence.png").exists()
+  assert "| `jax-xla` vs `xla` |" in (tmp_path / "convergence.md").read_text()

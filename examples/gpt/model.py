@@ -72,6 +72,9 @@ PRESETS = {
                     seq_len=8192, dtype="bfloat16"),
     "1b-32k": GPTConfig(layers=24, d_model=2048, heads=16, kv_heads=4,
                         seq_len=32768, dtype="bfloat16"),
+    # Context parallelism over 8 GPUs: 16,384 tokens per GPU.
+    "1b-128k": GPTConfig(layers=24, d_model=2048, heads=16, kv_heads=4,
+                         seq_len=131072, dtype="bfloat16"),
 }
 
 

@@ -190,7 +190,8 @@ def sample(trainer, params, prompt: bytes, n: int, temperature=0.8,
 # sizes (Brown et al. 2020, Table 2.1: 6e-4 at 125M, 3e-4 at 350M, 2e-4 at
 # 1.3B).
 PEAK_LR = {"tiny": 3e-3, "gpt2-124m": 6e-4, "gpt2-124m-8k": 6e-4,
-           "gpt2-350m": 3e-4, "1b": 2e-4, "1b-32k": 2e-4}
+           "gpt2-350m": 3e-4, "1b": 2e-4, "1b-32k": 2e-4,
+           "1b-128k": 2e-4}
 
 
 def main(argv=None):
