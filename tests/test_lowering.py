@@ -135,8 +135,9 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
     dict(bwd_atomic_dq=True),
     dict(bwd_atomic_dq=True, p_in_smem=True, bwd_compute_wgs=1),
     dict(bwd_atomic_dq=True, bwd_shared_dq=True),
+    dict(bwd_atomic_dq=True, bwd_dq_halves=True),
 ], ids=["default", "p-in-smem", "one-wg", "deep", "split", "atomic-dq",
-        "atomic-dq-p-in-smem-one-wg", "shared-dq"])
+        "atomic-dq-p-in-smem-one-wg", "shared-dq", "dq-halves"])
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),
@@ -165,7 +166,7 @@ def test_mosaic_backward_lowers_for_cuda(shape, cfg, segments):
   dp = -(-d // 64) * 64
   if dp > 128 and not config.bwd_split_dkv:
     pytest.skip("the gradient runs the Triton kernels here (test above)")
-  if config.bwd_shared_dq and dp % 128:
+  if (config.bwd_shared_dq or config.bwd_dq_halves) and dp % 128:
     with pytest.raises(NotImplementedError, match="multiple of 128"):
       lower()
     return

@@ -125,6 +125,9 @@ GPU_CONFIGS = {
     # The two consumers share each tile's dQ (padded head_dim 128 only).
     "shared-dq": mosaic_gpu.MosaicConfig(bwd_atomic_dq=True,
                                          bwd_shared_dq=True),
+    # Per-consumer atomic dQ, one head_dim half at a time (padded 128).
+    "dq-halves": mosaic_gpu.MosaicConfig(bwd_atomic_dq=True,
+                                         bwd_dq_halves=True),
 }
 
 
@@ -134,9 +137,10 @@ GPU_CONFIGS = {
 def test_gpu(case, cfg):
   config = GPU_CONFIGS[cfg]
   dp = -(-case[5] // 64) * 64
-  if config is not None and config.bwd_shared_dq and dp != 128:
-    pytest.skip("bwd_shared_dq serves padded head_dim 128 only (its"
-                " refusal elsewhere: test_shared_dq_validation)")
+  if config is not None and (config.bwd_shared_dq
+                             or config.bwd_dq_halves) and dp != 128:
+    pytest.skip("bwd_shared_dq / bwd_dq_halves serve padded head_dim 128"
+                " only (refused elsewhere: test_shared_dq_validation)")
   if config is not None:
     need = needed_smem_bytes(config, dp)
     if need > 227 * 1024:
@@ -252,6 +256,17 @@ def test_shared_dq_validation():
                    bwd_compute_wgs=1, bwd_block_kv=128)]:
     with pytest.raises(ValueError, match="bwd_shared_dq=True"):
       mosaic_gpu.MosaicConfig(**bad)
+  for bad in [dict(bwd_dq_halves=True),
+              dict(bwd_dq_halves=True, bwd_atomic_dq=True,
+                   bwd_shared_dq=True)]:
+    with pytest.raises(ValueError, match="bwd_dq_halves=True"):
+      mosaic_gpu.MosaicConfig(**bad)
+  halves = mosaic_gpu.MosaicConfig(bwd_atomic_dq=True, bwd_dq_halves=True)
+  with pytest.raises(NotImplementedError, match="multiple of 128, got 64"):
+    jaxflash.flash_attention(jnp.ones((1, 64, 2, 64), jnp.bfloat16),
+                             *(jnp.ones((1, 64, 2, 64), jnp.bfloat16),) * 2,
+                             implementation="mosaic_gpu", interpret=True,
+                             config=halves)
   shared = mosaic_gpu.MosaicConfig(bwd_atomic_dq=True, bwd_shared_dq=True)
   q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="multiple of 128, got 64"):
@@ -263,7 +278,7 @@ def test_shared_dq_validation():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["atomic", "shared"])
+@pytest.mark.parametrize("variant", ["atomic", "shared", "halves"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_atomic_dq_matches_deterministic(causal, variant):
   """The TMA reduce-add dQ agrees with the two-kernel dQ to float32
@@ -281,7 +296,8 @@ def test_gpu_atomic_dq_matches_deterministic(causal, variant):
   base = mosaic_gpu.MosaicConfig()
   want = grads(base)
   got = grads(dataclasses.replace(base, bwd_atomic_dq=True,
-                                  bwd_shared_dq=variant == "shared"))
+                                  bwd_shared_dq=variant == "shared",
+                                  bwd_dq_halves=variant == "halves"))
   for name, g, w in zip("qkv", got, want):
     scale = float(jnp.max(jnp.abs(w.astype(jnp.float32))))
     err = numerics.max_abs_diff(g, w)

@@ -82,7 +82,7 @@ def _resolve_config(config: MosaicConfig | None, interpret,
                           causal=mask.causal, kv_len=mask.kv_len)
   if deterministic and config.bwd_atomic_dq:
     config = dataclasses.replace(config, bwd_atomic_dq=False,
-                                 bwd_shared_dq=False)
+                                 bwd_shared_dq=False, bwd_dq_halves=False)
   return config
 
 
@@ -302,11 +302,12 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
       raise NotImplementedError(
           f"{config} needs {need} bytes of shared memory at head_dim {dp}"
           f" (limit {SMEM_LIMIT})")
-  if config is not None and config.bwd_shared_dq and dp % 128:
+  if config is not None and (config.bwd_shared_dq
+                             or config.bwd_dq_halves) and dp % 128:
     raise NotImplementedError(
-        f"bwd_shared_dq=True splits dQ into two halves of whole 64-column"
-        f" swizzled tiles: it needs a padded head_dim that is a multiple of"
-        f" 128, got {dp}")
+        f"bwd_shared_dq / bwd_dq_halves split dQ into two halves of whole"
+        f" 64-column swizzled tiles: they need a padded head_dim that is a"
+        f" multiple of 128, got {dp}")
   if interpret:
     if config is not None and config.bwd_atomic_dq:
       raise NotImplementedError(

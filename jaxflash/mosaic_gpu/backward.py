@@ -133,27 +133,43 @@ def _a_operand(value, a_smem, dtype):
 
 
 def _dk_and_atomic_dq(ds, ds_smem, dq_smem, q_t, dk_acc, k_smem, dq_dst, *,
-                      dtype, prob: Problem):
+                      dtype, prob: Problem, halves: bool = False):
   """``dK += dS^T Q`` and ``dQ[tile] += dS K`` (bwd_atomic_dq).
 
   ``ds`` is ``dS^T`` (key rows x query columns) in registers; staged in
   shared memory it is the A operand of both matmuls, transposed for dQ.
   The float32 ``dS K`` goes through ``dq_smem`` to a TMA reduce-add into
   ``dq_dst``; before ``dq_smem`` is rewritten, the previous tile's
-  reduction must have finished reading it.
+  reduction must have finished reading it.  ``halves``
+  (``bwd_dq_halves``): ``dS K`` one head_dim half at a time, so only a
+  half-width accumulator is live.
   """
   ds_smem[...] = ds.astype(dtype)
   plgpu.commit_smem()
   plgpu.wgmma(dk_acc, ds_smem, q_t)  # dK += dS^T Q
+  rows = ds_smem.shape[1]
+  if halves:
+    half = prob.head_dim_padded // 2
 
-  def dq_tile(acc):
-    plgpu.wgmma(acc, ds_smem.T, k_smem)  # dS K
-    return acc[...]
+    def dq_half(cols, acc):
+      plgpu.wgmma(acc, ds_smem.T, k_smem.at[:, cols])  # dS K[:, cols]
+      return acc[...]
 
-  dq_t = pl.run_scoped(dq_tile, plgpu.ACC(
-      (ds_smem.shape[1], prob.head_dim_padded), jnp.float32))
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  dq_smem[...] = dq_t
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    for c in range(2):
+      cols = pl.ds(c * half, half)
+      dq_smem.at[:, cols][...] = pl.run_scoped(
+          functools.partial(dq_half, cols),
+          plgpu.ACC((rows, half), jnp.float32))
+  else:
+    def dq_tile(acc):
+      plgpu.wgmma(acc, ds_smem.T, k_smem)  # dS K
+      return acc[...]
+
+    dq_t = pl.run_scoped(dq_tile, plgpu.ACC(
+        (rows, prob.head_dim_padded), jnp.float32))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    dq_smem[...] = dq_t
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(dq_smem, dq_dst, reduction_op="add")
 
@@ -282,7 +298,8 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
         _dk_and_shared_dq(ds, q_t, accs["dk"], **shared_kw(step, t, g))
       elif atomic_dq:  # (with p_in_smem, the wait above freed P's buffer)
         _dk_and_atomic_dq(ds, ds_smem, dq_smem, q_t, accs["dk"], k_smem,
-                          dq_dst(t, g), dtype=dtype, prob=prob)
+                          dq_dst(t, g), dtype=dtype, prob=prob,
+                          halves=cfg.bwd_dq_halves)
       elif want_dk:  # dK += dS^T Q
         plgpu.wgmma(accs["dk"], _a_operand(ds, a_smem, dtype), q_t)
       plgpu.wgmma_wait(0)
@@ -385,6 +402,10 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
       plgpu.Barrier(num_arrivals=n, num_barriers=cfg.bwd_stages),  # slot free
   ]
   shared_dq = atomic_dq and cfg.bwd_shared_dq
+  if cfg.bwd_dq_halves and dp % 128:
+    raise NotImplementedError(
+        f"bwd_dq_halves needs a padded head_dim that is a multiple of 128"
+        f" (halves of whole swizzled tiles), got head_dim {dp}")
   if shared_dq and (n != 2 or dp % 128):
     raise NotImplementedError(
         f"bwd_shared_dq needs two consumers and a padded head_dim that is a"

@@ -76,6 +76,13 @@ class MosaicConfig:
       registers (the suspected cause of atomic dQ's loss at head_dim 128)
       and half the reduce-add traffic to global memory.  Needs padded
       head_dim 128 (a half of 64 columns is one swizzled tile).
+    bwd_dq_halves: with ``bwd_atomic_dq`` (per consumer, not shared), compute
+      each tile pair's ``dS K`` in two head_dim halves one after the other
+      (one 64 x D/2 float32 accumulator live instead of 64 x D), staged
+      into the same float32 tile and reduce-added once.  The control
+      experiment for ``bwd_shared_dq``: its register saving without its
+      traffic saving or its barrier between consumers.  Needs padded
+      head_dim 128.
   """
 
   block_q: int = 64
@@ -92,6 +99,7 @@ class MosaicConfig:
   bwd_split_dkv: bool = False
   bwd_atomic_dq: bool = False
   bwd_shared_dq: bool = False
+  bwd_dq_halves: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
@@ -116,6 +124,13 @@ class MosaicConfig:
           " it needs bwd_atomic_dq=True and bwd_compute_wgs=2, got"
           f" bwd_atomic_dq={self.bwd_atomic_dq},"
           f" bwd_compute_wgs={self.bwd_compute_wgs}")
+    if self.bwd_dq_halves and not (self.bwd_atomic_dq
+                                   and not self.bwd_shared_dq):
+      raise ValueError(
+          "bwd_dq_halves=True splits the per-consumer atomic dQ: it needs"
+          " bwd_atomic_dq=True and bwd_shared_dq=False, got"
+          f" bwd_atomic_dq={self.bwd_atomic_dq},"
+          f" bwd_shared_dq={self.bwd_shared_dq}")
 
   def smem_bytes(self, head_dim_padded: int, itemsize: int = 2) -> int:
     """Shared memory the forward kernel allocates."""
