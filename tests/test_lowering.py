@@ -93,7 +93,10 @@ def _mosaic_case(shape):
     dict(block_kv=64, stages=4),
     dict(block_kv=128, stages=3),
     dict(persistent=True),
-], ids=["default", "p-in-smem", "one-wg", "deep", "wide", "persistent"])
+    dict(intra_wg_overlap=True),
+    dict(intra_wg_overlap=True, block_kv=128),
+], ids=["default", "p-in-smem", "one-wg", "deep", "wide", "persistent",
+        "overlap", "overlap-wide"])
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),

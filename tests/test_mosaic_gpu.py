@@ -108,6 +108,21 @@ def test_interpret_with_race_detection(case):
   _run(case, RACES, case[-1])
 
 
+OVERLAP_CASES = ["d64-full", "d64-causal-2wg", "d96-gqa-q200-k300",
+                 "d128-window", "d64-len1", "d64-stages4-window-far",
+                 "d32-tiny-window-empty", "d256-causal-q300-k100"]
+
+
+@pytest.mark.parametrize("name", OVERLAP_CASES)
+def test_interpret_intra_wg_overlap(name):
+  """The intra-warpgroup overlap (S_t and P_{t-1} V_{t-1} issued together,
+  prologue and epilogue under lax.cond, K and V released apart): one and
+  two consumers, causal, windows, GQA, rows that see no key."""
+  case = next(c for c in CASES if c[0] == name)
+  config = dataclasses.replace(case[-1], intra_wg_overlap=True)
+  _run(case, RACES, config)
+
+
 GPU_CONFIGS = {
     "default": None,
     "p-in-smem": mosaic_gpu.MosaicConfig(p_in_smem=True),
@@ -128,6 +143,10 @@ GPU_CONFIGS = {
     # Per-consumer atomic dQ, one head_dim half at a time (padded 128).
     "dq-halves": mosaic_gpu.MosaicConfig(bwd_atomic_dq=True,
                                          bwd_dq_halves=True),
+    # FlashAttention-3's intra-warpgroup overlap in the forward.
+    "overlap": mosaic_gpu.MosaicConfig(intra_wg_overlap=True),
+    "overlap-kv128": mosaic_gpu.MosaicConfig(intra_wg_overlap=True,
+                                             block_kv=128),
 }
 
 
@@ -165,7 +184,9 @@ def test_config_validation():
                      (dict(stages=1), "stages=1"),
                      (dict(compute_wgs=3), "compute_wgs=3"),
                      (dict(bwd_block_q=32), "bwd_block_q=32"),
-                     (dict(bwd_stages=1), "bwd_stages=1")]:
+                     (dict(bwd_stages=1), "bwd_stages=1"),
+                     (dict(intra_wg_overlap=True, persistent=True),
+                      "persistent=False")]:
     with pytest.raises(ValueError, match=match):
       mosaic_gpu.MosaicConfig(**bad)
   cfg = mosaic_gpu.default_config("NVIDIA H200", 128)
@@ -373,6 +394,8 @@ SEG_CASES = [
      dict(docs=4, pad=0, kv_len=[256, 100]), DEEP),
     ("packed-causal-persistent", 256, 256, True, None, dict(docs=5, pad=9),
      PERSISTENT_2WG),
+    ("packed-causal-2wg-overlap", 256, 256, True, None, dict(docs=5, pad=9),
+     dataclasses.replace(TWO_WG, intra_wg_overlap=True)),
 ]
 
 

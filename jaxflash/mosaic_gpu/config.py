@@ -37,6 +37,12 @@ class MosaicConfig:
       for short non-causal calls (``persistent_max_kv`` in tuning.json):
       +7-11% at 1024 keys on the H200, neutral at 4096, and slower on
       causal calls at head_dim >= 128.
+    intra_wg_overlap: FlashAttention-3's intra-warpgroup overlap
+      (arXiv 2407.08608 §3.2): each consumer issues ``S_t = Q K_t^T`` and
+      ``O += P_{t-1} V_{t-1}`` back to back and computes tile ``t``'s
+      softmax while the ``P V`` wgmma runs; the producer reloads K and V
+      slots on separate barriers.  Not with ``persistent``.  Not yet timed
+      on a GPU (an experiment, not a default).
     bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
       64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
       key rows and streams ``bwd_block_q`` query rows; the dQ kernel gives
@@ -92,6 +98,7 @@ class MosaicConfig:
   p_in_smem: bool = False
   schedule_barrier: bool = True
   persistent: bool = False
+  intra_wg_overlap: bool = False
   bwd_block_q: int = 64
   bwd_block_kv: int = 64
   bwd_stages: int = 2
@@ -113,6 +120,10 @@ class MosaicConfig:
     for name in ("compute_wgs", "bwd_compute_wgs"):
       if getattr(self, name) not in (1, 2):
         raise ValueError(f"{name}={getattr(self, name)!r} must be 1 or 2")
+    if self.intra_wg_overlap and self.persistent:
+      raise ValueError(
+          "intra_wg_overlap=True is written for one work item per program:"
+          " it needs persistent=False")
     if self.bwd_atomic_dq and self.bwd_split_dkv:
       raise ValueError(
           "bwd_atomic_dq=True needs dK and dV in one pass of the dK/dV"

@@ -128,18 +128,10 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         plgpu.Layout.WGMMA)
     qk_scale = prob.softmax_scale * LOG2E
 
-    def compute(step, t, carry, *, masked: bool):
-      acc, m, l = carry
-      slot = lax.rem(step, stages)
-      plgpu.barrier_wait(k_ready.at[slot])
-
-      def qk(acc_ref):
-        plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].T)
-        sched_sync()  # let the other consumer's matmul go next
-        return acc_ref[...]
-
-      s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-      plgpu.barrier_arrive(k_free.at[slot])
+    def probs(s, t, m, *, masked: bool):
+      """Tile ``t``'s online-softmax step from the raw ``S``: ``P`` (float32,
+      base 2, against the new running max), the new max and the factor
+      ``alpha`` that rescales what was accumulated before."""
       if prob.logits_soft_cap is None:
         # Raw logits; the base-2 scale is applied to the row max and
         # folded into exp2's argument below (one FMA per element).
@@ -176,6 +168,21 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       alpha = jnp.exp2(m - m_use)
       m_b = lax.broadcast_in_dim(m_use, s.shape, [0])
       p = jnp.exp2(s - m_b if scale is None else s * scale - m_b)
+      return p, m_next, alpha
+
+    def compute(step, t, carry, *, masked: bool):
+      acc, m, l = carry
+      slot = lax.rem(step, stages)
+      plgpu.barrier_wait(k_ready.at[slot])
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].T)
+        sched_sync()  # let the other consumer's matmul go next
+        return acc_ref[...]
+
+      s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+      plgpu.barrier_arrive(k_free.at[slot])
+      p, m_next, alpha = probs(s, t, m, masked=masked)
       l = l * alpha
       p16 = p.astype(dtype)
       if in_place:
@@ -233,13 +240,146 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       sched_sync()
       return carry
 
+    def p_operand(p16):
+      """``P`` as the ``P V`` wgmma's A operand (registers, or SMEM)."""
+      if p_smem2 is None:
+        return p16
+      p_src = p_smem2.at[wg]
+      p_src[...] = p16
+      plgpu.commit_smem()
+      return p_src
+
+    def add_pv(acc, p16, slot):
+      """``O += P V`` with tile ``slot``'s V (waits for the wgmma)."""
+      p_src = p_operand(p16)
+      if in_place:
+        def pv_in_place(acc_ref):
+          plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
+        return pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
+        return acc_ref[...]
+      return acc + pl.run_scoped(pv, plgpu.ACC((bq, prob.head_dim_padded),
+                                               jnp.float32))
+
+    def overlapped_loop(own, carry):
+      """``intra_wg_overlap`` (FlashAttention-3 §3.2, arXiv 2407.08608):
+      step ``t`` issues ``S_t = Q K_t^T`` and ``O += P_{t-1} V_{t-1}``
+      back to back and runs tile ``t``'s softmax while the ``P V`` wgmma
+      is in flight.  A prologue computes ``P`` of the first own tile, an
+      epilogue adds the last ``P V``; both run only when this consumer has
+      tiles (``lax.cond``).  Skip steps as in :func:`pipeline.tile_loop`.
+      """
+      acc, m, l = carry
+      lo, full_lo, full_hi, hi = own
+      lo = jnp.clip(lo, u_lo, u_hi)
+      hi = jnp.clip(hi, lo, u_hi)
+      if range_ref is not None:  # segment ids: every tile takes the mask
+        full_lo = full_hi = hi
+      slot_of = lambda t: lax.rem(first_step + t - u_lo, stages)
+      run = lambda a, z, fn, c: lax.fori_loop(a, z, fn, c)
+      run(u_lo, lo, lambda t, c: skip(first_step + t - u_lo, c), ())
+      wgmma_layout = plgpu.Layout.WGMMA
+      zeros_s = plgpu.layout_cast(jnp.full((bq, bk), 0.0, jnp.float32),
+                                  wgmma_layout)
+
+      def first(_):
+        slot = slot_of(lo)
+        plgpu.barrier_wait(k_ready.at[slot])
+
+        def qk(acc_ref):
+          plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].T)
+          sched_sync()
+          return acc_ref[...]
+
+        s_t = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        p, m1, alpha = probs(s_t, lo, m, masked=True)
+        l1 = l * alpha + p.sum(axis=1)
+        sched_sync()
+        return p.astype(dtype), m1, l1
+
+      def nothing(_):
+        return (plgpu.layout_cast(jnp.full((bq, bk), 0.0, dtype),
+                                  wgmma_layout), m, l)
+
+      p16, m, l = lax.cond(lo < hi, first, nothing, None)
+
+      def step(t, carry, *, masked: bool):
+        acc, m, l, p_prev = carry
+        slot, prev = slot_of(t), slot_of(t - 1)
+        plgpu.barrier_wait(k_ready.at[slot])
+
+        def issue(s_acc, o_acc):
+          plgpu.wgmma(s_acc, qo_smem, k_smem.at[slot].T)  # S_t
+          plgpu.barrier_wait(v_ready.at[prev])
+          plgpu.wgmma(o_acc, p_operand(p_prev), v_smem.at[prev])  # P V
+          sched_sync()  # both matmuls issued: the other consumer's turn
+
+        def softmax(s_t, m, l):
+          plgpu.barrier_arrive(k_free.at[slot])
+          p, m_next, alpha = probs(s_t, t, m, masked=masked)
+          l = l * alpha + p.sum(axis=1)
+          sched_sync()
+          return p.astype(dtype), m_next, l, alpha
+
+        if in_place:
+          def body(refs):
+            o_acc, s_acc, m_ref, l_ref, p_ref, a_ref = refs
+            issue(s_acc, o_acc)
+            # S_t done, P V still in flight: the softmax overlaps it.
+            s_t = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
+            p_ref[...], m_ref[...], l_ref[...], a_ref[...] = softmax(
+                s_t, m_ref[...], l_ref[...])
+
+          o, _, m, l, p16, alpha = pl.run_state(body)((
+              plgpu.ACC.init(acc), plgpu.ACC.init(zeros_s), m, l, p_prev,
+              m))
+        else:  # interpretable form: a fresh P V accumulator
+          def body(s_acc, o_acc):
+            issue(s_acc, o_acc)
+            return (*softmax(s_acc[...], m, l), o_acc[...])
+
+          p16, m, l, alpha, pv = pl.run_scoped(
+              body, plgpu.ACC((bq, bk), jnp.float32),
+              plgpu.ACC((bq, prob.head_dim_padded), jnp.float32))
+          o = acc + pv
+        plgpu.barrier_arrive(v_free.at[prev])
+        acc = o * lax.broadcast_in_dim(alpha, o.shape, [0])
+        return acc, m, l, p16
+
+      # Steps lo + 1 .. hi - 1, masked outside [full_lo, full_hi).
+      start = jnp.minimum(lo + 1, hi)
+      a = jnp.clip(full_lo, start, hi)
+      z = jnp.clip(full_hi, a, hi)
+      carry = (acc, m, l, p16)
+      for r0, r1, masked in ((start, a, True), (a, z, False), (z, hi, True)):
+        carry = run(r0, r1, functools.partial(
+            lambda masked, t, c: step(t, c, masked=masked), masked), carry)
+      acc, m, l, p16 = carry
+
+      def last(acc):
+        slot = slot_of(hi - 1)
+        plgpu.barrier_wait(v_ready.at[slot])
+        acc = add_pv(acc, p16, slot)
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc
+
+      acc = lax.cond(lo < hi, last, lambda acc: acc, acc)
+      run(hi, u_hi, lambda t, c: skip(first_step + t - u_lo, c), ())
+      return acc, m, l
+
     if sched is not None:
       pl.when(wg == 1)(sched_sync)  # offset the two consumers by a half step
-    acc, m, l = pipeline.tile_loop(
-        u_lo, u_hi, mask.kv_block_range(q_start, bq, bk),
-        first_step=first_step,
-        compute=compute, skip=skip,
-        element_mask_everywhere=range_ref is not None, carry=(acc, m, l))
+    own = mask.kv_block_range(q_start, bq, bk)
+    if cfg.intra_wg_overlap:
+      acc, m, l = overlapped_loop(own, (acc, m, l))
+    else:
+      acc, m, l = pipeline.tile_loop(
+          u_lo, u_hi, own, first_step=first_step,
+          compute=compute, skip=skip,
+          element_mask_everywhere=range_ref is not None, carry=(acc, m, l))
     if sched is not None:
       pl.when(wg == 0)(sched_sync)
 
@@ -269,7 +409,23 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot],
                               v_ready.at[slot])
 
-    if persistent:
+    def load_k(step, slot):
+      src = (b, pl.ds((u_lo + step) * bk, bk), kv_head)
+      plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot],
+                              k_ready.at[slot])
+
+    def load_v(step, slot):
+      src = (b, pl.ds((u_lo + step) * bk, bk), kv_head)
+      plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot],
+                              v_ready.at[slot])
+
+    if cfg.intra_wg_overlap:
+      # V of step t is released one step later than K (the P V matmul of
+      # step t runs in step t + 1): reuse each slot's K half as soon as it
+      # is free, so the next K does not wait for the V release.
+      pipeline.produce_split(n_steps, stages,
+                             [(k_free, load_k), (v_free, load_v)])
+    elif persistent:
       pipeline.produce_continuing(first_step, n_steps, stages, load,
                                   [k_free, v_free])
     else:

@@ -83,6 +83,29 @@ def produce(n_steps, stages: int, load, free_barriers) -> None:
     wait_free(lax.rem(step, stages))
 
 
+def produce_split(n_steps, stages: int, loads) -> None:
+  """Like :func:`produce` with each operand released on its own barrier:
+  ``loads = [(free_barriers, load), ...]``, ``load(step, slot)`` issued
+  as soon as that operand's slot is free (``intra_wg_overlap``: K frees a
+  step before V)."""
+  for i in range(stages):
+    for _, load in loads:
+      pl.when(i < n_steps)(functools.partial(
+          lambda load, i: load(jnp.int32(i), i), load, i))
+
+  @pl.loop(stages, jnp.maximum(n_steps, stages))
+  def _(step):
+    slot = lax.rem(step, stages)
+    for free, load in loads:
+      plgpu.barrier_wait(free.at[slot])
+      load(step, slot)
+
+  @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
+  def _(step):
+    for free, _ in loads:
+      plgpu.barrier_wait(free.at[lax.rem(step, stages)])
+
+
 def produce_continuing(first_step, n_steps, stages: int, load,
                        free_barriers) -> None:
   """Producer side of one work item of a persistent kernel: ring steps
