@@ -207,22 +207,35 @@ def test_default_config_rules():
   d256 = dflt(256, causal=True, kv_len=8192)
   assert d256.bwd_split_dkv and d256.bwd_compute_wgs == 1
   assert not dflt(128).bwd_split_dkv
-  # dQ by TMA reduce-add at padded head_dim 64; at 128 shared between the
-  # two consumers (the per-consumer form lost there), for non-causal calls
-  # only (causal ones keep the dQ kernel: causal_overrides).
+  # dQ by TMA reduce-add: measured faster at padded head_dim 64 only (the
+  # shared form at 128 is not a default until re-measured).
   assert dflt(64).bwd_atomic_dq and dflt(32, causal=True).bwd_atomic_dq
   assert not dflt(64).bwd_shared_dq
-  assert dflt(128).bwd_shared_dq and dflt(96, kv_len=4096).bwd_shared_dq
-  shared_off = dflt(128, causal=True, kv_len=8192)
-  assert not shared_off.bwd_atomic_dq and not shared_off.bwd_shared_dq
-  assert shared_off.block_kv == dflt(128).block_kv  # only the overrides
-  assert not dflt(256).bwd_atomic_dq
+  assert not dflt(128).bwd_atomic_dq and not dflt(256).bwd_atomic_dq
   # Unlisted devices: the persistent rule is the H200's alone; the split
   # backward at head_dim 256 is carried over.
   other = functools.partial(mosaic_gpu.default_config, "some future GPU")
   assert not other(128, kv_len=1024).persistent
   assert other(256).bwd_split_dkv
   assert not other(64).bwd_atomic_dq
+
+
+def test_default_config_causal_overrides(monkeypatch):
+  """A tuning entry's causal_overrides replace its fields for causal calls
+  only; the persistent rule still applies on top."""
+  from jaxflash.mosaic_gpu import config as config_lib
+  entry = dict(block_q=64, block_kv=128, bwd_atomic_dq=True,
+               bwd_shared_dq=True, persistent_max_kv={"noncausal": 2048},
+               causal_overrides=dict(bwd_atomic_dq=False,
+                                     bwd_shared_dq=False, block_kv=64))
+  monkeypatch.setattr(config_lib, "_tuning",
+                      lambda: {"devices": {"default": {"128": entry}}})
+  full = config_lib.default_config("X", 128, causal=False, kv_len=1024)
+  assert full.bwd_shared_dq and full.block_kv == 128 and full.persistent
+  causal = config_lib.default_config("X", 128, causal=True, kv_len=1024)
+  assert not causal.bwd_atomic_dq and not causal.bwd_shared_dq
+  assert causal.block_kv == 64 and not causal.persistent
+  assert "causal_overrides" in entry  # the table itself is left unchanged
 
 
 def test_deterministic_turns_off_atomic_dq(monkeypatch):

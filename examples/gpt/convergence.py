@@ -49,9 +49,13 @@ def run_one(attention: str, seed: int, args, backend: str) -> dict:
   log = os.path.join(out, "log.jsonl")
   if os.path.exists(log):
     os.remove(log)
-  proc = subprocess.run(
-      cmd, capture_output=True, text=True, timeout=args.run_timeout,
-      env=compare._device_env(compare.mesh_devices(args.mesh), backend))
+  try:
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=args.run_timeout,
+        env=compare._device_env(compare.mesh_devices(args.mesh), backend))
+  except subprocess.TimeoutExpired:
+    row["error"] = f"stopped after --run-timeout {args.run_timeout} s"
+    return row
   if proc.returncode != 0:
     row["error"] = compare.error_line(proc.stderr or proc.stdout) or (
         f"exit {proc.returncode}")

@@ -338,6 +338,14 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
 
     acc = plgpu.ACC((bk, prob.head_dim_padded), jnp.float32)
     grads = dict(zip(parts, pl.run_scoped(accumulate, *(acc,) * len(parts))))
+    if shared_dq:
+      # The other consumer's last dQ matmul reads this consumer's K: one
+      # more round of ds_ready (the next buffer in the alternation), which
+      # each consumer reaches only after its own matmuls completed, before
+      # K's buffer is overwritten below.
+      last = ds_ready.at[lax.rem(n_steps, 2)]
+      plgpu.barrier_arrive(last)
+      plgpu.barrier_wait(last)
     # K's and V's buffers are free now: stage the results there.
     staging = dict(dk=k_smem, dv=v_smem)
     if "dk" in grads:

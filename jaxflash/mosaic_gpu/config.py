@@ -80,11 +80,14 @@ class MosaicConfig:
       ``[w * D/2, (w + 1) * D/2)`` of ``dS K`` over both consumers' keys.
       Against one full-width ``dS K`` per consumer: half the float32 dQ
       registers (the suspected cause of atomic dQ's loss at head_dim 128)
-      and half the reduce-add traffic to global memory.  Needs padded
-      head_dim 128 (a half of 64 columns is one swizzled tile).
+      and half the reduce-add traffic to global memory.  Needs a padded
+      head_dim that is a multiple of 128 (a half of 64 columns is one
+      swizzled tile; with dK and dV in one pass that is 128 exactly).
+      Not a default: see docs/perf-notes.md.
     bwd_dq_halves: with ``bwd_atomic_dq`` (per consumer, not shared), compute
       each tile pair's ``dS K`` in two head_dim halves one after the other
-      (one 64 x D/2 float32 accumulator live instead of 64 x D), staged
+      (one ``bwd_block_q`` x D/2 float32 accumulator live instead of
+      ``bwd_block_q`` x D), staged
       into the same float32 tile and reduce-added once.  The control
       experiment for ``bwd_shared_dq``: its register saving without its
       traffic saving or its barrier between consumers.  Needs padded

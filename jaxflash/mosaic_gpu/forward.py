@@ -420,9 +420,12 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
                               v_ready.at[slot])
 
     if cfg.intra_wg_overlap:
-      # V of step t is released one step later than K (the P V matmul of
-      # step t runs in step t + 1): reuse each slot's K half as soon as it
-      # is free, so the next K does not wait for the V release.
+      # V of step t is released a step later than K (its P V matmul runs
+      # in step t + 1).  With one wait per slot for both, K of step s
+      # would wait for V of step s - stages, released at the end of step
+      # s - 1: no lead.  Waiting on K's own barrier first loads it as
+      # soon as the V before it in program order is released (the end of
+      # step s - 2 with two stages), a step before it is needed.
       pipeline.produce_split(n_steps, stages,
                              [(k_free, load_k), (v_free, load_v)])
     elif persistent:
