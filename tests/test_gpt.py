@@ -334,3 +334,17 @@ def test_convergence_script_end_to_end(tmp_path):
   assert gap < 1e-2 < got["summary"]["seed_gap"]
   assert (tmp_path / "convergence.png").exists()
   assert "| `jax-xla` vs `xla` |" in (tmp_path / "convergence.md").read_text()
+
+
+def test_convergence_run_timeout(tmp_path):
+  """--run-timeout: a run past it is a row with the error; the summary and
+  the files are still written."""
+  import json
+
+  import convergence
+  rc = convergence.main(["--preset", "tiny", "--attention", "xla",
+                         "--seeds", "0", "--steps", "11", "--batch", "8",
+                         "--run-timeout", "0.5", "--out", str(tmp_path)])
+  (row,) = json.load(open(tmp_path / "convergence.json"))["runs"]
+  assert rc == 1 and "--run-timeout 0.5" in row["error"]
+  assert (tmp_path / "convergence.md").exists()
