@@ -220,24 +220,6 @@ def test_default_config_rules():
   assert not other(64).bwd_atomic_dq
 
 
-def test_default_config_causal_overrides(monkeypatch):
-  """A tuning entry's causal_overrides replace its fields for causal calls
-  only; the persistent rule still applies on top."""
-  from jaxflash.mosaic_gpu import config as config_lib
-  entry = dict(block_q=64, block_kv=128, bwd_atomic_dq=True,
-               bwd_shared_dq=True, persistent_max_kv={"noncausal": 2048},
-               causal_overrides=dict(bwd_atomic_dq=False,
-                                     bwd_shared_dq=False, block_kv=64))
-  monkeypatch.setattr(config_lib, "_tuning",
-                      lambda: {"devices": {"default": {"128": entry}}})
-  full = config_lib.default_config("X", 128, causal=False, kv_len=1024)
-  assert full.bwd_shared_dq and full.block_kv == 128 and full.persistent
-  causal = config_lib.default_config("X", 128, causal=True, kv_len=1024)
-  assert not causal.bwd_atomic_dq and not causal.bwd_shared_dq
-  assert causal.block_kv == 64 and not causal.persistent
-  assert "causal_overrides" in entry  # the table itself is left unchanged
-
-
 def test_deterministic_turns_off_atomic_dq(monkeypatch):
   """deterministic=True: the tuned default's atomic dQ becomes the dQ
   kernel; a config that asks for atomics conflicts (ValueError); None

@@ -74,6 +74,37 @@ def error_line(text: str) -> str | None:
   return lines[-1][:300] if lines else None
 
 
+def train_run(out: str, flags: list[str], *, args, devices, backend: str):
+  """``train.py`` with ``flags`` (and the shared ones of ``args``:
+  ``--limit-bytes``, ``--interpret``, ``--remat``) in its own process on
+  ``devices`` devices, logging to ``out``.  Returns ``(records, error)``:
+  the JSONL log's records, or the reason it has none (``--run-timeout``,
+  the exception of a failed run, whose output goes to
+  ``out/stderr.txt``)."""
+  cmd = [sys.executable, os.path.join(HERE, "train.py"), *flags, "--out",
+         out, "--eval-every", "0", "--sample-bytes", "0", "--limit-bytes",
+         str(args.limit_bytes)]
+  cmd += ["--interpret"] if args.interpret else []
+  cmd += ["--remat"] if args.remat else []
+  log = os.path.join(out, "log.jsonl")
+  if os.path.exists(log):
+    os.remove(log)
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          env=_device_env(devices, backend),
+                          timeout=args.run_timeout)
+  except subprocess.TimeoutExpired:
+    return None, f"stopped after --run-timeout {args.run_timeout} s"
+  if proc.returncode != 0:
+    text = (proc.stderr or proc.stdout).strip()
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "stderr.txt"), "w") as f:
+      f.write(text)
+    return None, error_line(text) or f"exit {proc.returncode}"
+  with open(log) as f:
+    return [json.loads(line) for line in f], None
+
+
 def run_one(preset: str, attention: str, mesh: str, args,
             backend: str) -> dict:
   devices = mesh_devices(mesh)
@@ -83,38 +114,18 @@ def run_one(preset: str, attention: str, mesh: str, args,
     batch *= max(1, sizes.get("data", 1)) * max(1, sizes.get("fsdp", 1))
   out = os.path.join(args.out, f"{preset}-{attention}-{mesh.replace(',', '_')}"
                      .replace("=", ""))
-  cmd = [sys.executable, os.path.join(HERE, "train.py"), "--preset", preset,
-         "--attention", attention, "--steps", str(args.steps), "--batch",
-         str(batch), "--mesh", mesh, "--out", out,
-         "--eval-every", "0", "--sample-bytes", "0"]
-  cmd += ["--interpret"] if args.interpret else []
-  cmd += ["--remat"] if args.remat else []
-  cmd += ["--limit-bytes", str(args.limit_bytes)]
   row = dict(preset=preset, attention=attention, mesh=mesh, devices=devices,
              batch=batch, steps=args.steps, tokens_per_s=None, mfu=None,
              peak_bytes=None, final_loss=None, scaling_efficiency=None,
              wall_s=None, error=None)
-  if os.path.exists(os.path.join(out, "log.jsonl")):
-    os.remove(os.path.join(out, "log.jsonl"))
   start = time.perf_counter()
-  try:
-    proc = subprocess.run(cmd, capture_output=True, text=True,
-                          env=_device_env(devices, backend),
-                          timeout=args.run_timeout)
-  except subprocess.TimeoutExpired:
-    row["error"] = f"stopped after --run-timeout {args.run_timeout} s"
+  recs, row["error"] = train_run(
+      out, ["--preset", preset, "--attention", attention, "--steps",
+            str(args.steps), "--batch", str(batch), "--mesh", mesh],
+      args=args, devices=devices, backend=backend)
+  row["wall_s"] = round(time.perf_counter() - start, 1)
+  if recs is None:
     return row
-  finally:
-    row["wall_s"] = round(time.perf_counter() - start, 1)
-  if proc.returncode != 0:
-    text = (proc.stderr or proc.stdout).strip()
-    row["error"] = error_line(text) or f"exit {proc.returncode}"
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "stderr.txt"), "w") as f:
-      f.write(text)
-    return row
-  with open(os.path.join(out, "log.jsonl")) as f:
-    recs = [json.loads(line) for line in f]
   steady = recs[1:] or recs
   row["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in steady)
   mfus = [r["mfu"] for r in steady if r["mfu"] == r["mfu"]]

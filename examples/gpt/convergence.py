@@ -26,7 +26,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,35 +35,15 @@ import compare  # noqa: E402  (same folder: run as a script)
 
 
 def run_one(attention: str, seed: int, args, backend: str) -> dict:
-  out = os.path.join(args.out, f"{attention}-seed{seed}")
-  cmd = [sys.executable, os.path.join(HERE, "train.py"), "--preset",
-         args.preset, "--attention", attention, "--steps", str(args.steps),
-         "--batch", str(args.batch), "--mesh", args.mesh, "--seed", str(seed),
-         "--out", out, "--eval-every", "0", "--sample-bytes", "0",
-         "--limit-bytes", str(args.limit_bytes)]
-  cmd += ["--interpret"] if args.interpret else []
-  cmd += ["--remat"] if args.remat else []
-  cmd += ["--lr", str(args.lr)] if args.lr else []
-  row = dict(attention=attention, seed=seed, steps=[], losses=[], error=None)
-  log = os.path.join(out, "log.jsonl")
-  if os.path.exists(log):
-    os.remove(log)
-  try:
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=args.run_timeout,
-        env=compare._device_env(compare.mesh_devices(args.mesh), backend))
-  except subprocess.TimeoutExpired:
-    row["error"] = f"stopped after --run-timeout {args.run_timeout} s"
-    return row
-  if proc.returncode != 0:
-    row["error"] = compare.error_line(proc.stderr or proc.stdout) or (
-        f"exit {proc.returncode}")
-    return row
-  with open(log) as f:
-    recs = [json.loads(line) for line in f]
-  row["steps"] = [r["step"] for r in recs]
-  row["losses"] = [r["loss"] for r in recs]
-  return row
+  flags = ["--preset", args.preset, "--attention", attention, "--steps",
+           str(args.steps), "--batch", str(args.batch), "--mesh", args.mesh,
+           "--seed", str(seed)] + (["--lr", str(args.lr)] if args.lr else [])
+  recs, error = compare.train_run(
+      os.path.join(args.out, f"{attention}-seed{seed}"), flags, args=args,
+      devices=compare.mesh_devices(args.mesh), backend=backend)
+  return dict(attention=attention, seed=seed, error=error,
+              steps=[r["step"] for r in recs or []],
+              losses=[r["loss"] for r in recs or []])
 
 
 def gaps(rows: list[dict], skip: int) -> dict:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 import jaxflash
 from jaxflash.bench.core import Shape
+from jaxflash.triton.common import round_up
 
 
 def _jaxflash(backend: str):
@@ -101,9 +102,9 @@ def mosaic_variant(overrides: dict) -> Callable:
   interleaved rounds as the other implementations."""
   def make(shape: Shape, mask_kw: dict, interpret: bool) -> Callable:
     from jaxflash import mosaic_gpu  # noqa: PLC0415
-    padded = -(-shape.head_dim // 64) * 64
     base = mosaic_gpu.default_config(
-        jax.devices()[0].device_kind, padded, causal=shape.causal,
+        jax.devices()[0].device_kind, round_up(shape.head_dim, 64),
+        causal=shape.causal,
         kv_len=shape.seq_k)
     config = dataclasses.replace(base, **overrides)
 

@@ -32,6 +32,7 @@ from jaxflash.mosaic_gpu.config import (
   MosaicConfig,
   default_config,
   needed_smem_bytes,
+  split_dq_problem,
 )
 from jaxflash.triton import backend as triton_backend
 from jaxflash.triton.common import pad_axis, round_up
@@ -302,12 +303,9 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
       raise NotImplementedError(
           f"{config} needs {need} bytes of shared memory at head_dim {dp}"
           f" (limit {SMEM_LIMIT})")
-  if config is not None and (config.bwd_shared_dq
-                             or config.bwd_dq_halves) and dp % 128:
-    raise NotImplementedError(
-        f"bwd_shared_dq / bwd_dq_halves split dQ into two halves of whole"
-        f" 64-column swizzled tiles: they need a padded head_dim that is a"
-        f" multiple of 128, got {dp}")
+  why = config and split_dq_problem(config, dp)
+  if why:
+    raise NotImplementedError(why)
   if interpret:
     if config is not None and config.bwd_atomic_dq:
       raise NotImplementedError(

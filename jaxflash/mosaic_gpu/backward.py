@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflash.mosaic_gpu import pipeline
-from jaxflash.mosaic_gpu.config import MosaicConfig
+from jaxflash.mosaic_gpu.config import MosaicConfig, split_dq_problem
 from jaxflash.mosaic_gpu.forward import Problem
 from jaxflash.triton.common import out_struct
 
@@ -410,15 +410,9 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
       plgpu.Barrier(num_arrivals=n, num_barriers=cfg.bwd_stages),  # slot free
   ]
   shared_dq = atomic_dq and cfg.bwd_shared_dq
-  if cfg.bwd_dq_halves and dp % 128:
-    raise NotImplementedError(
-        f"bwd_dq_halves needs a padded head_dim that is a multiple of 128"
-        f" (halves of whole swizzled tiles), got head_dim {dp}")
-  if shared_dq and (n != 2 or dp % 128):
-    raise NotImplementedError(
-        f"bwd_shared_dq needs two consumers and a padded head_dim that is a"
-        f" multiple of 128 (halves of whole swizzled tiles), got"
-        f" bwd_compute_wgs={n}, head_dim {dp}")
+  why = split_dq_problem(cfg, dp)  # (two consumers: MosaicConfig checks)
+  if why:
+    raise NotImplementedError(why)
   if cfg.p_in_smem or (atomic_dq and not shared_dq):  # P (and dS^T) staged
     scratch.append(plgpu.SMEM((n, bk, bq), dtype, **tiled))
   if shared_dq:  # both consumers' dS^T, double-buffered; half-width dQ

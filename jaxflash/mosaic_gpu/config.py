@@ -183,6 +183,18 @@ class MosaicConfig:
                dq + _reserved(4 + self.p_in_smem))
 
 
+def split_dq_problem(config: "MosaicConfig", head_dim_padded: int
+                     ) -> str | None:
+  """Why ``bwd_shared_dq`` / ``bwd_dq_halves`` cannot serve this padded
+  head_dim (None when they can or are off): they split ``dS K`` into two
+  halves of whole 64-column swizzled tiles."""
+  if (config.bwd_shared_dq or config.bwd_dq_halves) and head_dim_padded % 128:
+    return ("bwd_shared_dq / bwd_dq_halves split dQ into two halves of whole"
+            " 64-column swizzled tiles: they need a padded head_dim that is"
+            f" a multiple of 128, got {head_dim_padded}")
+  return None
+
+
 def parse_overrides(text: str) -> dict:
   """``"bwd_atomic_dq=1,bwd_stages=3"`` -> ``{"bwd_atomic_dq": True,
   "bwd_stages": 3}``: MosaicConfig fields with integer values (0/1 for
@@ -248,8 +260,7 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
   """The tuned entry for this device kind and head_dim (nearest larger
   head_dim; the ``default`` kind when the device is not listed).
 
-  An entry's ``causal_overrides`` replace its fields for causal calls.
-  Its ``persistent_max_kv`` rule turns on the persistent forward
+  An entry's ``persistent_max_kv`` rule turns on the persistent forward
   for calls with at most that many keys (per causal setting): measured on
   the H200, it pays where the key loop is short and the prologue and
   epilogue it overlaps are a large share of a program, and loses on
@@ -260,11 +271,6 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
   dims = sorted(int(d) for d in entries)
   pick = next((d for d in dims if d >= head_dim_padded), dims[-1])
   fields = dict(entries[str(pick)])
-  # Fields that differ for causal calls (e.g. the shared atomic dQ loses
-  # there, measured on the H200).
-  causal_overrides = fields.pop("causal_overrides", {})
-  if causal:
-    fields.update(causal_overrides)
   rule = fields.pop("persistent_max_kv", {})
   limit = rule.get("causal" if causal else "noncausal")
   if kv_len is not None and limit is not None and kv_len <= limit:

@@ -170,9 +170,8 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       p = jnp.exp2(s - m_b if scale is None else s * scale - m_b)
       return p, m_next, alpha
 
-    def compute(step, t, carry, *, masked: bool):
-      acc, m, l = carry
-      slot = lax.rem(step, stages)
+    def scores(slot):
+      """``S = Q K^T`` with tile ``slot``'s K (waited for, then released)."""
       plgpu.barrier_wait(k_ready.at[slot])
 
       def qk(acc_ref):
@@ -182,7 +181,40 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
 
       s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
-      p, m_next, alpha = probs(s, t, m, masked=masked)
+      return s
+
+    def p_operand(p16):
+      """``P`` as the ``P V`` wgmma's A operand (registers, or SMEM)."""
+      if p_smem2 is None:
+        return p16
+      p_src = p_smem2.at[wg]
+      p_src[...] = p16
+      plgpu.commit_smem()
+      return p_src
+
+    def add_pv(acc, p16, slot):
+      """``O += P V`` with tile ``slot``'s V (waits for the wgmma)."""
+      p_src = p_operand(p16)
+      if in_place:
+        # O += P V accumulated in the wgmma registers themselves
+        # (FlashAttention-3); the interpreter rejects this idiom.  A fresh
+        # accumulator instead spills at head_dim 256 (measured on the H200:
+        # 221 against 593 TFLOP/s, s4096).
+        def pv_in_place(acc_ref):
+          plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
+        return pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
+
+      # Interpretable form: a fresh scoped accumulator, added in registers.
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
+        return acc_ref[...]
+      return acc + pl.run_scoped(pv, plgpu.ACC((bq, prob.head_dim_padded),
+                                               jnp.float32))
+
+    def compute(step, t, carry, *, masked: bool):
+      acc, m, l = carry
+      slot = lax.rem(step, stages)
+      p, m_next, alpha = probs(scores(slot), t, m, masked=masked)
       l = l * alpha
       p16 = p.astype(dtype)
       if in_place:
@@ -201,31 +233,9 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         plgpu.barrier_wait(sched)  # tensor cores free
       if not early_sum:
         l = l + p.sum(axis=1)
-      if p_smem2 is not None:
-        p_src = p_smem2.at[wg]
-        p_src[...] = p16
-        plgpu.commit_smem()
-      else:
-        p_src = p16
-
-      if in_place:
-        # O = alpha * O + P V accumulated in the wgmma registers themselves
-        # (FlashAttention-3); the interpreter rejects this idiom.  A fresh
-        # accumulator instead spills at head_dim 256 (measured on the H200:
-        # 221 against 593 TFLOP/s, s4096).
-        def pv_in_place(acc_ref):
-          plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
-
-        acc = pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
-      else:
-        # Interpretable form: a fresh scoped accumulator, added in registers.
-        def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
-          return acc_ref[...]
-
-        o = pl.run_scoped(pv, plgpu.ACC((bq, prob.head_dim_padded),
-                                        jnp.float32))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
+      if not in_place:
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      acc = add_pv(acc, p16, slot)
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_next, l
 
@@ -239,29 +249,6 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       plgpu.barrier_arrive(v_free.at[slot])
       sched_sync()
       return carry
-
-    def p_operand(p16):
-      """``P`` as the ``P V`` wgmma's A operand (registers, or SMEM)."""
-      if p_smem2 is None:
-        return p16
-      p_src = p_smem2.at[wg]
-      p_src[...] = p16
-      plgpu.commit_smem()
-      return p_src
-
-    def add_pv(acc, p16, slot):
-      """``O += P V`` with tile ``slot``'s V (waits for the wgmma)."""
-      p_src = p_operand(p16)
-      if in_place:
-        def pv_in_place(acc_ref):
-          plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
-        return pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
-
-      def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
-        return acc_ref[...]
-      return acc + pl.run_scoped(pv, plgpu.ACC((bq, prob.head_dim_padded),
-                                               jnp.float32))
 
     def overlapped_loop(own, carry):
       """``intra_wg_overlap`` (FlashAttention-3 §3.2, arXiv 2407.08608):
@@ -285,17 +272,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
                                   wgmma_layout)
 
       def first(_):
-        slot = slot_of(lo)
-        plgpu.barrier_wait(k_ready.at[slot])
-
-        def qk(acc_ref):
-          plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].T)
-          sched_sync()
-          return acc_ref[...]
-
-        s_t = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-        plgpu.barrier_arrive(k_free.at[slot])
-        p, m1, alpha = probs(s_t, lo, m, masked=True)
+        p, m1, alpha = probs(scores(slot_of(lo)), lo, m, masked=True)
         l1 = l * alpha + p.sum(axis=1)
         sched_sync()
         return p.astype(dtype), m1, l1
@@ -427,7 +404,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       # soon as the V before it in program order is released (the end of
       # step s - 2 with two stages), a step before it is needed.
       pipeline.produce_split(n_steps, stages,
-                             [(k_free, load_k), (v_free, load_v)])
+                             [([k_free], load_k), ([v_free], load_v)])
     elif persistent:
       pipeline.produce_continuing(first_step, n_steps, stages, load,
                                   [k_free, v_free])

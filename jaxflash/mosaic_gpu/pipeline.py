@@ -64,46 +64,34 @@ def produce(n_steps, stages: int, load, free_barriers) -> None:
   consumers freed the slot.  A final drain observes the consumers' last
   releases, so no barrier phase is left unobserved when the kernel ends.
   """
-  for i in range(stages):
-    pl.when(i < n_steps)(functools.partial(
-        lambda i: load(jnp.int32(i), i), i))
-
-  def wait_free(slot):
-    for barrier in free_barriers:
-      plgpu.barrier_wait(barrier.at[slot])
-
-  @pl.loop(stages, jnp.maximum(n_steps, stages))
-  def _(step):
-    slot = lax.rem(step, stages)
-    wait_free(slot)
-    load(step, slot)
-
-  @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
-  def _(step):
-    wait_free(lax.rem(step, stages))
+  produce_split(n_steps, stages, [(free_barriers, load)])
 
 
 def produce_split(n_steps, stages: int, loads) -> None:
-  """Like :func:`produce` with each operand released on its own barrier:
-  ``loads = [(free_barriers, load), ...]``, ``load(step, slot)`` issued
-  as soon as that operand's slot is free (``intra_wg_overlap``: K frees a
-  step before V)."""
+  """:func:`produce` with operands released apart: ``loads =
+  [(free_barriers, load), ...]``, each ``load(step, slot)`` issued as soon
+  as its own barriers say the slot is free (``intra_wg_overlap``: K frees
+  a step before V)."""
   for i in range(stages):
     for _, load in loads:
       pl.when(i < n_steps)(functools.partial(
           lambda load, i: load(jnp.int32(i), i), load, i))
 
+  def wait_free(barriers, slot):
+    for barrier in barriers:
+      plgpu.barrier_wait(barrier.at[slot])
+
   @pl.loop(stages, jnp.maximum(n_steps, stages))
   def _(step):
     slot = lax.rem(step, stages)
-    for free, load in loads:
-      plgpu.barrier_wait(free.at[slot])
+    for barriers, load in loads:
+      wait_free(barriers, slot)
       load(step, slot)
 
   @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
   def _(step):
-    for free, _ in loads:
-      plgpu.barrier_wait(free.at[lax.rem(step, stages)])
+    for barriers, _ in loads:
+      wait_free(barriers, lax.rem(step, stages))
 
 
 def produce_continuing(first_step, n_steps, stages: int, load,
