@@ -95,8 +95,12 @@ def _mosaic_case(shape):
     dict(persistent=True),
     dict(intra_wg_overlap=True),
     dict(intra_wg_overlap=True, block_kv=128),
+    dict(named_barriers=True, early_k_wait=True),
+    dict(named_barriers=True, persistent=True),
+    dict(named_barriers=True, compute_wgs=1, schedule_barrier=False),
 ], ids=["default", "p-in-smem", "one-wg", "deep", "wide", "persistent",
-        "overlap", "overlap-wide"])
+        "overlap", "overlap-wide", "named-early", "named-persistent",
+        "named-one-wg"])
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),

@@ -123,6 +123,30 @@ def test_interpret_intra_wg_overlap(name):
   _run(case, RACES, config)
 
 
+EARLY_K_CASES = ["d64-full", "d64-causal-2wg", "d96-gqa-q200-k300",
+                 "d64-stages4-window-far", "d32-tiny-window-empty",
+                 "d64-persistent-2wg-causal",
+                 "d128-persistent-window-q200-k300"]
+
+
+@pytest.mark.parametrize("name", EARLY_K_CASES)
+def test_interpret_early_k_wait(name):
+  """``early_k_wait``: each step waits for the next K inside its P V scope
+  (and skip steps at their end); one and two consumers, skip steps on
+  both sides, persistent items whose ring runs on."""
+  case = next(c for c in CASES if c[0] == name)
+  config = dataclasses.replace(case[-1], early_k_wait=True)
+  _run(case, RACES, config)
+
+
+def test_named_barriers_need_a_gpu():
+  q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="named_barriers"):
+    jaxflash.flash_attention(
+        q, q, q, implementation="mosaic_gpu", interpret=True,
+        config=mosaic_gpu.MosaicConfig(named_barriers=True))
+
+
 GPU_CONFIGS = {
     "default": None,
     "p-in-smem": mosaic_gpu.MosaicConfig(p_in_smem=True),
@@ -147,6 +171,17 @@ GPU_CONFIGS = {
     "overlap": mosaic_gpu.MosaicConfig(intra_wg_overlap=True),
     "overlap-kv128": mosaic_gpu.MosaicConfig(intra_wg_overlap=True,
                                              block_kv=128),
+    # Hardware named barriers for the ping-pong and the consumed signals
+    # (inline PTX: no interpreter), with and without the early K wait.
+    "named": mosaic_gpu.MosaicConfig(named_barriers=True),
+    "named-early": mosaic_gpu.MosaicConfig(named_barriers=True,
+                                           early_k_wait=True),
+    "named-persistent": mosaic_gpu.MosaicConfig(named_barriers=True,
+                                                persistent=True,
+                                                early_k_wait=True),
+    "named-one-wg-deep": mosaic_gpu.MosaicConfig(
+        named_barriers=True, compute_wgs=1, schedule_barrier=False,
+        block_kv=64, stages=5),
 }
 
 
@@ -186,7 +221,12 @@ def test_config_validation():
                      (dict(bwd_block_q=32), "bwd_block_q=32"),
                      (dict(bwd_stages=1), "bwd_stages=1"),
                      (dict(intra_wg_overlap=True, persistent=True),
-                      "persistent=False")]:
+                      "persistent=False"),
+                     (dict(intra_wg_overlap=True, named_barriers=True),
+                      "named_barriers=True"),
+                     (dict(intra_wg_overlap=True, early_k_wait=True),
+                      "early_k_wait=True"),
+                     (dict(named_barriers=True, stages=6), "stages=6")]:
     with pytest.raises(ValueError, match=match):
       mosaic_gpu.MosaicConfig(**bad)
   cfg = mosaic_gpu.default_config("NVIDIA H200", 128)

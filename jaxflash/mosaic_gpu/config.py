@@ -10,6 +10,10 @@ import functools
 import json
 import os
 
+# named_barriers: ids 4..15 free, two for the ping-pong schedule, the rest
+# for the K and V rings.
+MAX_NAMED_STAGES = 5
+
 
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
@@ -43,6 +47,17 @@ class MosaicConfig:
       softmax while the ``P V`` wgmma runs; the producer reloads K and V
       slots on separate barriers.  Not with ``persistent``.  Not yet timed
       on a GPU (an experiment, not a default).
+    named_barriers: the forward's "slot consumed" signals and the
+      ping-pong schedule on hardware named barriers (``bar.arrive`` /
+      ``bar.sync``, as tokamax's sm90 kernel) instead of mbarriers: no
+      phase tracking or try-wait loop.  Ids from 4 (Mosaic GPU's own
+      barriers use the lower ones): two for the schedule, ``stages`` each
+      for K and V, so ``stages <= 5``.  GPU only (inline PTX, which the
+      interpreter does not run); not with ``intra_wg_overlap``.
+    early_k_wait: each forward step waits for the next step's K inside
+      its ``P V`` wgmma scope (while the matmul runs, as tokamax's kernel)
+      instead of at the start of the next step.  Not with
+      ``intra_wg_overlap``.
     bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
       64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
       key rows and streams ``bwd_block_q`` query rows; the dQ kernel gives
@@ -102,6 +117,8 @@ class MosaicConfig:
   schedule_barrier: bool = True
   persistent: bool = False
   intra_wg_overlap: bool = False
+  named_barriers: bool = False
+  early_k_wait: bool = False
   bwd_block_q: int = 64
   bwd_block_kv: int = 64
   bwd_stages: int = 2
@@ -127,6 +144,16 @@ class MosaicConfig:
       raise ValueError(
           "intra_wg_overlap=True is written for one work item per program:"
           " it needs persistent=False")
+    for name in ("named_barriers", "early_k_wait"):
+      if getattr(self, name) and self.intra_wg_overlap:
+        raise ValueError(f"{name}=True is not written for"
+                         " intra_wg_overlap=True (its loop has its own"
+                         " barrier order)")
+    if self.named_barriers and self.stages > MAX_NAMED_STAGES:
+      raise ValueError(
+          f"named_barriers=True takes 2 + 2 * stages of the 12 free"
+          f" hardware barriers: stages <= {MAX_NAMED_STAGES}, got"
+          f" stages={self.stages}")
     if self.bwd_atomic_dq and self.bwd_split_dkv:
       raise ValueError(
           "bwd_atomic_dq=True needs dK and dV in one pass of the dK/dV"

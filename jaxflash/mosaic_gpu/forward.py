@@ -78,14 +78,22 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
   (o_ref, lse_ref, qo_smem2, k_smem, v_smem, lse_smem2, k_ready, v_ready,
    q_ready, k_free, v_free, *extra) = refs
   p_smem2 = extra[0] if cfg.p_in_smem else None
-  sched = extra[-1] if _use_schedule(cfg) else None
   bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
+  if cfg.named_barriers:
+    # The consumed signals as hardware named barriers after the
+    # schedule's two (ids in config.named_barrier_count).
+    threads = (cfg.compute_wgs + 1) * 128
+    base = pipeline.FIRST_NAMED_BARRIER + 2
+    k_free = pipeline.NamedBarriers(base, threads)
+    v_free = pipeline.NamedBarriers(base + stages, threads)
   group_rows = cfg.compute_wgs * bq
   persistent = n_programs is not None
   if not persistent:  # one program per (head, query group, batch)
     b = lax.axis_index("batch")
     h = lax.axis_index("heads")
   wg = lax.axis_index("wg")
+  ping = _PingPong(extra[-1] if _use_schedule(cfg) else None, wg,
+                   named=cfg.named_barriers)
   mask = prob.mask
   n_groups = prob.q_pad // group_rows
 
@@ -106,11 +114,6 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     group_start, u_lo, u_hi = item_ranges(b, lax.axis_index("q_seq"))
     n_steps = u_hi - u_lo
 
-  def sched_sync():
-    if sched is not None:
-      plgpu.barrier_arrive(sched)
-      plgpu.barrier_wait(sched)
-
   def consume(b, h, group_start, u_lo, u_hi, first_step):
     """One work item on a consumer warpgroup: ring steps ``first_step +
     [0, u_hi - u_lo)``."""
@@ -127,6 +130,16 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         jnp.full((bq, prob.head_dim_padded), 0.0, jnp.float32),
         plgpu.Layout.WGMMA)
     qk_scale = prob.softmax_scale * LOG2E
+
+    def wait_next_k(step):
+      """``early_k_wait``: wait for the next step's K now (inside the
+      ``P V`` scope, while the wgmma runs), as tokamax's kernel does,
+      rather than at the start of that step."""
+      if cfg.early_k_wait:
+        end_step = first_step + (u_hi - u_lo)
+        nxt = step + 1
+        pl.when(nxt < end_step)(
+            lambda: plgpu.barrier_wait(k_ready.at[lax.rem(nxt, stages)]))
 
     def probs(s, t, m, *, masked: bool):
       """Tile ``t``'s online-softmax step from the raw ``S``: ``P`` (float32,
@@ -170,17 +183,19 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       p = jnp.exp2(s - m_b if scale is None else s * scale - m_b)
       return p, m_next, alpha
 
-    def scores(slot):
-      """``S = Q K^T`` with tile ``slot``'s K (waited for, then released)."""
-      plgpu.barrier_wait(k_ready.at[slot])
+    def scores(slot, *, waited=False):
+      """``S = Q K^T`` with tile ``slot``'s K (waited for unless
+      ``waited``, then released)."""
+      if not waited:
+        plgpu.barrier_wait(k_ready.at[slot])
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].T)
-        sched_sync()  # let the other consumer's matmul go next
+        ping.issued()  # let the other consumer's matmul go next
         return acc_ref[...]
 
       s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-      plgpu.barrier_arrive(k_free.at[slot])
+      pipeline.arrive(k_free, slot)
       return s
 
     def p_operand(p16):
@@ -192,8 +207,9 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       plgpu.commit_smem()
       return p_src
 
-    def add_pv(acc, p16, slot):
-      """``O += P V`` with tile ``slot``'s V (waits for the wgmma)."""
+    def add_pv(acc, p16, slot, while_running=lambda: None):
+      """``O += P V`` with tile ``slot``'s V (waits for the wgmma);
+      ``while_running()`` is issued after the wgmma, before that wait."""
       p_src = p_operand(p16)
       if in_place:
         # O += P V accumulated in the wgmma registers themselves
@@ -202,11 +218,13 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         # 221 against 593 TFLOP/s, s4096).
         def pv_in_place(acc_ref):
           plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
+          while_running()
         return pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
 
       # Interpretable form: a fresh scoped accumulator, added in registers.
       def pv(acc_ref):
         plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
+        while_running()
         return acc_ref[...]
       return acc + pl.run_scoped(pv, plgpu.ACC((bq, prob.head_dim_padded),
                                                jnp.float32))
@@ -214,7 +232,8 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     def compute(step, t, carry, *, masked: bool):
       acc, m, l = carry
       slot = lax.rem(step, stages)
-      p, m_next, alpha = probs(scores(slot), t, m, masked=masked)
+      p, m_next, alpha = probs(scores(slot, waited=cfg.early_k_wait), t, m,
+                               masked=masked)
       l = l * alpha
       p16 = p.astype(dtype)
       if in_place:
@@ -226,28 +245,29 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       if early_sum:
         l = l + p.sum(axis=1)
         acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
-      if sched is not None:
-        plgpu.barrier_arrive(sched)  # softmax done
+      ping.softmax_done()
       plgpu.barrier_wait(v_ready.at[slot])
-      if sched is not None:
-        plgpu.barrier_wait(sched)  # tensor cores free
+      ping.before_pv()  # tensor cores free
       if not early_sum:
         l = l + p.sum(axis=1)
       if not in_place:
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      acc = add_pv(acc, p16, slot)
-      plgpu.barrier_arrive(v_free.at[slot])
+      acc = add_pv(acc, p16, slot, lambda: wait_next_k(step))
+      pipeline.arrive(v_free, slot)
       return acc, m_next, l
 
     def skip(step, carry):
       # A tile only the other consumer needs: observe and release it.
       slot = lax.rem(step, stages)
-      plgpu.barrier_wait(k_ready.at[slot])
-      plgpu.barrier_arrive(k_free.at[slot])
-      sched_sync()
+      if not cfg.early_k_wait:
+        plgpu.barrier_wait(k_ready.at[slot])
+      pipeline.arrive(k_free, slot)
+      ping.issued()
       plgpu.barrier_wait(v_ready.at[slot])
-      plgpu.barrier_arrive(v_free.at[slot])
-      sched_sync()
+      pipeline.arrive(v_free, slot)
+      ping.softmax_done()
+      ping.before_pv()
+      wait_next_k(step)
       return carry
 
     def overlapped_loop(own, carry):
@@ -274,7 +294,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       def first(_):
         p, m1, alpha = probs(scores(slot_of(lo)), lo, m, masked=True)
         l1 = l * alpha + p.sum(axis=1)
-        sched_sync()
+        ping.rendezvous()
         return p.astype(dtype), m1, l1
 
       def nothing(_):
@@ -292,13 +312,13 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
           plgpu.wgmma(s_acc, qo_smem, k_smem.at[slot].T)  # S_t
           plgpu.barrier_wait(v_ready.at[prev])
           plgpu.wgmma(o_acc, p_operand(p_prev), v_smem.at[prev])  # P V
-          sched_sync()  # both matmuls issued: the other consumer's turn
+          ping.rendezvous()  # both matmuls issued: the other's turn
 
         def softmax(s_t, m, l):
-          plgpu.barrier_arrive(k_free.at[slot])
+          pipeline.arrive(k_free, slot)
           p, m_next, alpha = probs(s_t, t, m, masked=masked)
           l = l * alpha + p.sum(axis=1)
-          sched_sync()
+          ping.rendezvous()
           return p.astype(dtype), m_next, l, alpha
 
         if in_place:
@@ -322,7 +342,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
               body, plgpu.ACC((bq, bk), jnp.float32),
               plgpu.ACC((bq, prob.head_dim_padded), jnp.float32))
           o = acc + pv
-        plgpu.barrier_arrive(v_free.at[prev])
+        pipeline.arrive(v_free, prev)
         acc = o * lax.broadcast_in_dim(alpha, o.shape, [0])
         return acc, m, l, p16
 
@@ -340,15 +360,17 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         slot = slot_of(hi - 1)
         plgpu.barrier_wait(v_ready.at[slot])
         acc = add_pv(acc, p16, slot)
-        plgpu.barrier_arrive(v_free.at[slot])
+        pipeline.arrive(v_free, slot)
         return acc
 
       acc = lax.cond(lo < hi, last, lambda acc: acc, acc)
       run(hi, u_hi, lambda t, c: skip(first_step + t - u_lo, c), ())
       return acc, m, l
 
-    if sched is not None:
-      pl.when(wg == 1)(sched_sync)  # offset the two consumers by a half step
+    ping.start()  # offset the two consumers by a half step
+    if cfg.early_k_wait:
+      pl.when(u_hi > u_lo)(
+          lambda: plgpu.barrier_wait(k_ready.at[lax.rem(first_step, stages)]))
     own = mask.kv_block_range(q_start, bq, bk)
     if cfg.intra_wg_overlap:
       acc, m, l = overlapped_loop(own, (acc, m, l))
@@ -357,8 +379,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
           u_lo, u_hi, own, first_step=first_step,
           compute=compute, skip=skip,
           element_mask_everywhere=range_ref is not None, carry=(acc, m, l))
-    if sched is not None:
-      pl.when(wg == 0)(sched_sync)
+    ping.finish()
 
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
@@ -449,6 +470,81 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       pipeline.drain(total_steps, stages, [k_free, v_free])
     else:
       produce(b, h, u_lo, n_steps, 0)
+
+
+class _PingPong:
+  """The two consumers' alternation (FlashAttention-3's ping-pong,
+  arXiv 2407.08608 §3.1): a consumer's ``P V`` waits until the other has
+  issued its ``Q K^T``, so one's softmax runs while the other's matmuls
+  hold the tensor cores.  Consumer 1 starts half a step behind.
+
+  * mbarrier form (interpretable): one barrier of two arrivals used as a
+    rendezvous after each ``Q K^T`` and around the wait for V.
+  * ``named_barriers``: tokamax's sm90 form, two hardware named barriers
+    (ids ``FIRST_NAMED_BARRIER + {0, 1}``, 256 threads): after issuing
+    ``Q K^T`` a consumer arrives at the other's barrier, before ``P V``
+    it syncs on its own.
+
+  With no schedule barrier (``barrier`` None: one consumer, or
+  ``schedule_barrier=False``) every hook is a no-op.
+  """
+
+  def __init__(self, barrier, wg, *, named: bool):
+    self.barrier, self.wg, self.named = barrier, wg, named
+    self.base = pipeline.FIRST_NAMED_BARRIER
+
+    def rendezvous():
+      plgpu.barrier_arrive(barrier)
+      plgpu.barrier_wait(barrier)
+    # One function object for every use, so that its traced body is shared.
+    self._rendezvous = rendezvous
+
+  def rendezvous(self):
+    """Both consumers meet (``intra_wg_overlap``'s loop; mbarrier form)."""
+    if self.barrier is not None:
+      self._rendezvous()
+
+  def issued(self):
+    """After this consumer issued its ``Q K^T``."""
+    if self.barrier is None:
+      return
+    if self.named:
+      pipeline.named_barrier("arrive", self.base + 1 - self.wg, 256)
+    else:
+      self._rendezvous()
+
+  def softmax_done(self):
+    if self.barrier is not None and not self.named:
+      plgpu.barrier_arrive(self.barrier)
+
+  def before_pv(self):
+    """Before this consumer issues its ``P V``: the tensor cores' turn."""
+    if self.barrier is None:
+      return
+    if self.named:
+      pipeline.named_barrier("sync", self.base + self.wg, 256)
+    else:
+      plgpu.barrier_wait(self.barrier)
+
+  def start(self):
+    """Consumer 1 waits for consumer 0's first ``Q K^T``."""
+    if self.barrier is None:
+      return
+    if self.named:
+      pl.when(self.wg == 1)(
+          lambda: pipeline.named_barrier("sync", self.base + 1, 256))
+    else:
+      pl.when(self.wg == 1)(self._rendezvous)
+
+  def finish(self):
+    """Consumer 0 balances consumer 1's extra wait from :meth:`start`."""
+    if self.barrier is None:
+      return
+    if self.named:
+      pl.when(self.wg == 0)(
+          lambda: pipeline.named_barrier("arrive", self.base + 1, 256))
+    else:
+      pl.when(self.wg == 0)(self._rendezvous)
 
 
 def _sm_count() -> int:

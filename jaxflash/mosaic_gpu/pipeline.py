@@ -11,12 +11,14 @@ warpgroup (the invariant Mosaic GPU's barriers need).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.mosaic import gpu as mgpu
 
 # 128-byte swizzle over 64-element (bf16/fp16) rows: the shared-memory
 # layout wgmma reads without bank conflicts.
@@ -34,6 +36,66 @@ def launch(body, *, out_type, scratch, grid, grid_names, consumers: int,
       grid_names=grid_names, num_threads=consumers + 1, thread_name="wg",
       interpret=interpret,
       compiler_params=plgpu.CompilerParams(approx_math=True))
+
+
+# Hardware named barriers (``bar.arrive`` / ``bar.sync``): 16 per CTA;
+# Mosaic GPU uses the low ids for its own warpgroup barriers (tokamax's
+# sm90 kernel starts at 4 as well).
+FIRST_NAMED_BARRIER = 4
+NAMED_BARRIERS = 16
+
+
+def named_barrier(op: str, barrier_id, num_threads: int) -> None:
+  """``bar.<op> id, num_threads`` from every thread of the warpgroup
+  (inline Mosaic GPU, which the interpreter does not run)."""
+  if isinstance(barrier_id, int):
+    @plgpu.inline_mgpu()
+    def static(_):
+      mgpu.utils.inline_ptx(f"bar.{op} {barrier_id}, {num_threads};")
+    static()
+  else:
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
+    def dynamic(_, barrier_id):
+      mgpu.utils.inline_ptx(f"bar.{op} $0, {num_threads};",
+                            barrier_id.registers[()])
+    dynamic(barrier_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedBarriers:
+  """A ring's "free" signals as hardware named barriers, ids ``base +
+  slot``: each consumer thread ``bar.arrive``s, the producer warpgroup
+  ``bar.sync``s (``threads`` = all of them).  Against an mbarrier there is
+  no phase to track and no try-wait loop: the producer thread sleeps in
+  hardware until the count is reached.  A slot's arrivals must not run a
+  round ahead of the producer's sync; they cannot, since a consumer
+  releases a slot again only after the producer refilled it, which took
+  that sync."""
+
+  base: int
+  threads: int
+
+  def arrive(self, slot) -> None:
+    named_barrier("arrive", self.base + slot, self.threads)
+
+  def wait(self, slot) -> None:
+    named_barrier("sync", self.base + slot, self.threads)
+
+
+def arrive(barrier, slot) -> None:
+  """Release ring slot ``slot``: a Barrier ref or :class:`NamedBarriers`."""
+  if isinstance(barrier, NamedBarriers):
+    barrier.arrive(slot)
+  else:
+    plgpu.barrier_arrive(barrier.at[slot])
+
+
+def wait(barrier, slot) -> None:
+  """Wait for ring slot ``slot``: a Barrier ref or :class:`NamedBarriers`."""
+  if isinstance(barrier, NamedBarriers):
+    barrier.wait(slot)
+  else:
+    plgpu.barrier_wait(barrier.at[slot])
 
 
 def narrow_to_segments(u_lo, u_hi, range_ref, b, group):
@@ -79,7 +141,7 @@ def produce_split(n_steps, stages: int, loads) -> None:
 
   def wait_free(barriers, slot):
     for barrier in barriers:
-      plgpu.barrier_wait(barrier.at[slot])
+      wait(barrier, slot)
 
   @pl.loop(stages, jnp.maximum(n_steps, stages))
   def _(step):
@@ -108,7 +170,7 @@ def produce_continuing(first_step, n_steps, stages: int, load,
     @pl.when(ring_step >= stages)
     def _():
       for barrier in free_barriers:
-        plgpu.barrier_wait(barrier.at[slot])
+        wait(barrier, slot)
 
     load(step, slot)
 
@@ -118,7 +180,7 @@ def drain(total_steps, stages: int, free_barriers) -> None:
   @pl.loop(jnp.maximum(total_steps - stages, 0), total_steps)
   def _(step):
     for barrier in free_barriers:
-      plgpu.barrier_wait(barrier.at[lax.rem(step, stages)])
+      wait(barrier, lax.rem(step, stages))
 
 
 def acknowledge(ready, free, stages: int):
