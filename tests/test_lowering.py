@@ -98,9 +98,10 @@ def _mosaic_case(shape):
     dict(named_barriers=True, early_k_wait=True),
     dict(named_barriers=True, persistent=True),
     dict(named_barriers=True, compute_wgs=1, schedule_barrier=False),
+    dict(named_barriers=True, row_sum_in_pv=True),
 ], ids=["default", "p-in-smem", "one-wg", "deep", "wide", "persistent",
         "overlap", "overlap-wide", "named-early", "named-persistent",
-        "named-one-wg"])
+        "named-one-wg", "named-row-sum-in-pv"])
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),
@@ -143,8 +144,12 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
     dict(bwd_atomic_dq=True, p_in_smem=True, bwd_compute_wgs=1),
     dict(bwd_atomic_dq=True, bwd_shared_dq=True),
     dict(bwd_atomic_dq=True, bwd_dq_halves=True),
+    dict(bwd_named_barriers=True),
+    dict(bwd_named_barriers=True, bwd_atomic_dq=True, bwd_shared_dq=True),
+    dict(bwd_named_barriers=True, bwd_split_dkv=True, bwd_compute_wgs=1),
 ], ids=["default", "p-in-smem", "one-wg", "deep", "split", "atomic-dq",
-        "atomic-dq-p-in-smem-one-wg", "shared-dq", "dq-halves"])
+        "atomic-dq-p-in-smem-one-wg", "shared-dq", "dq-halves", "named",
+        "named-shared-dq", "named-split"])
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),

@@ -139,12 +139,24 @@ def test_interpret_early_k_wait(name):
   _run(case, RACES, config)
 
 
+@pytest.mark.parametrize("name", ["d256-causal-q300-k100",
+                                  "d256-split-dkv-gqa"])
+def test_interpret_row_sum_in_pv(name):
+  """``row_sum_in_pv`` (head_dim > 128): the row sum of P taken inside the
+  P V scope, combined with the early K wait there."""
+  case = next(c for c in CASES if c[0] == name)
+  config = dataclasses.replace(case[-1], row_sum_in_pv=True,
+                               early_k_wait=True)
+  _run(case, RACES, config)
+
+
 def test_named_barriers_need_a_gpu():
   q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match="named_barriers"):
-    jaxflash.flash_attention(
-        q, q, q, implementation="mosaic_gpu", interpret=True,
-        config=mosaic_gpu.MosaicConfig(named_barriers=True))
+  for name in ("named_barriers", "bwd_named_barriers"):
+    with pytest.raises(NotImplementedError, match=name):
+      jaxflash.flash_attention(
+          q, q, q, implementation="mosaic_gpu", interpret=True,
+          config=mosaic_gpu.MosaicConfig(**{name: True}))
 
 
 GPU_CONFIGS = {
@@ -182,6 +194,14 @@ GPU_CONFIGS = {
     "named-one-wg-deep": mosaic_gpu.MosaicConfig(
         named_barriers=True, compute_wgs=1, schedule_barrier=False,
         block_kv=64, stages=5),
+    "named-row-sum": mosaic_gpu.MosaicConfig(named_barriers=True,
+                                             row_sum_in_pv=True),
+    "bwd-named": mosaic_gpu.MosaicConfig(bwd_named_barriers=True),
+    "bwd-named-atomic": mosaic_gpu.MosaicConfig(bwd_named_barriers=True,
+                                                bwd_atomic_dq=True),
+    "bwd-named-split": mosaic_gpu.MosaicConfig(
+        bwd_named_barriers=True, bwd_split_dkv=True, bwd_compute_wgs=1,
+        bwd_stages=3),
 }
 
 
@@ -226,7 +246,9 @@ def test_config_validation():
                       "named_barriers=True"),
                      (dict(intra_wg_overlap=True, early_k_wait=True),
                       "early_k_wait=True"),
-                     (dict(named_barriers=True, stages=6), "stages=6")]:
+                     (dict(named_barriers=True, stages=6), "stages=6"),
+                     (dict(bwd_named_barriers=True, bwd_stages=13),
+                      "bwd_stages=13")]:
     with pytest.raises(ValueError, match=match):
       mosaic_gpu.MosaicConfig(**bad)
   cfg = mosaic_gpu.default_config("NVIDIA H200", 128)

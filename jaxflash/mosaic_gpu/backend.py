@@ -311,10 +311,11 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
       raise NotImplementedError(
           "bwd_atomic_dq=True needs a GPU: the Mosaic GPU interpreter has"
           " no TMA reduce-add")
-    if config is not None and config.named_barriers:
-      raise NotImplementedError(
-          "named_barriers=True needs a GPU: hardware named barriers are"
-          " inline PTX, which the Mosaic GPU interpreter does not run")
+    for name in ("named_barriers", "bwd_named_barriers"):
+      if config is not None and getattr(config, name):
+        raise NotImplementedError(
+            f"{name}=True needs a GPU: hardware named barriers are inline"
+            " PTX, which the Mosaic GPU interpreter does not run")
     manual = _manual_devices()
     if manual > 1:
       raise NotImplementedError(

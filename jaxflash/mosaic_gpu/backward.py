@@ -225,6 +225,8 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
   (k_smem2, v_smem2, q_ring, do_ring, lse_ring, delta_ring, kv_ready, ready,
    free, *extra) = refs[len(parts):]
   want_dk, want_dv = "dk" in parts, "dv" in parts
+  free = pipeline.ring_free(free, cfg.bwd_named_barriers,
+                            cfg.bwd_compute_wgs)
   a_smem2 = extra.pop(0) if cfg.p_in_smem else None
   shared_dq = atomic_dq and cfg.bwd_shared_dq
   if shared_dq:
@@ -303,7 +305,7 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
       elif want_dk:  # dK += dS^T Q
         plgpu.wgmma(accs["dk"], _a_operand(ds, a_smem, dtype), q_t)
       plgpu.wgmma_wait(0)
-      plgpu.barrier_arrive(free.at[slot])
+      pipeline.arrive(free, slot)
       return carry
 
     def dq_dst(t, g):  # the query tile's rows of dQ (float32, padded)
@@ -443,6 +445,8 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   a_smem2 = extra[0] if cfg.p_in_smem else None
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
   group_rows = cfg.bwd_compute_wgs * bq
+  free = pipeline.ring_free(free, cfg.bwd_named_barriers,
+                            cfg.bwd_compute_wgs)
   b = lax.axis_index("batch")
   h = lax.axis_index("heads")
   wg = lax.axis_index("wg")
@@ -493,7 +497,7 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
                                  row_axis=0)
       plgpu.wgmma(dq_acc, _a_operand(ds, a_smem, dtype), k_t)  # dQ += dS K
       plgpu.wgmma_wait(0)
-      plgpu.barrier_arrive(free.at[slot])
+      pipeline.arrive(free, slot)
       return carry
 
     skip = pipeline.acknowledge(ready, free, stages)

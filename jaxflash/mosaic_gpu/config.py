@@ -58,6 +58,10 @@ class MosaicConfig:
       its ``P V`` wgmma scope (while the matmul runs, as tokamax's kernel)
       instead of at the start of the next step.  Not with
       ``intra_wg_overlap``.
+    row_sum_in_pv: at padded head_dim > 128 (where the row sum of ``P``
+      is not finished before the barriers), sum it inside the ``P V``
+      wgmma scope, while the matmul runs, instead of before issuing it
+      (tokamax's order at head_dim > 128).  No effect at head_dim <= 128.
     bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
       64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
       key rows and streams ``bwd_block_q`` query rows; the dQ kernel gives
@@ -76,6 +80,9 @@ class MosaicConfig:
       shared memory; ``check_supported`` refuses such a config).  The
       H200 default at head_dim 256 (fwd+bwd twice as fast as the Triton
       backward there).
+    bwd_named_barriers: the backward kernels' "slot consumed" signals on
+      hardware named barriers, as ``named_barriers`` for the forward
+      (``bwd_stages <= 12``; GPU only).
     bwd_atomic_dq: accumulate dQ in the dK/dV kernel instead of a dQ
       kernel: each tile's ``dS K`` (float32, through shared memory) is
       added into a zeroed float32 buffer in global memory by a TMA
@@ -119,11 +126,13 @@ class MosaicConfig:
   intra_wg_overlap: bool = False
   named_barriers: bool = False
   early_k_wait: bool = False
+  row_sum_in_pv: bool = False
   bwd_block_q: int = 64
   bwd_block_kv: int = 64
   bwd_stages: int = 2
   bwd_compute_wgs: int = 2
   bwd_split_dkv: bool = False
+  bwd_named_barriers: bool = False
   bwd_atomic_dq: bool = False
   bwd_shared_dq: bool = False
   bwd_dq_halves: bool = False
@@ -154,6 +163,11 @@ class MosaicConfig:
           f"named_barriers=True takes 2 + 2 * stages of the 12 free"
           f" hardware barriers: stages <= {MAX_NAMED_STAGES}, got"
           f" stages={self.stages}")
+    if self.bwd_named_barriers and self.bwd_stages > 12:
+      raise ValueError(
+          "bwd_named_barriers=True takes one of the 12 free hardware"
+          " barriers per stage: bwd_stages <= 12, got"
+          f" bwd_stages={self.bwd_stages}")
     if self.bwd_atomic_dq and self.bwd_split_dkv:
       raise ValueError(
           "bwd_atomic_dq=True needs dK and dV in one pass of the dK/dV"

@@ -229,6 +229,27 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       return acc + pl.run_scoped(pv, plgpu.ACC((bq, prob.head_dim_padded),
                                                jnp.float32))
 
+    def add_pv_and_sum(acc, p16, slot, l, p, while_running):
+      """:func:`add_pv` that also returns ``l + rowsum(p)``, computed while
+      the wgmma runs (``row_sum_in_pv``, as tokamax's kernel at head_dim
+      > 128): the CUDA cores sum while the tensor cores multiply."""
+      p_src = p_operand(p16)
+      if in_place:
+        def pv_in_place(refs):
+          acc_ref, l_ref = refs
+          plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
+          while_running()
+          l_ref[...] = l_ref[...] + p.sum(axis=1)
+        return pl.run_state(pv_in_place)((plgpu.ACC.init(acc), l))
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
+        while_running()
+        return acc_ref[...], l + p.sum(axis=1)
+      pv_out, l = pl.run_scoped(pv, plgpu.ACC((bq, prob.head_dim_padded),
+                                              jnp.float32))
+      return acc + pv_out, l
+
     def compute(step, t, carry, *, masked: bool):
       acc, m, l = carry
       slot = lax.rem(step, stages)
@@ -248,11 +269,16 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       ping.softmax_done()
       plgpu.barrier_wait(v_ready.at[slot])
       ping.before_pv()  # tensor cores free
-      if not early_sum:
+      sum_in_pv = not early_sum and cfg.row_sum_in_pv
+      if not early_sum and not sum_in_pv:
         l = l + p.sum(axis=1)
       if not in_place:
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      acc = add_pv(acc, p16, slot, lambda: wait_next_k(step))
+      if sum_in_pv:
+        acc, l = add_pv_and_sum(acc, p16, slot, l, p,
+                                lambda: wait_next_k(step))
+      else:
+        acc = add_pv(acc, p16, slot, lambda: wait_next_k(step))
       pipeline.arrive(v_free, slot)
       return acc, m_next, l
 

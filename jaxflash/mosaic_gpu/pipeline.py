@@ -82,6 +82,15 @@ class NamedBarriers:
     named_barrier("sync", self.base + slot, self.threads)
 
 
+def ring_free(barrier_ref, named: bool, n_consumers: int):
+  """A ring's "free" signals: its mbarriers ``barrier_ref``, or with
+  ``named`` hardware named barriers from :data:`FIRST_NAMED_BARRIER` (one
+  per slot; every consumer thread and the producer warpgroup take part)."""
+  if not named:
+    return barrier_ref
+  return NamedBarriers(FIRST_NAMED_BARRIER, (n_consumers + 1) * 128)
+
+
 def arrive(barrier, slot) -> None:
   """Release ring slot ``slot``: a Barrier ref or :class:`NamedBarriers`."""
   if isinstance(barrier, NamedBarriers):
@@ -189,7 +198,7 @@ def acknowledge(ready, free, stages: int):
   def skip(step, carry):
     slot = lax.rem(step, stages)
     plgpu.barrier_wait(ready.at[slot])
-    plgpu.barrier_arrive(free.at[slot])
+    arrive(free, slot)
     return carry
   return skip
 
