@@ -114,10 +114,14 @@ def run_case(case: str, out: pathlib.Path, timeout: int) -> dict:
     text = (e.stdout or b"").decode() + (e.stderr or b"").decode()
     rc = "timeout"
   (dump / "process.log").write_text(text)
-  # The report goes to files under MOSAIC_GPU_DUMP_TO, or to the output.
+  # The report goes to files under MOSAIC_GPU_DUMP_TO, or to the output:
+  # read one of the two (the same report in both would count twice).
   dumped = "\n".join(p.read_text(errors="replace") for p in sorted(
       dump.iterdir()) if p.is_file() and p.name != "process.log")
-  row = dict(case=case, rc=rc, kernels=parse(dumped + "\n" + text))
+  source = dumped if ENTRY.search(dumped) else text
+  raw = [ln.rstrip() for ln in source.splitlines()
+         if "ptxas" in ln or SPILL.search(ln)]
+  row = dict(case=case, rc=rc, kernels=parse(source), ptxas_lines=raw)
   cfg = re.search(r"^CONFIG (.*)$", text, re.M)
   row["config"] = json.loads(cfg.group(1)) if cfg else None
   if rc != 0:

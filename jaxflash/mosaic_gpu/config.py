@@ -45,8 +45,9 @@ class MosaicConfig:
       (arXiv 2407.08608 §3.2): each consumer issues ``S_t = Q K_t^T`` and
       ``O += P_{t-1} V_{t-1}`` back to back and computes tile ``t``'s
       softmax while the ``P V`` wgmma runs; the producer reloads K and V
-      slots on separate barriers.  Not with ``persistent``.  Not yet timed
-      on a GPU (an experiment, not a default).
+      slots on separate barriers.  Not with ``persistent``.  An
+      experiment: 0.57-0.69x of the default on the H200 at head_dim 128
+      (no spills, no ptxas warning; cause not found).
     named_barriers: the forward's "slot consumed" signals and the
       ping-pong schedule on hardware named barriers (``bar.arrive`` /
       ``bar.sync``, as tokamax's sm90 kernel) instead of mbarriers: no
