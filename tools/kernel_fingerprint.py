@@ -8,7 +8,11 @@ needed).  Equal hashes at two commits mean the same kernels were built,
 so a GPU figure measured at one holds for the other.  The config's own
 repr is left out (new config fields with defaults do not change a
 kernel), and so is ``OpParams.deterministic``.  ``--against COMMIT``
-runs the same cases in a worktree of that commit and compares.
+runs the same cases in a worktree of that commit and compares;
+``--against-overrides "field=value,..."`` applies MosaicConfig overrides
+to that commit's defaults first (to show that a variant measured there,
+``--mosaic-variants`` of the benchmark, is the kernel a later default
+builds).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ CASES = [
 ]
 
 
-def fingerprints() -> dict[str, str]:
+def fingerprints(overrides: str = "") -> dict[str, str]:
   import jax
   import jax.numpy as jnp
 
@@ -53,6 +57,11 @@ def fingerprints() -> dict[str, str]:
                                       causal=causal, kv_len=t)
     except TypeError:  # commits before the per-call rules
       cfg = mosaic_gpu.default_config("NVIDIA H200", -(-d // 64) * 64)
+    if overrides:
+      import dataclasses
+
+      from jaxflash.mosaic_gpu.config import parse_overrides
+      cfg = dataclasses.replace(cfg, **parse_overrides(overrides))
 
     def f(q, k, v, ids, spec=spec, seg=seg, grad=grad, cfg=cfg):
       arrays = MaskArrays(ids, ids) if seg else MaskArrays()
@@ -75,10 +84,14 @@ def fingerprints() -> dict[str, str]:
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--against", default=None)
+  ap.add_argument("--against-overrides", default="",
+                  help="MosaicConfig overrides of the --against commit's"
+                       " defaults")
+  ap.add_argument("--overrides", default="", help=argparse.SUPPRESS)
   ap.add_argument("--json", action="store_true",
                   help="print the fingerprints as JSON (used internally)")
   args = ap.parse_args()
-  here = fingerprints()
+  here = fingerprints(args.overrides)
   if args.json:
     import json
     print(json.dumps(here))
@@ -95,7 +108,8 @@ def main() -> int:
                     args.against], cwd=root, check=True)
     try:
       res = subprocess.run(
-          [sys.executable, os.path.abspath(__file__), "--json"],
+          [sys.executable, os.path.abspath(__file__), "--json",
+           "--overrides", args.against_overrides],
           cwd=wt, env={**os.environ, "PYTHONPATH": wt}, check=True,
           capture_output=True, text=True)
     finally:

@@ -1,0 +1,40 @@
+"""tools/ptxas_report.py reads ptxas' verbose report (the parser; the
+compilation itself needs an sm90 GPU)."""
+
+import pathlib
+
+REPORT = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'fwd_kernel' for 'sm_90a'
+ptxas info    : Function properties for fwd_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers
+ptxas info    : Compiling entry function 'bwd_kernel' for 'sm_90a'
+ptxas info    : Function properties for bwd_kernel
+    8 bytes stack frame, 40 bytes spill stores, 64 bytes spill loads
+ptxas warning : Registers are spilled to local memory in function \
+'bwd_kernel', 40 bytes spill stores, 64 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers
+"""
+
+
+def test_parse_entries_spills_and_warnings(monkeypatch):
+  monkeypatch.syspath_prepend(pathlib.Path(__file__).parents[1] / "tools")
+  import ptxas_report
+
+  fwd, bwd = ptxas_report.parse(REPORT)
+  assert fwd == dict(entry="fwd_kernel", warnings=[], registers=168,
+                     spill_stores=0, spill_loads=0, stack=0)
+  assert (bwd["entry"], bwd["registers"], bwd["spill_stores"],
+          bwd["spill_loads"], bwd["stack"]) == ("bwd_kernel", 168, 40, 64, 8)
+  assert len(bwd["warnings"]) == 1 and "spilled" in bwd["warnings"][0]
+
+
+def test_parse_warning_before_any_entry(monkeypatch):
+  monkeypatch.syspath_prepend(pathlib.Path(__file__).parents[1] / "tools")
+  import ptxas_report
+
+  (only,) = ptxas_report.parse(
+      "ptxas warning : Potential Performance Loss: wgmma.mma_async"
+      " instructions are serialized\n")
+  assert only["entry"] == "?" and "serialized" in only["warnings"][0]
