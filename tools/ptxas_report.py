@@ -2,7 +2,8 @@
 warnings (e.g. serialised ``wgmma``) per compiled kernel and config.
 
     PYTHONPATH=. python3 tools/ptxas_report.py [--out DIR]
-        [--cases "128:fwd:0:;128:fwd:0:intra_wg_overlap=1,persistent=0"]
+        [--cases "128:fwd:0:;128:fwd:0:named_barriers=0,persistent=0,\
+intra_wg_overlap=1"]
 
 A case is ``HEAD_DIM:MODE:CAUSAL:OVERRIDES`` (MODE fwd or fwd_bwd;
 OVERRIDES are MosaicConfig fields on top of the H200's tuned default, as
@@ -12,6 +13,10 @@ compiles and runs a small call in its own process with
 own), so that ptxas' verbose report of that case alone is what is read
 back.  Register counts and spills do not depend on the sequence length,
 so one small shape per case suffices; the cases run a few at a time.
+Kernels are told apart by order only (Mosaic GPU names them all
+``anonymous_mosaic_gpu_kernel``): forward, then the backward's dK/dV and
+dQ kernels; a warning ptxas prints before an entry's name is listed
+under ``?``.
 
 This is the evidence the benchmark cannot give: a variant that runs at
 half speed with spill stores, or with ptxas' "wgmma serialized" warning,
@@ -24,6 +29,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -101,17 +107,23 @@ def child(case: str) -> None:
 def run_case(case: str, out: pathlib.Path, timeout: int) -> dict:
   name = re.sub(r"[^A-Za-z0-9_.=-]+", "_", case)
   dump = out / name
-  dump.mkdir(parents=True, exist_ok=True)
+  if dump.exists():  # a report of an earlier run would be read as this one's
+    shutil.rmtree(dump)
+  dump.mkdir(parents=True)
   env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1",
              MOSAIC_GPU_DUMP_TO=str(dump),
              XLA_PYTHON_CLIENT_PREALLOCATE="false")
   try:
+    # One stream, in the order the process wrote it (ptxas' lines and
+    # warnings must stay with the entry they follow).
     proc = subprocess.run([sys.executable, __file__, "--child", case],
-                          env=env, capture_output=True, text=True,
+                          env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True,
                           timeout=timeout, check=False)
-    text, rc = proc.stdout + proc.stderr, proc.returncode
+    text, rc = proc.stdout, proc.returncode
   except subprocess.TimeoutExpired as e:
-    text = (e.stdout or b"").decode() + (e.stderr or b"").decode()
+    out = e.stdout or b""
+    text = out.decode() if isinstance(out, bytes) else out
     rc = "timeout"
   (dump / "process.log").write_text(text)
   # The report goes to files under MOSAIC_GPU_DUMP_TO, or to the output:

@@ -81,7 +81,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
   bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
   if cfg.named_barriers:
     # The consumed signals as hardware named barriers after the
-    # schedule's two (ids in config.named_barrier_count).
+    # schedule's two (ids 4 + 2 + [0, 2 * stages): config.MAX_NAMED_STAGES).
     threads = (cfg.compute_wgs + 1) * 128
     base = pipeline.FIRST_NAMED_BARRIER + 2
     k_free = pipeline.NamedBarriers(base, threads)
@@ -93,7 +93,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     h = lax.axis_index("heads")
   wg = lax.axis_index("wg")
   ping = _PingPong(extra[-1] if _use_schedule(cfg) else None, wg,
-                   named=cfg.named_barriers)
+                   named=cfg.named_barriers, persistent=persistent)
   mask = prob.mask
   n_groups = prob.q_pad // group_rows
 
@@ -238,14 +238,15 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         def pv_in_place(refs):
           acc_ref, l_ref = refs
           plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
-          while_running()
           l_ref[...] = l_ref[...] + p.sum(axis=1)
+          while_running()
         return pl.run_state(pv_in_place)((plgpu.ACC.init(acc), l))
 
       def pv(acc_ref):
         plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
+        l_next = l + p.sum(axis=1)
         while_running()
-        return acc_ref[...], l + p.sum(axis=1)
+        return acc_ref[...], l_next
       pv_out, l = pl.run_scoped(pv, plgpu.ACC((bq, prob.head_dim_padded),
                                               jnp.float32))
       return acc + pv_out, l
@@ -515,8 +516,9 @@ class _PingPong:
   ``schedule_barrier=False``) every hook is a no-op.
   """
 
-  def __init__(self, barrier, wg, *, named: bool):
+  def __init__(self, barrier, wg, *, named: bool, persistent: bool):
     self.barrier, self.wg, self.named = barrier, wg, named
+    self.persistent = persistent
     self.base = pipeline.FIRST_NAMED_BARRIER
 
     def rendezvous():
@@ -563,12 +565,21 @@ class _PingPong:
       pl.when(self.wg == 1)(self._rendezvous)
 
   def finish(self):
-    """Consumer 0 balances consumer 1's extra wait from :meth:`start`."""
+    """Consumer 0 balances consumer 1's extra wait from :meth:`start`.
+
+    Named form, persistent grid: consumer 0 syncs (not just arrives) on
+    consumer 1's barrier, as tokamax does.  A bare arrive would let it run
+    into the next work item and arrive there again before consumer 1's
+    last sync of this item: 256 arrivals from consumer 0 alone would
+    complete the barrier's generation, and both consumers would then wait
+    forever.  With one item per program nothing follows, and an arrive
+    suffices."""
     if self.barrier is None:
       return
     if self.named:
+      op = "sync" if self.persistent else "arrive"
       pl.when(self.wg == 0)(
-          lambda: pipeline.named_barrier("arrive", self.base + 1, 256))
+          lambda: pipeline.named_barrier(op, self.base + 1, 256))
     else:
       pl.when(self.wg == 0)(self._rendezvous)
 

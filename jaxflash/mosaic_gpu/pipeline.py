@@ -39,26 +39,28 @@ def launch(body, *, out_type, scratch, grid, grid_names, consumers: int,
 
 
 # Hardware named barriers (``bar.arrive`` / ``bar.sync``): 16 per CTA;
-# Mosaic GPU uses the low ids for its own warpgroup barriers (tokamax's
-# sm90 kernel starts at 4 as well).
+# Mosaic GPU uses id 0 and 1 + warpgroup index for its own barriers
+# (tokamax's sm90 kernel starts at 4 as well).
 FIRST_NAMED_BARRIER = 4
-NAMED_BARRIERS = 16
 
 
 def named_barrier(op: str, barrier_id, num_threads: int) -> None:
   """``bar.<op> id, num_threads`` from every thread of the warpgroup
   (inline Mosaic GPU, which the interpreter does not run)."""
+  # The PTX is named in the function's qualname, which the traced program
+  # prints (tools/kernel_fingerprint.py then sees a change of it).
   if isinstance(barrier_id, int):
-    @plgpu.inline_mgpu()
     def static(_):
       mgpu.utils.inline_ptx(f"bar.{op} {barrier_id}, {num_threads};")
-    static()
+    static.__qualname__ = f"bar.{op}.{barrier_id}.{num_threads}"
+    plgpu.inline_mgpu()(static)()
   else:
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
     def dynamic(_, barrier_id):
       mgpu.utils.inline_ptx(f"bar.{op} $0, {num_threads};",
                             barrier_id.registers[()])
-    dynamic(barrier_id)
+    dynamic.__qualname__ = f"bar.{op}.dynamic.{num_threads}"
+    plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))(dynamic)(
+        barrier_id)
 
 
 @dataclasses.dataclass(frozen=True)
