@@ -305,7 +305,7 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
       elif want_dk:  # dK += dS^T Q
         plgpu.wgmma(accs["dk"], _a_operand(ds, a_smem, dtype), q_t)
       plgpu.wgmma_wait(0)
-      pipeline.arrive(free, slot)
+      free.arrive(slot)
       return carry
 
     def dq_dst(t, g):  # the query tile's rows of dQ (float32, padded)
@@ -497,7 +497,7 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
                                  row_axis=0)
       plgpu.wgmma(dq_acc, _a_operand(ds, a_smem, dtype), k_t)  # dQ += dS K
       plgpu.wgmma_wait(0)
-      pipeline.arrive(free, slot)
+      free.arrive(slot)
       return carry
 
     skip = pipeline.acknowledge(ready, free, stages)

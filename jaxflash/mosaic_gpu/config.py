@@ -10,9 +10,11 @@ import functools
 import json
 import os
 
-# named_barriers: ids 4..15 free, two for the ping-pong schedule, the rest
-# for the K and V rings.
-MAX_NAMED_STAGES = 5
+# Hardware named barriers free for the kernels: ids 4..15 (Mosaic GPU's own
+# are 0-3).  The forward takes two for the ping-pong schedule and one per
+# stage for each of the K and V rings; the backward one per stage.
+FREE_NAMED_BARRIERS = 12
+MAX_NAMED_STAGES = (FREE_NAMED_BARRIERS - 2) // 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,13 +163,15 @@ class MosaicConfig:
                          " barrier order)")
     if self.named_barriers and self.stages > MAX_NAMED_STAGES:
       raise ValueError(
-          f"named_barriers=True takes 2 + 2 * stages of the 12 free"
-          f" hardware barriers: stages <= {MAX_NAMED_STAGES}, got"
+          f"named_barriers=True takes 2 + 2 * stages of the"
+          f" {FREE_NAMED_BARRIERS} free hardware barriers: stages <="
+          f" {MAX_NAMED_STAGES}, got"
           f" stages={self.stages}")
-    if self.bwd_named_barriers and self.bwd_stages > 12:
+    if self.bwd_named_barriers and self.bwd_stages > FREE_NAMED_BARRIERS:
       raise ValueError(
-          "bwd_named_barriers=True takes one of the 12 free hardware"
-          " barriers per stage: bwd_stages <= 12, got"
+          "bwd_named_barriers=True takes one of the"
+          f" {FREE_NAMED_BARRIERS} free hardware barriers per stage:"
+          f" bwd_stages <= {FREE_NAMED_BARRIERS}, got"
           f" bwd_stages={self.bwd_stages}")
     if self.bwd_atomic_dq and self.bwd_split_dkv:
       raise ValueError(

@@ -79,13 +79,13 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
    q_ready, k_free, v_free, *extra) = refs
   p_smem2 = extra[0] if cfg.p_in_smem else None
   bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
-  if cfg.named_barriers:
-    # The consumed signals as hardware named barriers after the
-    # schedule's two (ids 4 + 2 + [0, 2 * stages): config.MAX_NAMED_STAGES).
-    threads = (cfg.compute_wgs + 1) * 128
-    base = pipeline.FIRST_NAMED_BARRIER + 2
-    k_free = pipeline.NamedBarriers(base, threads)
-    v_free = pipeline.NamedBarriers(base + stages, threads)
+  # Named, the consumed signals take the ids after the schedule's two
+  # (4 + 2 + [0, 2 * stages): config.MAX_NAMED_STAGES).
+  first = pipeline.FIRST_NAMED_BARRIER + 2
+  k_free = pipeline.ring_free(k_free, cfg.named_barriers, cfg.compute_wgs,
+                              first)
+  v_free = pipeline.ring_free(v_free, cfg.named_barriers, cfg.compute_wgs,
+                              first + stages)
   group_rows = cfg.compute_wgs * bq
   persistent = n_programs is not None
   if not persistent:  # one program per (head, query group, batch)
@@ -195,7 +195,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         return acc_ref[...]
 
       s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-      pipeline.arrive(k_free, slot)
+      k_free.arrive(slot)
       return s
 
     def p_operand(p16):
@@ -207,49 +207,42 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       plgpu.commit_smem()
       return p_src
 
-    def add_pv(acc, p16, slot, while_running=lambda: None):
+    def add_pv(acc, p16, slot, while_running=lambda: None, row_sum=None):
       """``O += P V`` with tile ``slot``'s V (waits for the wgmma);
-      ``while_running()`` is issued after the wgmma, before that wait."""
+      ``while_running()`` is issued after the wgmma, before that wait.
+      ``row_sum=(l, p)`` (``row_sum_in_pv``, tokamax's order at head_dim
+      > 128): also return ``l + rowsum(p)``, summed while the tensor
+      cores multiply."""
       p_src = p_operand(p16)
+
+      def issue(acc_ref):
+        plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
+        l_next = None if row_sum is None else (
+            row_sum[0] + row_sum[1].sum(axis=1))
+        while_running()
+        return l_next
+
       if in_place:
         # O += P V accumulated in the wgmma registers themselves
         # (FlashAttention-3); the interpreter rejects this idiom.  A fresh
         # accumulator instead spills at head_dim 256 (measured on the H200:
         # 221 against 593 TFLOP/s, s4096).
-        def pv_in_place(acc_ref):
-          plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
-          while_running()
-        return pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
+        if row_sum is None:
+          return pl.run_state(issue)(plgpu.ACC.init(acc))
+
+        def issue_and_sum(refs):
+          acc_ref, l_ref = refs
+          l_ref[...] = issue(acc_ref)
+        return pl.run_state(issue_and_sum)((plgpu.ACC.init(acc),
+                                            row_sum[0]))
 
       # Interpretable form: a fresh scoped accumulator, added in registers.
       def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
-        while_running()
-        return acc_ref[...]
-      return acc + pl.run_scoped(pv, plgpu.ACC((bq, prob.head_dim_padded),
-                                               jnp.float32))
-
-    def add_pv_and_sum(acc, p16, slot, l, p, while_running):
-      """:func:`add_pv` that also returns ``l + rowsum(p)``, computed while
-      the wgmma runs (``row_sum_in_pv``, as tokamax's kernel at head_dim
-      > 128): the CUDA cores sum while the tensor cores multiply."""
-      p_src = p_operand(p16)
-      if in_place:
-        def pv_in_place(refs):
-          acc_ref, l_ref = refs
-          plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
-          l_ref[...] = l_ref[...] + p.sum(axis=1)
-          while_running()
-        return pl.run_state(pv_in_place)((plgpu.ACC.init(acc), l))
-
-      def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
-        l_next = l + p.sum(axis=1)
-        while_running()
+        l_next = issue(acc_ref)
         return acc_ref[...], l_next
-      pv_out, l = pl.run_scoped(pv, plgpu.ACC((bq, prob.head_dim_padded),
-                                              jnp.float32))
-      return acc + pv_out, l
+      pv_out, l_next = pl.run_scoped(
+          pv, plgpu.ACC((bq, prob.head_dim_padded), jnp.float32))
+      return acc + pv_out if row_sum is None else (acc + pv_out, l_next)
 
     def compute(step, t, carry, *, masked: bool):
       acc, m, l = carry
@@ -276,11 +269,11 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       if not in_place:
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       if sum_in_pv:
-        acc, l = add_pv_and_sum(acc, p16, slot, l, p,
-                                lambda: wait_next_k(step))
+        acc, l = add_pv(acc, p16, slot, lambda: wait_next_k(step),
+                        row_sum=(l, p))
       else:
         acc = add_pv(acc, p16, slot, lambda: wait_next_k(step))
-      pipeline.arrive(v_free, slot)
+      v_free.arrive(slot)
       return acc, m_next, l
 
     def skip(step, carry):
@@ -288,10 +281,10 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       slot = lax.rem(step, stages)
       if not cfg.early_k_wait:
         plgpu.barrier_wait(k_ready.at[slot])
-      pipeline.arrive(k_free, slot)
+      k_free.arrive(slot)
       ping.issued()
       plgpu.barrier_wait(v_ready.at[slot])
-      pipeline.arrive(v_free, slot)
+      v_free.arrive(slot)
       ping.softmax_done()
       ping.before_pv()
       wait_next_k(step)
@@ -342,7 +335,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
           ping.rendezvous()  # both matmuls issued: the other's turn
 
         def softmax(s_t, m, l):
-          pipeline.arrive(k_free, slot)
+          k_free.arrive(slot)
           p, m_next, alpha = probs(s_t, t, m, masked=masked)
           l = l * alpha + p.sum(axis=1)
           ping.rendezvous()
@@ -369,7 +362,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
               body, plgpu.ACC((bq, bk), jnp.float32),
               plgpu.ACC((bq, prob.head_dim_padded), jnp.float32))
           o = acc + pv
-        pipeline.arrive(v_free, prev)
+        v_free.arrive(prev)
         acc = o * lax.broadcast_in_dim(alpha, o.shape, [0])
         return acc, m, l, p16
 
@@ -387,7 +380,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         slot = slot_of(hi - 1)
         plgpu.barrier_wait(v_ready.at[slot])
         acc = add_pv(acc, p16, slot)
-        pipeline.arrive(v_free, slot)
+        v_free.arrive(slot)
         return acc
 
       acc = lax.cond(lo < hi, last, lambda acc: acc, acc)

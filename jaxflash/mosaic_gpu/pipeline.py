@@ -64,6 +64,20 @@ def named_barrier(op: str, barrier_id, num_threads: int) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class MBarriers:
+  """A ring's "free" signals as mbarriers: ``ref`` is a Barrier scratch
+  with one barrier per slot (the interpretable form)."""
+
+  ref: object
+
+  def arrive(self, slot) -> None:
+    plgpu.barrier_arrive(self.ref.at[slot])
+
+  def wait(self, slot) -> None:
+    plgpu.barrier_wait(self.ref.at[slot])
+
+
+@dataclasses.dataclass(frozen=True)
 class NamedBarriers:
   """A ring's "free" signals as hardware named barriers, ids ``base +
   slot``: each consumer thread ``bar.arrive``s, the producer warpgroup
@@ -84,29 +98,15 @@ class NamedBarriers:
     named_barrier("sync", self.base + slot, self.threads)
 
 
-def ring_free(barrier_ref, named: bool, n_consumers: int):
-  """A ring's "free" signals: its mbarriers ``barrier_ref``, or with
-  ``named`` hardware named barriers from :data:`FIRST_NAMED_BARRIER` (one
-  per slot; every consumer thread and the producer warpgroup take part)."""
+def ring_free(barrier_ref, named: bool, n_consumers: int,
+              first: int = FIRST_NAMED_BARRIER):
+  """A ring's "free" signals, ``.arrive(slot)`` by each consumer and
+  ``.wait(slot)`` by the producer: its mbarriers ``barrier_ref``, or with
+  ``named`` hardware named barriers ``first + slot`` (every consumer
+  thread and the producer warpgroup take part)."""
   if not named:
-    return barrier_ref
-  return NamedBarriers(FIRST_NAMED_BARRIER, (n_consumers + 1) * 128)
-
-
-def arrive(barrier, slot) -> None:
-  """Release ring slot ``slot``: a Barrier ref or :class:`NamedBarriers`."""
-  if isinstance(barrier, NamedBarriers):
-    barrier.arrive(slot)
-  else:
-    plgpu.barrier_arrive(barrier.at[slot])
-
-
-def wait(barrier, slot) -> None:
-  """Wait for ring slot ``slot``: a Barrier ref or :class:`NamedBarriers`."""
-  if isinstance(barrier, NamedBarriers):
-    barrier.wait(slot)
-  else:
-    plgpu.barrier_wait(barrier.at[slot])
+    return MBarriers(barrier_ref)
+  return NamedBarriers(first, (n_consumers + 1) * 128)
 
 
 def narrow_to_segments(u_lo, u_hi, range_ref, b, group):
@@ -152,7 +152,7 @@ def produce_split(n_steps, stages: int, loads) -> None:
 
   def wait_free(barriers, slot):
     for barrier in barriers:
-      wait(barrier, slot)
+      barrier.wait(slot)
 
   @pl.loop(stages, jnp.maximum(n_steps, stages))
   def _(step):
@@ -181,7 +181,7 @@ def produce_continuing(first_step, n_steps, stages: int, load,
     @pl.when(ring_step >= stages)
     def _():
       for barrier in free_barriers:
-        wait(barrier, slot)
+        barrier.wait(slot)
 
     load(step, slot)
 
@@ -191,7 +191,7 @@ def drain(total_steps, stages: int, free_barriers) -> None:
   @pl.loop(jnp.maximum(total_steps - stages, 0), total_steps)
   def _(step):
     for barrier in free_barriers:
-      wait(barrier, lax.rem(step, stages))
+      barrier.wait(lax.rem(step, stages))
 
 
 def acknowledge(ready, free, stages: int):
@@ -200,7 +200,7 @@ def acknowledge(ready, free, stages: int):
   def skip(step, carry):
     slot = lax.rem(step, stages)
     plgpu.barrier_wait(ready.at[slot])
-    arrive(free, slot)
+    free.arrive(slot)
     return carry
   return skip
 
