@@ -82,12 +82,13 @@ def child(case: str) -> None:
 
   import jaxflash  # noqa: PLC0415
   from jaxflash.mosaic_gpu.config import parse_overrides  # noqa: PLC0415
+  from jaxflash.triton.common import round_up  # noqa: PLC0415
 
   d, mode, causal, overrides = case.split(":", 3)
   d, causal = int(d), bool(int(causal))
   seq = 2048  # over 2048 keys, so the persistent rule stays off
   cfg = jaxflash.mosaic_gpu.default_config(
-      jax.devices()[0].device_kind, -(-d // 64) * 64, causal=causal,
+      jax.devices()[0].device_kind, round_up(d, 64), causal=causal,
       kv_len=seq * 2)
   cfg = dataclasses.replace(cfg, **parse_overrides(overrides))
   ks = jax.random.split(jax.random.key(0), 3)
