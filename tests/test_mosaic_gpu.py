@@ -150,6 +150,16 @@ def test_interpret_row_sum_in_pv(name):
   _run(case, RACES, config)
 
 
+@pytest.mark.parametrize("name", EARLY_K_CASES)
+def test_interpret_split_kv_release(name):
+  """``split_kv_release``: the producer refills K and V of a slot on their
+  own release signals (one and two consumers, skip steps, persistent
+  items whose ring runs on)."""
+  case = next(c for c in CASES if c[0] == name)
+  config = dataclasses.replace(case[-1], split_kv_release=True)
+  _run(case, RACES, config)
+
+
 def test_named_barriers_need_a_gpu():
   q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
   for name in ("named_barriers", "bwd_named_barriers"):
@@ -196,6 +206,12 @@ GPU_CONFIGS = {
         block_kv=64, stages=5),
     "named-row-sum": mosaic_gpu.MosaicConfig(named_barriers=True,
                                              row_sum_in_pv=True),
+    # K and V of a slot refilled on their own release signals.
+    "named-split-kv": mosaic_gpu.MosaicConfig(named_barriers=True,
+                                              split_kv_release=True),
+    "named-split-kv-persistent": mosaic_gpu.MosaicConfig(
+        named_barriers=True, split_kv_release=True, persistent=True),
+    "split-kv": mosaic_gpu.MosaicConfig(split_kv_release=True),
     "bwd-named": mosaic_gpu.MosaicConfig(bwd_named_barriers=True),
     "bwd-named-atomic": mosaic_gpu.MosaicConfig(bwd_named_barriers=True,
                                                 bwd_atomic_dq=True),

@@ -65,6 +65,13 @@ class MosaicConfig:
       is not finished before the barriers), sum it inside the ``P V``
       wgmma scope, while the matmul runs, instead of before issuing it
       (tokamax's order at head_dim > 128).  No effect at head_dim <= 128.
+    split_kv_release: the forward's producer refills a slot's K as soon
+      as both consumers released that K (after their ``Q K^T``) and its V
+      once they released V (after their ``P V``), as tokamax's sm90
+      kernel, instead of both once both are released.  With the ping-pong
+      consumer 1's ``P V`` ends half a step after consumer 0's, so
+      waiting for V as well issues the next K in the slot about a step
+      later than it could go (always on with ``intra_wg_overlap``).
     bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
       64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
       key rows and streams ``bwd_block_q`` query rows; the dQ kernel gives
@@ -130,6 +137,7 @@ class MosaicConfig:
   named_barriers: bool = False
   early_k_wait: bool = False
   row_sum_in_pv: bool = False
+  split_kv_release: bool = False
   bwd_block_q: int = 64
   bwd_block_kv: int = 64
   bwd_stages: int = 2

@@ -420,37 +420,37 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     kv_head = lax.div(h, jnp.asarray(prob.num_heads // prob.num_kv_heads,
                                      h.dtype))
 
-    def load(step, slot):
-      src = (b, pl.ds((u_lo + step) * bk, bk), kv_head)
-      plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot],
-                              k_ready.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot],
-                              v_ready.at[slot])
+    def rows(step):
+      return (b, pl.ds((u_lo + step) * bk, bk), kv_head)
 
-    def load_k(step, slot):
-      src = (b, pl.ds((u_lo + step) * bk, bk), kv_head)
-      plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot],
-                              k_ready.at[slot])
+    def copy(ref, smem, ready, src, slot):
+      plgpu.copy_gmem_to_smem(ref.at[src], smem.at[slot], ready.at[slot])
 
-    def load_v(step, slot):
-      src = (b, pl.ds((u_lo + step) * bk, bk), kv_head)
-      plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot],
-                              v_ready.at[slot])
+    def load(step, slot):  # K and V together
+      src = rows(step)
+      copy(k_ref, k_smem, k_ready, src, slot)
+      copy(v_ref, v_smem, v_ready, src, slot)
 
-    if cfg.intra_wg_overlap:
-      # V of step t is released a step later than K (its P V matmul runs
-      # in step t + 1).  With one wait per slot for both, K of step s
-      # would wait for V of step s - stages, released at the end of step
-      # s - 1: no lead.  Waiting on K's own barrier first loads it as
-      # soon as the V before it in program order is released (the end of
-      # step s - 2 with two stages), a step before it is needed.
-      pipeline.produce_split(n_steps, stages,
-                             [([k_free], load_k), ([v_free], load_v)])
-    elif persistent:
-      pipeline.produce_continuing(first_step, n_steps, stages, load,
-                                  [k_free, v_free])
+    load_k = lambda step, slot: copy(k_ref, k_smem, k_ready, rows(step), slot)
+    load_v = lambda step, slot: copy(v_ref, v_smem, v_ready, rows(step), slot)
+
+    if cfg.intra_wg_overlap or cfg.split_kv_release:
+      # K and V of a slot refilled apart, each once its own consumers
+      # released it (tokamax's order).  Both consumers release K after
+      # their ``Q K^T``, V only after their ``P V`` (with the ping-pong,
+      # consumer 1's ends half a step later): waiting for both would issue
+      # the next K in that slot about a step later than it could go.
+      # ``intra_wg_overlap``: V of step t is released a step later than K
+      # (its P V matmul runs in step t + 1); with one wait per slot for
+      # both, K of step s would wait for V of step s - stages, released at
+      # the end of step s - 1: no lead.
+      loads = [([k_free], load_k), ([v_free], load_v)]
     else:
-      pipeline.produce(n_steps, stages, load, [k_free, v_free])
+      loads = [([k_free, v_free], load)]
+    if persistent:
+      pipeline.produce_continuing(first_step, n_steps, stages, loads)
+    else:
+      pipeline.produce_split(n_steps, stages, loads)
 
   def for_each_item(run):
     """Persistent grid: program ``sm`` takes work items ``sm, sm +

@@ -167,23 +167,23 @@ def produce_split(n_steps, stages: int, loads) -> None:
       wait_free(barriers, lax.rem(step, stages))
 
 
-def produce_continuing(first_step, n_steps, stages: int, load,
-                       free_barriers) -> None:
+def produce_continuing(first_step, n_steps, stages: int, loads) -> None:
   """Producer side of one work item of a persistent kernel: ring steps
-  ``first_step + [0, n_steps)``, ``load(step, slot)`` with the item's own
-  ``step``.  A slot is reused once the consumers freed it; the ring is
-  drained once at the end (:func:`drain`)."""
+  ``first_step + [0, n_steps)``, each ``load(step, slot)`` of ``loads =
+  [(free_barriers, load), ...]`` with the item's own ``step``, issued once
+  its own barriers say the slot is free (as :func:`produce_split`).  The
+  ring is drained once at the end (:func:`drain`)."""
   @pl.loop(0, n_steps)
   def _(step):
     ring_step = first_step + step
     slot = lax.rem(ring_step, stages)
+    for barriers, load in loads:
+      @pl.when(ring_step >= stages)
+      def _(barriers=barriers):
+        for barrier in barriers:
+          barrier.wait(slot)
 
-    @pl.when(ring_step >= stages)
-    def _():
-      for barrier in free_barriers:
-        barrier.wait(slot)
-
-    load(step, slot)
+      load(step, slot)
 
 
 def drain(total_steps, stages: int, free_barriers) -> None:
