@@ -160,6 +160,36 @@ def test_interpret_split_kv_release(name):
   _run(case, RACES, config)
 
 
+PREFETCH_CASES = ["d64-full", "d64-causal-2wg", "d96-gqa-q200-k300",
+                  "d192-q113-k17", "d256-causal-q300-k100", "d64-len1",
+                  "d32-tiny-window-empty", "d64-persistent-2wg-causal",
+                  "d128-persistent-window-q200-k300"]
+
+
+@pytest.mark.parametrize("name", PREFETCH_CASES)
+def test_interpret_prefetch_q(name):
+  """``prefetch_q`` on the persistent grid (2 programs, several items
+  each): the producer loads the next item's Q once both consumers are done
+  with the last; the output leaves in 64-column chunks through two slots
+  (one, three and four chunks: head_dim 64, 192, 256), rows with no key."""
+  case = next(c for c in CASES if c[0] == name)
+  config = dataclasses.replace(case[-1], persistent=True, prefetch_q=True)
+  _run(case, RACES, config)
+
+
+def test_prefetch_q_smem():
+  """head_dim 256 with prefetch_q fits in shared memory only without the
+  reduction scratch: the count says so, and without persistent the option
+  adds nothing."""
+  cfg = mosaic_gpu.MosaicConfig(persistent=True, prefetch_q=True)
+  assert cfg.smem_bytes(256) <= 227 * 1024
+  assert cfg.smem_bytes(256) > dataclasses.replace(
+      cfg, prefetch_q=False).smem_bytes(256)
+  plain = mosaic_gpu.MosaicConfig(prefetch_q=True)
+  assert plain.smem_bytes(256) == mosaic_gpu.MosaicConfig().smem_bytes(256)
+  assert cfg.out_chunks(192) == (3, 2) and cfg.out_chunks(64) == (1, 1)
+
+
 def test_named_barriers_need_a_gpu():
   q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
   for name in ("named_barriers", "bwd_named_barriers"):
@@ -212,6 +242,12 @@ GPU_CONFIGS = {
     "named-split-kv-persistent": mosaic_gpu.MosaicConfig(
         named_barriers=True, split_kv_release=True, persistent=True),
     "split-kv": mosaic_gpu.MosaicConfig(split_kv_release=True),
+    # The next item's Q loaded by the producer, the output in chunks.
+    "named-prefetch-q": mosaic_gpu.MosaicConfig(
+        named_barriers=True, persistent=True, prefetch_q=True),
+    "named-split-kv-prefetch-q": mosaic_gpu.MosaicConfig(
+        named_barriers=True, persistent=True, prefetch_q=True,
+        split_kv_release=True),
     "bwd-named": mosaic_gpu.MosaicConfig(bwd_named_barriers=True),
     "bwd-named-atomic": mosaic_gpu.MosaicConfig(bwd_named_barriers=True,
                                                 bwd_atomic_dq=True),

@@ -72,6 +72,17 @@ class MosaicConfig:
       consumer 1's ``P V`` ends half a step after consumer 0's, so
       waiting for V as well issues the next K in the slot about a step
       later than it could go (always on with ``intra_wg_overlap``).
+    prefetch_q: with ``persistent``, the producer loads the next work
+      item's Q (one copy per consumer) as soon as both consumers finished
+      their ``Q K^T`` of the current one, and the output leaves through
+      its own shared-memory slots (64-column chunks, two slots per
+      consumer, as tokamax's persistent sm90 kernel), so the next Q's load
+      overlaps this item's epilogue instead of following it.  Without
+      ``persistent`` (the per-call rule of tuning.json turns that on)
+      there is no next item and the option does nothing.  The forward
+      then reserves no cross-warp reduction scratch (its reductions are
+      along the rows of wgmma tiles, within a warp), which keeps head_dim
+      256 inside shared memory.
     bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
       64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
       key rows and streams ``bwd_block_q`` query rows; the dQ kernel gives
@@ -138,6 +149,7 @@ class MosaicConfig:
   early_k_wait: bool = False
   row_sum_in_pv: bool = False
   split_kv_release: bool = False
+  prefetch_q: bool = False
   bwd_block_q: int = 64
   bwd_block_kv: int = 64
   bwd_stages: int = 2
@@ -200,14 +212,32 @@ class MosaicConfig:
           f" bwd_atomic_dq={self.bwd_atomic_dq},"
           f" bwd_shared_dq={self.bwd_shared_dq}")
 
+  @property
+  def prefetches_q(self) -> bool:
+    """The forward runs :attr:`prefetch_q`'s form (it needs persistent)."""
+    return self.persistent and self.prefetch_q
+
+  def out_chunks(self, head_dim_padded: int) -> tuple[int, int]:
+    """``prefetch_q``'s output staging: (64-column chunks, slots)."""
+    chunks = -(-head_dim_padded // 64)
+    return chunks, min(2, chunks)
+
   def smem_bytes(self, head_dim_padded: int, itemsize: int = 2) -> int:
     """Shared memory the forward kernel allocates."""
     qo = self.compute_wgs * self.block_q * head_dim_padded * itemsize
-    kv = 2 * self.stages * self.block_kv * head_dim_padded * itemsize
-    p = (self.compute_wgs * self.block_q * self.block_kv * itemsize
-         if self.p_in_smem else 0)
-    lse = self.compute_wgs * self.block_q * 4
-    return qo + kv + p + lse + _reserved(4 + self.p_in_smem)
+    kv = self.stages * self.block_kv * head_dim_padded * itemsize
+    buffers = [qo, kv, kv, self.compute_wgs * self.block_q * 4]
+    if self.p_in_smem:
+      buffers.append(self.compute_wgs * self.block_q * self.block_kv
+                     * itemsize)
+    if self.prefetches_q:
+      # The output's chunks, and no reduction scratch (exact count: Pallas
+      # rounds each buffer up to 1 KiB; the barriers take well under 1 KiB).
+      _, slots = self.out_chunks(head_dim_padded)
+      buffers.append(self.compute_wgs * slots * self.block_q * 64
+                     * itemsize)
+      return sum(-(-b // 1024) * 1024 for b in buffers) + 1024
+    return sum(buffers) + _reserved(4 + self.p_in_smem)
 
   def bwd_smem_bytes(self, head_dim_padded: int, itemsize: int = 2) -> int:
     """Shared memory of the larger of the two backward kernels."""

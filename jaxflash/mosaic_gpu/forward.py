@@ -77,7 +77,12 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     qseg_ref = kvseg_ref = range_ref = None
   (o_ref, lse_ref, qo_smem2, k_smem, v_smem, lse_smem2, k_ready, v_ready,
    q_ready, k_free, v_free, *extra) = refs
-  p_smem2 = extra[0] if cfg.p_in_smem else None
+  p_smem2 = extra.pop(0) if cfg.p_in_smem else None
+  persistent = n_programs is not None
+  # prefetch_q: the output's own slots, and "both consumers are done with
+  # Q" (the producer then loads the next item's).
+  prefetch = persistent and cfg.prefetch_q
+  o_smem2, q_free = (extra.pop(0), extra.pop(0)) if prefetch else (None, None)
   bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
   # Named, the consumed signals take the ids after the schedule's two
   # (4 + 2 + [0, 2 * stages): config.MAX_NAMED_STAGES).
@@ -87,7 +92,6 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
   v_free = pipeline.ring_free(v_free, cfg.named_barriers, cfg.compute_wgs,
                               first + stages)
   group_rows = cfg.compute_wgs * bq
-  persistent = n_programs is not None
   if not persistent:  # one program per (head, query group, batch)
     b = lax.axis_index("batch")
     h = lax.axis_index("heads")
@@ -120,8 +124,9 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     qo_smem = qo_smem2.at[wg]
     lse_smem = lse_smem2.at[wg]
     q_start = group_start + wg * bq
-    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, bq), h], qo_smem,
-                            q_ready.at[wg])
+    if not prefetch:  # (with prefetch_q, the producer loads Q)
+      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, bq), h], qo_smem,
+                              q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[wg])
     row = plgpu.Layout.WGMMA.reduce(1)
     m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row)
@@ -400,23 +405,43 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
           compute=compute, skip=skip,
           element_mask_everywhere=range_ref is not None, carry=(acc, m, l))
     ping.finish()
+    if prefetch:
+      # This consumer's last Q K^T completed: Q's buffer may be refilled.
+      plgpu.barrier_arrive(q_free)
 
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-    qo_smem[...] = acc.astype(dtype)
+    out = acc.astype(dtype)
+    o_dst = o_ref.at[b, pl.ds(q_start, bq), h]
+    if prefetch:
+      # 64-column chunks through alternating slots: a slot is rewritten
+      # once the copy that last read it has (at most slots - 1 copies of
+      # this consumer still reading).
+      n_chunks, slots = cfg.out_chunks(prob.head_dim_padded)
+      for c in range(n_chunks):
+        cols = slice(c * 64, (c + 1) * 64)
+        plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+        o_smem2[wg, c % slots] = out[:, cols]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem2.at[wg, c % slots],
+                                o_dst.at[:, pl.ds(c * 64, 64)])
+    else:
+      qo_smem[...] = out
     # Natural-log LSE, -inf for rows that see no key.
     lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q_start, bq), h])
+    if not prefetch:
+      plgpu.copy_smem_to_gmem(qo_smem, o_dst)
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_start, bq)])
     # Persistent: the next item may refill Q/O's buffer once the store has
     # read it (its GMEM writes finish in the background; the kernel's last
     # wait is a full one).
     plgpu.wait_smem_to_gmem(0, wait_read_only=persistent)
 
-  def produce(b, h, u_lo, n_steps, first_step):
-    """One work item on the producer: its K/V tiles into the ring."""
+  def produce(b, h, u_lo, n_steps, first_step, group_start=None, item=None):
+    """One work item on the producer: its K/V tiles into the ring (and
+    with ``prefetch_q`` its consumers' Q, item number ``item``)."""
     kv_head = lax.div(h, jnp.asarray(prob.num_heads // prob.num_kv_heads,
                                      h.dtype))
 
@@ -447,7 +472,21 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       loads = [([k_free], load_k), ([v_free], load_v)]
     else:
       loads = [([k_free, v_free], load)]
-    if persistent:
+    if prefetch:
+      # The first item's Q goes first.  A later item's Q waits until both
+      # consumers are done with the previous one: first the K/V tiles
+      # whose slots free up before that (they are freed during the
+      # previous item's last steps), then Q, then the rest.
+      head = jnp.where(item == 0, 0, jnp.minimum(n_steps, stages))
+      pipeline.produce_continuing(first_step, head, stages, loads)
+      pl.when(item > 0)(lambda: plgpu.barrier_wait(q_free))
+      for w in range(cfg.compute_wgs):
+        plgpu.copy_gmem_to_smem(
+            q_ref.at[b, pl.ds(group_start + w * bq, bq), h], qo_smem2.at[w],
+            q_ready.at[w])
+      pipeline.produce_continuing(first_step, n_steps, stages, loads,
+                                  start=head)
+    elif persistent:
       pipeline.produce_continuing(first_step, n_steps, stages, loads)
     else:
       pipeline.produce_split(n_steps, stages, loads)
@@ -455,7 +494,9 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
   def for_each_item(run):
     """Persistent grid: program ``sm`` takes work items ``sm, sm +
     n_programs, ...`` (heads fastest, then query groups, then batch), the
-    ring's step count running on across them.  Returns the total steps."""
+    ring's step count running on across them: ``run(item, b, h,
+    group_start, u_lo, u_hi, first_step)``.  Returns the total steps and
+    the program's item count."""
     sm = lax.axis_index("sm")
     total = prob.num_heads * n_groups * prob.batch
     n_items = lax.div(total - sm + n_programs - 1, n_programs)
@@ -466,16 +507,16 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       rest = lax.div(w, prob.num_heads)
       b = lax.div(rest, n_groups)
       group_start, u_lo, u_hi = item_ranges(b, lax.rem(rest, n_groups))
-      run(b, h, group_start, u_lo, u_hi, first_step)
+      run(i, b, h, group_start, u_lo, u_hi, first_step)
       return first_step + (u_hi - u_lo)
 
-    return lax.fori_loop(0, n_items, body, jnp.int32(0))
+    return lax.fori_loop(0, n_items, body, jnp.int32(0)), n_items
 
   @pl.when(wg < cfg.compute_wgs)
   def _consumer():
     pipeline.split_registers(False, cfg.compute_wgs)
     if persistent:
-      for_each_item(consume)
+      for_each_item(lambda item, *args: consume(*args))
       plgpu.wait_smem_to_gmem(0)
     else:
       consume(b, h, group_start, u_lo, u_hi, 0)
@@ -484,10 +525,12 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
   def _producer():
     pipeline.split_registers(True, cfg.compute_wgs)
     if persistent:
-      total_steps = for_each_item(
-          lambda b, h, group_start, u_lo, u_hi, first: produce(
-              b, h, u_lo, u_hi - u_lo, first))
+      total_steps, n_items = for_each_item(
+          lambda item, b, h, group_start, u_lo, u_hi, first: produce(
+              b, h, u_lo, u_hi - u_lo, first, group_start, item))
       pipeline.drain(total_steps, stages, [k_free, v_free])
+      if prefetch:  # the last item's "done with Q"
+        pl.when(n_items > 0)(lambda: plgpu.barrier_wait(q_free))
     else:
       produce(b, h, u_lo, n_steps, 0)
 
@@ -613,6 +656,12 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
   ]
   if cfg.p_in_smem:
     scratch.append(plgpu.SMEM((cfg.compute_wgs, bq, bk), dtype, **tiled))
+  if cfg.prefetches_q:
+    _, slots = cfg.out_chunks(dp)
+    scratch += [
+        plgpu.SMEM((cfg.compute_wgs, slots, bq, 64), dtype, **tiled),  # O
+        plgpu.Barrier(num_arrivals=cfg.compute_wgs),        # q_free
+    ]
   if _use_schedule(cfg):
     scratch.append(plgpu.Barrier(num_arrivals=cfg.compute_wgs))
   out_type = [out_struct(q.shape, dtype, q, k, v),
@@ -633,4 +682,7 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
   return pipeline.launch(
       kernel, out_type=out_type, scratch=scratch, grid=grid,
       grid_names=grid_names, consumers=cfg.compute_wgs,
-      interpret=interpret)(q, k, v, *(segments or ()))
+      interpret=interpret,
+      # prefetch_q: no cross-warp reduction scratch (MosaicConfig.prefetch_q)
+      reduction_scratch_bytes=0 if cfg.prefetches_q else None,
+  )(q, k, v, *(segments or ()))

@@ -27,15 +27,20 @@ TILED = dict(transforms=(plgpu.TilingTransform((8, 64)),
 
 
 def launch(body, *, out_type, scratch, grid, grid_names, consumers: int,
-           interpret):
+           interpret, reduction_scratch_bytes: int | None = None):
   """``plgpu.kernel`` in the layout every jaxflash Hopper kernel uses:
   ``consumers`` compute warpgroups plus one producer (thread axis
-  ``"wg"``, the producer last), hardware-approximate ``exp2``/``tanh``."""
+  ``"wg"``, the producer last), hardware-approximate ``exp2``/``tanh``.
+  ``reduction_scratch_bytes``: shared memory for cross-warp reductions
+  (None: Pallas' default; lowering fails if a reduction needs more)."""
+  params = dict(approx_math=True)
+  if reduction_scratch_bytes is not None:
+    params["reduction_scratch_bytes"] = reduction_scratch_bytes
   return plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=grid,
       grid_names=grid_names, num_threads=consumers + 1, thread_name="wg",
       interpret=interpret,
-      compiler_params=plgpu.CompilerParams(approx_math=True))
+      compiler_params=plgpu.CompilerParams(**params))
 
 
 # Hardware named barriers (``bar.arrive`` / ``bar.sync``): 16 per CTA;
@@ -167,13 +172,14 @@ def produce_split(n_steps, stages: int, loads) -> None:
       wait_free(barriers, lax.rem(step, stages))
 
 
-def produce_continuing(first_step, n_steps, stages: int, loads) -> None:
+def produce_continuing(first_step, n_steps, stages: int, loads,
+                       start=0) -> None:
   """Producer side of one work item of a persistent kernel: ring steps
-  ``first_step + [0, n_steps)``, each ``load(step, slot)`` of ``loads =
-  [(free_barriers, load), ...]`` with the item's own ``step``, issued once
-  its own barriers say the slot is free (as :func:`produce_split`).  The
-  ring is drained once at the end (:func:`drain`)."""
-  @pl.loop(0, n_steps)
+  ``first_step + [start, n_steps)``, each ``load(step, slot)`` of ``loads
+  = [(free_barriers, load), ...]`` with the item's own ``step``, issued
+  once its own barriers say the slot is free (as :func:`produce_split`).
+  The ring is drained once at the end (:func:`drain`)."""
+  @pl.loop(start, n_steps)
   def _(step):
     ring_step = first_step + step
     slot = lax.rem(ring_step, stages)
