@@ -313,8 +313,10 @@ def test_default_config_rules():
   d256 backward splits dK/dV with one consumer, the only form that fits)."""
   dflt = functools.partial(mosaic_gpu.default_config, "NVIDIA H200")
   assert dflt(128, causal=False, kv_len=1024).persistent
-  assert dflt(128, causal=False, kv_len=2048).persistent
-  assert not dflt(128, causal=False, kv_len=4096).persistent
+  assert dflt(128, causal=False, kv_len=4096).persistent
+  assert not dflt(128, causal=False, kv_len=8192).persistent
+  assert dflt(64, causal=False, kv_len=16384).prefetch_q
+  assert not dflt(256, causal=False, kv_len=4096).prefetch_q
   assert not dflt(128, causal=True, kv_len=1024).persistent
   assert not dflt(128).persistent  # no call to judge: the plain grid
   assert dflt(64, causal=True, kv_len=1024).persistent
