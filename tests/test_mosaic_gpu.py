@@ -317,6 +317,9 @@ def test_default_config_rules():
   assert not dflt(128, causal=False, kv_len=8192).persistent
   assert dflt(64, causal=False, kv_len=16384).prefetch_q
   assert not dflt(256, causal=False, kv_len=4096).prefetch_q
+  # prefetch_q is per causal setting: off on the d64 causal persistent call.
+  assert dflt(64, causal=True, kv_len=1024).persistent
+  assert not dflt(64, causal=True, kv_len=1024).prefetch_q
   assert not dflt(128, causal=True, kv_len=1024).persistent
   assert not dflt(128).persistent  # no call to judge: the plain grid
   assert dflt(64, causal=True, kv_len=1024).persistent

@@ -344,6 +344,9 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
   """The tuned entry for this device kind and head_dim (nearest larger
   head_dim; the ``default`` kind when the device is not listed).
 
+  A field given as ``{"noncausal": ..., "causal": ...}`` takes the value
+  of the call's setting (False where that setting is not given).
+
   An entry's ``persistent_max_kv`` rule turns on the persistent forward
   for calls with at most that many keys (per causal setting): measured on
   the H200, it pays where the key loop is short and the prologue and
@@ -356,9 +359,13 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
   pick = next((d for d in dims if d >= head_dim_padded), dims[-1])
   fields = dict(entries[str(pick)])
   rule = fields.pop("persistent_max_kv", {})
-  limit = rule.get("causal" if causal else "noncausal")
+  setting = "causal" if causal else "noncausal"
+  limit = rule.get(setting)
   if kv_len is not None and limit is not None and kv_len <= limit:
     fields["persistent"] = True
+  for name, value in list(fields.items()):
+    if isinstance(value, dict):  # per causal setting, off where not given
+      fields[name] = bool(value.get(setting, False))
   cfg = MosaicConfig(**fields)
   need = needed_smem_bytes(cfg, head_dim_padded)
   if need > SMEM_LIMIT:
