@@ -99,9 +99,14 @@ def _mosaic_case(shape):
     dict(named_barriers=True, persistent=True),
     dict(named_barriers=True, compute_wgs=1, schedule_barrier=False),
     dict(named_barriers=True, row_sum_in_pv=True),
+    dict(named_barriers=True, split_kv_release=True),
+    dict(named_barriers=True, persistent=True, prefetch_q=True),
+    dict(persistent=True, prefetch_q=True, split_kv_release=True),
+    dict(named_barriers=True, block_kv=192),
 ], ids=["default", "p-in-smem", "one-wg", "deep", "wide", "persistent",
         "overlap", "overlap-wide", "named-early", "named-persistent",
-        "named-one-wg", "named-row-sum-in-pv"])
+        "named-one-wg", "named-row-sum-in-pv", "named-split-kv",
+        "named-prefetch-q", "prefetch-q-split-kv", "named-kv192"])
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),

@@ -177,7 +177,7 @@ def test_interpret_prefetch_q(name):
   _run(case, RACES, config)
 
 
-def test_prefetch_q_smem():
+def test_forward_smem_rules():
   """head_dim 256 with prefetch_q fits in shared memory only without the
   reduction scratch: the count says so, and without persistent the option
   adds nothing."""
@@ -188,6 +188,18 @@ def test_prefetch_q_smem():
   plain = mosaic_gpu.MosaicConfig(prefetch_q=True)
   assert plain.smem_bytes(256) == mosaic_gpu.MosaicConfig().smem_bytes(256)
   assert cfg.out_chunks(192) == (3, 2) and cfg.out_chunks(64) == (1, 1)
+  # The reduction scratch is dropped only where the buffers need its room
+  # (and always with prefetch_q): the tuned defaults keep it.
+  assert cfg.fwd_reduction_scratch(64) == 0
+  wide = mosaic_gpu.MosaicConfig(block_kv=192)
+  assert wide.fwd_reduction_scratch(128) == 0
+  assert wide.fwd_reduction_scratch(64) is None
+  assert wide.smem_bytes(128) <= 227 * 1024
+  for d in (64, 128, 256):
+    for kv in (1024, 4096, 16384):
+      dflt = mosaic_gpu.default_config("NVIDIA H200", d, kv_len=kv)
+      assert dflt.fwd_reduction_scratch(d) == (0 if dflt.prefetches_q
+                                               else None)
 
 
 def test_named_barriers_need_a_gpu():
@@ -245,6 +257,10 @@ GPU_CONFIGS = {
     # The next item's Q loaded by the producer, the output in chunks.
     "named-prefetch-q": mosaic_gpu.MosaicConfig(
         named_barriers=True, persistent=True, prefetch_q=True),
+    # A key tile of 192 rows: at head_dim 128 it fits only without the
+    # reduction scratch.
+    "named-kv192": mosaic_gpu.MosaicConfig(named_barriers=True,
+                                           block_kv=192),
     "named-split-kv-prefetch-q": mosaic_gpu.MosaicConfig(
         named_barriers=True, persistent=True, prefetch_q=True,
         split_kv_release=True),

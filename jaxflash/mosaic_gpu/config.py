@@ -38,10 +38,11 @@ class MosaicConfig:
     persistent: a grid of one program per SM, each looping over work
       items (head, query group, batch) with the K/V ring running on across
       them, so one item's epilogue overlaps the next one's K/V loads (as
-      tokamax's non-causal default; the next Q load still waits for the
-      output's copy out of shared memory).  The tuned defaults turn it on
-      for short non-causal calls (``persistent_max_kv`` in tuning.json):
-      +7-11% at 1024 keys on the H200, neutral at 4096, and slower on
+      tokamax's non-causal default; without ``prefetch_q`` the next Q
+      load still waits for the output's copy out of shared memory).  The
+      tuned defaults turn it on for non-causal calls with up to 4096 keys
+      (16384 at head_dim 64; ``persistent_max_kv`` in tuning.json): +3-6%
+      there on the H200, slower at head_dim 256 with 16384 keys and on
       causal calls at head_dim >= 128.
     intra_wg_overlap: FlashAttention-3's intra-warpgroup overlap
       (arXiv 2407.08608 §3.2): each consumer issues ``S_t = Q K_t^T`` and
@@ -222,22 +223,43 @@ class MosaicConfig:
     chunks = -(-head_dim_padded // 64)
     return chunks, min(2, chunks)
 
-  def smem_bytes(self, head_dim_padded: int, itemsize: int = 2) -> int:
-    """Shared memory the forward kernel allocates."""
+  def _fwd_buffers(self, head_dim_padded: int, itemsize: int) -> list[int]:
     qo = self.compute_wgs * self.block_q * head_dim_padded * itemsize
     kv = self.stages * self.block_kv * head_dim_padded * itemsize
     buffers = [qo, kv, kv, self.compute_wgs * self.block_q * 4]
     if self.p_in_smem:
       buffers.append(self.compute_wgs * self.block_q * self.block_kv
                      * itemsize)
-    if self.prefetches_q:
-      # The output's chunks, and no reduction scratch (exact count: Pallas
-      # rounds each buffer up to 1 KiB; the barriers take well under 1 KiB).
+    if self.prefetches_q:  # the output's chunks
       _, slots = self.out_chunks(head_dim_padded)
       buffers.append(self.compute_wgs * slots * self.block_q * 64
                      * itemsize)
+    return buffers
+
+  def fwd_reduction_scratch(self, head_dim_padded: int,
+                            itemsize: int = 2) -> int | None:
+    """``CompilerParams.reduction_scratch_bytes`` of the forward: None
+    (Pallas' 2 KiB) where the buffers fit beside it, else 0.  The forward
+    needs none (its reductions run along wgmma rows, within a warp; the
+    lowering fails if one needed scratch), so configs just over the limit
+    (``prefetch_q`` at head_dim 256, block_kv 192 at 128) drop it.
+    ``prefetch_q`` always runs without it (as measured)."""
+    buffers = self._fwd_buffers(head_dim_padded, itemsize)
+    with_scratch = sum(buffers) + _reserved(len(buffers))
+    if self.prefetches_q or with_scratch > SMEM_LIMIT:
+      return 0
+    return None
+
+  def smem_bytes(self, head_dim_padded: int, itemsize: int = 2) -> int:
+    """Shared memory the forward kernel allocates."""
+    buffers = self._fwd_buffers(head_dim_padded, itemsize)
+    if self.fwd_reduction_scratch(head_dim_padded, itemsize) == 0:
+      # Exact: Pallas rounds each buffer up to 1 KiB; the barriers take
+      # well under 1 KiB (checked against the compiler in test_lowering).
       return sum(-(-b // 1024) * 1024 for b in buffers) + 1024
-    return sum(buffers) + _reserved(4 + self.p_in_smem)
+    # With the reduction scratch: the conservative count (up to 1 KiB of
+    # alignment per buffer), checked against the compiler the same way.
+    return sum(buffers) + _reserved(len(buffers))
 
   def bwd_smem_bytes(self, head_dim_padded: int, itemsize: int = 2) -> int:
     """Shared memory of the larger of the two backward kernels."""

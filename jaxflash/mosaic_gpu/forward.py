@@ -683,6 +683,5 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
       kernel, out_type=out_type, scratch=scratch, grid=grid,
       grid_names=grid_names, consumers=cfg.compute_wgs,
       interpret=interpret,
-      # prefetch_q: no cross-warp reduction scratch (MosaicConfig.prefetch_q)
-      reduction_scratch_bytes=0 if cfg.prefetches_q else None,
+      reduction_scratch_bytes=cfg.fwd_reduction_scratch(dp),
   )(q, k, v, *(segments or ()))
