@@ -152,9 +152,11 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
     dict(bwd_named_barriers=True),
     dict(bwd_named_barriers=True, bwd_atomic_dq=True, bwd_shared_dq=True),
     dict(bwd_named_barriers=True, bwd_split_dkv=True, bwd_compute_wgs=1),
+    dict(bwd_consumer_registers=240),
+    dict(bwd_consumer_registers=240, bwd_atomic_dq=True),
 ], ids=["default", "p-in-smem", "one-wg", "deep", "split", "atomic-dq",
         "atomic-dq-p-in-smem-one-wg", "shared-dq", "dq-halves", "named",
-        "named-shared-dq", "named-split"])
+        "named-shared-dq", "named-split", "regs240", "regs240-atomic-dq"])
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),

@@ -265,6 +265,10 @@ GPU_CONFIGS = {
         named_barriers=True, persistent=True, prefetch_q=True,
         split_kv_release=True),
     "bwd-named": mosaic_gpu.MosaicConfig(bwd_named_barriers=True),
+    # FlashAttention-3's register split in the backward (240 / 32).
+    "bwd-regs240": mosaic_gpu.MosaicConfig(bwd_consumer_registers=240),
+    "bwd-regs240-atomic": mosaic_gpu.MosaicConfig(
+        bwd_consumer_registers=240, bwd_atomic_dq=True),
     "bwd-named-atomic": mosaic_gpu.MosaicConfig(bwd_named_barriers=True,
                                                 bwd_atomic_dq=True),
     "bwd-named-split": mosaic_gpu.MosaicConfig(
@@ -316,7 +320,8 @@ def test_config_validation():
                       "early_k_wait=True"),
                      (dict(named_barriers=True, stages=6), "stages=6"),
                      (dict(bwd_named_barriers=True, bwd_stages=13),
-                      "bwd_stages=13")]:
+                      "bwd_stages=13"),
+                     (dict(bwd_consumer_registers=248), "got 248")]:
     with pytest.raises(ValueError, match=match):
       mosaic_gpu.MosaicConfig(**bad)
   cfg = mosaic_gpu.default_config("NVIDIA H200", 128)

@@ -251,7 +251,8 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
 
   @pl.when(wg < cfg.bwd_compute_wgs)
   def _consumer():
-    pipeline.split_registers(False, cfg.bwd_compute_wgs)
+    pipeline.split_registers(False, cfg.bwd_compute_wgs,
+                             cfg.bwd_consumer_registers)
     k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
     a_smem = None if a_smem2 is None else a_smem2.at[wg]
     if atomic_dq and not shared_dq:
@@ -362,7 +363,8 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
 
   @pl.when(wg == cfg.bwd_compute_wgs)
   def _producer():
-    pipeline.split_registers(True, cfg.bwd_compute_wgs)
+    pipeline.split_registers(True, cfg.bwd_compute_wgs,
+                             cfg.bwd_consumer_registers)
 
     def load(step, slot):
       g = lax.div(step, jnp.maximum(n_tiles, 1))
@@ -460,7 +462,8 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
 
   @pl.when(wg < cfg.bwd_compute_wgs)
   def _consumer():
-    pipeline.split_registers(False, cfg.bwd_compute_wgs)
+    pipeline.split_registers(False, cfg.bwd_compute_wgs,
+                             cfg.bwd_consumer_registers)
     q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
     a_smem = None if a_smem2 is None else a_smem2.at[wg]
     q_start = group_start + wg * bq
@@ -520,7 +523,8 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
 
   @pl.when(wg == cfg.bwd_compute_wgs)
   def _producer():
-    pipeline.split_registers(True, cfg.bwd_compute_wgs)
+    pipeline.split_registers(True, cfg.bwd_compute_wgs,
+                             cfg.bwd_consumer_registers)
     kv_head = lax.div(h, jnp.asarray(prob.num_heads // prob.num_kv_heads,
                                      h.dtype))
 

@@ -105,6 +105,12 @@ class MosaicConfig:
     bwd_named_barriers: the backward kernels' "slot consumed" signals on
       hardware named barriers, as ``named_barriers`` for the forward
       (``bwd_stages <= 12``; GPU only).
+    bwd_consumer_registers: registers per thread of each of the backward
+      kernels' two consumer warpgroups (``setmaxnreg``; the producer keeps
+      what is left, at most 40).  232 (tokamax's split) by default; 240
+      is FlashAttention-3's (producer 32), for the d128 kernels, which
+      spill 40-136 bytes per thread at 232 (tools/ptxas_report.py).  A
+      multiple of 8 in [232, 240].
     bwd_atomic_dq: accumulate dQ in the dK/dV kernel instead of a dQ
       kernel: each tile's ``dS K`` (float32, through shared memory) is
       added into a zeroed float32 buffer in global memory by a TMA
@@ -157,6 +163,7 @@ class MosaicConfig:
   bwd_compute_wgs: int = 2
   bwd_split_dkv: bool = False
   bwd_named_barriers: bool = False
+  bwd_consumer_registers: int = 232
   bwd_atomic_dq: bool = False
   bwd_shared_dq: bool = False
   bwd_dq_halves: bool = False
@@ -194,6 +201,11 @@ class MosaicConfig:
           f" {FREE_NAMED_BARRIERS} free hardware barriers per stage:"
           f" bwd_stages <= {FREE_NAMED_BARRIERS}, got"
           f" bwd_stages={self.bwd_stages}")
+    if self.bwd_consumer_registers not in (232, 240):
+      raise ValueError(
+          "bwd_consumer_registers must be 232 or 240 (two consumers and a"
+          " producer of at least 32 registers share the 64K register"
+          f" file), got {self.bwd_consumer_registers!r}")
     if self.bwd_atomic_dq and self.bwd_split_dkv:
       raise ValueError(
           "bwd_atomic_dq=True needs dK and dV in one pass of the dK/dV"

@@ -125,14 +125,33 @@ def narrow_to_segments(u_lo, u_hi, range_ref, b, group):
   return u_lo, u_hi
 
 
-def split_registers(is_producer: bool, n_consumers: int) -> None:
+# Registers of one CTA (sm90), and setmaxnreg's granularity.
+REGISTER_FILE = 65536
+DEFAULT_CONSUMER_REGISTERS = 232
+
+
+def producer_registers(consumer_registers: int, n_consumers: int) -> int:
+  """What is left for the producer warpgroup (a multiple of 8) when each
+  of ``n_consumers`` warpgroups takes ``consumer_registers`` per thread."""
+  left = (REGISTER_FILE - n_consumers * 128 * consumer_registers) // 128
+  return left // 8 * 8
+
+
+def split_registers(is_producer: bool, n_consumers: int,
+                    consumer_registers: int = DEFAULT_CONSUMER_REGISTERS
+                    ) -> None:
   """With two consumers, move registers from the producer (which only
-  issues TMA copies) to the consumers' float32 accumulators."""
+  issues TMA copies) to the consumers' float32 accumulators:
+  ``consumer_registers`` per consumer thread (232 as tokamax; 240 leaves
+  the producer 32, FlashAttention-3's split), the rest to the producer
+  (at most 40)."""
   if n_consumers == 2:
     if is_producer:
-      plgpu.set_max_registers(40, action="decrease")
+      plgpu.set_max_registers(
+          min(40, producer_registers(consumer_registers, n_consumers)),
+          action="decrease")
     else:
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(consumer_registers, action="increase")
 
 
 def produce(n_steps, stages: int, load, free_barriers) -> None:
