@@ -182,7 +182,7 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
   """The gradient ``(dq, dk, dv)`` from the forward's residuals;
   bitwise reproducible when ``deterministic`` (no atomic dQ)."""
   B, T, H, D = q.shape
-  S, K = k.shape[1], k.shape[2]
+  S = k.shape[1]
   dp = _head_dim_padded(D)
   config = _resolve_config(config, interpret, dp, mask, deterministic)
   if dp > MAX_BWD_HEAD_DIM and not config.bwd_split_dkv:
@@ -193,12 +193,49 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
   if interpret:
     _check_interpreter_threads(config)
   n = config.bwd_compute_wgs
-  prob = fwd_lib.Problem(
+  prob = backward_problem(q, k, mask, softmax_scale, config,
+                          logits_soft_cap, arrays)
+  tensors = backward_operands(q, k, v, out, lse, dout, dlse, prob)
+  seg_dq = seg_dkv = None
+  if prob.has_segments:
+    q_seg, kv_seg = _segment_ids(arrays, prob, B)
+    seg_dq = (q_seg, kv_seg, _group_range(
+        q_seg, n * config.bwd_block_q, kv_seg, config.bwd_block_kv))
+    seg_dkv = (q_seg, kv_seg, _group_range(
+        kv_seg, n * config.bwd_block_kv, q_seg, config.bwd_block_q))
+  done = {name: run(*tensors) for name, run in backward_passes(
+      prob, config, seg_dq, seg_dkv, _interpret_params(interpret))}
+  if config.bwd_atomic_dq:
+    dq, dk, dv = done["dkv+atomic-dq"]
+  else:
+    (dq,) = done["dq"]
+    if config.bwd_split_dkv:
+      (dv,), (dk,) = done["dv"], done["dk"]
+    else:
+      dk, dv = done["dkv"]
+  return dq[:, :T, :, :D], dk[:, :S, :, :D], dv[:, :S, :, :D]
+
+
+def backward_problem(q, k, mask: MaskSpec, softmax_scale: float,
+                     config: MosaicConfig, logits_soft_cap=None,
+                     arrays: MaskArrays = NO_MASK_ARRAYS) -> fwd_lib.Problem:
+  """The backward kernels' padded problem (tiles of ``bwd_*``)."""
+  B, T, H, D = q.shape
+  S, K = k.shape[1], k.shape[2]
+  n = config.bwd_compute_wgs
+  return fwd_lib.Problem(
       mask=mask, softmax_scale=float(softmax_scale), batch=B, num_heads=H,
       num_kv_heads=K, q_pad=round_up(T, n * config.bwd_block_q),
-      kv_pad=round_up(S, n * config.bwd_block_kv), head_dim_padded=dp,
-      logits_soft_cap=logits_soft_cap,
+      kv_pad=round_up(S, n * config.bwd_block_kv),
+      head_dim_padded=_head_dim_padded(D), logits_soft_cap=logits_soft_cap,
       has_segments=any(x is not None for x in arrays))
+
+
+def backward_operands(q, k, v, out, lse, dout, dlse, prob: fwd_lib.Problem):
+  """The backward kernels' padded operands ``(qp, kp, vp, dop, lse2,
+  delta)`` (one XLA pass before them)."""
+  T = q.shape[1]
+  dp = prob.head_dim_padded
   pad = lambda x, n: pad_axis(pad_axis(x, 1, n), 3, dp)
   qp, dop = pad(q, prob.q_pad), pad(dout.astype(q.dtype), prob.q_pad)
   kp, vp = pad(k, prob.kv_pad), pad(v, prob.kv_pad)
@@ -212,16 +249,18 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
   pad_rows = lambda x, value: jnp.pad(
       x, ((0, 0), (0, 0), (0, prob.q_pad - T)), constant_values=value)
   lse2, delta = pad_rows(lse2, jnp.inf), pad_rows(delta, 0.0)
-  seg_dq = seg_dkv = None
-  if prob.has_segments:
-    q_seg, kv_seg = _segment_ids(arrays, prob, B)
-    seg_dq = (q_seg, kv_seg, _group_range(
-        q_seg, n * config.bwd_block_q, kv_seg, config.bwd_block_kv))
-    seg_dkv = (q_seg, kv_seg, _group_range(
-        kv_seg, n * config.bwd_block_kv, q_seg, config.bwd_block_q))
-  params = _interpret_params(interpret)
-  dkv = functools.partial(bwd_lib.dkv, qp, kp, vp, dop, lse2, delta, seg_dkv,
-                          prob=prob, cfg=config, interpret=params)
+  return qp, kp, vp, dop, lse2, delta
+
+
+def backward_passes(prob: fwd_lib.Problem, config: MosaicConfig, seg_dq,
+                    seg_dkv, interpret=None):
+  """The Hopper backward's kernel launches in order, ``[(name, run)]``,
+  each ``run(qp, kp, vp, dop, lse2, delta)`` on the padded operands
+  returning its outputs: ``dq`` then ``dkv`` (or ``dv`` then ``dk`` with
+  ``bwd_split_dkv``), or one ``dkv+atomic-dq`` with ``bwd_atomic_dq``.
+  :func:`backward` runs them; tools/kernel_times.py times them apart."""
+  dkv = functools.partial(bwd_lib.dkv, prob=prob, cfg=config,
+                          interpret=interpret)
   if config.bwd_atomic_dq:
     # dQ is summed over key tiles by TMA reduce-adds from the dK/dV kernel
     # into a zeroed float32 buffer that the kernel writes in place.  The
@@ -229,22 +268,24 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
     # traced backward has no effects, as custom_partitioning (sharded
     # jit) requires -- a `jax.new_ref` there fails to lower ("Cannot lower
     # jaxpr with effects").
-    def run(refs):
-      dq_ref, dk_ref, dv_ref = refs
-      dk_ref[...], dv_ref[...] = dkv(parts=("dk", "dv"), dq_acc=dq_ref)
+    def dkv_atomic(qp, kp, vp, dop, lse2, delta):
+      def run(refs):
+        dq_ref, dk_ref, dv_ref = refs
+        dk_ref[...], dv_ref[...] = dkv(qp, kp, vp, dop, lse2, delta,
+                                       seg_dkv, parts=("dk", "dv"),
+                                       dq_acc=dq_ref)
 
-    kv_zeros = jnp.zeros(kp.shape, q.dtype)
-    dq_acc, dk, dv = pl.run_state(run)(
-        (jnp.zeros(qp.shape, jnp.float32), kv_zeros, kv_zeros))
-    dq = (dq_acc * prob.softmax_scale).astype(q.dtype)
-  else:
-    dq = bwd_lib.dq(qp, kp, vp, dop, lse2, delta, seg_dq, prob=prob,
-                    cfg=config, interpret=params)
-    if config.bwd_split_dkv:
-      (dv,), (dk,) = dkv(parts=("dv",)), dkv(parts=("dk",))
-    else:
-      dk, dv = dkv(parts=("dk", "dv"))
-  return dq[:, :T, :, :D], dk[:, :S, :, :D], dv[:, :S, :, :D]
+      kv_zeros = jnp.zeros(kp.shape, qp.dtype)
+      dq_acc, dk, dv = pl.run_state(run)(
+          (jnp.zeros(qp.shape, jnp.float32), kv_zeros, kv_zeros))
+      return (dq_acc * prob.softmax_scale).astype(qp.dtype), dk, dv
+    return [("dkv+atomic-dq", dkv_atomic)]
+  passes = [("dq", lambda *t: (bwd_lib.dq(*t, seg_dq, prob=prob, cfg=config,
+                                          interpret=interpret),))]
+  if config.bwd_split_dkv:
+    return passes + [("dv", lambda *t: dkv(*t, seg_dkv, parts=("dv",))),
+                     ("dk", lambda *t: dkv(*t, seg_dkv, parts=("dk",)))]
+  return passes + [("dkv", lambda *t: dkv(*t, seg_dkv, parts=("dk", "dv")))]
 
 
 def _check_interpreter_threads(config: MosaicConfig) -> None:

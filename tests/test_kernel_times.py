@@ -1,0 +1,26 @@
+"""tools/kernel_times.py runs each Hopper kernel of a call on its own (a
+smoke run in the Mosaic GPU interpreter; its figures come from the GPU)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def test_kernel_times_interpret_split_backward(tmp_path):
+  env = dict(os.environ, PYTHONPATH=str(ROOT),
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  subprocess.run(
+      [sys.executable, str(ROOT / "tools" / "kernel_times.py"),
+       "--interpret", "--samples", "1", "--overrides", "bwd_split_dkv=1",
+       "--out", str(tmp_path)], check=True, env=env, capture_output=True,
+      text=True, timeout=600)
+  got = json.loads((tmp_path / "kernel_times.json").read_text())
+  # The split backward's passes in launch order, each timed.
+  assert [r["kernel"] for r in got["rows"]] == [
+      "forward", "backward (whole)", "dq", "dv", "dk"]
+  assert all(r["ms"] > 0 for r in got["rows"])
+  assert got["interpret"] and "bwd_split_dkv=True" in got["config"]
