@@ -79,7 +79,7 @@ def main(argv=None) -> int:
                  for key in keys)
   mask = MaskSpec(s, s, causal, None, None, None)
   scale = d ** -0.5
-  interpret = True if args.interpret else False
+  interpret = bool(args.interpret)
   kw = dict(mask=mask, softmax_scale=scale, config=cfg, interpret=interpret)
 
   fwd = jax.jit(lambda q, k, v: backend.forward(q, k, v, MaskArrays(),

@@ -81,7 +81,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
   persistent = n_programs is not None
   # prefetch_q: the output's own slots, and "both consumers are done with
   # Q" (the producer then loads the next item's).
-  prefetch = persistent and cfg.prefetch_q
+  prefetch = cfg.prefetches_q
   o_smem2, q_free = (extra.pop(0), extra.pop(0)) if prefetch else (None, None)
   bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
   # Named, the consumed signals take the ids after the schedule's two

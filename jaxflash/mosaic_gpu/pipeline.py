@@ -125,7 +125,7 @@ def narrow_to_segments(u_lo, u_hi, range_ref, b, group):
   return u_lo, u_hi
 
 
-# Registers of one CTA (sm90), and setmaxnreg's granularity.
+# 32-bit registers of one CTA (sm90).
 REGISTER_FILE = 65536
 DEFAULT_CONSUMER_REGISTERS = 232
 
@@ -154,6 +154,12 @@ def split_registers(is_producer: bool, n_consumers: int,
       plgpu.set_max_registers(consumer_registers, action="increase")
 
 
+def _wait_free(barriers, slot) -> None:
+  """The producer waits until every ``barriers`` says ``slot`` is free."""
+  for barrier in barriers:
+    barrier.wait(slot)
+
+
 def produce(n_steps, stages: int, load, free_barriers) -> None:
   """Producer side: ``load(step, slot)`` for ``step in [0, n_steps)``.
 
@@ -174,21 +180,17 @@ def produce_split(n_steps, stages: int, loads) -> None:
       pl.when(i < n_steps)(functools.partial(
           lambda load, i: load(jnp.int32(i), i), load, i))
 
-  def wait_free(barriers, slot):
-    for barrier in barriers:
-      barrier.wait(slot)
-
   @pl.loop(stages, jnp.maximum(n_steps, stages))
   def _(step):
     slot = lax.rem(step, stages)
     for barriers, load in loads:
-      wait_free(barriers, slot)
+      _wait_free(barriers, slot)
       load(step, slot)
 
   @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
   def _(step):
     for barriers, _ in loads:
-      wait_free(barriers, lax.rem(step, stages))
+      _wait_free(barriers, lax.rem(step, stages))
 
 
 def produce_continuing(first_step, n_steps, stages: int, loads,
@@ -203,10 +205,8 @@ def produce_continuing(first_step, n_steps, stages: int, loads,
     ring_step = first_step + step
     slot = lax.rem(ring_step, stages)
     for barriers, load in loads:
-      @pl.when(ring_step >= stages)
-      def _(barriers=barriers):
-        for barrier in barriers:
-          barrier.wait(slot)
+      pl.when(ring_step >= stages)(
+          functools.partial(_wait_free, barriers, slot))
 
       load(step, slot)
 
