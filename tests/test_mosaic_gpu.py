@@ -329,6 +329,18 @@ def test_config_validation():
   assert mosaic_gpu.default_config("some future GPU", 256).block_q % 64 == 0
 
 
+def test_register_split_fits_the_launch_allocation():
+  """setmaxnreg moves registers only within the CTA's launch allocation
+  (3 x 168 per thread here): the consumers' increase must equal what the
+  producer gave back, or they wait forever (seen on the H200 with a
+  producer of 32 next to 240)."""
+  from jaxflash.mosaic_gpu import pipeline
+  assert pipeline.launch_registers(3) == 168
+  for consumer, producer in [(232, 40), (240, 24)]:
+    assert pipeline.producer_registers(consumer, 2) == producer
+    assert 2 * consumer + producer <= 3 * pipeline.launch_registers(3)
+
+
 def test_default_config_rules():
   """tuning.json's persistent rule: short non-causal calls only (and the
   d256 backward splits dK/dV with one consumer, the only form that fits)."""

@@ -107,10 +107,11 @@ class MosaicConfig:
       (``bwd_stages <= 12``; GPU only).
     bwd_consumer_registers: registers per thread of each of the backward
       kernels' two consumer warpgroups (``setmaxnreg``; the producer keeps
-      what is left, at most 40).  232 (tokamax's split) by default; 240
-      is FlashAttention-3's (producer 32), for the d128 kernels, which
-      spill 40-136 bytes per thread at 232 (tools/ptxas_report.py).  A
-      multiple of 8 in [232, 240].
+      what is left of the launch allocation, at most 40:
+      ``pipeline.producer_registers``).  232 (tokamax's split, producer
+      40) by default; 240 is FlashAttention-3's (producer 24), for the
+      d128 kernels, which spill 40-136 bytes per thread at 232
+      (tools/ptxas_report.py).
     bwd_atomic_dq: accumulate dQ in the dK/dV kernel instead of a dQ
       kernel: each tile's ``dS K`` (float32, through shared memory) is
       added into a zeroed float32 buffer in global memory by a TMA
@@ -204,8 +205,8 @@ class MosaicConfig:
     if self.bwd_consumer_registers not in (232, 240):
       raise ValueError(
           "bwd_consumer_registers must be 232 or 240 (two consumers and a"
-          " producer of at least 32 registers share the 64K register"
-          f" file), got {self.bwd_consumer_registers!r}")
+          " producer of at least 24 registers share the launch allocation"
+          f" of 3 x 168 per thread), got {self.bwd_consumer_registers!r}")
     if self.bwd_atomic_dq and self.bwd_split_dkv:
       raise ValueError(
           "bwd_atomic_dq=True needs dK and dV in one pass of the dK/dV"

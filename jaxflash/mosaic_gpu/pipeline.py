@@ -130,10 +130,26 @@ REGISTER_FILE = 65536
 DEFAULT_CONSUMER_REGISTERS = 232
 
 
+def launch_registers(n_warpgroups: int) -> int:
+  """Registers per thread a kernel of ``n_warpgroups`` starts with: the
+  register file shared out, in steps of 8 (168 for three warpgroups)."""
+  return REGISTER_FILE // (128 * n_warpgroups) // 8 * 8
+
+
 def producer_registers(consumer_registers: int, n_consumers: int) -> int:
-  """What is left for the producer warpgroup (a multiple of 8) when each
-  of ``n_consumers`` warpgroups takes ``consumer_registers`` per thread."""
-  left = (REGISTER_FILE - n_consumers * 128 * consumer_registers) // 128
+  """What is left for the producer warpgroup when each of ``n_consumers``
+  warpgroups takes ``consumer_registers`` per thread.
+
+  ``setmaxnreg.inc`` takes registers only from what the CTA's other
+  warpgroups gave back with ``setmaxnreg.dec`` (the pool is the CTA's
+  launch allocation, not the whole register file); a consumer that asks
+  for more than was freed waits forever.  So the budget is the launch
+  allocation: with three warpgroups 3 x 168 per thread, 232 + 232 + 40
+  (tokamax) or 240 + 240 + 24 (FlashAttention-3).  (Counting the whole
+  64K file instead gave the producer 32 next to 240: the consumers then
+  hung on the H200.)"""
+  n_wg = n_consumers + 1
+  left = n_wg * launch_registers(n_wg) - n_consumers * consumer_registers
   return left // 8 * 8
 
 
@@ -142,14 +158,17 @@ def split_registers(is_producer: bool, n_consumers: int,
                     ) -> None:
   """With two consumers, move registers from the producer (which only
   issues TMA copies) to the consumers' float32 accumulators:
-  ``consumer_registers`` per consumer thread (232 as tokamax; 240 leaves
-  the producer 32, FlashAttention-3's split), the rest to the producer
-  (at most 40)."""
+  ``consumer_registers`` per consumer thread (232 as tokamax, leaving the
+  producer 40; 240 as FlashAttention-3, leaving it 24), the rest to the
+  producer (at most 40)."""
   if n_consumers == 2:
+    producer = producer_registers(consumer_registers, n_consumers)
+    if producer < 24:  # setmaxnreg's minimum
+      raise ValueError(
+          f"consumer_registers={consumer_registers} leaves the producer"
+          f" {producer} registers per thread (setmaxnreg needs >= 24)")
     if is_producer:
-      plgpu.set_max_registers(
-          min(40, producer_registers(consumer_registers, n_consumers)),
-          action="decrease")
+      plgpu.set_max_registers(min(40, producer), action="decrease")
     else:
       plgpu.set_max_registers(consumer_registers, action="increase")
 
