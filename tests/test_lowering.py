@@ -103,10 +103,13 @@ def _mosaic_case(shape):
     dict(named_barriers=True, persistent=True, prefetch_q=True),
     dict(persistent=True, prefetch_q=True, split_kv_release=True),
     dict(named_barriers=True, block_kv=192),
+    dict(named_barriers=True, lean_epilogue=True),
+    dict(named_barriers=True, lean_epilogue=True, persistent=True),
 ], ids=["default", "p-in-smem", "one-wg", "deep", "wide", "persistent",
         "overlap", "overlap-wide", "named-early", "named-persistent",
         "named-one-wg", "named-row-sum-in-pv", "named-split-kv",
-        "named-prefetch-q", "prefetch-q-split-kv", "named-kv192"])
+        "named-prefetch-q", "prefetch-q-split-kv", "named-kv192",
+        "named-lean", "named-lean-persistent"])
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),

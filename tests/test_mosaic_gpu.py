@@ -177,6 +177,23 @@ def test_interpret_prefetch_q(name):
   _run(case, RACES, config)
 
 
+LEAN_CASES = ["d64-full", "d64-causal-2wg", "d96-gqa-q200-k300",
+              "d192-q113-k17", "d256-causal-q300-k100", "d64-len1",
+              "d32-tiny-window-empty", "d64-persistent-2wg-causal",
+              "d128-persistent-window-q200-k300"]
+
+
+@pytest.mark.parametrize("name", LEAN_CASES)
+def test_interpret_lean_epilogue(name):
+  """``lean_epilogue``: the reciprocal normalisation, the output stored
+  from Q's buffer in 64-column chunks (one, two, three and four chunks)
+  and the read-only final wait, one item per program and persistent;
+  rows that see no key."""
+  case = next(c for c in CASES if c[0] == name)
+  config = dataclasses.replace(case[-1], lean_epilogue=True)
+  _run(case, RACES, config)
+
+
 def test_forward_smem_rules():
   """head_dim 256 with prefetch_q fits in shared memory only without the
   reduction scratch: the count says so, and without persistent the option
@@ -264,6 +281,11 @@ GPU_CONFIGS = {
     "named-split-kv-prefetch-q": mosaic_gpu.MosaicConfig(
         named_barriers=True, persistent=True, prefetch_q=True,
         split_kv_release=True),
+    # tokamax's epilogue: reciprocal, chunked stores, read-only last wait.
+    "named-lean-epilogue": mosaic_gpu.MosaicConfig(named_barriers=True,
+                                                   lean_epilogue=True),
+    "named-lean-epilogue-persistent": mosaic_gpu.MosaicConfig(
+        named_barriers=True, lean_epilogue=True, persistent=True),
     "bwd-named": mosaic_gpu.MosaicConfig(bwd_named_barriers=True),
     # FlashAttention-3's register split in the backward (240 / 32).
     "bwd-regs240": mosaic_gpu.MosaicConfig(bwd_consumer_registers=240),

@@ -84,6 +84,18 @@ class MosaicConfig:
       then reserves no cross-warp reduction scratch (its reductions are
       along the rows of wgmma tiles, within a warp), which keeps head_dim
       256 inside shared memory.
+    lean_epilogue: the forward's epilogue as tokamax's sm90 kernel's:
+      normalise with one reciprocal per row and a multiply per element
+      (instead of a divide per element), store the output in 64-column
+      chunks through two slots of its own per consumer (``prefetch_q``'s
+      form, also without ``persistent``), each chunk's TMA copy issued
+      as soon as it is written, and end each work item waiting only
+      until the stores have read shared memory, not until they reached
+      global memory (kernel completion publishes them).  At head_dim 256
+      the slots fit only without the reduction scratch (as
+      ``prefetch_q``).  Written to time the
+      head_dim 256 gap to tokamax, which looks like a cost per work item
+      (docs/perf-notes.md); not yet run on a GPU, not a default.
     bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
       64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
       key rows and streams ``bwd_block_q`` query rows; the dQ kernel gives
@@ -158,6 +170,7 @@ class MosaicConfig:
   row_sum_in_pv: bool = False
   split_kv_release: bool = False
   prefetch_q: bool = False
+  lean_epilogue: bool = False
   bwd_block_q: int = 64
   bwd_block_kv: int = 64
   bwd_stages: int = 2
@@ -231,8 +244,16 @@ class MosaicConfig:
     """The forward runs :attr:`prefetch_q`'s form (it needs persistent)."""
     return self.persistent and self.prefetch_q
 
+  @property
+  def out_slots(self) -> bool:
+    """The forward's output leaves through shared-memory slots of its own
+    in 64-column chunks (:attr:`prefetch_q`'s form, or
+    :attr:`lean_epilogue`)."""
+    return self.prefetches_q or self.lean_epilogue
+
   def out_chunks(self, head_dim_padded: int) -> tuple[int, int]:
-    """``prefetch_q``'s output staging: (64-column chunks, slots)."""
+    """The output's staging with :attr:`out_slots`: (64-column chunks,
+    slots)."""
     chunks = -(-head_dim_padded // 64)
     return chunks, min(2, chunks)
 
@@ -243,7 +264,7 @@ class MosaicConfig:
     if self.p_in_smem:
       buffers.append(self.compute_wgs * self.block_q * self.block_kv
                      * itemsize)
-    if self.prefetches_q:  # the output's chunks
+    if self.out_slots:  # the output's chunks
       _, slots = self.out_chunks(head_dim_padded)
       buffers.append(self.compute_wgs * slots * self.block_q * 64
                      * itemsize)

@@ -79,10 +79,11 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
    q_ready, k_free, v_free, *extra) = refs
   p_smem2 = extra.pop(0) if cfg.p_in_smem else None
   persistent = n_programs is not None
-  # prefetch_q: the output's own slots, and "both consumers are done with
-  # Q" (the producer then loads the next item's).
+  # prefetch_q or lean_epilogue: the output's own slots; prefetch_q: "both
+  # consumers are done with Q" (the producer then loads the next item's).
   prefetch = cfg.prefetches_q
-  o_smem2, q_free = (extra.pop(0), extra.pop(0)) if prefetch else (None, None)
+  o_smem2 = extra.pop(0) if cfg.out_slots else None
+  q_free = extra.pop(0) if prefetch else None
   bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
   # Named, the consumed signals take the ids after the schedule's two
   # (4 + 2 + [0, 2 * stages): config.MAX_NAMED_STAGES).
@@ -411,10 +412,17 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
 
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
-    acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+    if cfg.lean_epilogue:
+      # One reciprocal per row (2 per thread) and a multiply per element,
+      # as tokamax, against a divide per element (128 per thread at
+      # head_dim 256); both round within an ulp of float32, far below
+      # the output's bf16/fp16 rounding.
+      acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+    else:
+      acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
     out = acc.astype(dtype)
     o_dst = o_ref.at[b, pl.ds(q_start, bq), h]
-    if prefetch:
+    if o_smem2 is not None:
       # 64-column chunks through alternating slots: a slot is rewritten
       # once the copy that last read it has (at most slots - 1 copies of
       # this consumer still reading).
@@ -431,14 +439,17 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     # Natural-log LSE, -inf for rows that see no key.
     lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
     plgpu.commit_smem()
-    if not prefetch:
+    if o_smem2 is None:
       plgpu.copy_smem_to_gmem(qo_smem, o_dst)
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_start, bq)])
     # Persistent: the next item may rewrite these buffers (Q/O's, or with
     # prefetch_q the output slots and the LSE) once the stores have read
     # them (their GMEM writes finish in the background; the kernel's last
-    # wait is a full one).
-    plgpu.wait_smem_to_gmem(0, wait_read_only=persistent)
+    # wait is a full one unless lean_epilogue).  lean_epilogue: only the
+    # shared-memory reads are waited for (as tokamax and JAX's Hopper
+    # matmul end their kernels); the grid's completion publishes the
+    # writes.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=persistent or cfg.lean_epilogue)
 
   def produce(b, h, u_lo, n_steps, first_step, group_start=None, item=None):
     """One work item on the producer: its K/V tiles into the ring (and
@@ -519,7 +530,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     pipeline.split_registers(False, cfg.compute_wgs)
     if persistent:
       for_each_item(lambda item, *args: consume(*args))
-      plgpu.wait_smem_to_gmem(0)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.lean_epilogue)
     else:
       consume(b, h, group_start, u_lo, u_hi, 0)
 
@@ -658,12 +669,12 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
   ]
   if cfg.p_in_smem:
     scratch.append(plgpu.SMEM((cfg.compute_wgs, bq, bk), dtype, **tiled))
-  if cfg.prefetches_q:
+  if cfg.out_slots:
     _, slots = cfg.out_chunks(dp)
-    scratch += [
-        plgpu.SMEM((cfg.compute_wgs, slots, bq, 64), dtype, **tiled),  # O
-        plgpu.Barrier(num_arrivals=cfg.compute_wgs),        # q_free
-    ]
+    scratch.append(
+        plgpu.SMEM((cfg.compute_wgs, slots, bq, 64), dtype, **tiled))  # O
+  if cfg.prefetches_q:
+    scratch.append(plgpu.Barrier(num_arrivals=cfg.compute_wgs))  # q_free
   if _use_schedule(cfg):
     scratch.append(plgpu.Barrier(num_arrivals=cfg.compute_wgs))
   out_type = [out_struct(q.shape, dtype, q, k, v),
