@@ -160,37 +160,28 @@ def test_interpret_split_kv_release(name):
   _run(case, RACES, config)
 
 
-PREFETCH_CASES = ["d64-full", "d64-causal-2wg", "d96-gqa-q200-k300",
-                  "d192-q113-k17", "d256-causal-q300-k100", "d64-len1",
-                  "d32-tiny-window-empty", "d64-persistent-2wg-causal",
-                  "d128-persistent-window-q200-k300"]
+CHUNKED_OUT_CASES = ["d64-full", "d64-causal-2wg", "d96-gqa-q200-k300",
+                     "d192-q113-k17", "d256-causal-q300-k100", "d64-len1",
+                     "d32-tiny-window-empty", "d64-persistent-2wg-causal",
+                     "d128-persistent-window-q200-k300"]
+CHUNKED_OUT = {
+    # The persistent grid (2 programs, several items each): the producer
+    # loads the next item's Q once both consumers are done with the last.
+    "prefetch_q": dict(persistent=True, prefetch_q=True),
+    # Any grid (the cases' own): the reciprocal normalisation and the
+    # read-only last wait.
+    "lean_epilogue": dict(lean_epilogue=True),
+}
 
 
-@pytest.mark.parametrize("name", PREFETCH_CASES)
-def test_interpret_prefetch_q(name):
-  """``prefetch_q`` on the persistent grid (2 programs, several items
-  each): the producer loads the next item's Q once both consumers are done
-  with the last; the output leaves in 64-column chunks through two slots
-  (one, three and four chunks: head_dim 64, 192, 256), rows with no key."""
+@pytest.mark.parametrize("variant", list(CHUNKED_OUT))
+@pytest.mark.parametrize("name", CHUNKED_OUT_CASES)
+def test_interpret_chunked_output(name, variant):
+  """The output leaving in 64-column chunks through two slots per
+  consumer (one, three and four chunks: head_dim 64, 192, 256), rows
+  with no key: ``prefetch_q`` and ``lean_epilogue``."""
   case = next(c for c in CASES if c[0] == name)
-  config = dataclasses.replace(case[-1], persistent=True, prefetch_q=True)
-  _run(case, RACES, config)
-
-
-LEAN_CASES = ["d64-full", "d64-causal-2wg", "d96-gqa-q200-k300",
-              "d192-q113-k17", "d256-causal-q300-k100", "d64-len1",
-              "d32-tiny-window-empty", "d64-persistent-2wg-causal",
-              "d128-persistent-window-q200-k300"]
-
-
-@pytest.mark.parametrize("name", LEAN_CASES)
-def test_interpret_lean_epilogue(name):
-  """``lean_epilogue``: the reciprocal normalisation, the output stored
-  from Q's buffer in 64-column chunks (one, two, three and four chunks)
-  and the read-only final wait, one item per program and persistent;
-  rows that see no key."""
-  case = next(c for c in CASES if c[0] == name)
-  config = dataclasses.replace(case[-1], lean_epilogue=True)
+  config = dataclasses.replace(case[-1], **CHUNKED_OUT[variant])
   _run(case, RACES, config)
 
 
