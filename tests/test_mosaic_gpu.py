@@ -347,11 +347,11 @@ def test_register_split_fits_the_launch_allocation():
   (3 x 168 per thread here): the consumers' increase must equal what the
   producer gave back, or they wait forever (seen on the H200 with a
   producer of 32 next to 240)."""
-  from jaxflash.mosaic_gpu import pipeline
-  assert pipeline.launch_registers(3) == 168
+  from jaxflash.mosaic_gpu import config
+  assert config.launch_registers(3) == 168
   for consumer, producer in [(232, 40), (240, 24)]:
-    assert pipeline.producer_registers(consumer, 2) == producer
-    assert 2 * consumer + producer <= 3 * pipeline.launch_registers(3)
+    assert config.producer_registers(consumer, 2) == producer
+    assert 2 * consumer + producer <= 3 * config.launch_registers(3)
 
 
 def test_default_config_rules():

@@ -120,7 +120,7 @@ class MosaicConfig:
     bwd_consumer_registers: registers per thread of each of the backward
       kernels' two consumer warpgroups (``setmaxnreg``; the producer keeps
       what is left of the launch allocation, at most 40:
-      ``pipeline.producer_registers``).  232 (tokamax's split, producer
+      ``producer_registers``).  232 (tokamax's split, producer
       40) by default; 240 is FlashAttention-3's (producer 24), for the
       d128 kernels, which spill 40-136 bytes per thread at 232
       (tools/ptxas_report.py).
@@ -215,11 +215,15 @@ class MosaicConfig:
           f" {FREE_NAMED_BARRIERS} free hardware barriers per stage:"
           f" bwd_stages <= {FREE_NAMED_BARRIERS}, got"
           f" bwd_stages={self.bwd_stages}")
-    if self.bwd_consumer_registers not in (232, 240):
+    regs = self.bwd_consumer_registers
+    if (not isinstance(regs, int) or regs % 8
+        or not DEFAULT_CONSUMER_REGISTERS <= regs
+        or producer_registers(regs, 2) < MIN_REGISTERS):
       raise ValueError(
-          "bwd_consumer_registers must be 232 or 240 (two consumers and a"
-          " producer of at least 24 registers share the launch allocation"
-          f" of 3 x 168 per thread), got {self.bwd_consumer_registers!r}")
+          "bwd_consumer_registers must be a multiple of 8 from"
+          f" {DEFAULT_CONSUMER_REGISTERS} that leaves the producer at least"
+          f" {MIN_REGISTERS} of the launch allocation ({launch_registers(3)}"
+          f" per thread of each of 3 warpgroups): 232 or 240, got {regs!r}")
     if self.bwd_atomic_dq and self.bwd_split_dkv:
       raise ValueError(
           "bwd_atomic_dq=True needs dK and dV in one pass of the dK/dV"
@@ -376,6 +380,34 @@ def _reserved(n_buffers: int) -> int:
 
 # Hopper: 227 KiB of shared memory per block (sm90 opt-in maximum).
 SMEM_LIMIT = 227 * 1024
+
+# 32-bit registers of one CTA (sm90); setmaxnreg's range starts at 24.
+REGISTER_FILE = 65536
+MIN_REGISTERS = 24
+DEFAULT_CONSUMER_REGISTERS = 232
+
+
+def launch_registers(n_warpgroups: int) -> int:
+  """Registers per thread a kernel of ``n_warpgroups`` starts with: the
+  register file shared out, in steps of 8 (168 for three warpgroups)."""
+  return REGISTER_FILE // (128 * n_warpgroups) // 8 * 8
+
+
+def producer_registers(consumer_registers: int, n_consumers: int) -> int:
+  """What is left for the producer warpgroup when each of ``n_consumers``
+  warpgroups takes ``consumer_registers`` per thread.
+
+  ``setmaxnreg.inc`` takes registers only from what the CTA's other
+  warpgroups gave back with ``setmaxnreg.dec`` (the pool is the CTA's
+  launch allocation, not the whole register file); a consumer that asks
+  for more than was freed waits forever.  So the budget is the launch
+  allocation: with three warpgroups 3 x 168 per thread, 232 + 232 + 40
+  (tokamax) or 240 + 240 + 24 (FlashAttention-3).  (Counting the whole
+  64K file instead gave the producer 32 next to 240: the consumers then
+  hung on the H200.)"""
+  n_wg = n_consumers + 1
+  left = n_wg * launch_registers(n_wg) - n_consumers * consumer_registers
+  return left // 8 * 8
 # Largest padded head_dim of the Hopper backward with dK and dV in one pass
 # (two 64 x head_dim float32 accumulators per warpgroup); above it the
 # backward needs ``bwd_split_dkv`` or falls back to the Triton kernels.

@@ -20,6 +20,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.mosaic import gpu as mgpu
 
+from jaxflash.mosaic_gpu.config import (
+  DEFAULT_CONSUMER_REGISTERS,
+  producer_registers,
+)
+
 # 128-byte swizzle over 64-element (bf16/fp16) rows: the shared-memory
 # layout wgmma reads without bank conflicts.
 TILED = dict(transforms=(plgpu.TilingTransform((8, 64)),
@@ -125,34 +130,6 @@ def narrow_to_segments(u_lo, u_hi, range_ref, b, group):
   return u_lo, u_hi
 
 
-# 32-bit registers of one CTA (sm90).
-REGISTER_FILE = 65536
-DEFAULT_CONSUMER_REGISTERS = 232
-
-
-def launch_registers(n_warpgroups: int) -> int:
-  """Registers per thread a kernel of ``n_warpgroups`` starts with: the
-  register file shared out, in steps of 8 (168 for three warpgroups)."""
-  return REGISTER_FILE // (128 * n_warpgroups) // 8 * 8
-
-
-def producer_registers(consumer_registers: int, n_consumers: int) -> int:
-  """What is left for the producer warpgroup when each of ``n_consumers``
-  warpgroups takes ``consumer_registers`` per thread.
-
-  ``setmaxnreg.inc`` takes registers only from what the CTA's other
-  warpgroups gave back with ``setmaxnreg.dec`` (the pool is the CTA's
-  launch allocation, not the whole register file); a consumer that asks
-  for more than was freed waits forever.  So the budget is the launch
-  allocation: with three warpgroups 3 x 168 per thread, 232 + 232 + 40
-  (tokamax) or 240 + 240 + 24 (FlashAttention-3).  (Counting the whole
-  64K file instead gave the producer 32 next to 240: the consumers then
-  hung on the H200.)"""
-  n_wg = n_consumers + 1
-  left = n_wg * launch_registers(n_wg) - n_consumers * consumer_registers
-  return left // 8 * 8
-
-
 def split_registers(is_producer: bool, n_consumers: int,
                     consumer_registers: int = DEFAULT_CONSUMER_REGISTERS
                     ) -> None:
@@ -160,15 +137,13 @@ def split_registers(is_producer: bool, n_consumers: int,
   issues TMA copies) to the consumers' float32 accumulators:
   ``consumer_registers`` per consumer thread (232 as tokamax, leaving the
   producer 40; 240 as FlashAttention-3, leaving it 24), the rest to the
-  producer (at most 40)."""
+  producer (at most 40; :func:`config.producer_registers`, whose rule
+  MosaicConfig enforces)."""
   if n_consumers == 2:
-    producer = producer_registers(consumer_registers, n_consumers)
-    if producer < 24:  # setmaxnreg's minimum
-      raise ValueError(
-          f"consumer_registers={consumer_registers} leaves the producer"
-          f" {producer} registers per thread (setmaxnreg needs >= 24)")
     if is_producer:
-      plgpu.set_max_registers(min(40, producer), action="decrease")
+      plgpu.set_max_registers(
+          min(40, producer_registers(consumer_registers, n_consumers)),
+          action="decrease")
     else:
       plgpu.set_max_registers(consumer_registers, action="increase")
 
