@@ -160,6 +160,24 @@ def test_interpret_split_kv_release(name):
   _run(case, RACES, config)
 
 
+DQ_LATE_CASES = ["d64-causal-2wg", "d96-gqa-q200-k300", "d128-window",
+                 "d64-len1", "d64-stages4-window-far",
+                 "d32-tiny-window-empty", "d256-split-dkv-gqa",
+                 "d64-split-dkv-2wg-window"]
+
+
+@pytest.mark.parametrize("name", DQ_LATE_CASES)
+def test_interpret_dq_late_release(name):
+  """``bwd_dq_late_release``: the dQ kernel releases each K/V slot one
+  step late, and the last one before the skipped tiles after it (causal
+  with two consumers: the first consumer skips the group's last tiles,
+  which the producer can load only once that slot is free), with leading
+  skips (windows), no computed tile at all, and one consumer."""
+  case = next(c for c in CASES if c[0] == name)
+  config = dataclasses.replace(case[-1], bwd_dq_late_release=True)
+  _run(case, RACES, config)
+
+
 CHUNKED_OUT_CASES = ["d64-full", "d64-causal-2wg", "d96-gqa-q200-k300",
                      "d192-q113-k17", "d256-causal-q300-k100", "d64-len1",
                      "d32-tiny-window-empty", "d64-persistent-2wg-causal",
@@ -278,6 +296,10 @@ GPU_CONFIGS = {
     "named-lean-epilogue-persistent": mosaic_gpu.MosaicConfig(
         named_barriers=True, lean_epilogue=True, persistent=True),
     "bwd-named": mosaic_gpu.MosaicConfig(bwd_named_barriers=True),
+    # The dQ kernel's dS K left in flight into the next step.
+    "bwd-dq-late": mosaic_gpu.MosaicConfig(bwd_dq_late_release=True),
+    "bwd-dq-late-split": mosaic_gpu.MosaicConfig(
+        bwd_dq_late_release=True, bwd_split_dkv=True, bwd_compute_wgs=1),
     # FlashAttention-3's register split in the backward (240 / 32).
     "bwd-regs240": mosaic_gpu.MosaicConfig(bwd_consumer_registers=240),
     "bwd-regs240-atomic": mosaic_gpu.MosaicConfig(
@@ -556,6 +578,8 @@ SEG_CASES = [
      PERSISTENT_2WG),
     ("packed-causal-2wg-overlap", 256, 256, True, None, dict(docs=5, pad=9),
      dataclasses.replace(TWO_WG, intra_wg_overlap=True)),
+    ("packed-causal-2wg-dq-late", 256, 256, True, None, dict(docs=5, pad=9),
+     dataclasses.replace(TWO_WG, bwd_dq_late_release=True)),
 ]
 
 

@@ -486,6 +486,14 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       def sdp(s_acc, dp_acc):
         plgpu.wgmma(s_acc, q_smem, k_t.T)     # S = Q K^T
         plgpu.wgmma(dp_acc, do_smem, v_t.T)   # dP = dO V^T
+        if late:
+          # At most these two in flight: the previous step's dS K (queued
+          # before them) has read its K, so release that slot now.
+          plgpu.wgmma_wait(2)
+
+          @pl.when(t > lo)
+          def _():
+            free.arrive(lax.rem(step - 1, stages))
         return s_acc[...], dp_acc[...]
 
       acc = plgpu.ACC((bq, bk), jnp.float32)
@@ -499,19 +507,35 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       _, ds = _probs_and_dscores(s, dp, lse2, delta, visible, prob=prob,
                                  row_axis=0)
       plgpu.wgmma(dq_acc, _a_operand(ds, a_smem, dtype), k_t)  # dQ += dS K
-      plgpu.wgmma_wait(0)
-      free.arrive(slot)
+      if not late:
+        plgpu.wgmma_wait(0)
+        free.arrive(slot)
       return carry
 
     skip = pipeline.acknowledge(ready, free, stages)
 
     own = mask.kv_block_range(q_start, bq, bk)
+    everywhere = range_ref is not None
+    late = cfg.bwd_dq_late_release
+    if late:  # the first and last computed tiles
+      lo, _, _, hi = pipeline.computed_tiles(u_lo, u_hi, own, everywhere)
+
+    def release_last(carry):
+      """bwd_dq_late_release: the last computed step's slot, once its dS K
+      has finished."""
+      plgpu.wgmma_wait(0)
+
+      @pl.when(hi > lo)
+      def _():
+        free.arrive(lax.rem(hi - 1 - u_lo, stages))
+      return carry
 
     def accumulate(dq_acc):
       pipeline.tile_loop(
           u_lo, u_hi, own, first_step=0,
           compute=functools.partial(compute, dq_acc=dq_acc), skip=skip,
-          element_mask_everywhere=range_ref is not None)
+          element_mask_everywhere=everywhere,
+          finish=release_last if late else None)
       return dq_acc[...]
 
     dq = pl.run_scoped(accumulate,

@@ -155,6 +155,16 @@ class MosaicConfig:
       experiment for ``bwd_shared_dq``: its register saving without its
       traffic saving or its barrier between consumers.  Needs padded
       head_dim 128.
+    bwd_dq_late_release: in the dQ kernel, leave each step's ``dQ += dS
+      K`` wgmma in flight into the next step instead of waiting for it
+      at once: the next step's ``S`` and ``dP`` wgmmas queue behind it
+      (no drain of the tensor-core pipeline between steps), and the K/V
+      slot it reads is released once ``wgmma.wait_group 2`` after those
+      two says it has finished (CUTLASS's ``warpgroup_wait<N>`` before
+      releasing the previous stage, as in FlashAttention-3's mainloops).
+      Written for the one-consumer dQ kernel at head_dim 256 (508 TFLOP/s
+      causal at s8192 against 664-739 for the dK and dV passes,
+      tools/kernel_times.py); not a default (docs/perf-notes.md).
   """
 
   block_q: int = 64
@@ -181,6 +191,7 @@ class MosaicConfig:
   bwd_atomic_dq: bool = False
   bwd_shared_dq: bool = False
   bwd_dq_halves: bool = False
+  bwd_dq_late_release: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):

@@ -224,8 +224,22 @@ def acknowledge(ready, free, stages: int):
   return skip
 
 
+def computed_tiles(u_lo, u_hi, own, element_mask_everywhere: bool):
+  """``own = (lo, full_lo, full_hi, hi)`` clipped to the streamed tiles
+  ``[u_lo, u_hi)``: the ranges :func:`tile_loop` computes (``[lo, hi)``,
+  unmasked on ``[full_lo, full_hi)``)."""
+  lo, full_lo, full_hi, hi = own
+  lo = jnp.clip(lo, u_lo, u_hi)
+  hi = jnp.clip(hi, lo, u_hi)
+  if element_mask_everywhere:
+    full_lo = full_hi = hi
+  full_lo = jnp.clip(full_lo, lo, hi)
+  full_hi = jnp.clip(full_hi, full_lo, hi)
+  return lo, full_lo, full_hi, hi
+
+
 def tile_loop(u_lo, u_hi, own, *, first_step, compute, skip,
-              element_mask_everywhere: bool, carry=()):
+              element_mask_everywhere: bool, carry=(), finish=None):
   """Consumer side: one step per tile ``t`` in ``[u_lo, u_hi)`` (the tiles
   the producer streams), ``step = first_step + t - u_lo``.
 
@@ -235,15 +249,13 @@ def tile_loop(u_lo, u_hi, own, *, first_step, compute, skip,
   visible ``[full_lo, full_hi)``), ``skip(step, carry)`` for the others.
   ``element_mask_everywhere``: every computed tile takes the element mask
   (segment ids: a tile inside the position band may still cross
-  documents).
+  documents).  ``finish(carry)`` runs after the last computed tile and
+  before the skips after it (a compute that releases its slot one step
+  late releases the last one there: the producer may need that slot for
+  a tile this consumer skips).
   """
-  lo, full_lo, full_hi, hi = own
-  lo = jnp.clip(lo, u_lo, u_hi)
-  hi = jnp.clip(hi, lo, u_hi)
-  if element_mask_everywhere:
-    full_lo = full_hi = hi
-  full_lo = jnp.clip(full_lo, lo, hi)
-  full_hi = jnp.clip(full_hi, full_lo, hi)
+  lo, full_lo, full_hi, hi = computed_tiles(u_lo, u_hi, own,
+                                            element_mask_everywhere)
   step_of = lambda t: first_step + t - u_lo
 
   def run(start, stop, fn, carry):
@@ -257,4 +269,6 @@ def tile_loop(u_lo, u_hi, own, *, first_step, compute, skip,
   carry = run(full_lo, full_hi, functools.partial(compute, masked=False),
               carry)
   carry = run(full_hi, hi, masked, carry)
+  if finish is not None:
+    carry = finish(carry)
   return run(hi, u_hi, do_skip, carry)
