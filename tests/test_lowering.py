@@ -105,11 +105,12 @@ def _mosaic_case(shape):
     dict(named_barriers=True, block_kv=192),
     dict(named_barriers=True, lean_epilogue=True),
     dict(named_barriers=True, lean_epilogue=True, persistent=True),
+    dict(named_barriers=True, no_auto_barriers=True),
 ], ids=["default", "p-in-smem", "one-wg", "deep", "wide", "persistent",
         "overlap", "overlap-wide", "named-early", "named-persistent",
         "named-one-wg", "named-row-sum-in-pv", "named-split-kv",
         "named-prefetch-q", "prefetch-q-split-kv", "named-kv192",
-        "named-lean", "named-lean-persistent"])
+        "named-lean", "named-lean-persistent", "named-no-auto-barriers"])
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),
@@ -157,9 +158,12 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
     dict(bwd_named_barriers=True, bwd_split_dkv=True, bwd_compute_wgs=1),
     dict(bwd_consumer_registers=240),
     dict(bwd_consumer_registers=240, bwd_atomic_dq=True),
+    dict(bwd_dq_late_release=True),
+    dict(bwd_dq_late_release=True, bwd_split_dkv=True, bwd_compute_wgs=1),
 ], ids=["default", "p-in-smem", "one-wg", "deep", "split", "atomic-dq",
         "atomic-dq-p-in-smem-one-wg", "shared-dq", "dq-halves", "named",
-        "named-shared-dq", "named-split", "regs240", "regs240-atomic-dq"])
+        "named-shared-dq", "named-split", "regs240", "regs240-atomic-dq",
+        "dq-late", "dq-late-split"])
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),

@@ -295,6 +295,14 @@ GPU_CONFIGS = {
                                                    lean_epilogue=True),
     "named-lean-epilogue-persistent": mosaic_gpu.MosaicConfig(
         named_barriers=True, lean_epilogue=True, persistent=True),
+    # tokamax's compile flag: no automatic barriers in the forward.
+    "named-no-auto-barriers": mosaic_gpu.MosaicConfig(
+        named_barriers=True, no_auto_barriers=True),
+    "named-no-auto-barriers-prefetch-q": mosaic_gpu.MosaicConfig(
+        named_barriers=True, no_auto_barriers=True, persistent=True,
+        prefetch_q=True),
+    "no-auto-barriers-persistent": mosaic_gpu.MosaicConfig(
+        no_auto_barriers=True, persistent=True),
     "bwd-named": mosaic_gpu.MosaicConfig(bwd_named_barriers=True),
     # The dQ kernel's dS K left in flight into the next step.
     "bwd-dq-late": mosaic_gpu.MosaicConfig(bwd_dq_late_release=True),
@@ -356,7 +364,9 @@ def test_config_validation():
                      (dict(named_barriers=True, stages=6), "stages=6"),
                      (dict(bwd_named_barriers=True, bwd_stages=13),
                       "bwd_stages=13"),
-                     (dict(bwd_consumer_registers=248), "got 248")]:
+                     (dict(bwd_consumer_registers=248), "got 248"),
+                     (dict(no_auto_barriers=True, p_in_smem=True),
+                      "p_in_smem=False")]:
     with pytest.raises(ValueError, match=match):
       mosaic_gpu.MosaicConfig(**bad)
   cfg = mosaic_gpu.default_config("NVIDIA H200", 128)

@@ -96,6 +96,16 @@ class MosaicConfig:
       ``prefetch_q``).  Written to time the
       head_dim 256 gap to tokamax, which looks like a cost per work item
       (docs/perf-notes.md); not yet run on a GPU, not a default.
+    no_auto_barriers: compile the forward with Pallas'
+      ``unsafe_no_auto_barriers`` (as tokamax's sm90 kernel): no
+      warpgroup barrier around each shared-memory store and before each
+      TMA load (the producer's two per step).  The forward's explicit
+      syncs remain (``commit_smem`` and ``wait_smem_to_gmem`` each end in
+      a warpgroup barrier; the output store into Q's buffer is preceded
+      by one).  Written to time tokamax's last compile-level difference
+      at head_dim 256 (docs/perf-notes.md); GPU only, not with
+      ``p_in_smem`` (P's buffer is rewritten each step after wgmmas of
+      other warps read it).
     bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
       64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
       key rows and streams ``bwd_block_q`` query rows; the dQ kernel gives
@@ -181,6 +191,7 @@ class MosaicConfig:
   split_kv_release: bool = False
   prefetch_q: bool = False
   lean_epilogue: bool = False
+  no_auto_barriers: bool = False
   bwd_block_q: int = 64
   bwd_block_kv: int = 64
   bwd_stages: int = 2
@@ -205,6 +216,11 @@ class MosaicConfig:
     for name in ("compute_wgs", "bwd_compute_wgs"):
       if getattr(self, name) not in (1, 2):
         raise ValueError(f"{name}={getattr(self, name)!r} must be 1 or 2")
+    if self.no_auto_barriers and self.p_in_smem:
+      raise ValueError(
+          "no_auto_barriers=True drops the barrier that orders each step's"
+          " write of P into shared memory after the other warps' wgmma"
+          " reads of the last one: it needs p_in_smem=False")
     if self.intra_wg_overlap and self.persistent:
       raise ValueError(
           "intra_wg_overlap=True is written for one work item per program:"

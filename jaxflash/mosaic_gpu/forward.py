@@ -435,6 +435,10 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         plgpu.copy_smem_to_gmem(o_smem2.at[wg, c % slots],
                                 o_dst.at[:, pl.ds(c * 64, 64)])
     else:
+      if cfg.no_auto_barriers:
+        # The warpgroup barrier Pallas would put before this store: every
+        # warp's wgmma reads of Q, whose buffer O overwrites, are done.
+        plgpu.commit_smem()
       qo_smem[...] = out
     # Natural-log LSE, -inf for rows that see no key.
     lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
@@ -697,4 +701,5 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
       grid_names=grid_names, consumers=cfg.compute_wgs,
       interpret=interpret,
       reduction_scratch_bytes=cfg.fwd_reduction_scratch(dp),
+      no_auto_barriers=cfg.no_auto_barriers,
   )(q, k, v, *(segments or ()))

@@ -32,13 +32,18 @@ TILED = dict(transforms=(plgpu.TilingTransform((8, 64)),
 
 
 def launch(body, *, out_type, scratch, grid, grid_names, consumers: int,
-           interpret, reduction_scratch_bytes: int | None = None):
+           interpret, reduction_scratch_bytes: int | None = None,
+           no_auto_barriers: bool = False):
   """``plgpu.kernel`` in the layout every jaxflash Hopper kernel uses:
   ``consumers`` compute warpgroups plus one producer (thread axis
   ``"wg"``, the producer last), hardware-approximate ``exp2``/``tanh``.
   ``reduction_scratch_bytes``: shared memory for cross-warp reductions
-  (None: Pallas' default; lowering fails if a reduction needs more)."""
+  (None: Pallas' default; lowering fails if a reduction needs more).
+  ``no_auto_barriers``: Pallas' ``unsafe_no_auto_barriers`` (the kernel
+  orders its shared-memory accesses itself)."""
   params = dict(approx_math=True)
+  if no_auto_barriers:
+    params["unsafe_no_auto_barriers"] = True
   if reduction_scratch_bytes is not None:
     params["reduction_scratch_bytes"] = reduction_scratch_bytes
   return plgpu.kernel(
