@@ -93,9 +93,9 @@ class MosaicConfig:
       until the stores have read shared memory, not until they reached
       global memory (kernel completion publishes them).  At head_dim 256
       the slots fit only without the reduction scratch (as
-      ``prefetch_q``).  Written to time the
-      head_dim 256 gap to tokamax, which looks like a cost per work item
-      (docs/perf-notes.md); not yet run on a GPU, not a default.
+      ``prefetch_q``).  Written to time the head_dim 256 gap to
+      tokamax; not a default: no faster on the H200
+      (docs/benchmarks/h200-2026-12-01-lean-epilogue.md).
     no_auto_barriers: compile the forward with Pallas'
       ``unsafe_no_auto_barriers`` (as tokamax's sm90 kernel): no
       warpgroup barrier around each shared-memory store and before each
@@ -103,9 +103,10 @@ class MosaicConfig:
       syncs remain (``commit_smem`` and ``wait_smem_to_gmem`` each end in
       a warpgroup barrier; the output store into Q's buffer is preceded
       by one).  Written to time tokamax's last compile-level difference
-      at head_dim 256 (docs/perf-notes.md); GPU only, not with
-      ``p_in_smem`` (P's buffer is rewritten each step after wgmmas of
-      other warps read it).
+      at head_dim 256; not a default: -3% to +4% on the H200
+      (docs/benchmarks/h200-2026-12-01-no-auto-barriers.md).  GPU only,
+      not with ``p_in_smem`` (P's buffer is rewritten each step after
+      wgmmas of other warps read it).
     bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
       64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
       key rows and streams ``bwd_block_q`` query rows; the dQ kernel gives
@@ -174,7 +175,8 @@ class MosaicConfig:
       releasing the previous stage, as in FlashAttention-3's mainloops).
       Written for the one-consumer dQ kernel at head_dim 256 (508 TFLOP/s
       causal at s8192 against 664-739 for the dK and dV passes,
-      tools/kernel_times.py); not a default (docs/perf-notes.md).
+      tools/kernel_times.py); not a default: 2-9% slower on the H200
+      (docs/benchmarks/h200-2026-12-01-dq-late-release.md).
   """
 
   block_q: int = 64
