@@ -160,6 +160,24 @@ def test_interpret_split_kv_release(name):
   _run(case, RACES, config)
 
 
+PV_THEN_QK_CASES = ["d64-full", "d64-causal-2wg", "d96-gqa-q200-k300",
+                    "d128-window", "d64-len1", "d64-stages4-short",
+                    "d64-stages4-window-far", "d32-tiny-window-empty",
+                    "d256-causal-q300-k100", "d64-persistent-2wg-causal",
+                    "d128-persistent-window-q200-k300"]
+
+
+@pytest.mark.parametrize("name", PV_THEN_QK_CASES)
+def test_interpret_pv_then_qk(name):
+  """``pv_then_qk``: each consumer's turn issues ``P V`` and the next
+  ``Q K^T`` back to back (one and two consumers; leading and trailing
+  skip steps; a consumer with no tile of its own; one own tile; the
+  persistent grid, whose ring runs on across items)."""
+  case = next(c for c in CASES if c[0] == name)
+  config = dataclasses.replace(case[-1], pv_then_qk=True)
+  _run(case, RACES, config)
+
+
 DQ_LATE_CASES = ["d64-causal-2wg", "d96-gqa-q200-k300", "d128-window",
                  "d64-len1", "d64-stages4-window-far",
                  "d32-tiny-window-empty", "d256-split-dkv-gqa",
@@ -295,6 +313,14 @@ GPU_CONFIGS = {
                                                    lean_epilogue=True),
     "named-lean-epilogue-persistent": mosaic_gpu.MosaicConfig(
         named_barriers=True, lean_epilogue=True, persistent=True),
+    # P V and the next Q K^T in one tensor-core turn (FA3's ping-pong).
+    "named-pv-then-qk": mosaic_gpu.MosaicConfig(named_barriers=True,
+                                                pv_then_qk=True),
+    "named-pv-then-qk-persistent": mosaic_gpu.MosaicConfig(
+        named_barriers=True, pv_then_qk=True, persistent=True,
+        prefetch_q=True),
+    "pv-then-qk-row-sum": mosaic_gpu.MosaicConfig(pv_then_qk=True,
+                                                  row_sum_in_pv=True),
     # tokamax's compile flag: no automatic barriers in the forward.
     "named-no-auto-barriers": mosaic_gpu.MosaicConfig(
         named_barriers=True, no_auto_barriers=True),
@@ -366,7 +392,11 @@ def test_config_validation():
                       "bwd_stages=13"),
                      (dict(bwd_consumer_registers=248), "got 248"),
                      (dict(no_auto_barriers=True, p_in_smem=True),
-                      "p_in_smem=False")]:
+                      "p_in_smem=False"),
+                     (dict(pv_then_qk=True, early_k_wait=True),
+                      "early_k_wait=False"),
+                     (dict(pv_then_qk=True, intra_wg_overlap=True),
+                      "intra_wg_overlap=False")]:
     with pytest.raises(ValueError, match=match):
       mosaic_gpu.MosaicConfig(**bad)
   cfg = mosaic_gpu.default_config("NVIDIA H200", 128)
@@ -590,6 +620,8 @@ SEG_CASES = [
      dataclasses.replace(TWO_WG, intra_wg_overlap=True)),
     ("packed-causal-2wg-dq-late", 256, 256, True, None, dict(docs=5, pad=9),
      dataclasses.replace(TWO_WG, bwd_dq_late_release=True)),
+    ("packed-causal-2wg-pv-then-qk", 256, 256, True, None,
+     dict(docs=5, pad=9), dataclasses.replace(TWO_WG, pv_then_qk=True)),
 ]
 
 

@@ -58,6 +58,17 @@ class MosaicConfig:
       barriers use the lower ones): two for the schedule, ``stages`` each
       for K and V, so ``stages <= 5``.  GPU only (inline PTX, which the
       interpreter does not run); not with ``intra_wg_overlap``.
+    pv_then_qk: each consumer's turn on the tensor cores issues tile
+      ``t``'s ``P V`` and tile ``t + 1``'s ``Q K^T`` back to back, then
+      waits for both (FlashAttention-3's inter-warpgroup ping-pong,
+      arXiv 2407.08608 §3.1), instead of ``P V`` alone, waited for before
+      the next step issues its ``Q K^T``.  The default order leaves the
+      tensor cores idle from the end of a consumer's ``P V`` until that
+      consumer has woken, waited for the next K and issued the next
+      ``Q K^T``; ncu on the H200 (head_dim 256) showed that wait taking
+      twice tokamax's share of the consumers' stalls.  Not with
+      ``intra_wg_overlap`` or ``early_k_wait`` (the next K is waited for
+      inside the turn).
     early_k_wait: each forward step waits for the next step's K inside
       its ``P V`` wgmma scope (while the matmul runs, as tokamax's kernel)
       instead of at the start of the next step.  Not with
@@ -189,6 +200,7 @@ class MosaicConfig:
   intra_wg_overlap: bool = False
   named_barriers: bool = False
   early_k_wait: bool = False
+  pv_then_qk: bool = False
   row_sum_in_pv: bool = False
   split_kv_release: bool = False
   prefetch_q: bool = False
@@ -227,6 +239,10 @@ class MosaicConfig:
       raise ValueError(
           "intra_wg_overlap=True is written for one work item per program:"
           " it needs persistent=False")
+    for name in ("intra_wg_overlap", "early_k_wait"):
+      if self.pv_then_qk and getattr(self, name):
+        raise ValueError(f"pv_then_qk=True has its own step order: it"
+                         f" needs {name}=False")
     for name in ("named_barriers", "early_k_wait"):
       if getattr(self, name) and self.intra_wg_overlap:
         raise ValueError(f"{name}=True is not written for"

@@ -250,11 +250,14 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
           pv, plgpu.ACC((bq, prob.head_dim_padded), jnp.float32))
       return acc + pv_out if row_sum is None else (acc + pv_out, l_next)
 
-    def compute(step, t, carry, *, masked: bool):
+    def softmax_turn(s, t, carry, slot, *, masked: bool):
+      """Tile ``t``'s online-softmax step from its ``S``, up to this
+      consumer's turn on the tensor cores (V waited for):
+      ``(acc, m, l, P16, P)``, ``P`` (float32) returned when its row sum
+      is still to be added while ``P V`` runs (``row_sum_in_pv``), else
+      None."""
       acc, m, l = carry
-      slot = lax.rem(step, stages)
-      p, m_next, alpha = probs(scores(slot, waited=cfg.early_k_wait), t, m,
-                               masked=masked)
+      p, m_next, alpha = probs(s, t, m, masked=masked)
       l = l * alpha
       p16 = p.astype(dtype)
       if in_place:
@@ -274,9 +277,16 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         l = l + p.sum(axis=1)
       if not in_place:
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      if sum_in_pv:
+      return acc, m_next, l, p16, (p if sum_in_pv else None)
+
+    def compute(step, t, carry, *, masked: bool):
+      slot = lax.rem(step, stages)
+      acc, m_next, l, p16, p_sum = softmax_turn(
+          scores(slot, waited=cfg.early_k_wait), t, carry, slot,
+          masked=masked)
+      if p_sum is not None:
         acc, l = add_pv(acc, p16, slot, lambda: wait_next_k(step),
-                        row_sum=(l, p))
+                        row_sum=(l, p_sum))
       else:
         acc = add_pv(acc, p16, slot, lambda: wait_next_k(step))
       v_free.arrive(slot)
@@ -393,6 +403,98 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       run(hi, u_hi, lambda t, c: skip(first_step + t - u_lo, c), ())
       return acc, m, l
 
+    def turn_loop(own, carry):
+      """``pv_then_qk`` (FlashAttention-3's ping-pong, arXiv 2407.08608
+      §3.1): a prologue issues ``S`` of the first own tile; each step
+      then runs tile ``t``'s softmax and, in this consumer's turn on the
+      tensor cores, issues ``O += P_t V_t`` and ``S_{t+1} = Q K_{t+1}^T``
+      back to back (the turn ends with ``ping.issued()``), waiting for
+      both only after that.  The last own tile takes ``P V`` alone (and
+      its element mask, wherever it lies: one masked tile per item).
+      The ping-pong hooks run in the same order as in :func:`compute`
+      (the prologue's ``issued`` stands for the one the last step no
+      longer makes), so the skip steps around it interleave as there."""
+      acc, m, l = carry
+      lo, full_lo, full_hi, hi = pipeline.computed_tiles(
+          u_lo, u_hi, own, range_ref is not None)
+      slot_of = lambda t: lax.rem(first_step + t - u_lo, stages)
+      run = lambda a, z, fn, c: lax.fori_loop(a, z, fn, c)
+      run(u_lo, lo, lambda t, c: skip(first_step + t - u_lo, c), ())
+      zeros_s = plgpu.layout_cast(jnp.full((bq, bk), 0.0, jnp.float32),
+                                  plgpu.Layout.WGMMA)
+      s = lax.cond(lo < hi, lambda: scores(slot_of(lo)), lambda: zeros_s)
+
+      def pv_and_next_s(acc, p16, slot, nxt, l, p_sum):
+        """``O += P V`` (this tile), then ``S`` of the next tile once its K
+        is in; both read back together.  ``(acc, S_next, l)``."""
+        p_src = p_operand(p16)
+
+        def issue(o_acc, s_acc):
+          plgpu.wgmma(o_acc, p_src, v_smem.at[slot])
+          l_next = l if p_sum is None else l + p_sum.sum(axis=1)
+          plgpu.barrier_wait(k_ready.at[nxt])
+          plgpu.wgmma(s_acc, qo_smem, k_smem.at[nxt].T)
+          ping.issued()  # this consumer's turn ends
+          return l_next
+
+        if in_place:
+          def body(refs):
+            o_acc, s_ref, l_ref = refs
+
+            def with_s(s_acc):
+              l_ref[...] = issue(o_acc, s_acc)
+              return s_acc[...]  # waits for both wgmmas
+            s_ref[...] = pl.run_scoped(
+                with_s, plgpu.ACC((bq, bk), jnp.float32))
+
+          acc, s_next, l = pl.run_state(body)(
+              (plgpu.ACC.init(acc), zeros_s, l))
+        else:  # interpretable form: a fresh P V accumulator
+          def both(o_acc, s_acc):
+            l_next = issue(o_acc, s_acc)
+            return o_acc[...], s_acc[...], l_next
+
+          pv, s_next, l = pl.run_scoped(
+              both, plgpu.ACC((bq, prob.head_dim_padded), jnp.float32),
+              plgpu.ACC((bq, bk), jnp.float32))
+          acc = acc + pv
+        k_free.arrive(nxt)
+        return acc, s_next, l
+
+      def step(t, carry, *, masked: bool):
+        acc, m, l, s = carry
+        slot = slot_of(t)
+        acc, m, l, p16, p_sum = softmax_turn(s, t, (acc, m, l), slot,
+                                             masked=masked)
+        acc, s, l = pv_and_next_s(acc, p16, slot, slot_of(t + 1), l, p_sum)
+        v_free.arrive(slot)
+        return acc, m, l, s
+
+      # Steps lo .. hi - 2, masked outside [full_lo, full_hi).
+      end = jnp.maximum(hi - 1, lo)
+      a = jnp.clip(full_lo, lo, end)
+      z = jnp.clip(full_hi, a, end)
+      carry = (acc, m, l, s)
+      for r0, r1, masked in ((lo, a, True), (a, z, False), (z, end, True)):
+        carry = run(r0, r1, functools.partial(
+            lambda masked, t, c: step(t, c, masked=masked), masked), carry)
+      acc, m, l, s = carry
+
+      def last(carry):
+        slot = slot_of(hi - 1)
+        acc, m, l, p16, p_sum = softmax_turn(s, hi - 1, carry, slot,
+                                             masked=True)
+        if p_sum is not None:
+          acc, l = add_pv(acc, p16, slot, row_sum=(l, p_sum))
+        else:
+          acc = add_pv(acc, p16, slot)
+        v_free.arrive(slot)
+        return acc, m, l
+
+      acc, m, l = lax.cond(lo < hi, last, lambda c: c, (acc, m, l))
+      run(hi, u_hi, lambda t, c: skip(first_step + t - u_lo, c), ())
+      return acc, m, l
+
     ping.start()  # offset the two consumers by a half step
     if cfg.early_k_wait:
       pl.when(u_hi > u_lo)(
@@ -400,6 +502,8 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     own = mask.kv_block_range(q_start, bq, bk)
     if cfg.intra_wg_overlap:
       acc, m, l = overlapped_loop(own, (acc, m, l))
+    elif cfg.pv_then_qk:
+      acc, m, l = turn_loop(own, (acc, m, l))
     else:
       acc, m, l = pipeline.tile_loop(
           u_lo, u_hi, own, first_step=first_step,
