@@ -66,7 +66,9 @@ class MosaicConfig:
       tensor cores idle from the end of a consumer's ``P V`` until that
       consumer has woken, waited for the next K and issued the next
       ``Q K^T``; ncu on the H200 (head_dim 256) showed that wait taking
-      twice tokamax's share of the consumers' stalls.  Not with
+      twice tokamax's share of the consumers' stalls.  Not a default:
+      0.81-0.89x of it on the H200
+      (docs/benchmarks/h200-2026-12-01-pv-then-qk.md).  Not with
       ``intra_wg_overlap`` or ``early_k_wait`` (the next K is waited for
       inside the turn).
     early_k_wait: each forward step waits for the next step's K inside
