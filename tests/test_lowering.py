@@ -109,12 +109,15 @@ def _mosaic_case(shape):
     dict(named_barriers=True, pv_then_qk=True),
     dict(named_barriers=True, pv_then_qk=True, persistent=True,
          prefetch_q=True, row_sum_in_pv=True),
+    dict(named_barriers=True, late_rescale=True, early_k_wait=True,
+         row_sum_in_pv=True),
 ], ids=["default", "p-in-smem", "one-wg", "deep", "wide", "persistent",
         "overlap", "overlap-wide", "named-early", "named-persistent",
         "named-one-wg", "named-row-sum-in-pv", "named-split-kv",
         "named-prefetch-q", "prefetch-q-split-kv", "named-kv192",
         "named-lean", "named-lean-persistent", "named-no-auto-barriers",
-        "named-pv-then-qk", "named-pv-then-qk-persistent"])
+        "named-pv-then-qk", "named-pv-then-qk-persistent",
+        "named-tokamax-order"])
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),

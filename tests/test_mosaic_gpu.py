@@ -321,6 +321,11 @@ GPU_CONFIGS = {
         prefetch_q=True),
     "pv-then-qk-row-sum": mosaic_gpu.MosaicConfig(pv_then_qk=True,
                                                   row_sum_in_pv=True),
+    # tokamax's loop order: next K inside P V's scope, row sum during
+    # P V, the accumulator rescaled after the ping-pong barrier.
+    "named-tokamax-order": mosaic_gpu.MosaicConfig(
+        named_barriers=True, early_k_wait=True, row_sum_in_pv=True,
+        late_rescale=True),
     # tokamax's compile flag: no automatic barriers in the forward.
     "named-no-auto-barriers": mosaic_gpu.MosaicConfig(
         named_barriers=True, no_auto_barriers=True),

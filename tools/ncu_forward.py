@@ -15,9 +15,12 @@ run twice; profile the second launch (``ours`` or ``tok``)::
         python3 tools/ncu_forward.py ours
     ncu -i rep.ncu-rep --page source --csv --print-source sass
 
-ncu is /usr/local/cuda/bin/ncu on the H200 machine, counters enabled.
+``ours`` takes an optional second argument, MosaicConfig fields over the
+tuned default (``"early_k_wait=1,row_sum_in_pv=1"``).  ncu is
+/usr/local/cuda/bin/ncu on the H200 machine, counters enabled.
 """
 
+import dataclasses
 import sys
 
 import jax
@@ -32,8 +35,14 @@ q, k, v = [jax.random.normal(key, (2, 8192, 8, 256), jnp.bfloat16)
            for key in keys]
 jax.block_until_ready((q, k, v))
 if which == "ours":
+  from jaxflash import mosaic_gpu
+  from jaxflash.mosaic_gpu.config import parse_overrides
+  config = dataclasses.replace(
+      mosaic_gpu.default_config(jax.devices()[0].device_kind, 256,
+                                causal=False, kv_len=8192),
+      **parse_overrides(sys.argv[2] if len(sys.argv) > 2 else ""))
   f = jax.jit(lambda q, k, v: jaxflash.flash_attention(
-      q, k, v, implementation="mosaic_gpu"))
+      q, k, v, implementation="mosaic_gpu", config=config))
 else:
   f = jax.jit(lambda q, k, v: tokamax.dot_product_attention(
       q, k, v, implementation="mosaic"))

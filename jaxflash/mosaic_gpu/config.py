@@ -71,6 +71,12 @@ class MosaicConfig:
       (docs/benchmarks/h200-2026-12-01-pv-then-qk.md).  Not with
       ``intra_wg_overlap`` or ``early_k_wait`` (the next K is waited for
       inside the turn).
+    late_rescale: rescale the output accumulator by the step's ``alpha``
+      after the ping-pong barrier, just before ``P V`` (where tokamax's
+      compiled kernel does it, ncu 2026-12-01), instead of before the
+      barrier with the rest of the softmax.  Not yet run on a GPU; the
+      interpretable form (no in-place accumulation) always rescales
+      there.
     early_k_wait: each forward step waits for the next step's K inside
       its ``P V`` wgmma scope (while the matmul runs, as tokamax's kernel)
       instead of at the start of the next step.  Not with
@@ -203,6 +209,7 @@ class MosaicConfig:
   named_barriers: bool = False
   early_k_wait: bool = False
   pv_then_qk: bool = False
+  late_rescale: bool = False
   row_sum_in_pv: bool = False
   split_kv_release: bool = False
   prefetch_q: bool = False

@@ -260,7 +260,8 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       p, m_next, alpha = probs(s, t, m, masked=masked)
       l = l * alpha
       p16 = p.astype(dtype)
-      if in_place:
+      rescale_early = in_place and not cfg.late_rescale
+      if rescale_early:
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       # As JAX's attention_mgpu: at head_dim <= 128, finishing the row sum
       # and pinning the softmax results before the barriers lets the
@@ -275,7 +276,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       sum_in_pv = not early_sum and cfg.row_sum_in_pv
       if not early_sum and not sum_in_pv:
         l = l + p.sum(axis=1)
-      if not in_place:
+      if not rescale_early:
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       return acc, m_next, l, p16, (p if sum_in_pv else None)
 
