@@ -383,15 +383,9 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         acc = o * lax.broadcast_in_dim(alpha, o.shape, [0])
         return acc, m, l, p16
 
-      # Steps lo + 1 .. hi - 1, masked outside [full_lo, full_hi).
-      start = jnp.minimum(lo + 1, hi)
-      a = jnp.clip(full_lo, start, hi)
-      z = jnp.clip(full_hi, a, hi)
-      carry = (acc, m, l, p16)
-      for r0, r1, masked in ((start, a, True), (a, z, False), (z, hi, True)):
-        carry = run(r0, r1, functools.partial(
-            lambda masked, t, c: step(t, c, masked=masked), masked), carry)
-      acc, m, l, p16 = carry
+      # Steps lo + 1 .. hi - 1.
+      acc, m, l, p16 = _masked_ranges(jnp.minimum(lo + 1, hi), hi, full_lo,
+                                      full_hi, step, (acc, m, l, p16))
 
       def last(acc):
         slot = slot_of(hi - 1)
@@ -471,15 +465,9 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         v_free.arrive(slot)
         return acc, m, l, s
 
-      # Steps lo .. hi - 2, masked outside [full_lo, full_hi).
-      end = jnp.maximum(hi - 1, lo)
-      a = jnp.clip(full_lo, lo, end)
-      z = jnp.clip(full_hi, a, end)
-      carry = (acc, m, l, s)
-      for r0, r1, masked in ((lo, a, True), (a, z, False), (z, end, True)):
-        carry = run(r0, r1, functools.partial(
-            lambda masked, t, c: step(t, c, masked=masked), masked), carry)
-      acc, m, l, s = carry
+      # Steps lo .. hi - 2.
+      acc, m, l, s = _masked_ranges(lo, jnp.maximum(hi - 1, lo), full_lo,
+                                    full_hi, step, (acc, m, l, s))
 
       def last(carry):
         slot = slot_of(hi - 1)
@@ -740,6 +728,18 @@ class _PingPong:
           lambda: pipeline.named_barrier(op, self.base + 1, 256))
     else:
       pl.when(self.wg == 0)(self._rendezvous)
+
+
+def _masked_ranges(start, stop, full_lo, full_hi, step, carry):
+  """``step(t, carry, masked=...)`` for ``t`` in ``[start, stop)``, with
+  the element mask outside the fully visible tiles ``[full_lo,
+  full_hi)`` (three ``fori_loop``s)."""
+  a = jnp.clip(full_lo, start, stop)
+  z = jnp.clip(full_hi, a, stop)
+  for r0, r1, masked in ((start, a, True), (a, z, False), (z, stop, True)):
+    carry = lax.fori_loop(r0, r1, functools.partial(
+        lambda masked, t, c: step(t, c, masked=masked), masked), carry)
+  return carry
 
 
 def _sm_count() -> int:
