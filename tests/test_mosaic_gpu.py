@@ -178,6 +178,15 @@ def test_interpret_pv_then_qk(name):
   _run(case, RACES, config)
 
 
+def test_interpret_pv_then_qk_row_sum_in_pv():
+  """``pv_then_qk`` with ``row_sum_in_pv`` at padded head_dim 256, where
+  the row sum is added inside the turn."""
+  case = next(c for c in CASES if c[0] == "d256-causal-q300-k100")
+  config = dataclasses.replace(case[-1], pv_then_qk=True,
+                               row_sum_in_pv=True)
+  _run(case, RACES, config)
+
+
 DQ_LATE_CASES = ["d64-causal-2wg", "d96-gqa-q200-k300", "d128-window",
                  "d64-len1", "d64-stages4-window-far",
                  "d32-tiny-window-empty", "d256-split-dkv-gqa",
@@ -401,7 +410,11 @@ def test_config_validation():
                      (dict(pv_then_qk=True, early_k_wait=True),
                       "early_k_wait=False"),
                      (dict(pv_then_qk=True, intra_wg_overlap=True),
-                      "intra_wg_overlap=False")]:
+                      "intra_wg_overlap=False"),
+                     (dict(late_rescale=True, intra_wg_overlap=True),
+                      "intra_wg_overlap=False"),
+                     (dict(bwd_dq_late_release=True, bwd_atomic_dq=True),
+                      "bwd_atomic_dq=False")]:
     with pytest.raises(ValueError, match=match):
       mosaic_gpu.MosaicConfig(**bad)
   cfg = mosaic_gpu.default_config("NVIDIA H200", 128)
@@ -665,10 +678,24 @@ def test_segments_and_lengths_interpret(case):
                       window=window or (None, None), **ref_kw)
 
 
+# What the GPU form of a SEG_CASES entry changes in the tuned default
+# (the entries' own configs are interpreter configs).
+GPU_SEG_OVERRIDES = {
+    "packed-causal-persistent": dict(persistent=True),
+    "packed-causal-2wg-overlap": dict(intra_wg_overlap=True,
+                                      named_barriers=False,
+                                      persistent=False),
+    "packed-causal-2wg-dq-late": dict(bwd_dq_late_release=True),
+    "packed-causal-2wg-pv-then-qk": dict(pv_then_qk=True),
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", SEG_CASES, ids=[c[0] for c in SEG_CASES])
 def test_segments_and_lengths_gpu(case):
-  _, t, s, causal, window, spec_kw, _ = case
+  """The Hopper path at head_dim 128 with the tuned default, changed as
+  ``GPU_SEG_OVERRIDES`` says for the entries that test an option."""
+  name, t, s, causal, window, spec_kw, _ = case
   from test_mask_features import packed_segments
   args = numerics.random_inputs(jax.random.key(7), batch=2, q_len=t,
                                 kv_len=s, heads=8, kv_heads=2, head_dim=128,
@@ -682,8 +709,14 @@ def test_segments_and_lengths_gpu(case):
     kw["q_seq_lengths"] = jnp.array(spec_kw["q_len"])
   if "kv_len" in spec_kw:
     kw["kv_seq_lengths"] = jnp.array(spec_kw["kv_len"])
+  config = None
+  if name in GPU_SEG_OVERRIDES:
+    config = dataclasses.replace(
+        mosaic_gpu.default_config(jax.devices()[0].device_kind, 128,
+                                  causal=causal, kv_len=s),
+        **GPU_SEG_OVERRIDES[name])
   fn = functools.partial(jaxflash.flash_attention, return_lse=True,
-                         implementation="mosaic_gpu", **kw)
+                         implementation="mosaic_gpu", config=config, **kw)
   kw.pop("local_window_size")
   numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
                       **numerics.reference_kwargs(

@@ -192,6 +192,11 @@ class MosaicConfig:
       slot it reads is released once ``wgmma.wait_group 2`` after those
       two says it has finished (CUTLASS's ``warpgroup_wait<N>`` before
       releasing the previous stage, as in FlashAttention-3's mainloops).
+      Reading ``S`` and ``dP`` then waits for all three, so what overlaps
+      the previous ``dS K`` is this step's wait for its tile and the
+      issue of its two wgmmas.  Not with ``bwd_atomic_dq`` (no dQ
+      kernel); at padded head_dim > 128 it needs ``bwd_split_dkv`` (the
+      Hopper backward) to have an effect.
       Written for the one-consumer dQ kernel at head_dim 256 (508 TFLOP/s
       causal at s8192 against 664-739 for the dK and dV passes,
       tools/kernel_times.py); not a default: 2-9% slower on the H200
@@ -248,6 +253,15 @@ class MosaicConfig:
       raise ValueError(
           "intra_wg_overlap=True is written for one work item per program:"
           " it needs persistent=False")
+    if self.late_rescale and self.intra_wg_overlap:
+      raise ValueError(
+          "late_rescale=True moves the rescale of the default loop;"
+          " intra_wg_overlap's loop rescales after P V: it needs"
+          " intra_wg_overlap=False")
+    if self.bwd_dq_late_release and self.bwd_atomic_dq:
+      raise ValueError(
+          "bwd_dq_late_release=True changes the dQ kernel, which"
+          " bwd_atomic_dq=True does not run: it needs bwd_atomic_dq=False")
     for name in ("intra_wg_overlap", "early_k_wait"):
       if self.pv_then_qk and getattr(self, name):
         raise ValueError(f"pv_then_qk=True has its own step order: it"

@@ -254,10 +254,10 @@ def tile_loop(u_lo, u_hi, own, *, first_step, compute, skip,
   visible ``[full_lo, full_hi)``), ``skip(step, carry)`` for the others.
   ``element_mask_everywhere``: every computed tile takes the element mask
   (segment ids: a tile inside the position band may still cross
-  documents).  ``finish(carry)`` runs after the last computed tile and
-  before the skips after it (a compute that releases its slot one step
-  late releases the last one there: the producer may need that slot for
-  a tile this consumer skips).
+  documents).  ``finish(carry)`` runs after the computed tiles (also
+  when there are none) and before the skips after them (a compute that
+  releases its slot one step late releases the last one there: the
+  producer may need that slot for a tile this consumer skips).
   """
   lo, full_lo, full_hi, hi = computed_tiles(u_lo, u_hi, own,
                                             element_mask_everywhere)
