@@ -108,125 +108,76 @@ def test_interpret_with_race_detection(case):
   _run(case, RACES, case[-1])
 
 
-OVERLAP_CASES = ["d64-full", "d64-causal-2wg", "d96-gqa-q200-k300",
-                 "d128-window", "d64-len1", "d64-stages4-window-far",
-                 "d32-tiny-window-empty", "d256-causal-q300-k100"]
-
-
-@pytest.mark.parametrize("name", OVERLAP_CASES)
-def test_interpret_intra_wg_overlap(name):
-  """The intra-warpgroup overlap (S_t and P_{t-1} V_{t-1} issued together,
-  prologue and epilogue under lax.cond, K and V released apart): one and
-  two consumers, causal, windows, GQA, rows that see no key."""
-  case = next(c for c in CASES if c[0] == name)
-  config = dataclasses.replace(case[-1], intra_wg_overlap=True)
-  _run(case, RACES, config)
-
-
-EARLY_K_CASES = ["d64-full", "d64-causal-2wg", "d96-gqa-q200-k300",
-                 "d64-stages4-window-far", "d32-tiny-window-empty",
-                 "d64-persistent-2wg-causal",
-                 "d128-persistent-window-q200-k300"]
-
-
-@pytest.mark.parametrize("name", EARLY_K_CASES)
-def test_interpret_early_k_wait(name):
-  """``early_k_wait``: each step waits for the next K inside its P V scope
-  (and skip steps at their end); one and two consumers, skip steps on
-  both sides, persistent items whose ring runs on."""
-  case = next(c for c in CASES if c[0] == name)
-  config = dataclasses.replace(case[-1], early_k_wait=True)
-  _run(case, RACES, config)
-
-
-@pytest.mark.parametrize("name", ["d256-causal-q300-k100",
-                                  "d256-split-dkv-gqa"])
-def test_interpret_row_sum_in_pv(name):
-  """``row_sum_in_pv`` (head_dim > 128): the row sum of P taken inside the
-  P V scope, combined with the early K wait there."""
-  case = next(c for c in CASES if c[0] == name)
-  config = dataclasses.replace(case[-1], row_sum_in_pv=True,
-                               early_k_wait=True)
-  _run(case, RACES, config)
-
-
-@pytest.mark.parametrize("name", EARLY_K_CASES)
-def test_interpret_split_kv_release(name):
-  """``split_kv_release``: the producer refills K and V of a slot on their
-  own release signals (one and two consumers, skip steps, persistent
-  items whose ring runs on)."""
-  case = next(c for c in CASES if c[0] == name)
-  config = dataclasses.replace(case[-1], split_kv_release=True)
-  _run(case, RACES, config)
-
-
-PV_THEN_QK_CASES = ["d64-full", "d64-causal-2wg", "d96-gqa-q200-k300",
-                    "d128-window", "d64-len1", "d64-stages4-short",
-                    "d64-stages4-window-far", "d32-tiny-window-empty",
-                    "d256-causal-q300-k100", "d64-persistent-2wg-causal",
-                    "d128-persistent-window-q200-k300"]
-
-
-@pytest.mark.parametrize("name", PV_THEN_QK_CASES)
-def test_interpret_pv_then_qk(name):
-  """``pv_then_qk``: each consumer's turn issues ``P V`` and the next
-  ``Q K^T`` back to back (one and two consumers; leading and trailing
-  skip steps; a consumer with no tile of its own; one own tile; the
-  persistent grid, whose ring runs on across items)."""
-  case = next(c for c in CASES if c[0] == name)
-  config = dataclasses.replace(case[-1], pv_then_qk=True)
-  _run(case, RACES, config)
-
-
-def test_interpret_pv_then_qk_row_sum_in_pv():
-  """``pv_then_qk`` with ``row_sum_in_pv`` at padded head_dim 256, where
-  the row sum is added inside the turn."""
-  case = next(c for c in CASES if c[0] == "d256-causal-q300-k100")
-  config = dataclasses.replace(case[-1], pv_then_qk=True,
-                               row_sum_in_pv=True)
-  _run(case, RACES, config)
-
-
-DQ_LATE_CASES = ["d64-causal-2wg", "d96-gqa-q200-k300", "d128-window",
-                 "d64-len1", "d64-stages4-window-far",
-                 "d32-tiny-window-empty", "d256-split-dkv-gqa",
-                 "d64-split-dkv-2wg-window"]
-
-
-@pytest.mark.parametrize("name", DQ_LATE_CASES)
-def test_interpret_dq_late_release(name):
-  """``bwd_dq_late_release``: the dQ kernel releases each K/V slot one
-  step late, and the last one before the skipped tiles after it (causal
-  with two consumers: the first consumer skips the group's last tiles,
-  which the producer can load only once that slot is free), with leading
-  skips (windows), no computed tile at all, and one consumer."""
-  case = next(c for c in CASES if c[0] == name)
-  config = dataclasses.replace(case[-1], bwd_dq_late_release=True)
-  _run(case, RACES, config)
-
-
-CHUNKED_OUT_CASES = ["d64-full", "d64-causal-2wg", "d96-gqa-q200-k300",
-                     "d192-q113-k17", "d256-causal-q300-k100", "d64-len1",
-                     "d32-tiny-window-empty", "d64-persistent-2wg-causal",
-                     "d128-persistent-window-q200-k300"]
-CHUNKED_OUT = {
+# Options of the Hopper kernels, each run in the interpreter (race
+# detection) over the CASES that exercise it: {id: (MosaicConfig fields
+# over the case's own config, case names)}.
+_EARLY_K_CASES = ["d64-full", "d64-causal-2wg", "d96-gqa-q200-k300",
+                  "d64-stages4-window-far", "d32-tiny-window-empty",
+                  "d64-persistent-2wg-causal",
+                  "d128-persistent-window-q200-k300"]
+INTERPRET_VARIANTS = {
+    # S_t and P_{t-1} V_{t-1} issued together, prologue and epilogue under
+    # lax.cond, K and V released apart: one and two consumers, causal,
+    # windows, GQA, rows that see no key.
+    "intra_wg_overlap": (dict(intra_wg_overlap=True), [
+        "d64-full", "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window",
+        "d64-len1", "d64-stages4-window-far", "d32-tiny-window-empty",
+        "d256-causal-q300-k100"]),
+    # Each step waits for the next K inside its P V scope (and skip steps
+    # at their end); skip steps on both sides, persistent items whose ring
+    # runs on.
+    "early_k_wait": (dict(early_k_wait=True), _EARLY_K_CASES),
+    # head_dim > 128: P's row sum inside the P V scope, with the early K
+    # wait there.
+    "row_sum_in_pv": (dict(row_sum_in_pv=True, early_k_wait=True),
+                      ["d256-causal-q300-k100", "d256-split-dkv-gqa"]),
+    # The producer refills K and V of a slot on their own release signals.
+    "split_kv_release": (dict(split_kv_release=True), _EARLY_K_CASES),
+    # Each consumer's turn issues P V and the next Q K^T back to back:
+    # leading and trailing skips, a consumer with no tile of its own, one
+    # own tile, the persistent grid.
+    "pv_then_qk": (dict(pv_then_qk=True), [
+        "d64-full", "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window",
+        "d64-len1", "d64-stages4-short", "d64-stages4-window-far",
+        "d32-tiny-window-empty", "d256-causal-q300-k100",
+        "d64-persistent-2wg-causal", "d128-persistent-window-q200-k300"]),
+    # ... with the row sum added inside the turn (padded head_dim 256).
+    "pv_then_qk+row_sum_in_pv": (dict(pv_then_qk=True, row_sum_in_pv=True),
+                                 ["d256-causal-q300-k100"]),
+    # The dQ kernel releases each K/V slot one step late, the last one
+    # before the skipped tiles after it (causal with two consumers: the
+    # producer loads those only once that slot is free); leading skips, no
+    # computed tile, one consumer.
+    "bwd_dq_late_release": (dict(bwd_dq_late_release=True), [
+        "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window", "d64-len1",
+        "d64-stages4-window-far", "d32-tiny-window-empty",
+        "d256-split-dkv-gqa", "d64-split-dkv-2wg-window"]),
+}
+# The output in 64-column chunks through two slots per consumer (one,
+# three and four chunks: head_dim 64, 192, 256), rows with no key.
+_CHUNKED_OUT_CASES = ["d64-full", "d64-causal-2wg", "d96-gqa-q200-k300",
+                      "d192-q113-k17", "d256-causal-q300-k100", "d64-len1",
+                      "d32-tiny-window-empty", "d64-persistent-2wg-causal",
+                      "d128-persistent-window-q200-k300"]
+INTERPRET_VARIANTS.update({
     # The persistent grid (2 programs, several items each): the producer
     # loads the next item's Q once both consumers are done with the last.
-    "prefetch_q": dict(persistent=True, prefetch_q=True),
+    "prefetch_q": (dict(persistent=True, prefetch_q=True),
+                   _CHUNKED_OUT_CASES),
     # Any grid (the cases' own): the reciprocal normalisation and the
     # read-only last wait.
-    "lean_epilogue": dict(lean_epilogue=True),
-}
+    "lean_epilogue": (dict(lean_epilogue=True), _CHUNKED_OUT_CASES),
+})
 
 
-@pytest.mark.parametrize("variant", list(CHUNKED_OUT))
-@pytest.mark.parametrize("name", CHUNKED_OUT_CASES)
-def test_interpret_chunked_output(name, variant):
-  """The output leaving in 64-column chunks through two slots per
-  consumer (one, three and four chunks: head_dim 64, 192, 256), rows
-  with no key: ``prefetch_q`` and ``lean_epilogue``."""
+@pytest.mark.parametrize("variant,name", [
+    (variant, name) for variant, (_, names) in INTERPRET_VARIANTS.items()
+    for name in names])
+def test_interpret_variant(variant, name):
+  """One kernel option on one case, in the interpreter with race
+  detection (INTERPRET_VARIANTS says which cases and why)."""
   case = next(c for c in CASES if c[0] == name)
-  config = dataclasses.replace(case[-1], **CHUNKED_OUT[variant])
+  config = dataclasses.replace(case[-1], **INTERPRET_VARIANTS[variant][0])
   _run(case, RACES, config)
 
 

@@ -17,6 +17,31 @@ FREE_NAMED_BARRIERS = 12
 MAX_NAMED_STAGES = (FREE_NAMED_BARRIERS - 2) // 2
 
 
+# Options that do not combine: (option, other, why option excludes other).
+_EXCLUSIVE_OPTIONS = (
+    ("no_auto_barriers", "p_in_smem",
+     "drops the barrier that orders each step's write of P into shared"
+     " memory after the other warps' wgmma reads of the last one"),
+    ("intra_wg_overlap", "persistent",
+     "is written for one work item per program"),
+    ("late_rescale", "intra_wg_overlap",
+     "moves the rescale of the default loop (intra_wg_overlap's loop"
+     " rescales after P V)"),
+    ("pv_then_qk", "intra_wg_overlap", "has its own step order"),
+    ("pv_then_qk", "early_k_wait",
+     "has its own step order (the next K is waited for in the turn)"),
+    ("named_barriers", "intra_wg_overlap",
+     "is not written for intra_wg_overlap's loop (its own barrier order)"),
+    ("early_k_wait", "intra_wg_overlap",
+     "is not written for intra_wg_overlap's loop (its own barrier order)"),
+    ("bwd_atomic_dq", "bwd_split_dkv",
+     "needs dK and dV in one pass of the dK/dV kernel (it reuses that"
+     " pass's dS)"),
+    ("bwd_dq_late_release", "bwd_atomic_dq",
+     "changes the dQ kernel, which bwd_atomic_dq=True does not run"),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
   """Tiles and pipeline of the Hopper forward kernel; frozen (static).
@@ -244,33 +269,10 @@ class MosaicConfig:
     for name in ("compute_wgs", "bwd_compute_wgs"):
       if getattr(self, name) not in (1, 2):
         raise ValueError(f"{name}={getattr(self, name)!r} must be 1 or 2")
-    if self.no_auto_barriers and self.p_in_smem:
-      raise ValueError(
-          "no_auto_barriers=True drops the barrier that orders each step's"
-          " write of P into shared memory after the other warps' wgmma"
-          " reads of the last one: it needs p_in_smem=False")
-    if self.intra_wg_overlap and self.persistent:
-      raise ValueError(
-          "intra_wg_overlap=True is written for one work item per program:"
-          " it needs persistent=False")
-    if self.late_rescale and self.intra_wg_overlap:
-      raise ValueError(
-          "late_rescale=True moves the rescale of the default loop;"
-          " intra_wg_overlap's loop rescales after P V: it needs"
-          " intra_wg_overlap=False")
-    if self.bwd_dq_late_release and self.bwd_atomic_dq:
-      raise ValueError(
-          "bwd_dq_late_release=True changes the dQ kernel, which"
-          " bwd_atomic_dq=True does not run: it needs bwd_atomic_dq=False")
-    for name in ("intra_wg_overlap", "early_k_wait"):
-      if self.pv_then_qk and getattr(self, name):
-        raise ValueError(f"pv_then_qk=True has its own step order: it"
-                         f" needs {name}=False")
-    for name in ("named_barriers", "early_k_wait"):
-      if getattr(self, name) and self.intra_wg_overlap:
-        raise ValueError(f"{name}=True is not written for"
-                         " intra_wg_overlap=True (its loop has its own"
-                         " barrier order)")
+    for option, other, why in _EXCLUSIVE_OPTIONS:
+      if getattr(self, option) and getattr(self, other):
+        raise ValueError(f"{option}=True {why}: it needs {other}=False"
+                         f" (got {other}=True)")
     if self.named_barriers and self.stages > MAX_NAMED_STAGES:
       raise ValueError(
           f"named_barriers=True takes 2 + 2 * stages of the"
@@ -292,10 +294,6 @@ class MosaicConfig:
           f" {DEFAULT_CONSUMER_REGISTERS} that leaves the producer at least"
           f" {MIN_REGISTERS} of the launch allocation ({launch_registers(3)}"
           f" per thread of each of 3 warpgroups): 232 or 240, got {regs!r}")
-    if self.bwd_atomic_dq and self.bwd_split_dkv:
-      raise ValueError(
-          "bwd_atomic_dq=True needs dK and dV in one pass of the dK/dV"
-          " kernel (it reuses that pass's dS), got bwd_split_dkv=True")
     if self.bwd_shared_dq and not (self.bwd_atomic_dq
                                    and self.bwd_compute_wgs == 2):
       raise ValueError(

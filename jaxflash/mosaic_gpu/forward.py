@@ -316,11 +316,8 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       tiles (``lax.cond``).  Skip steps as in :func:`pipeline.tile_loop`.
       """
       acc, m, l = carry
-      lo, full_lo, full_hi, hi = own
-      lo = jnp.clip(lo, u_lo, u_hi)
-      hi = jnp.clip(hi, lo, u_hi)
-      if range_ref is not None:  # segment ids: every tile takes the mask
-        full_lo = full_hi = hi
+      lo, full_lo, full_hi, hi = pipeline.computed_tiles(
+          u_lo, u_hi, own, range_ref is not None)
       slot_of = lambda t: lax.rem(first_step + t - u_lo, stages)
       run = lambda a, z, fn, c: lax.fori_loop(a, z, fn, c)
       run(u_lo, lo, lambda t, c: skip(first_step + t - u_lo, c), ())
