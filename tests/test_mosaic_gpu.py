@@ -160,6 +160,13 @@ _CHUNKED_OUT_CASES = ["d64-full", "d64-causal-2wg", "d96-gqa-q200-k300",
                       "d32-tiny-window-empty", "d64-persistent-2wg-causal",
                       "d128-persistent-window-q200-k300"]
 INTERPRET_VARIANTS.update({
+    # dK and dV by two consumers of one key tile, P^T handed over in
+    # shared memory: head_dim 256 (beside the one-consumer dQ kernel),
+    # GQA, causal, windows, rows that see no key, a deep ring.
+    "bwd_paired_dkv": (dict(bwd_paired_dkv=True, bwd_split_dkv=False), [
+        "d64-full", "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window",
+        "d256-causal-q300-k100", "d256-split-dkv-gqa",
+        "d64-stages4-window-far", "d32-tiny-window-empty", "d64-len1"]),
     # The persistent grid (2 programs, several items each): the producer
     # loads the next item's Q once both consumers are done with the last.
     "prefetch_q": (dict(persistent=True, prefetch_q=True),
@@ -308,6 +315,14 @@ GPU_CONFIGS = {
     "bwd-named-split": mosaic_gpu.MosaicConfig(
         bwd_named_barriers=True, bwd_split_dkv=True, bwd_compute_wgs=1,
         bwd_stages=3),
+    # dK and dV by two consumers of one key tile (P^T handed over), next to
+    # a one- or two-consumer dQ kernel, registers or named barriers.
+    "bwd-paired": mosaic_gpu.MosaicConfig(bwd_paired_dkv=True,
+                                          bwd_compute_wgs=1),
+    "bwd-paired-2wg-dq": mosaic_gpu.MosaicConfig(bwd_paired_dkv=True),
+    "bwd-paired-named-smem": mosaic_gpu.MosaicConfig(
+        bwd_paired_dkv=True, bwd_compute_wgs=1, bwd_named_barriers=True,
+        p_in_smem=True, bwd_stages=3),
 }
 
 
@@ -365,12 +380,29 @@ def test_config_validation():
                      (dict(late_rescale=True, intra_wg_overlap=True),
                       "intra_wg_overlap=False"),
                      (dict(bwd_dq_late_release=True, bwd_atomic_dq=True),
+                      "bwd_atomic_dq=False"),
+                     (dict(bwd_paired_dkv=True, bwd_split_dkv=True),
+                      "bwd_split_dkv=False"),
+                     (dict(bwd_paired_dkv=True, bwd_atomic_dq=True),
                       "bwd_atomic_dq=False")]:
     with pytest.raises(ValueError, match=match):
       mosaic_gpu.MosaicConfig(**bad)
   cfg = mosaic_gpu.default_config("NVIDIA H200", 128)
   assert cfg.smem_bytes(128) <= 227 * 1024
   assert mosaic_gpu.default_config("some future GPU", 256).block_q % 64 == 0
+
+
+def test_paired_dkv_smem():
+  """bwd_paired_dkv at head_dim 256: one K and one V tile, the ring and
+  the hand-over fit beside a one-consumer dQ kernel (two consumers' Q and
+  dO do not), and the count covers the dK/dV kernel's buffers."""
+  cfg = mosaic_gpu.MosaicConfig(bwd_paired_dkv=True, bwd_compute_wgs=1)
+  assert needed_smem_bytes(cfg, 256) <= 227 * 1024
+  assert cfg.bwd_smem_bytes(256) >= (2 * 64 * 256 + 2 * (2 * 64 * 256
+                                                         + 64 * 64)) * 2
+  two = dataclasses.replace(cfg, bwd_compute_wgs=2)
+  assert needed_smem_bytes(two, 256) > 227 * 1024
+  assert needed_smem_bytes(two, 128) <= 227 * 1024
 
 
 def test_register_split_fits_the_launch_allocation():
@@ -545,6 +577,43 @@ def test_through_flash_attention_interpret(soft_cap):
                       causal=True, logits_soft_cap=soft_cap)
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_paired_dkv_soft_cap_interpret(head_dim):
+  """bwd_paired_dkv under a soft cap: consumer 0 hands over P^T (1 -
+  tanh^2), which consumer 1's dS needs and cannot compute without S."""
+  args = numerics.random_inputs(jax.random.key(6), batch=1, q_len=100,
+                                kv_len=130, heads=2, kv_heads=1,
+                                head_dim=head_dim, dtype=jnp.bfloat16)
+  cfg = dataclasses.replace(ONE_WG, bwd_paired_dkv=True)
+  spec = masks.MaskSpec(100, 130, True)
+
+  def fn(q, k, v):
+    return mosaic_gpu.attention(q, k, v, mask=spec,
+                                softmax_scale=head_dim ** -0.5,
+                                logits_soft_cap=2.0, config=cfg,
+                                interpret=RACES)
+
+  numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
+                      causal=True, logits_soft_cap=2.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_paired_dkv_soft_cap(causal):
+  """The H200 form of the test above, at head_dim 256."""
+  args = numerics.random_inputs(jax.random.key(9), batch=2, q_len=1000,
+                                kv_len=1000, heads=8, kv_heads=2,
+                                head_dim=256, dtype=jnp.bfloat16)
+  cfg = dataclasses.replace(
+      mosaic_gpu.default_config(jax.devices()[0].device_kind, 256),
+      bwd_paired_dkv=True, bwd_split_dkv=False)
+  fn = functools.partial(jaxflash.flash_attention, causal=causal,
+                         return_lse=True, implementation="mosaic_gpu",
+                         logits_soft_cap=30.0, config=cfg)
+  numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
+                      causal=causal, logits_soft_cap=30.0)
+
+
 @pytest.mark.gpu
 def test_gpu_default_dispatch_is_mosaic_on_hopper():
   q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
@@ -591,6 +660,10 @@ SEG_CASES = [
      dataclasses.replace(TWO_WG, bwd_dq_late_release=True)),
     ("packed-causal-2wg-pv-then-qk", 256, 256, True, None,
      dict(docs=5, pad=9), dataclasses.replace(TWO_WG, pv_then_qk=True)),
+    # One key tile per dK/dV program: the group range narrows per tile.
+    ("packed-lengths-paired-dkv", 256, 256, True, None,
+     dict(docs=4, pad=7, kv_len=[256, 150]),
+     dataclasses.replace(ONE_WG, bwd_paired_dkv=True)),
 ]
 
 
@@ -638,6 +711,7 @@ GPU_SEG_OVERRIDES = {
                                       persistent=False),
     "packed-causal-2wg-dq-late": dict(bwd_dq_late_release=True),
     "packed-causal-2wg-pv-then-qk": dict(pv_then_qk=True),
+    "packed-lengths-paired-dkv": dict(bwd_paired_dkv=True),
 }
 
 

@@ -185,7 +185,8 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
   S = k.shape[1]
   dp = _head_dim_padded(D)
   config = _resolve_config(config, interpret, dp, mask, deterministic)
-  if dp > MAX_BWD_HEAD_DIM and not config.bwd_split_dkv:
+  if dp > MAX_BWD_HEAD_DIM and not (config.bwd_split_dkv
+                                    or config.bwd_paired_dkv):
     return triton_backend.backward(
         q, k, v, arrays, out, lse, dout, dlse, mask=mask,
         softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
@@ -201,8 +202,9 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
     q_seg, kv_seg = _segment_ids(arrays, prob, B)
     seg_dq = (q_seg, kv_seg, _group_range(
         q_seg, n * config.bwd_block_q, kv_seg, config.bwd_block_kv))
+    kv_group = 1 if config.bwd_paired_dkv else n  # key tiles per program
     seg_dkv = (q_seg, kv_seg, _group_range(
-        kv_seg, n * config.bwd_block_kv, q_seg, config.bwd_block_q))
+        kv_seg, kv_group * config.bwd_block_kv, q_seg, config.bwd_block_q))
   done = {name: run(*tensors) for name, run in backward_passes(
       prob, config, seg_dq, seg_dkv, _interpret_params(interpret))}
   if config.bwd_atomic_dq:
@@ -211,6 +213,8 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
     (dq,) = done["dq"]
     if config.bwd_split_dkv:
       (dv,), (dk,) = done["dv"], done["dk"]
+    elif config.bwd_paired_dkv:
+      dk, dv = done["dkv-paired"]
     else:
       dk, dv = done["dkv"]
   return dq[:, :T, :, :D], dk[:, :S, :, :D], dv[:, :S, :, :D]
@@ -257,7 +261,8 @@ def backward_passes(prob: fwd_lib.Problem, config: MosaicConfig, seg_dq,
   """The Hopper backward's kernel launches in order, ``[(name, run)]``,
   each ``run(qp, kp, vp, dop, lse2, delta)`` on the padded operands
   returning its outputs: ``dq`` then ``dkv`` (or ``dv`` then ``dk`` with
-  ``bwd_split_dkv``), or one ``dkv+atomic-dq`` with ``bwd_atomic_dq``.
+  ``bwd_split_dkv``, ``dkv-paired`` with ``bwd_paired_dkv``), or one
+  ``dkv+atomic-dq`` with ``bwd_atomic_dq``.
   :func:`backward` runs them; tools/kernel_times.py times them apart."""
   dkv = functools.partial(bwd_lib.dkv, prob=prob, cfg=config,
                           interpret=interpret)
@@ -282,6 +287,9 @@ def backward_passes(prob: fwd_lib.Problem, config: MosaicConfig, seg_dq,
     return [("dkv+atomic-dq", dkv_atomic)]
   passes = [("dq", lambda *t: (bwd_lib.dq(*t, seg_dq, prob=prob, cfg=config,
                                           interpret=interpret),))]
+  if config.bwd_paired_dkv:
+    return passes + [("dkv-paired", lambda *t: bwd_lib.paired_dkv(
+        *t, seg_dkv, prob=prob, cfg=config, interpret=interpret))]
   if config.bwd_split_dkv:
     return passes + [("dv", lambda *t: dkv(*t, seg_dkv, parts=("dv",))),
                      ("dk", lambda *t: dkv(*t, seg_dkv, parts=("dk",)))]
@@ -293,7 +301,8 @@ def _check_interpreter_threads(config: MosaicConfig) -> None:
   own CPU thread, and blocks in barrier waits; with fewer host devices than
   warpgroups + 1, jax 0.11.2's CPU runtime has too few threads and the
   kernel deadlocks (seen here).  Refuse instead of hanging."""
-  need = max(config.compute_wgs, config.bwd_compute_wgs) + 2
+  need = max(config.compute_wgs, config.bwd_compute_wgs,
+             2 if config.bwd_paired_dkv else 1) + 2
   have = len(jax.devices("cpu"))
   if have < need:
     raise NotImplementedError(

@@ -68,15 +68,12 @@ ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
 
-def _probs_and_dscores(s, dp, lse2, delta, visible, *, prob: Problem,
-                       row_axis: int):
-  """``P`` and ``dS`` of one tile (float32) from the raw ``q . k`` products.
-
-  ``lse2``/``delta`` are per query; ``row_axis`` says which axis of the
-  tile is the query axis (0 in the dQ kernel, 1 in the transposed dK/dV
-  kernel).  ``dS`` is the gradient w.r.t. the scaled logits.
-  """
-  bcast = lambda x: lax.broadcast_in_dim(x, s.shape, [row_axis])
+def _probs(s, lse2, visible, *, prob: Problem, row_axis: int):
+  """``P`` of one tile (float32) from the raw ``q . k`` products, and
+  ``tanh`` of the soft cap (None without one): ``dS`` takes ``1 - th^2``,
+  the derivative of ``cap * tanh(x / cap)``.  ``lse2`` is per query;
+  ``row_axis`` says which axis of the tile is the query axis (0 in the dQ
+  kernel, 1 in the transposed dK/dV kernels)."""
   if prob.logits_soft_cap is None:
     th = None
     logits2 = s * (prob.softmax_scale * LOG2E)
@@ -86,10 +83,19 @@ def _probs_and_dscores(s, dp, lse2, delta, visible, *, prob: Problem,
     logits2 = th * (cap * LOG2E)
   if visible is not None:
     logits2 = jnp.where(visible, logits2, -jnp.inf)
-  p = jnp.exp2(logits2 - bcast(lse2))
+  p = jnp.exp2(logits2 - lax.broadcast_in_dim(lse2, s.shape, [row_axis]))
+  return p, th
+
+
+def _probs_and_dscores(s, dp, lse2, delta, visible, *, prob: Problem,
+                       row_axis: int):
+  """``P`` and ``dS`` of one tile (float32) from the raw ``q . k`` products
+  (:func:`_probs`); ``delta`` is per query.  ``dS`` is the gradient
+  w.r.t. the scaled logits."""
+  p, th = _probs(s, lse2, visible, prob=prob, row_axis=row_axis)
   if dp is None:  # only P is wanted (the dV pass)
     return p, None
-  ds = p * (dp - bcast(delta))
+  ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [row_axis]))
   if th is not None:
     ds = ds * (1.0 - th * th)
   return p, ds
@@ -435,6 +441,197 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
       interpret=interpret,
   )(q, k, v, do, lse2, delta, *(segments or ()),
     *((dq_acc,) if atomic_dq else ()))
+
+
+# -- dK / dV, paired consumers ---------------------------------------------------
+
+def _paired_dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
+  """dK and dV of one key tile by two consumers (``bwd_paired_dkv``).
+
+  Consumer 0 holds K and accumulates ``dV += P^T dO`` from ``S^T = K
+  Q^T``; consumer 1 holds V and accumulates ``dK += dS^T Q`` from ``dP^T =
+  V dO^T``.  Consumer 0 hands ``P^T`` (times ``1 - th^2`` with a soft cap)
+  to consumer 1 in shared memory, one buffer per ring slot, so consumer 1
+  never recomputes ``S^T``: 4 matmuls per tile pair (``bwd_split_dkv``'s
+  two passes run 5), two accumulators in two warpgroups' registers, and
+  the two consumers' matmuls and elementwise work interleave on the
+  tensor cores.  The hand-over is rounded to the input dtype, as both
+  ``P`` and ``dS`` already are for their second matmuls; it lands in
+  ``dS`` with the same relative error as that rounding.
+
+  A hand-over buffer is rewritten ``bwd_stages`` steps later; by then
+  consumer 1 has read it, since consumer 0 starts that step only once the
+  ring slot was refilled, which needed consumer 1's release of the slot
+  after its read.
+  """
+  ((q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref),
+   (qseg_ref, kvseg_ref, range_ref), refs) = _split_inputs(refs, prob)
+  (dk_ref, dv_ref, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring,
+   kv_ready, ready, free, hand, hand_ready, *extra) = refs
+  # p_in_smem: each consumer's A operand staged (P^T under a soft cap, dS^T).
+  a_smem2 = extra[0] if cfg.p_in_smem else None
+  free = pipeline.ring_free(free, cfg.bwd_named_barriers, 2)
+  bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
+  group_size = prob.num_heads // prob.num_kv_heads
+  b = lax.axis_index("batch")
+  kh = lax.axis_index("heads")  # the key/value head
+  wg = lax.axis_index("wg")
+  k_start = lax.axis_index("kv_seq") * bk
+  rows = (b, pl.ds(k_start, bk), kh)
+  mask = prob.mask
+  u_lo, _, _, u_hi = mask.q_block_range(k_start, bk, bq)
+  u_lo, u_hi = pipeline.narrow_to_segments(u_lo, u_hi, range_ref, b,
+                                           lax.axis_index("kv_seq"))
+  n_tiles = u_hi - u_lo
+  own = mask.q_block_range(k_start, bk, bq)
+  acknowledge = pipeline.acknowledge(ready, free, stages)
+
+  def loop(compute, acc_ref):
+    """``compute`` over every query tile of every query head of the
+    group, as the dK/dV kernel's loop."""
+    @pl.loop(0, group_size)
+    def _(g):
+      pipeline.tile_loop(
+          u_lo, u_hi, own, first_step=g * n_tiles,
+          compute=functools.partial(compute, acc=acc_ref),
+          skip=acknowledge, element_mask_everywhere=range_ref is not None)
+    return acc_ref[...]
+
+  def a_smem(c):
+    return None if a_smem2 is None else a_smem2.at[c]
+
+  def write(grad, staging, out_ref):
+    staging[...] = grad.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(staging, out_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  acc = plgpu.ACC((bk, prob.head_dim_padded), jnp.float32)
+
+  @pl.when(wg == 0)
+  def _dv_consumer():
+    pipeline.split_registers(False, 2, cfg.bwd_consumer_registers)
+    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[0])
+    plgpu.barrier_wait(kv_ready.at[0])
+    k_idx = k_start + plgpu.broadcasted_iota(
+        jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
+
+    def compute(step, t, carry, *, masked, acc):
+      slot = lax.rem(step, stages)
+      plgpu.barrier_wait(ready.at[slot])
+
+      def scores(s_acc):
+        plgpu.wgmma(s_acc, k_smem, q_ring.at[slot].T)  # S^T = K Q^T
+        return s_acc[...]
+
+      s = pl.run_scoped(scores, plgpu.ACC((bk, bq), jnp.float32))
+      visible = None
+      if masked:
+        q_idx = t * bq + plgpu.broadcasted_iota(
+            jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
+        visible = mask.visible(q_idx, k_idx, **_segment_kwargs(
+            qseg_ref, kvseg_ref, b, t * bq, bq, k_start, bk, q_axis=1))
+      p, th = _probs(s, plgpu.load(lse_ring.at[slot], layout=COL), visible,
+                     prob=prob, row_axis=1)
+      hand.at[slot][...] = (p if th is None
+                            else p * (1.0 - th * th)).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(hand_ready.at[slot])
+      # (Staged, P^T without a soft cap is the hand-over itself.)
+      a = (hand.at[slot] if cfg.p_in_smem and th is None
+           else _a_operand(p, a_smem(0), dtype))
+      plgpu.wgmma(acc, a, do_ring.at[slot])  # dV += P^T dO
+      plgpu.wgmma_wait(0)
+      free.arrive(slot)
+      return carry
+
+    dv = pl.run_scoped(functools.partial(loop, compute), acc)
+    write(dv, k_smem, dv_ref)  # K's buffer is free now
+
+  @pl.when(wg == 1)
+  def _dk_consumer():
+    pipeline.split_registers(False, 2, cfg.bwd_consumer_registers)
+    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[1])
+    plgpu.barrier_wait(kv_ready.at[1])
+
+    def compute(step, t, carry, *, masked, acc):
+      del t, masked  # the hand-over is masked already
+      slot = lax.rem(step, stages)
+      plgpu.barrier_wait(ready.at[slot])
+
+      def dprobs(dp_acc):
+        plgpu.wgmma(dp_acc, v_smem, do_ring.at[slot].T)  # dP^T = V dO^T
+        return dp_acc[...]
+
+      dp = pl.run_scoped(dprobs, plgpu.ACC((bk, bq), jnp.float32))
+      delta = plgpu.load(delta_ring.at[slot], layout=COL)
+      plgpu.barrier_wait(hand_ready.at[slot])
+      p = plgpu.load(hand.at[slot], layout=plgpu.Layout.WGMMA)
+      ds = p.astype(jnp.float32) * (
+          dp - lax.broadcast_in_dim(delta, dp.shape, [1]))
+      plgpu.wgmma(acc, _a_operand(ds, a_smem(1), dtype),
+                  q_ring.at[slot])  # dK += dS^T Q
+      plgpu.wgmma_wait(0)
+      free.arrive(slot)
+      return carry
+
+    dk = pl.run_scoped(functools.partial(loop, compute), acc)
+    # dS is w.r.t. the scaled logits: d(scale * q.k)/dk = scale * q.
+    write(dk * prob.softmax_scale, v_smem, dk_ref)  # V's buffer is free
+
+  @pl.when(wg == 2)
+  def _producer():
+    pipeline.split_registers(True, 2, cfg.bwd_consumer_registers)
+
+    def load(step, slot):
+      g = lax.div(step, jnp.maximum(n_tiles, 1))
+      t = u_lo + step - g * n_tiles
+      h = kh * group_size + g
+      q_rows = pl.ds(t * bq, bq)
+      plgpu.copy_gmem_to_smem(q_ref.at[b, q_rows, h], q_ring.at[slot],
+                              ready.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[b, q_rows, h], do_ring.at[slot],
+                              ready.at[slot])
+      plgpu.copy_gmem_to_smem(lse2_ref.at[b, h, q_rows], lse_ring.at[slot],
+                              ready.at[slot])
+      plgpu.copy_gmem_to_smem(delta_ref.at[b, h, q_rows],
+                              delta_ring.at[slot], ready.at[slot])
+
+    pipeline.produce(group_size * n_tiles, stages, load, [free])
+
+
+def paired_dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
+               cfg: MosaicConfig, interpret=None):
+  """``(dk, dv)`` padded like ``k`` by :func:`_paired_dkv_kernel`
+  (``bwd_paired_dkv``); operands as :func:`dkv`, with ``segments =
+  (q_seg, kv_seg, kv_group_range)`` grouped by ``bwd_block_kv`` keys."""
+  dtype = q.dtype
+  dp = prob.head_dim_padded
+  bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
+  tiled = pipeline.TILED
+  scratch = [
+      plgpu.SMEM((bk, dp), dtype, **tiled),                  # K (consumer 0)
+      plgpu.SMEM((bk, dp), dtype, **tiled),                  # V (consumer 1)
+      plgpu.SMEM((stages, bq, dp), dtype, **tiled),          # Q ring
+      plgpu.SMEM((stages, bq, dp), dtype, **tiled),          # dO ring
+      plgpu.SMEM((stages, bq), jnp.float32),                 # lse2 ring
+      plgpu.SMEM((stages, bq), jnp.float32),                 # delta ring
+      plgpu.Barrier(num_arrivals=1, num_barriers=2),         # K, V loaded
+      plgpu.Barrier(num_arrivals=4, num_barriers=stages),    # slot full
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),    # slot free
+      plgpu.SMEM((stages, bk, bq), dtype, **tiled),          # P^T hand-over
+      plgpu.Barrier(num_arrivals=1, num_barriers=stages),    # hand-over in
+  ]
+  if cfg.p_in_smem:  # each consumer's A operand staged
+    scratch.append(plgpu.SMEM((2, bk, bq), dtype, **tiled))
+  return pipeline.launch(
+      functools.partial(_paired_dkv_kernel, prob=prob, cfg=cfg, dtype=dtype),
+      out_type=[out_struct(k.shape, dtype, q, k, v) for _ in range(2)],
+      scratch=scratch,
+      grid=(prob.num_kv_heads, prob.kv_pad // bk, prob.batch),
+      grid_names=("heads", "kv_seq", "batch"), consumers=2,
+      interpret=interpret,
+  )(q, k, v, do, lse2, delta, *(segments or ()))
 
 
 # -- dQ -----------------------------------------------------------------------

@@ -37,6 +37,10 @@ _EXCLUSIVE_OPTIONS = (
     ("bwd_atomic_dq", "bwd_split_dkv",
      "needs dK and dV in one pass of the dK/dV kernel (it reuses that"
      " pass's dS)"),
+    ("bwd_paired_dkv", "bwd_split_dkv",
+     "is another way to hold one accumulator per warpgroup"),
+    ("bwd_paired_dkv", "bwd_atomic_dq",
+     "has no dQ in its dK/dV kernel (the dQ kernel runs)"),
     ("bwd_dq_late_release", "bwd_atomic_dq",
      "changes the dQ kernel, which bwd_atomic_dq=True does not run"),
 )
@@ -169,6 +173,17 @@ class MosaicConfig:
       shared memory; ``check_supported`` refuses such a config).  The
       H200 default at head_dim 256 (fwd+bwd twice as fast as the Triton
       backward there).
+    bwd_paired_dkv: compute dK and dV in one pass of a kernel with two
+      consumers on one ``bwd_block_kv`` key tile: consumer 0 accumulates
+      dV from ``S^T = K Q^T``, consumer 1 dK from ``dP^T = V dO^T``, and
+      consumer 0 hands ``P^T`` to consumer 1 in shared memory (one
+      buffer per ring slot).  One float32 accumulator per warpgroup as
+      with ``bwd_split_dkv``, but 4 matmuls per tile pair instead of 5
+      and Q/dO streamed once, with the two consumers' work interleaved
+      on the tensor cores.  Serves any padded head_dim the Hopper
+      backward does, and head_dim 256 (the dQ kernel keeps
+      ``bwd_compute_wgs``).  Not with ``bwd_split_dkv`` or
+      ``bwd_atomic_dq``.
     bwd_named_barriers: the backward kernels' "slot consumed" signals on
       hardware named barriers, as ``named_barriers`` for the forward
       (``bwd_stages <= 12``; GPU only).
@@ -250,6 +265,7 @@ class MosaicConfig:
   bwd_stages: int = 2
   bwd_compute_wgs: int = 2
   bwd_split_dkv: bool = False
+  bwd_paired_dkv: bool = False
   bwd_named_barriers: bool = False
   bwd_consumer_registers: int = 232
   bwd_atomic_dq: bool = False
@@ -386,6 +402,14 @@ class MosaicConfig:
       dkv += n * bq * head_dim_padded * 4
       dkv_buffers += 1 + (not self.p_in_smem)
       return dkv + _reserved(dkv_buffers)
+    if self.bwd_paired_dkv:
+      # One K and one V tile, the ring, one P^T hand-over per slot and,
+      # with p_in_smem, both consumers' staged A operands.
+      dkv = (2 * bk * head_dim_padded * itemsize
+             + self.bwd_stages * (2 * bq * head_dim_padded * itemsize
+                                  + 8 * bq + bk * bq * itemsize)
+             + (2 * bq * bk * itemsize if self.p_in_smem else 0))
+      dkv_buffers = 7 + self.p_in_smem
     # dQ: Q, dO held per consumer; K, V streamed.
     dq = (2 * n * bq * head_dim_padded * itemsize
           + self.bwd_stages * 2 * bk * head_dim_padded * itemsize + a_op)
@@ -430,7 +454,8 @@ def needed_smem_bytes(config: "MosaicConfig", head_dim_padded: int) -> int:
   """Shared memory of the largest kernel a call with this config runs
   (the forward, and the Hopper backward where it serves the head_dim)."""
   need = config.smem_bytes(head_dim_padded)
-  if head_dim_padded <= MAX_BWD_HEAD_DIM or config.bwd_split_dkv:
+  if (head_dim_padded <= MAX_BWD_HEAD_DIM or config.bwd_split_dkv
+      or config.bwd_paired_dkv):
     need = max(need, config.bwd_smem_bytes(head_dim_padded))
   return need
 

@@ -1,0 +1,89 @@
+"""One attention call of jaxflash's or tokamax's Hopper kernels, for ncu.
+
+The call (forward, or forward+backward with ``--mode bwd``) at one shape of
+the benchmark grid (16,384 tokens, width 2048: batch 2, 8 heads at d256
+s8192) is compiled and run twice; profile the second call's launches::
+
+    K='regex:(anonymous_mosaic|flash_attention_sm90)'
+    ncu --target-processes all -k "$K" --launch-skip 1 --launch-count 1 \\
+        --section SpeedOfLight --section WarpStateStats \\
+        --section SchedulerStats --section ComputeWorkloadAnalysis \\
+        --section LaunchStats --section Occupancy --csv --page details \\
+        python3 tools/ncu_attention.py --impl ours
+    # stall reasons per SASS instruction, then a summary of them:
+    ncu --target-processes all -k "$K" --launch-skip 1 --launch-count 1 \\
+        --section SourceCounters --section WarpStateStats -o rep \\
+        python3 tools/ncu_attention.py --impl ours \\
+          --overrides "early_k_wait=1,row_sum_in_pv=1"
+    ncu -i rep.ncu-rep --page source --csv --print-source sass > rep.csv
+    python3 tools/ncu_stalls.py rep.csv
+
+With ``--mode bwd`` one call launches the forward and then the backward's
+kernels in the order ``jaxflash.mosaic_gpu.backend.backward_passes``
+gives (at d256: dQ, dV, dK), so ``--launch-skip N+1 --launch-count N``
+with N kernels per call profiles the second call's.  ``--overrides``
+takes MosaicConfig fields over the tuned default.  ncu is
+/usr/local/cuda/bin/ncu on the H200 machine, counters enabled; it fixes
+the clock (about 1.35 GHz), so compare its durations only with each
+other.
+"""
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--impl", choices=("ours", "tok"), default="ours")
+  ap.add_argument("--mode", choices=("fwd", "bwd"), default="fwd")
+  ap.add_argument("--head-dim", type=int, default=256)
+  ap.add_argument("--seq", type=int, default=8192)
+  ap.add_argument("--causal", type=int, default=0)
+  ap.add_argument("--tokens", type=int, default=16384)
+  ap.add_argument("--width", type=int, default=2048)
+  ap.add_argument("--overrides", default="",
+                  help="MosaicConfig fields, 'field=value,...'")
+  args = ap.parse_args(argv)
+
+  batch = max(1, args.tokens // args.seq)
+  heads = max(1, args.width // args.head_dim)
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k, v = [jax.random.normal(key, (batch, args.seq, heads, args.head_dim),
+                               jnp.bfloat16) for key in keys]
+  if args.impl == "ours":
+    import jaxflash
+    from jaxflash import mosaic_gpu
+    from jaxflash.mosaic_gpu.config import parse_overrides
+    config = dataclasses.replace(
+        mosaic_gpu.default_config(jax.devices()[0].device_kind,
+                                  args.head_dim, causal=bool(args.causal),
+                                  kv_len=args.seq),
+        **parse_overrides(args.overrides))
+
+    def attn(q, k, v):
+      return jaxflash.flash_attention(q, k, v, causal=bool(args.causal),
+                                      implementation="mosaic_gpu",
+                                      config=config)
+  else:
+    import tokamax
+
+    def attn(q, k, v):
+      return tokamax.dot_product_attention(q, k, v,
+                                           is_causal=bool(args.causal),
+                                           implementation="mosaic")
+  if args.mode == "fwd":
+    f = jax.jit(attn)
+  else:
+    f = jax.jit(jax.grad(
+        lambda q, k, v: attn(q, k, v).astype(jnp.float32).sum(),
+        argnums=(0, 1, 2)))
+  jax.block_until_ready((q, k, v))
+  for _ in range(2):
+    jax.block_until_ready(f(q, k, v))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,81 @@
+"""Summarise an ncu source page (stall samples per SASS instruction).
+
+    ncu -i rep.ncu-rep --page source --csv --print-source sass > rep.csv
+    python3 tools/ncu_stalls.py rep.csv [--kernel K] [--top 20] \
+        [--range LO:HI]
+
+Prints the instructions with the most warp-stall samples (share of the
+kernel's samples and the two largest stall reasons), then the kernel's
+synchronisation skeleton: every wgmma (``HGMMA``), wgmma wait
+(``WARPGROUP.DEPBAR``), named barrier (``BAR``), mbarrier operation
+(``SYNCS``) and branch, with its sample share and execution count, which
+shows what a warpgroup waits on between two tensor-core turns.  Indices
+are rows of the source page (``--range`` limits the skeleton to them);
+``--kernel`` picks one launch of a report that profiled several.
+"""
+
+import argparse
+import csv
+import re
+
+SKELETON = re.compile(r"HGMMA|DEPBAR|WARPGROUP|BAR\.|SYNCS|BRA")
+
+
+def load(path, kernel=0):
+  """The header and rows of the ``kernel``-th kernel in the page (a report
+  of several launches holds one section per launch, each opened by a
+  "Kernel Name" row and a header row)."""
+  rows = list(csv.reader(open(path, newline="")))
+  starts = [i for i, r in enumerate(rows) if r and r[0] == "Kernel Name"]
+  if not starts:
+    starts = [-1]
+  if not -len(starts) <= kernel < len(starts):
+    raise ValueError(f"--kernel {kernel}: the page holds {len(starts)} "
+                     "kernel(s)")
+  begin = starts[kernel]
+  end = starts[kernel + 1] if kernel + 1 < len(starts) else len(rows)
+  header = rows[begin + 1]
+  return header, [dict(zip(header, r)) for r in rows[begin + 2:end]
+                  if len(r) == len(header)]
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("csv")
+  ap.add_argument("--kernel", type=int, default=0,
+                  help="which launch of a multi-launch report (0-based)")
+  ap.add_argument("--top", type=int, default=20)
+  ap.add_argument("--range", default=None, help="LO:HI rows for the skeleton")
+  ap.add_argument("--min-share", type=float, default=0.4,
+                  help="also list any instruction above this %% of samples")
+  args = ap.parse_args(argv)
+  header, rows = load(args.csv, args.kernel)
+  samples = "Warp Stall Sampling (All Samples)"
+  reasons = [h for h in header
+             if h.startswith("stall_") and "Not Issued" not in h]
+  total = sum(int(r[samples] or 0) for r in rows) or 1
+  print(f"{len(rows)} instructions, {total} stall samples")
+  print(f"\ntop {args.top} by stall samples:")
+  for i in sorted(range(len(rows)), key=lambda i: -int(rows[i][samples] or 0)
+                  )[:args.top]:
+    r = rows[i]
+    top2 = sorted(((int(r[h] or 0), h[6:]) for h in reasons), reverse=True)[:2]
+    why = ", ".join(f"{name} {n}" for n, name in top2 if n)
+    print(f"{i:6d} {100 * int(r[samples] or 0) / total:5.1f}%  "
+          f"{r['Source'].strip()[:64]:64s} {why}")
+  lo, hi = 0, len(rows)
+  if args.range:
+    lo, hi = (int(x) for x in args.range.split(":"))
+  print("\nskeleton (row, share, times executed, instruction):")
+  for i in range(lo, min(hi, len(rows))):
+    r = rows[i]
+    share = 100 * int(r[samples] or 0) / total
+    src = r["Source"].strip()
+    if (SKELETON.search(src) or share >= args.min_share) and int(
+        r["Instructions Executed"] or 0):
+      print(f"{i:6d} {share:5.1f}% x{int(r['Instructions Executed']):>9d}  "
+            f"{src[:90]}")
+
+
+if __name__ == "__main__":
+  main()
