@@ -443,7 +443,7 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
     *((dq_acc,) if atomic_dq else ()))
 
 
-# -- dK / dV, paired consumers ---------------------------------------------------
+# -- dK / dV, paired consumers -------------------------------------------------
 
 def _paired_dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   """dK and dV of one key tile by two consumers (``bwd_paired_dkv``).
