@@ -167,10 +167,11 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
     dict(bwd_consumer_registers=240, bwd_atomic_dq=True),
     dict(bwd_dq_late_release=True),
     dict(bwd_dq_late_release=True, bwd_split_dkv=True, bwd_compute_wgs=1),
+    dict(bwd_paired_dkv=True, bwd_compute_wgs=1),
 ], ids=["default", "p-in-smem", "one-wg", "deep", "split", "atomic-dq",
         "atomic-dq-p-in-smem-one-wg", "shared-dq", "dq-halves", "named",
         "named-shared-dq", "named-split", "regs240", "regs240-atomic-dq",
-        "dq-late", "dq-late-split"])
+        "dq-late", "dq-late-split", "paired-dkv"])
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),
@@ -197,7 +198,7 @@ def test_mosaic_backward_lowers_for_cuda(shape, cfg, segments):
   lower = lambda: jax.jit(jax.grad(loss, (0, 1, 2))).trace(
       q, kv, kv, seg_q, seg_kv).lower(lowering_platforms=("cuda",)).as_text()
   dp = -(-d // 64) * 64
-  if dp > 128 and not config.bwd_split_dkv:
+  if dp > 128 and not (config.bwd_split_dkv or config.bwd_paired_dkv):
     pytest.skip("the gradient runs the Triton kernels here (test above)")
   if (config.bwd_shared_dq or config.bwd_dq_halves) and dp % 128:
     with pytest.raises(NotImplementedError, match="multiple of 128"):
