@@ -4,7 +4,8 @@ Backends, in the order ``implementation=None`` tries them:
 
 * ``"mosaic_gpu"``: the Hopper (sm90) forward and backward kernels in
   Pallas Mosaic GPU (FlashAttention-3 structure); at padded head_dim > 128
-  the gradient needs ``bwd_split_dkv`` (the tuned default there) or uses
+  the gradient needs ``bwd_paired_dkv`` (the tuned default there) or
+  ``bwd_split_dkv``, or uses
   the Triton backward kernels.  Only when named does it run in the Mosaic
   GPU interpreter.
 * ``"triton"``: Pallas kernels for the Triton lowering (CUDA GPUs, sm80+;

@@ -3,9 +3,11 @@
 Forward: :mod:`jaxflash.mosaic_gpu.forward`.  Backward: the Hopper dK/dV
 and dQ kernels of :mod:`jaxflash.mosaic_gpu.backward` for padded head_dim
 <= 128.  Above that their two float32 accumulators (dK, dV) do not fit in
-a warpgroup's registers: with ``MosaicConfig(bwd_split_dkv=True)`` the
-dK/dV kernel runs as two passes of one accumulator each; otherwise the
-gradient is the Triton backend's kernels (they need the same residuals:
+a warpgroup's registers: with ``MosaicConfig(bwd_paired_dkv=True)`` (the
+tuned default there) two consumers share a key tile, one accumulating dV
+and one dK; with ``bwd_split_dkv=True`` the dK/dV kernel runs as two
+passes of one accumulator each; otherwise the gradient is the Triton
+backend's kernels (they need the same residuals:
 q, k, v, the output and the log-sum-exp).
 """
 
