@@ -222,6 +222,36 @@ def _dk_and_shared_dq(ds, q_t, dk_acc, *, buf, wg, ds_smem2, ds_ready,
 
 # -- dK / dV ------------------------------------------------------------------
 
+def _query_tile_loader(srcs, rings, ready, *, b, kh, group_size, n_tiles,
+                       u_lo, bq):
+  """The producer's ``load(step, slot)`` of both dK/dV kernels.
+
+  Step ``step`` walks query head ``g = step // n_tiles`` of key/value head
+  ``kh``'s group and its query tile ``u_lo + step % n_tiles``: Q, dO, the
+  log-sum-exp and (where ``srcs`` gives one; it enters only dS) delta land
+  in ring slot ``slot`` and complete on ``ready[slot]``.
+  """
+  q_ref, do_ref, lse2_ref, delta_ref = srcs
+  q_ring, do_ring, lse_ring, delta_ring = rings
+
+  def load(step, slot):
+    g = lax.div(step, jnp.maximum(n_tiles, 1))
+    t = u_lo + step - g * n_tiles
+    h = kh * group_size + g
+    rows = pl.ds(t * bq, bq)
+    plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_ring.at[slot],
+                            ready.at[slot])
+    plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_ring.at[slot],
+                            ready.at[slot])
+    plgpu.copy_gmem_to_smem(lse2_ref.at[b, h, rows], lse_ring.at[slot],
+                            ready.at[slot])
+    if delta_ref is not None:
+      plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_ring.at[slot],
+                              ready.at[slot])
+
+  return load
+
+
 def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
                 parts: tuple[str, ...], atomic_dq: bool):
   ((q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref),
@@ -372,21 +402,10 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     pipeline.split_registers(True, cfg.bwd_compute_wgs,
                              cfg.bwd_consumer_registers)
 
-    def load(step, slot):
-      g = lax.div(step, jnp.maximum(n_tiles, 1))
-      t = u_lo + step - g * n_tiles
-      h = kh * group_size + g
-      rows = pl.ds(t * bq, bq)
-      plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_ring.at[slot],
-                              ready.at[slot])
-      plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_ring.at[slot],
-                              ready.at[slot])
-      plgpu.copy_gmem_to_smem(lse2_ref.at[b, h, rows], lse_ring.at[slot],
-                              ready.at[slot])
-      if want_dk:  # delta enters only dS
-        plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows],
-                                delta_ring.at[slot], ready.at[slot])
-
+    load = _query_tile_loader(
+        (q_ref, do_ref, lse2_ref, delta_ref if want_dk else None),
+        (q_ring, do_ring, lse_ring, delta_ring), ready, b=b, kh=kh,
+        group_size=group_size, n_tiles=n_tiles, u_lo=u_lo, bq=bq)
     pipeline.produce(n_steps, stages, load, [free])
 
 
@@ -583,20 +602,10 @@ def _paired_dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   def _producer():
     pipeline.split_registers(True, 2, cfg.bwd_consumer_registers)
 
-    def load(step, slot):
-      g = lax.div(step, jnp.maximum(n_tiles, 1))
-      t = u_lo + step - g * n_tiles
-      h = kh * group_size + g
-      q_rows = pl.ds(t * bq, bq)
-      plgpu.copy_gmem_to_smem(q_ref.at[b, q_rows, h], q_ring.at[slot],
-                              ready.at[slot])
-      plgpu.copy_gmem_to_smem(do_ref.at[b, q_rows, h], do_ring.at[slot],
-                              ready.at[slot])
-      plgpu.copy_gmem_to_smem(lse2_ref.at[b, h, q_rows], lse_ring.at[slot],
-                              ready.at[slot])
-      plgpu.copy_gmem_to_smem(delta_ref.at[b, h, q_rows],
-                              delta_ring.at[slot], ready.at[slot])
-
+    load = _query_tile_loader(
+        (q_ref, do_ref, lse2_ref, delta_ref),
+        (q_ring, do_ring, lse_ring, delta_ring), ready, b=b, kh=kh,
+        group_size=group_size, n_tiles=n_tiles, u_lo=u_lo, bq=bq)
     pipeline.produce(group_size * n_tiles, stages, load, [free])
 
 
