@@ -168,10 +168,13 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
     dict(bwd_dq_late_release=True),
     dict(bwd_dq_late_release=True, bwd_split_dkv=True, bwd_compute_wgs=1),
     dict(bwd_paired_dkv=True, bwd_compute_wgs=1),
+    dict(bwd_paired_dkv=True, bwd_paired_dq=True, bwd_compute_wgs=1),
+    dict(bwd_paired_dq=True, bwd_named_barriers=True),
 ], ids=["default", "p-in-smem", "one-wg", "deep", "split", "atomic-dq",
         "atomic-dq-p-in-smem-one-wg", "shared-dq", "dq-halves", "named",
         "named-shared-dq", "named-split", "regs240", "regs240-atomic-dq",
-        "dq-late", "dq-late-split", "paired-dkv"])
+        "dq-late", "dq-late-split", "paired-dkv", "paired-dq",
+        "paired-dq-named"])
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),

@@ -167,6 +167,17 @@ INTERPRET_VARIANTS.update({
         "d64-full", "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window",
         "d256-causal-q300-k100", "d256-split-dkv-gqa",
         "d64-stages4-window-far", "d32-tiny-window-empty", "d64-len1"]),
+    # dQ by two consumers of one query tile, P handed over in shared
+    # memory: beside the dK/dV kernel (one and two consumers), its split
+    # passes and the paired dK/dV kernel (head_dim 256); GQA, causal,
+    # windows, rows that see no key, a deep ring.
+    "bwd_paired_dq": (dict(bwd_paired_dq=True), [
+        "d64-full", "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window",
+        "d256-split-dkv-gqa", "d64-stages4-window-far",
+        "d32-tiny-window-empty", "d64-len1"]),
+    "bwd_paired_dq+dkv": (dict(bwd_paired_dq=True, bwd_paired_dkv=True,
+                               bwd_split_dkv=False),
+                          ["d256-causal-q300-k100", "d96-gqa-q200-k300"]),
     # The persistent grid (2 programs, several items each): the producer
     # loads the next item's Q once both consumers are done with the last.
     "prefetch_q": (dict(persistent=True, prefetch_q=True),
@@ -323,6 +334,14 @@ GPU_CONFIGS = {
     "bwd-paired-named-smem": mosaic_gpu.MosaicConfig(
         bwd_paired_dkv=True, bwd_compute_wgs=1, bwd_named_barriers=True,
         p_in_smem=True, bwd_stages=3),
+    # dQ by two consumers of one query tile (P handed over), beside the
+    # paired dK/dV kernel or the two-consumer one.
+    "bwd-paired-dq": mosaic_gpu.MosaicConfig(
+        bwd_paired_dkv=True, bwd_paired_dq=True, bwd_compute_wgs=1),
+    "bwd-paired-dq-2wg-dkv": mosaic_gpu.MosaicConfig(bwd_paired_dq=True),
+    "bwd-paired-dq-named-smem": mosaic_gpu.MosaicConfig(
+        bwd_paired_dkv=True, bwd_paired_dq=True, bwd_compute_wgs=1,
+        bwd_named_barriers=True, p_in_smem=True),
 }
 
 
@@ -403,6 +422,22 @@ def test_paired_dkv_smem():
   two = dataclasses.replace(cfg, bwd_compute_wgs=2)
   assert needed_smem_bytes(two, 256) > 227 * 1024
   assert needed_smem_bytes(two, 128) <= 227 * 1024
+
+
+def test_paired_dq_smem():
+  """bwd_paired_dq at head_dim 256: one Q and one dO tile, the K/V ring and
+  the hand-over fit (the two-consumer dQ kernel's do not), and the count
+  covers the kernel's buffers; it excludes atomic dQ and the dQ kernel's
+  late release."""
+  cfg = mosaic_gpu.MosaicConfig(bwd_paired_dkv=True, bwd_paired_dq=True)
+  assert needed_smem_bytes(cfg, 256) <= 227 * 1024
+  assert cfg.bwd_smem_bytes(256) >= (2 * 64 * 256 + 2 * (2 * 64 * 256
+                                                         + 64 * 64)) * 2
+  plain = dataclasses.replace(cfg, bwd_paired_dq=False)
+  assert needed_smem_bytes(plain, 256) > 227 * 1024
+  for other in ("bwd_atomic_dq", "bwd_dq_late_release"):
+    with pytest.raises(ValueError, match=f"bwd_paired_dq.*{other}=False"):
+      mosaic_gpu.MosaicConfig(bwd_paired_dq=True, **{other: True})
 
 
 def test_register_split_fits_the_launch_allocation():
@@ -577,14 +612,17 @@ def test_through_flash_attention_interpret(soft_cap):
                       causal=True, logits_soft_cap=soft_cap)
 
 
-@pytest.mark.parametrize("head_dim", [64, 256])
-def test_paired_dkv_soft_cap_interpret(head_dim):
-  """bwd_paired_dkv under a soft cap: consumer 0 hands over P^T (1 -
-  tanh^2), which consumer 1's dS needs and cannot compute without S."""
+@pytest.mark.parametrize("head_dim,paired_dq", [(64, False), (256, False),
+                                               (64, True), (256, True)])
+def test_paired_soft_cap_interpret(head_dim, paired_dq):
+  """bwd_paired_dkv (and bwd_paired_dq) under a soft cap: consumer 0 hands
+  over P^T (1 - tanh^2) (P (1 - tanh^2)), which consumer 1's dS needs
+  and cannot compute without S."""
   args = numerics.random_inputs(jax.random.key(6), batch=1, q_len=100,
                                 kv_len=130, heads=2, kv_heads=1,
                                 head_dim=head_dim, dtype=jnp.bfloat16)
-  cfg = dataclasses.replace(ONE_WG, bwd_paired_dkv=True)
+  cfg = dataclasses.replace(ONE_WG, bwd_paired_dkv=True,
+                            bwd_paired_dq=paired_dq)
   spec = masks.MaskSpec(100, 130, True)
 
   def fn(q, k, v):
@@ -598,15 +636,16 @@ def test_paired_dkv_soft_cap_interpret(head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("paired_dq", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_paired_dkv_soft_cap(causal):
+def test_gpu_paired_soft_cap(causal, paired_dq):
   """The H200 form of the test above, at head_dim 256."""
   args = numerics.random_inputs(jax.random.key(9), batch=2, q_len=1000,
                                 kv_len=1000, heads=8, kv_heads=2,
                                 head_dim=256, dtype=jnp.bfloat16)
   cfg = dataclasses.replace(
       mosaic_gpu.default_config(jax.devices()[0].device_kind, 256),
-      bwd_paired_dkv=True, bwd_split_dkv=False)
+      bwd_paired_dkv=True, bwd_split_dkv=False, bwd_paired_dq=paired_dq)
   fn = functools.partial(jaxflash.flash_attention, causal=causal,
                          return_lse=True, implementation="mosaic_gpu",
                          logits_soft_cap=30.0, config=cfg)
@@ -664,6 +703,10 @@ SEG_CASES = [
     ("packed-lengths-paired-dkv", 256, 256, True, None,
      dict(docs=4, pad=7, kv_len=[256, 150]),
      dataclasses.replace(ONE_WG, bwd_paired_dkv=True)),
+    # One query tile per dQ program: the group range narrows per tile.
+    ("packed-lengths-paired-dq", 256, 256, True, None,
+     dict(docs=4, pad=7, q_len=[256, 130]),
+     dataclasses.replace(TWO_WG, bwd_paired_dq=True)),
 ]
 
 
@@ -712,6 +755,7 @@ GPU_SEG_OVERRIDES = {
     "packed-causal-2wg-dq-late": dict(bwd_dq_late_release=True),
     "packed-causal-2wg-pv-then-qk": dict(pv_then_qk=True),
     "packed-lengths-paired-dkv": dict(bwd_paired_dkv=True),
+    "packed-lengths-paired-dq": dict(bwd_paired_dq=True),
 }
 
 

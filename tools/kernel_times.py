@@ -31,7 +31,7 @@ import sys
 # Matmuls of one (query tile, key tile) pair, each 2 * rows * cols * D
 # FLOPs, by kernel.
 MATMULS = {"forward": 2, "dq": 3, "dkv": 4, "dv": 3, "dk": 4,
-           "dkv+atomic-dq": 5, "dkv-paired": 4}
+           "dkv+atomic-dq": 5, "dkv-paired": 4, "dq-paired": 3}
 
 
 def main(argv=None) -> int:

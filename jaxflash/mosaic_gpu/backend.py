@@ -202,8 +202,9 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
   seg_dq = seg_dkv = None
   if prob.has_segments:
     q_seg, kv_seg = _segment_ids(arrays, prob, B)
+    q_group = 1 if config.bwd_paired_dq else n  # query tiles per program
     seg_dq = (q_seg, kv_seg, _group_range(
-        q_seg, n * config.bwd_block_q, kv_seg, config.bwd_block_kv))
+        q_seg, q_group * config.bwd_block_q, kv_seg, config.bwd_block_kv))
     kv_group = 1 if config.bwd_paired_dkv else n  # key tiles per program
     seg_dkv = (q_seg, kv_seg, _group_range(
         kv_seg, kv_group * config.bwd_block_kv, q_seg, config.bwd_block_q))
@@ -212,7 +213,7 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
   if config.bwd_atomic_dq:
     dq, dk, dv = done["dkv+atomic-dq"]
   else:
-    (dq,) = done["dq"]
+    (dq,) = done["dq-paired" if config.bwd_paired_dq else "dq"]
     if config.bwd_split_dkv:
       (dv,), (dk,) = done["dv"], done["dk"]
     elif config.bwd_paired_dkv:
@@ -262,7 +263,8 @@ def backward_passes(prob: fwd_lib.Problem, config: MosaicConfig, seg_dq,
                     seg_dkv, interpret=None):
   """The Hopper backward's kernel launches in order, ``[(name, run)]``,
   each ``run(qp, kp, vp, dop, lse2, delta)`` on the padded operands
-  returning its outputs: ``dq`` then ``dkv`` (or ``dv`` then ``dk`` with
+  returning its outputs: ``dq`` (``dq-paired`` with ``bwd_paired_dq``)
+  then ``dkv`` (or ``dv`` then ``dk`` with
   ``bwd_split_dkv``, ``dkv-paired`` with ``bwd_paired_dkv``), or one
   ``dkv+atomic-dq`` with ``bwd_atomic_dq``.
   :func:`backward` runs them; tools/kernel_times.py times them apart."""
@@ -287,8 +289,12 @@ def backward_passes(prob: fwd_lib.Problem, config: MosaicConfig, seg_dq,
           (jnp.zeros(qp.shape, jnp.float32), kv_zeros, kv_zeros))
       return (dq_acc * prob.softmax_scale).astype(qp.dtype), dk, dv
     return [("dkv+atomic-dq", dkv_atomic)]
-  passes = [("dq", lambda *t: (bwd_lib.dq(*t, seg_dq, prob=prob, cfg=config,
-                                          interpret=interpret),))]
+  if config.bwd_paired_dq:
+    passes = [("dq-paired", lambda *t: (bwd_lib.paired_dq(
+        *t, seg_dq, prob=prob, cfg=config, interpret=interpret),))]
+  else:
+    passes = [("dq", lambda *t: (bwd_lib.dq(
+        *t, seg_dq, prob=prob, cfg=config, interpret=interpret),))]
   if config.bwd_paired_dkv:
     return passes + [("dkv-paired", lambda *t: bwd_lib.paired_dkv(
         *t, seg_dkv, prob=prob, cfg=config, interpret=interpret))]
@@ -304,7 +310,7 @@ def _check_interpreter_threads(config: MosaicConfig) -> None:
   warpgroups + 1, jax 0.11.2's CPU runtime has too few threads and the
   kernel deadlocks (seen here).  Refuse instead of hanging."""
   need = max(config.compute_wgs, config.bwd_compute_wgs,
-             2 if config.bwd_paired_dkv else 1) + 2
+             2 if config.bwd_paired_dkv or config.bwd_paired_dq else 1) + 2
   have = len(jax.devices("cpu"))
   if have < need:
     raise NotImplementedError(

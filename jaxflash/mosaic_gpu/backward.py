@@ -645,6 +645,21 @@ def paired_dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
 
 # -- dQ -----------------------------------------------------------------------
 
+def _key_tile_loader(srcs, rings, ready, *, b, h, prob: Problem, u_lo, bk):
+  """The producer's ``load(step, slot)`` of both dQ kernels: K and V of
+  key tile ``u_lo + step`` of query head ``h``'s key/value head land in
+  ring slot ``slot`` and complete on ``ready[slot]``."""
+  kv_head = lax.div(h, jnp.asarray(prob.num_heads // prob.num_kv_heads,
+                                   h.dtype))
+
+  def load(step, slot):
+    src = (b, pl.ds((u_lo + step) * bk, bk), kv_head)
+    for ref, ring in zip(srcs, rings):
+      plgpu.copy_gmem_to_smem(ref.at[src], ring.at[slot], ready.at[slot])
+
+  return load
+
+
 def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   ((q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref),
    (qseg_ref, kvseg_ref, range_ref), refs) = _split_inputs(refs, prob)
@@ -755,14 +770,8 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   def _producer():
     pipeline.split_registers(True, cfg.bwd_compute_wgs,
                              cfg.bwd_consumer_registers)
-    kv_head = lax.div(h, jnp.asarray(prob.num_heads // prob.num_kv_heads,
-                                     h.dtype))
-
-    def load(step, slot):
-      src = (b, pl.ds((u_lo + step) * bk, bk), kv_head)
-      plgpu.copy_gmem_to_smem(k_ref.at[src], k_ring.at[slot], ready.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[src], v_ring.at[slot], ready.at[slot])
-
+    load = _key_tile_loader((k_ref, v_ref), (k_ring, v_ring), ready, b=b,
+                            h=h, prob=prob, u_lo=u_lo, bk=bk)
     pipeline.produce(u_hi - u_lo, stages, load, [free])
 
 
@@ -789,5 +798,166 @@ def dq(q, k, v, do, lse2, delta, segments, *, prob: Problem,
       out_type=out_struct(q.shape, dtype, q, k, v), scratch=scratch,
       grid=(prob.num_heads, prob.q_pad // (n * bq), prob.batch),
       grid_names=("heads", "q_seq", "batch"), consumers=n,
+      interpret=interpret,
+  )(q, k, v, do, lse2, delta, *(segments or ()))
+
+
+# -- dQ, paired consumers ------------------------------------------------------
+
+def _paired_dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
+  """dQ of one query tile by two consumers (``bwd_paired_dq``).
+
+  Consumer 0 holds Q: ``S = Q K^T`` and ``P`` (masked; times ``1 - th^2``
+  under a soft cap), handed to consumer 1 in shared memory, one buffer
+  per ring slot.  Consumer 1 holds dO: ``dP = dO V^T``, ``dS = P (dP -
+  delta)`` from the hand-over and ``dQ += dS K``.  The same 3 matmuls per
+  tile pair as the dQ kernel, for ``bwd_block_q`` query rows per program
+  with Q and dO held once each (at head_dim 256 two consumers of the dQ
+  kernel do not fit in shared memory), and consumer 0's ``Q K^T`` and
+  exponentials of one tile run while consumer 1 is on the tensor cores
+  with the other matmuls of the tile before.  As in
+  :func:`_paired_dkv_kernel`, the hand-over is rounded to the input dtype
+  (``dS``'s own rounding for its matmul is the same relative error), and
+  a hand-over buffer is rewritten ``bwd_stages`` steps later, after the
+  producer refilled its slot, which needed consumer 1's release of the
+  slot after its read.
+  """
+  ((q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref),
+   (qseg_ref, kvseg_ref, range_ref), refs) = _split_inputs(refs, prob)
+  (dq_ref, q_smem, do_smem, k_ring, v_ring, qdo_ready, ready, free, hand,
+   hand_ready, *extra) = refs
+  a_smem = extra[0] if cfg.p_in_smem else None  # dS staged (consumer 1)
+  free = pipeline.ring_free(free, cfg.bwd_named_barriers, 2)
+  bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
+  b = lax.axis_index("batch")
+  h = lax.axis_index("heads")
+  wg = lax.axis_index("wg")
+  grp = lax.axis_index("q_seq")
+  mask = prob.mask
+  if mask.causal:  # longest query tiles first, as in the forward
+    grp = prob.q_pad // bq - 1 - grp
+  q_start = grp * bq
+  rows = (b, pl.ds(q_start, bq), h)
+  own = mask.kv_block_range(q_start, bq, bk)
+  u_lo, _, _, u_hi = own
+  u_lo, u_hi = pipeline.narrow_to_segments(u_lo, u_hi, range_ref, b, grp)
+  everywhere = range_ref is not None
+
+  def loop(compute, acc_ref=None):
+    pipeline.tile_loop(
+        u_lo, u_hi, own, first_step=0,
+        compute=functools.partial(compute, acc=acc_ref),
+        skip=pipeline.acknowledge(ready, free, stages),
+        element_mask_everywhere=everywhere)
+    return None if acc_ref is None else acc_ref[...]
+
+  @pl.when(wg == 0)
+  def _probs_consumer():
+    pipeline.split_registers(False, 2, cfg.bwd_consumer_registers)
+    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, qdo_ready.at[0])
+    lse2 = plgpu.load(lse2_ref.at[b, h, pl.ds(q_start, bq)], layout=ROW,
+                      optimized=False)
+    plgpu.barrier_wait(qdo_ready.at[0])
+    q_idx = q_start + plgpu.broadcasted_iota(
+        jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
+
+    def compute(step, t, carry, *, masked, acc):
+      del acc
+      slot = lax.rem(step, stages)
+      plgpu.barrier_wait(ready.at[slot])
+
+      def scores(s_acc):
+        plgpu.wgmma(s_acc, q_smem, k_ring.at[slot].T)  # S = Q K^T
+        return s_acc[...]
+
+      s = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32))
+      free.arrive(slot)  # K read; consumer 1 still holds the slot
+      visible = None
+      if masked:
+        k_idx = t * bk + plgpu.broadcasted_iota(
+            jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
+        visible = mask.visible(q_idx, k_idx, **_segment_kwargs(
+            qseg_ref, kvseg_ref, b, q_start, bq, t * bk, bk, q_axis=0))
+      p, th = _probs(s, lse2, visible, prob=prob, row_axis=0)
+      hand.at[slot][...] = (p if th is None
+                            else p * (1.0 - th * th)).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(hand_ready.at[slot])
+      return carry
+
+    loop(compute)
+
+  @pl.when(wg == 1)
+  def _dq_consumer():
+    pipeline.split_registers(False, 2, cfg.bwd_consumer_registers)
+    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, qdo_ready.at[1])
+    delta = plgpu.load(delta_ref.at[b, h, pl.ds(q_start, bq)], layout=ROW,
+                       optimized=False)
+    plgpu.barrier_wait(qdo_ready.at[1])
+
+    def compute(step, t, carry, *, masked, acc):
+      del t, masked  # the hand-over is masked already
+      slot = lax.rem(step, stages)
+      plgpu.barrier_wait(ready.at[slot])
+
+      def dprobs(dp_acc):
+        plgpu.wgmma(dp_acc, do_smem, v_ring.at[slot].T)  # dP = dO V^T
+        return dp_acc[...]
+
+      dp = pl.run_scoped(dprobs, plgpu.ACC((bq, bk), jnp.float32))
+      plgpu.barrier_wait(hand_ready.at[slot])
+      p = plgpu.load(hand.at[slot], layout=plgpu.Layout.WGMMA)
+      ds = p.astype(jnp.float32) * (
+          dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+      plgpu.wgmma(acc, _a_operand(ds, a_smem, dtype),
+                  k_ring.at[slot])  # dQ += dS K
+      plgpu.wgmma_wait(0)
+      free.arrive(slot)
+      return carry
+
+    dq = pl.run_scoped(functools.partial(loop, compute),
+                       plgpu.ACC((bq, prob.head_dim_padded), jnp.float32))
+    # dS is w.r.t. the scaled logits: d(scale * q.k)/dq = scale * k.  dO's
+    # buffer is free now (every dP wgmma has finished).
+    do_smem[...] = (dq * prob.softmax_scale).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(do_smem, dq_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _producer():
+    pipeline.split_registers(True, 2, cfg.bwd_consumer_registers)
+    load = _key_tile_loader((k_ref, v_ref), (k_ring, v_ring), ready, b=b,
+                            h=h, prob=prob, u_lo=u_lo, bk=bk)
+    pipeline.produce(u_hi - u_lo, stages, load, [free])
+
+
+def paired_dq(q, k, v, do, lse2, delta, segments, *, prob: Problem,
+              cfg: MosaicConfig, interpret=None):
+  """``dq`` padded like ``q`` by :func:`_paired_dq_kernel`
+  (``bwd_paired_dq``); ``segments = (q_seg, kv_seg, q_group_range)``
+  grouped by ``bwd_block_q`` queries."""
+  dtype = q.dtype
+  dp = prob.head_dim_padded
+  bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
+  tiled = pipeline.TILED
+  scratch = [
+      plgpu.SMEM((bq, dp), dtype, **tiled),                  # Q (consumer 0)
+      plgpu.SMEM((bq, dp), dtype, **tiled),                  # dO (consumer 1)
+      plgpu.SMEM((stages, bk, dp), dtype, **tiled),          # K ring
+      plgpu.SMEM((stages, bk, dp), dtype, **tiled),          # V ring
+      plgpu.Barrier(num_arrivals=1, num_barriers=2),         # Q, dO loaded
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),    # slot full
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),    # slot free
+      plgpu.SMEM((stages, bq, bk), dtype, **tiled),          # P hand-over
+      plgpu.Barrier(num_arrivals=1, num_barriers=stages),    # hand-over in
+  ]
+  if cfg.p_in_smem:  # consumer 1's dS staged
+    scratch.append(plgpu.SMEM((bq, bk), dtype, **tiled))
+  return pipeline.launch(
+      functools.partial(_paired_dq_kernel, prob=prob, cfg=cfg, dtype=dtype),
+      out_type=out_struct(q.shape, dtype, q, k, v), scratch=scratch,
+      grid=(prob.num_heads, prob.q_pad // bq, prob.batch),
+      grid_names=("heads", "q_seq", "batch"), consumers=2,
       interpret=interpret,
   )(q, k, v, do, lse2, delta, *(segments or ()))

@@ -43,6 +43,10 @@ _EXCLUSIVE_OPTIONS = (
      "has no dQ in its dK/dV kernel (the dQ kernel runs)"),
     ("bwd_dq_late_release", "bwd_atomic_dq",
      "changes the dQ kernel, which bwd_atomic_dq=True does not run"),
+    ("bwd_paired_dq", "bwd_atomic_dq",
+     "is a dQ kernel, which bwd_atomic_dq=True does not run"),
+    ("bwd_paired_dq", "bwd_dq_late_release",
+     "has its own dQ loop (bwd_dq_late_release changes the other one)"),
 )
 
 
@@ -184,6 +188,17 @@ class MosaicConfig:
       backward does, and head_dim 256 (the dQ kernel keeps
       ``bwd_compute_wgs``).  Not with ``bwd_split_dkv`` or
       ``bwd_atomic_dq``.
+    bwd_paired_dq: compute dQ with two consumers on one ``bwd_block_q``
+      query tile: consumer 0 holds Q and computes ``S = Q K^T`` and ``P``,
+      which it hands to consumer 1 in shared memory (one buffer per ring
+      slot); consumer 1 holds dO and computes ``dP = dO V^T``, ``dS`` and
+      ``dQ += dS K``.  The dQ kernel's 3 matmuls per tile pair, with
+      consumer 0's ``Q K^T`` and exponentials overlapping consumer 1's
+      matmuls, and Q and dO held once each: at head_dim 256, where two
+      consumers of the dQ kernel do not fit in shared memory, it replaces
+      the one-consumer dQ kernel (``bwd_compute_wgs`` then only shapes the
+      dK/dV kernel).  Not with ``bwd_atomic_dq`` (no dQ kernel) or
+      ``bwd_dq_late_release``.
     bwd_named_barriers: the backward kernels' "slot consumed" signals on
       hardware named barriers, as ``named_barriers`` for the forward
       (``bwd_stages <= 12``; GPU only).
@@ -266,6 +281,7 @@ class MosaicConfig:
   bwd_compute_wgs: int = 2
   bwd_split_dkv: bool = False
   bwd_paired_dkv: bool = False
+  bwd_paired_dq: bool = False
   bwd_named_barriers: bool = False
   bwd_consumer_registers: int = 232
   bwd_atomic_dq: bool = False
@@ -413,8 +429,15 @@ class MosaicConfig:
     # dQ: Q, dO held per consumer; K, V streamed.
     dq = (2 * n * bq * head_dim_padded * itemsize
           + self.bwd_stages * 2 * bk * head_dim_padded * itemsize + a_op)
-    return max(dkv + _reserved(dkv_buffers),
-               dq + _reserved(4 + self.p_in_smem))
+    dq_buffers = 4 + self.p_in_smem
+    if self.bwd_paired_dq:
+      # One Q and one dO tile, the K/V ring, one P hand-over per slot and,
+      # with p_in_smem, consumer 1's staged dS.
+      dq = (2 * bq * head_dim_padded * itemsize
+            + self.bwd_stages * (2 * bk * head_dim_padded + bq * bk)
+            * itemsize + (bq * bk * itemsize if self.p_in_smem else 0))
+      dq_buffers = 5 + self.p_in_smem
+    return max(dkv + _reserved(dkv_buffers), dq + _reserved(dq_buffers))
 
 
 def split_dq_problem(config: "MosaicConfig", head_dim_padded: int
