@@ -469,6 +469,7 @@ def test_default_config_rules():
   assert dflt(64, causal=True, kv_len=1024).persistent
   d256 = dflt(256, causal=True, kv_len=8192)
   assert d256.bwd_paired_dkv and d256.bwd_compute_wgs == 1
+  assert d256.bwd_paired_dq and not dflt(128).bwd_paired_dq
   assert not dflt(128).bwd_split_dkv
   # dQ by TMA reduce-add: measured faster at padded head_dim 64 only (the
   # shared form at 128 is not a default until re-measured).
@@ -479,7 +480,7 @@ def test_default_config_rules():
   # backward at head_dim 256 is carried over.
   other = functools.partial(mosaic_gpu.default_config, "some future GPU")
   assert not other(128, kv_len=1024).persistent
-  assert other(256).bwd_paired_dkv
+  assert other(256).bwd_paired_dkv and other(256).bwd_paired_dq
   assert not other(64).bwd_atomic_dq
 
 
