@@ -6,7 +6,9 @@ and dQ kernels of :mod:`jaxflash.mosaic_gpu.backward` for padded head_dim
 a warpgroup's registers: with ``MosaicConfig(bwd_paired_dkv=True)`` (the
 tuned default there) two consumers share a key tile, one accumulating dV
 and one dK; with ``bwd_split_dkv=True`` the dK/dV kernel runs as two
-passes of one accumulator each; otherwise the gradient is the Triton
+passes of one accumulator each (``bwd_paired_dq=True``, also the default
+there, does the same for dQ: two consumers on one query tile);
+otherwise the gradient is the Triton
 backend's kernels (they need the same residuals:
 q, k, v, the output and the log-sum-exp).
 """

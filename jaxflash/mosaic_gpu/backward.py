@@ -39,6 +39,12 @@ the buffer is a ``pl.run_state`` ref, see ``backend.backward``).  With
 and, once both are written, computes half of the head_dim columns over
 both consumers' keys (:func:`_dk_and_shared_dq`).
 
+Paired forms (head_dim 256, where two consumers of either kernel do not
+fit in shared memory): ``bwd_paired_dkv`` splits dK/dV over two
+consumers of one key tile, ``bwd_paired_dq`` dQ over two consumers of one
+query tile; in both, consumer 0 computes ``P`` and hands it to consumer
+1 in shared memory (:func:`_paired_dkv_kernel`, :func:`_paired_dq_kernel`).
+
 ``dV``, ``dK`` and ``dQ`` accumulate in long-lived ``plgpu.ACC`` registers
 across the loop; ``P`` and ``dS`` feed the second matmuls from registers on
 the GPU, or through shared memory with ``p_in_smem`` (the form the Mosaic
@@ -126,6 +132,15 @@ def _split_inputs(refs, prob: Problem):
   segments = (refs[:3], refs[3:]) if prob.has_segments else ([None] * 3,
                                                               refs)
   return tuple(tensors), tuple(segments[0]), segments[1]
+
+
+def _product_t(a_smem, b_smem, shape):
+  """``a b^T`` (both in shared memory) into a fresh float32 accumulator of
+  ``shape``: one wgmma, waited for."""
+  def run(acc):
+    plgpu.wgmma(acc, a_smem, b_smem.T)
+    return acc[...]
+  return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
 
 def _a_operand(value, a_smem, dtype):
@@ -464,6 +479,30 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
 
 # -- dK / dV, paired consumers -------------------------------------------------
 
+def _paired_scratch(held, streamed, dp, stages, dtype, *, ready_arrivals,
+                    ring_extras=()):
+  """Shared memory of both paired kernels: the two tiles the consumers
+  hold (``held`` rows each: K and V, or Q and dO), the ring of the two
+  streamed operands (``streamed`` rows, then ``ring_extras``), barriers
+  for the held tiles, the slots' ready (``ready_arrivals`` copies) and
+  free (both consumers) signals, and consumer 0's hand-over (``P`` or
+  ``P^T``, the tile of ``held x streamed`` or its transpose) with its
+  barrier, one per slot."""
+  tiled = pipeline.TILED
+  return [
+      plgpu.SMEM((held, dp), dtype, **tiled),                # consumer 0's
+      plgpu.SMEM((held, dp), dtype, **tiled),                # consumer 1's
+      plgpu.SMEM((stages, streamed, dp), dtype, **tiled),    # ring
+      plgpu.SMEM((stages, streamed, dp), dtype, **tiled),    # ring
+      *ring_extras,
+      plgpu.Barrier(num_arrivals=1, num_barriers=2),         # held loaded
+      plgpu.Barrier(num_arrivals=ready_arrivals, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),    # slot free
+      plgpu.SMEM((stages, held, streamed), dtype, **tiled),  # hand-over
+      plgpu.Barrier(num_arrivals=1, num_barriers=stages),    # hand-over in
+  ]
+
+
 def _paired_dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   """dK and dV of one key tile by two consumers (``bwd_paired_dkv``).
 
@@ -539,11 +578,7 @@ def _paired_dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       slot = lax.rem(step, stages)
       plgpu.barrier_wait(ready.at[slot])
 
-      def scores(s_acc):
-        plgpu.wgmma(s_acc, k_smem, q_ring.at[slot].T)  # S^T = K Q^T
-        return s_acc[...]
-
-      s = pl.run_scoped(scores, plgpu.ACC((bk, bq), jnp.float32))
+      s = _product_t(k_smem, q_ring.at[slot], (bk, bq))  # S^T = K Q^T
       visible = None
       if masked:
         q_idx = t * bq + plgpu.broadcasted_iota(
@@ -578,11 +613,7 @@ def _paired_dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       slot = lax.rem(step, stages)
       plgpu.barrier_wait(ready.at[slot])
 
-      def dprobs(dp_acc):
-        plgpu.wgmma(dp_acc, v_smem, do_ring.at[slot].T)  # dP^T = V dO^T
-        return dp_acc[...]
-
-      dp = pl.run_scoped(dprobs, plgpu.ACC((bk, bq), jnp.float32))
+      dp = _product_t(v_smem, do_ring.at[slot], (bk, bq))  # dP^T = V dO^T
       delta = plgpu.load(delta_ring.at[slot], layout=COL)
       plgpu.barrier_wait(hand_ready.at[slot])
       p = plgpu.load(hand.at[slot], layout=plgpu.Layout.WGMMA)
@@ -617,22 +648,12 @@ def paired_dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   dtype = q.dtype
   dp = prob.head_dim_padded
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
-  tiled = pipeline.TILED
-  scratch = [
-      plgpu.SMEM((bk, dp), dtype, **tiled),                  # K (consumer 0)
-      plgpu.SMEM((bk, dp), dtype, **tiled),                  # V (consumer 1)
-      plgpu.SMEM((stages, bq, dp), dtype, **tiled),          # Q ring
-      plgpu.SMEM((stages, bq, dp), dtype, **tiled),          # dO ring
-      plgpu.SMEM((stages, bq), jnp.float32),                 # lse2 ring
-      plgpu.SMEM((stages, bq), jnp.float32),                 # delta ring
-      plgpu.Barrier(num_arrivals=1, num_barriers=2),         # K, V loaded
-      plgpu.Barrier(num_arrivals=4, num_barriers=stages),    # slot full
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),    # slot free
-      plgpu.SMEM((stages, bk, bq), dtype, **tiled),          # P^T hand-over
-      plgpu.Barrier(num_arrivals=1, num_barriers=stages),    # hand-over in
-  ]
+  # K and V held, Q and dO streamed with lse2 and delta (4 copies a slot).
+  scratch = _paired_scratch(
+      bk, bq, dp, stages, dtype, ready_arrivals=4,
+      ring_extras=[plgpu.SMEM((stages, bq), jnp.float32)] * 2)
   if cfg.p_in_smem:  # each consumer's A operand staged
-    scratch.append(plgpu.SMEM((2, bk, bq), dtype, **tiled))
+    scratch.append(plgpu.SMEM((2, bk, bq), dtype, **pipeline.TILED))
   return pipeline.launch(
       functools.partial(_paired_dkv_kernel, prob=prob, cfg=cfg, dtype=dtype),
       out_type=[out_struct(k.shape, dtype, q, k, v) for _ in range(2)],
@@ -644,6 +665,37 @@ def paired_dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
 
 
 # -- dQ -----------------------------------------------------------------------
+
+def _query_group(prob: Problem, range_ref, group_rows: int, bk: int):
+  """A dQ program's work item and warpgroup: ``(batch, query head,
+  warpgroup, first query row, (u_lo, u_hi), tiles)``: the key tiles
+  ``[u_lo, u_hi)`` its ``group_rows`` queries stream (narrowed to
+  segments), and ``tiles`` their :meth:`MaskSpec.kv_block_range` (not
+  narrowed).  Causal groups run longest first, as in the forward."""
+  b = lax.axis_index("batch")
+  h = lax.axis_index("heads")
+  wg = lax.axis_index("wg")
+  grp = lax.axis_index("q_seq")
+  if prob.mask.causal:
+    grp = prob.q_pad // group_rows - 1 - grp
+  start = grp * group_rows
+  tiles = prob.mask.kv_block_range(start, group_rows, bk)
+  streamed = pipeline.narrow_to_segments(tiles[0], tiles[3], range_ref, b,
+                                         grp)
+  return b, h, wg, start, streamed, tiles
+
+
+def _dq_tile_mask(masked: bool, mask, q_idx, t, bk, seg_refs, b, q_start):
+  """The element mask of a dQ kernel's tile (queries ``q_idx`` from
+  ``q_start`` by key tile ``t``), or None where ``masked`` is False."""
+  if not masked:
+    return None
+  bq = q_idx.shape[0]
+  k_idx = t * bk + plgpu.broadcasted_iota(
+      jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
+  return mask.visible(q_idx, k_idx, **_segment_kwargs(
+      *seg_refs, b, q_start, bq, t * bk, bk, q_axis=0))
+
 
 def _key_tile_loader(srcs, rings, ready, *, b, h, prob: Problem, u_lo, bk):
   """The producer's ``load(step, slot)`` of both dQ kernels: K and V of
@@ -670,16 +722,9 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   group_rows = cfg.bwd_compute_wgs * bq
   free = pipeline.ring_free(free, cfg.bwd_named_barriers,
                             cfg.bwd_compute_wgs)
-  b = lax.axis_index("batch")
-  h = lax.axis_index("heads")
-  wg = lax.axis_index("wg")
-  grp = lax.axis_index("q_seq")
   mask = prob.mask
-  if mask.causal:  # longest query groups first, as in the forward
-    grp = prob.q_pad // group_rows - 1 - grp
-  group_start = grp * group_rows
-  u_lo, _, _, u_hi = mask.kv_block_range(group_start, group_rows, bk)
-  u_lo, u_hi = pipeline.narrow_to_segments(u_lo, u_hi, range_ref, b, grp)
+  b, h, wg, group_start, (u_lo, u_hi), _ = _query_group(
+      prob, range_ref, group_rows, bk)
 
   @pl.when(wg < cfg.bwd_compute_wgs)
   def _consumer():
@@ -719,12 +764,8 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
 
       acc = plgpu.ACC((bq, bk), jnp.float32)
       s, dp = pl.run_scoped(sdp, acc, acc)
-      visible = None
-      if masked:
-        k_idx = t * bk + plgpu.broadcasted_iota(
-            jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
-        visible = mask.visible(q_idx, k_idx, **_segment_kwargs(
-            qseg_ref, kvseg_ref, b, q_start, bq, t * bk, bk, q_axis=0))
+      visible = _dq_tile_mask(masked, mask, q_idx, t, bk, (qseg_ref, kvseg_ref),
+                              b, q_start)
       _, ds = _probs_and_dscores(s, dp, lse2, delta, visible, prob=prob,
                                  row_axis=0)
       plgpu.wgmma(dq_acc, _a_operand(ds, a_smem, dtype), k_t)  # dQ += dS K
@@ -829,18 +870,10 @@ def _paired_dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   a_smem = extra[0] if cfg.p_in_smem else None  # dS staged (consumer 1)
   free = pipeline.ring_free(free, cfg.bwd_named_barriers, 2)
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
-  b = lax.axis_index("batch")
-  h = lax.axis_index("heads")
-  wg = lax.axis_index("wg")
-  grp = lax.axis_index("q_seq")
   mask = prob.mask
-  if mask.causal:  # longest query tiles first, as in the forward
-    grp = prob.q_pad // bq - 1 - grp
-  q_start = grp * bq
+  b, h, wg, q_start, (u_lo, u_hi), own = _query_group(prob, range_ref, bq,
+                                                      bk)
   rows = (b, pl.ds(q_start, bq), h)
-  own = mask.kv_block_range(q_start, bq, bk)
-  u_lo, _, _, u_hi = own
-  u_lo, u_hi = pipeline.narrow_to_segments(u_lo, u_hi, range_ref, b, grp)
   everywhere = range_ref is not None
 
   def loop(compute, acc_ref=None):
@@ -851,13 +884,20 @@ def _paired_dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
         element_mask_everywhere=everywhere)
     return None if acc_ref is None else acc_ref[...]
 
+  def hold(src_ref, smem, c, vec_ref):
+    """Consumer ``c``'s start: its registers, its held tile of
+    ``src_ref`` loaded into ``smem`` and its rows of ``vec_ref`` (lse2 or
+    delta) in registers."""
+    pipeline.split_registers(False, 2, cfg.bwd_consumer_registers)
+    plgpu.copy_gmem_to_smem(src_ref.at[rows], smem, qdo_ready.at[c])
+    vec = plgpu.load(vec_ref.at[b, h, pl.ds(q_start, bq)], layout=ROW,
+                     optimized=False)
+    plgpu.barrier_wait(qdo_ready.at[c])
+    return vec
+
   @pl.when(wg == 0)
   def _probs_consumer():
-    pipeline.split_registers(False, 2, cfg.bwd_consumer_registers)
-    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, qdo_ready.at[0])
-    lse2 = plgpu.load(lse2_ref.at[b, h, pl.ds(q_start, bq)], layout=ROW,
-                      optimized=False)
-    plgpu.barrier_wait(qdo_ready.at[0])
+    lse2 = hold(q_ref, q_smem, 0, lse2_ref)
     q_idx = q_start + plgpu.broadcasted_iota(
         jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
 
@@ -866,18 +906,10 @@ def _paired_dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       slot = lax.rem(step, stages)
       plgpu.barrier_wait(ready.at[slot])
 
-      def scores(s_acc):
-        plgpu.wgmma(s_acc, q_smem, k_ring.at[slot].T)  # S = Q K^T
-        return s_acc[...]
-
-      s = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32))
+      s = _product_t(q_smem, k_ring.at[slot], (bq, bk))  # S = Q K^T
       free.arrive(slot)  # K read; consumer 1 still holds the slot
-      visible = None
-      if masked:
-        k_idx = t * bk + plgpu.broadcasted_iota(
-            jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
-        visible = mask.visible(q_idx, k_idx, **_segment_kwargs(
-            qseg_ref, kvseg_ref, b, q_start, bq, t * bk, bk, q_axis=0))
+      visible = _dq_tile_mask(masked, mask, q_idx, t, bk, (qseg_ref, kvseg_ref),
+                              b, q_start)
       p, th = _probs(s, lse2, visible, prob=prob, row_axis=0)
       hand.at[slot][...] = (p if th is None
                             else p * (1.0 - th * th)).astype(dtype)
@@ -889,22 +921,14 @@ def _paired_dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
 
   @pl.when(wg == 1)
   def _dq_consumer():
-    pipeline.split_registers(False, 2, cfg.bwd_consumer_registers)
-    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, qdo_ready.at[1])
-    delta = plgpu.load(delta_ref.at[b, h, pl.ds(q_start, bq)], layout=ROW,
-                       optimized=False)
-    plgpu.barrier_wait(qdo_ready.at[1])
+    delta = hold(do_ref, do_smem, 1, delta_ref)
 
     def compute(step, t, carry, *, masked, acc):
       del t, masked  # the hand-over is masked already
       slot = lax.rem(step, stages)
       plgpu.barrier_wait(ready.at[slot])
 
-      def dprobs(dp_acc):
-        plgpu.wgmma(dp_acc, do_smem, v_ring.at[slot].T)  # dP = dO V^T
-        return dp_acc[...]
-
-      dp = pl.run_scoped(dprobs, plgpu.ACC((bq, bk), jnp.float32))
+      dp = _product_t(do_smem, v_ring.at[slot], (bq, bk))  # dP = dO V^T
       plgpu.barrier_wait(hand_ready.at[slot])
       p = plgpu.load(hand.at[slot], layout=plgpu.Layout.WGMMA)
       ds = p.astype(jnp.float32) * (
@@ -940,20 +964,10 @@ def paired_dq(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   dtype = q.dtype
   dp = prob.head_dim_padded
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
-  tiled = pipeline.TILED
-  scratch = [
-      plgpu.SMEM((bq, dp), dtype, **tiled),                  # Q (consumer 0)
-      plgpu.SMEM((bq, dp), dtype, **tiled),                  # dO (consumer 1)
-      plgpu.SMEM((stages, bk, dp), dtype, **tiled),          # K ring
-      plgpu.SMEM((stages, bk, dp), dtype, **tiled),          # V ring
-      plgpu.Barrier(num_arrivals=1, num_barriers=2),         # Q, dO loaded
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),    # slot full
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),    # slot free
-      plgpu.SMEM((stages, bq, bk), dtype, **tiled),          # P hand-over
-      plgpu.Barrier(num_arrivals=1, num_barriers=stages),    # hand-over in
-  ]
+  # Q and dO held, K and V streamed (2 copies a slot).
+  scratch = _paired_scratch(bq, bk, dp, stages, dtype, ready_arrivals=2)
   if cfg.p_in_smem:  # consumer 1's dS staged
-    scratch.append(plgpu.SMEM((bq, bk), dtype, **tiled))
+    scratch.append(plgpu.SMEM((bq, bk), dtype, **pipeline.TILED))
   return pipeline.launch(
       functools.partial(_paired_dq_kernel, prob=prob, cfg=cfg, dtype=dtype),
       out_type=out_struct(q.shape, dtype, q, k, v), scratch=scratch,
