@@ -186,7 +186,7 @@ class MosaicConfig:
       and Q/dO streamed once, with the two consumers' work interleaved
       on the tensor cores.  Serves any padded head_dim the Hopper
       backward does, and head_dim 256 (the dQ kernel keeps
-      ``bwd_compute_wgs``).  Not with ``bwd_split_dkv`` or
+      ``bwd_compute_wgs`` unless ``bwd_paired_dq``).  Not with ``bwd_split_dkv`` or
       ``bwd_atomic_dq``.
     bwd_paired_dq: compute dQ with two consumers on one ``bwd_block_q``
       query tile: consumer 0 holds Q and computes ``S = Q K^T`` and ``P``,
@@ -197,7 +197,12 @@ class MosaicConfig:
       matmuls, and Q and dO held once each: at head_dim 256, where two
       consumers of the dQ kernel do not fit in shared memory, it replaces
       the one-consumer dQ kernel (``bwd_compute_wgs`` then only shapes the
-      dK/dV kernel).  Not with ``bwd_atomic_dq`` (no dQ kernel) or
+      dK/dV kernel).  The tuned default at padded head_dim 192/256 (H200,
+      d256 s8192 causal: dQ 1.38 ms against 1.61, fwd+bwd 1.17-1.41x
+      cuDNN at s1024-16384); at 128 it loses to the two-consumer dQ
+      kernel, which holds twice the query rows per program (3.45 ms
+      against 2.25-2.44; docs/benchmarks/h200-2026-12-01-paired-dq.md).
+      Not with ``bwd_atomic_dq`` (no dQ kernel) or
       ``bwd_dq_late_release``.
     bwd_named_barriers: the backward kernels' "slot consumed" signals on
       hardware named barriers, as ``named_barriers`` for the forward
