@@ -186,8 +186,8 @@ class MosaicConfig:
       and Q/dO streamed once, with the two consumers' work interleaved
       on the tensor cores.  Serves any padded head_dim the Hopper
       backward does, and head_dim 256 (the dQ kernel keeps
-      ``bwd_compute_wgs`` unless ``bwd_paired_dq``).  Not with ``bwd_split_dkv`` or
-      ``bwd_atomic_dq``.
+      ``bwd_compute_wgs`` unless ``bwd_paired_dq``).  Not with
+      ``bwd_split_dkv`` or ``bwd_atomic_dq``.
     bwd_paired_dq: compute dQ with two consumers on one ``bwd_block_q``
       query tile: consumer 0 holds Q and computes ``S = Q K^T`` and ``P``,
       which it hands to consumer 1 in shared memory (one buffer per ring
