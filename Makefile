@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo compare test test-gpu lint bench clean
+.PHONY: demo compare test test-all test-gpu lint bench clean
 
 $(STAMP): pyproject.toml
 	@set -e; \
@@ -24,9 +24,17 @@ demo: $(STAMP)
 compare: $(STAMP)
 	$(PY) examples/demo.py
 
+# CI's command: everything but the `slow` tier (the experimental kernel
+# options' further interpreter cases and their segment-id lowerings), on
+# every core (pytest-xdist).
 test: $(STAMP)
 	$(PY) -m ruff check jaxflash tests examples
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto -m "not slow" tests
+
+# Every CPU test, the slow tier included.
+test-all: $(STAMP)
+	$(PY) -m ruff check jaxflash tests examples
+	$(PY) -m pytest -q -n auto tests
 
 # GPU tests only (run on a CUDA machine).
 test-gpu: $(STAMP)

@@ -74,6 +74,18 @@ def test_lowers_to_triton(fake_gpu, shape, causal, features):
     assert name in text
 
 
+def _with_segments(cfgs, ids, every_commit):
+  """``(cfg, segments)`` parameters: every config without segment ids,
+  and with them; the segment forms of configs outside ``every_commit``
+  (the tuned defaults' options) carry the ``slow`` marker (``make
+  test-all``), since segment ids change the same mask code in every
+  config."""
+  for cfg, name in zip(cfgs, ids, strict=True):
+    yield pytest.param(cfg, False, id=name)
+    marks = [] if name in every_commit else [pytest.mark.slow]
+    yield pytest.param(cfg, True, id=f"{name}-segments", marks=marks)
+
+
 def _mosaic_case(shape):
   """Abstract inputs and the mask of a (q_len, kv_len, heads, kv_heads,
   head_dim, causal, window) case, batch 2, bf16."""
@@ -85,8 +97,7 @@ def _mosaic_case(shape):
           MaskSpec(t, s, causal, None, *(window or (None, None))))
 
 
-@pytest.mark.parametrize("segments", [False, True], ids=["", "segments"])
-@pytest.mark.parametrize("cfg", [
+@pytest.mark.parametrize("cfg,segments", _with_segments([
     dict(),
     dict(p_in_smem=True),
     dict(compute_wgs=1, schedule_barrier=False),
@@ -111,13 +122,15 @@ def _mosaic_case(shape):
          prefetch_q=True, row_sum_in_pv=True),
     dict(named_barriers=True, late_rescale=True, early_k_wait=True,
          row_sum_in_pv=True),
-], ids=["default", "p-in-smem", "one-wg", "deep", "wide", "persistent",
+], ["default", "p-in-smem", "one-wg", "deep", "wide", "persistent",
         "overlap", "overlap-wide", "named-early", "named-persistent",
         "named-one-wg", "named-row-sum-in-pv", "named-split-kv",
         "named-prefetch-q", "prefetch-q-split-kv", "named-kv192",
         "named-lean", "named-lean-persistent", "named-no-auto-barriers",
         "named-pv-then-qk", "named-pv-then-qk-persistent",
-        "named-tokamax-order"])
+        "named-tokamax-order"], every_commit={"default", "persistent",
+                                              "named-persistent",
+                                              "named-prefetch-q"}))
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),
@@ -149,8 +162,7 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
     assert "mosaic_gpu" in lower()
 
 
-@pytest.mark.parametrize("segments", [False, True], ids=["", "segments"])
-@pytest.mark.parametrize("cfg", [
+@pytest.mark.parametrize("cfg,segments", _with_segments([
     dict(),
     dict(p_in_smem=True),
     dict(compute_wgs=1, schedule_barrier=False),
@@ -170,11 +182,12 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
     dict(bwd_paired_dkv=True, bwd_compute_wgs=1),
     dict(bwd_paired_dkv=True, bwd_paired_dq=True, bwd_compute_wgs=1),
     dict(bwd_paired_dq=True, bwd_named_barriers=True),
-], ids=["default", "p-in-smem", "one-wg", "deep", "split", "atomic-dq",
+], ["default", "p-in-smem", "one-wg", "deep", "split", "atomic-dq",
         "atomic-dq-p-in-smem-one-wg", "shared-dq", "dq-halves", "named",
         "named-shared-dq", "named-split", "regs240", "regs240-atomic-dq",
         "dq-late", "dq-late-split", "paired-dkv", "paired-dq",
-        "paired-dq-named"])
+        "paired-dq-named"], every_commit={"default", "atomic-dq", "split",
+                                          "paired-dkv", "paired-dq"}))
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),

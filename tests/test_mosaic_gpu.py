@@ -188,9 +188,24 @@ INTERPRET_VARIANTS.update({
 })
 
 
-@pytest.mark.parametrize("variant,name", [
-    (variant, name) for variant, (_, names) in INTERPRET_VARIANTS.items()
-    for name in names])
+# Options that are not a tuned default anywhere (experiments kept for
+# their records): on every commit (`make test`) the first two cases of
+# each, the rest with the `slow` marker (`make test-all`).  The defaults'
+# options (bwd_paired_dkv, bwd_paired_dq, prefetch_q) run every case.
+EXPERIMENTS = {"intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
+               "split_kv_release", "pv_then_qk", "pv_then_qk+row_sum_in_pv",
+               "bwd_dq_late_release", "lean_epilogue"}
+
+
+def _variant_params():
+  for variant, (_, names) in INTERPRET_VARIANTS.items():
+    for i, name in enumerate(names):
+      slow = variant in EXPERIMENTS and i >= 2
+      yield pytest.param(variant, name, id=f"{variant}-{name}",
+                         marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("variant,name", list(_variant_params()))
 def test_interpret_variant(variant, name):
   """One kernel option on one case, in the interpreter with race
   detection (INTERPRET_VARIANTS says which cases and why)."""
