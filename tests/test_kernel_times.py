@@ -21,6 +21,6 @@ def test_kernel_times_interpret_split_backward(tmp_path):
   got = json.loads((tmp_path / "kernel_times.json").read_text())
   # The split backward's passes in launch order, each timed.
   assert [r["kernel"] for r in got["rows"]] == [
-      "forward", "backward (whole)", "dq", "dv", "dk"]
+      "forward", "backward (whole)", "backward prep", "dq", "dv", "dk"]
   assert all(r["ms"] > 0 for r in got["rows"])
   assert got["interpret"] and "bwd_split_dkv=True" in got["config"]

@@ -182,12 +182,18 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
     dict(bwd_paired_dkv=True, bwd_compute_wgs=1),
     dict(bwd_paired_dkv=True, bwd_paired_dq=True, bwd_compute_wgs=1),
     dict(bwd_paired_dq=True, bwd_named_barriers=True),
+    dict(bwd_softmax_overlap=True),
+    dict(bwd_softmax_overlap=True, bwd_atomic_dq=True),
+    dict(bwd_softmax_overlap=True, bwd_atomic_dq=True, bwd_shared_dq=True),
+    dict(bwd_softmax_overlap=True, bwd_split_dkv=True, bwd_compute_wgs=1),
 ], ["default", "p-in-smem", "one-wg", "deep", "split", "atomic-dq",
         "atomic-dq-p-in-smem-one-wg", "shared-dq", "dq-halves", "named",
         "named-shared-dq", "named-split", "regs240", "regs240-atomic-dq",
         "dq-late", "dq-late-split", "paired-dkv", "paired-dq",
-        "paired-dq-named"], every_commit={"default", "atomic-dq", "split",
-                                          "paired-dkv", "paired-dq"}))
+        "paired-dq-named", "softmax-overlap", "softmax-overlap-atomic-dq",
+        "softmax-overlap-shared-dq", "softmax-overlap-split"],
+    every_commit={"default", "atomic-dq", "split", "paired-dkv",
+                  "paired-dq"}))
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),

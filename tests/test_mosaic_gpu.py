@@ -152,6 +152,14 @@ INTERPRET_VARIANTS = {
         "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window", "d64-len1",
         "d64-stages4-window-far", "d32-tiny-window-empty",
         "d256-split-dkv-gqa", "d64-split-dkv-2wg-window"]),
+    # P computed under dP's wgmma (S's waited for alone), dS^T after dV's
+    # wgmma is issued: the dK/dV and dQ kernels with one and two
+    # consumers, the split dK and dV passes, GQA, causal, windows, rows
+    # that see no key, empty tiles.
+    "bwd_softmax_overlap": (dict(bwd_softmax_overlap=True), [
+        "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window", "d64-len1",
+        "d32-tiny-window-empty", "d256-split-dkv-gqa",
+        "d64-split-dkv-2wg-window", "d64-full"]),
 }
 # The output in 64-column chunks through two slots per consumer (one,
 # three and four chunks: head_dim 64, 192, 256), rows with no key.
@@ -194,7 +202,7 @@ INTERPRET_VARIANTS.update({
 # options (bwd_paired_dkv, bwd_paired_dq, prefetch_q) run every case.
 EXPERIMENTS = {"intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "split_kv_release", "pv_then_qk", "pv_then_qk+row_sum_in_pv",
-               "bwd_dq_late_release", "lean_epilogue"}
+               "bwd_dq_late_release", "lean_epilogue", "bwd_softmax_overlap"}
 
 
 def _variant_params():
@@ -357,6 +365,15 @@ GPU_CONFIGS = {
     "bwd-paired-dq-named-smem": mosaic_gpu.MosaicConfig(
         bwd_paired_dkv=True, bwd_paired_dq=True, bwd_compute_wgs=1,
         bwd_named_barriers=True, p_in_smem=True),
+    # P under dP's wgmma, dS under dV's (FlashAttention-3's backward
+    # order): the dQ kernel, atomic and shared dQ, the split passes.
+    "bwd-softmax-overlap": mosaic_gpu.MosaicConfig(bwd_softmax_overlap=True),
+    "bwd-softmax-overlap-atomic": mosaic_gpu.MosaicConfig(
+        bwd_softmax_overlap=True, bwd_atomic_dq=True),
+    "bwd-softmax-overlap-shared-dq": mosaic_gpu.MosaicConfig(
+        bwd_softmax_overlap=True, bwd_atomic_dq=True, bwd_shared_dq=True),
+    "bwd-softmax-overlap-split": mosaic_gpu.MosaicConfig(
+        bwd_softmax_overlap=True, bwd_split_dkv=True, bwd_compute_wgs=1),
 }
 
 
@@ -688,15 +705,42 @@ def test_interpreter_thread_guard(monkeypatch):
                          softmax_scale=0.1, config=TWO_WG, interpret=True)
 
 
+@pytest.mark.parametrize("head_dim,cfg", [
+    (64, TWO_WG), (256, SPLIT)], ids=["d64-2wg", "d256-split"])
+def test_softmax_overlap_soft_cap_interpret(head_dim, cfg):
+  """bwd_softmax_overlap under a soft cap: P and tanh computed under dP's
+  wgmma, dS (times 1 - tanh^2) under dV's."""
+  args = numerics.random_inputs(jax.random.key(8), batch=1, q_len=100,
+                                kv_len=130, heads=2, kv_heads=1,
+                                head_dim=head_dim, dtype=jnp.bfloat16)
+  cfg = dataclasses.replace(cfg, bwd_softmax_overlap=True)
+  spec = masks.MaskSpec(100, 130, True)
+
+  def fn(q, k, v):
+    return mosaic_gpu.attention(q, k, v, mask=spec,
+                                softmax_scale=head_dim ** -0.5,
+                                logits_soft_cap=2.0, config=cfg,
+                                interpret=RACES)
+
+  numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
+                      causal=True, logits_soft_cap=2.0)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_soft_cap(causal):
+def test_gpu_soft_cap(causal, overlap):
   args = numerics.random_inputs(jax.random.key(9), batch=2, q_len=1000,
                                 kv_len=1000, heads=8, kv_heads=2,
                                 head_dim=128, dtype=jnp.bfloat16)
+  cfg = None
+  if overlap:
+    cfg = dataclasses.replace(
+        mosaic_gpu.default_config(jax.devices()[0].device_kind, 128),
+        bwd_softmax_overlap=True)
   fn = functools.partial(jaxflash.flash_attention, causal=causal,
                          return_lse=True, implementation="mosaic_gpu",
-                         logits_soft_cap=30.0)
+                         logits_soft_cap=30.0, config=cfg)
   numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
                       causal=causal, logits_soft_cap=30.0)
 
@@ -715,6 +759,9 @@ SEG_CASES = [
      dataclasses.replace(TWO_WG, bwd_dq_late_release=True)),
     ("packed-causal-2wg-pv-then-qk", 256, 256, True, None,
      dict(docs=5, pad=9), dataclasses.replace(TWO_WG, pv_then_qk=True)),
+    ("packed-causal-2wg-softmax-overlap", 256, 256, True, None,
+     dict(docs=5, pad=9),
+     dataclasses.replace(TWO_WG, bwd_softmax_overlap=True)),
     # One key tile per dK/dV program: the group range narrows per tile.
     ("packed-lengths-paired-dkv", 256, 256, True, None,
      dict(docs=4, pad=7, kv_len=[256, 150]),
@@ -770,6 +817,7 @@ GPU_SEG_OVERRIDES = {
                                       persistent=False),
     "packed-causal-2wg-dq-late": dict(bwd_dq_late_release=True),
     "packed-causal-2wg-pv-then-qk": dict(pv_then_qk=True),
+    "packed-causal-2wg-softmax-overlap": dict(bwd_softmax_overlap=True),
     "packed-lengths-paired-dkv": dict(bwd_paired_dkv=True),
     "packed-lengths-paired-dq": dict(bwd_paired_dq=True),
 }

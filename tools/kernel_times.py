@@ -9,9 +9,10 @@ benchmark grid (16,384 tokens per call, width 2048): the forward, then
 the backward's passes in launch order (``dq`` and ``dkv``; ``dv`` and
 ``dk`` with ``bwd_split_dkv``; one ``dkv+atomic-dq`` with
 ``bwd_atomic_dq``; see ``jaxflash.mosaic_gpu.backend.backward_passes``),
-each on the padded operands the backward gives it, and the backward's
-XLA preparation (padding, ``delta``) with the padded-output slicing is
-what the whole backward adds on top.  FLOP/s use the benchmark's
+each on the padded operands the backward gives it.  ``backward prep``
+is the backward's XLA preparation alone (padding, ``delta``, the base-2
+LSE); with the padded-output slicing it is what the whole backward adds
+to its kernels.  FLOP/s use the benchmark's
 convention per pass: ``S`` and ``P V``-sized matmuls, 2 per forward tile
 pair, counted per kernel from the matmuls it runs (forward 2, dQ kernel
 3, dK/dV 4, split dV 3 and dK 4, dK/dV with atomic dQ 5).
@@ -95,7 +96,8 @@ def main(argv=None) -> int:
   tensors = prep(q, k, v, out, lse, do)
   params = backend._interpret_params(interpret)  # noqa: SLF001
   calls = {"forward": (fwd, (q, k, v)),
-           "backward (whole)": (full, (q, k, v, out, lse, do))}
+           "backward (whole)": (full, (q, k, v, out, lse, do)),
+           "backward prep": (prep, (q, k, v, out, lse, do))}
   for name, run in backend.backward_passes(prob, cfg, None, None, params):
     calls[name] = (jax.jit(run), tensors)
 

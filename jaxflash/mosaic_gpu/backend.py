@@ -39,7 +39,7 @@ from jaxflash.mosaic_gpu.config import (
   split_dq_problem,
 )
 from jaxflash.triton import backend as triton_backend
-from jaxflash.triton.common import pad_axis, round_up
+from jaxflash.triton.common import pad_axis, round_up, softmax_delta
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 LOG2E = 1.4426950408889634
@@ -248,10 +248,7 @@ def backward_operands(q, k, v, out, lse, dout, dlse, prob: fwd_lib.Problem):
   pad = lambda x, n: pad_axis(pad_axis(x, 1, n), 3, dp)
   qp, dop = pad(q, prob.q_pad), pad(dout.astype(q.dtype), prob.q_pad)
   kp, vp = pad(k, prob.kv_pad), pad(v, prob.kv_pad)
-  # delta_i = sum_d dO_id O_id - dlse_i in float32 (one fused XLA pass):
-  # d lse_i / d s_ij = P_ij, so the LSE cotangent enters with delta.
-  delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32),
-                     dout.astype(jnp.float32)) - dlse.astype(jnp.float32)
+  delta = softmax_delta(out, dout, dlse)  # one fused XLA pass, float32
   # Base-2 LSE; +inf for rows that saw no key (and for padding rows), so
   # that P = exp2(-inf - inf) = 0 there rather than NaN.
   lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)

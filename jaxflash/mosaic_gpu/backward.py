@@ -93,18 +93,14 @@ def _probs(s, lse2, visible, *, prob: Problem, row_axis: int):
   return p, th
 
 
-def _probs_and_dscores(s, dp, lse2, delta, visible, *, prob: Problem,
-                       row_axis: int):
-  """``P`` and ``dS`` of one tile (float32) from the raw ``q . k`` products
-  (:func:`_probs`); ``delta`` is per query.  ``dS`` is the gradient
-  w.r.t. the scaled logits."""
-  p, th = _probs(s, lse2, visible, prob=prob, row_axis=row_axis)
-  if dp is None:  # only P is wanted (the dV pass)
-    return p, None
-  ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [row_axis]))
+def _dscores(p, th, dp, delta, *, row_axis: int):
+  """``dS = P (dP - delta)`` of one tile (float32; times ``1 - th^2`` under
+  a soft cap, ``th`` from :func:`_probs`), the gradient w.r.t. the scaled
+  logits; ``delta`` is per query."""
+  ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [row_axis]))
   if th is not None:
     ds = ds * (1.0 - th * th)
-  return p, ds
+  return ds
 
 
 def _segment_kwargs(q_seg_ref, kv_seg_ref, b, q_start, n_q, k_start, n_k,
@@ -280,6 +276,7 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
                             cfg.bwd_compute_wgs)
   a_smem2 = extra.pop(0) if cfg.p_in_smem else None
   shared_dq = atomic_dq and cfg.bwd_shared_dq
+  overlap = cfg.bwd_softmax_overlap
   if shared_dq:
     ds_smem2, dq_smem2, ds_ready = extra
   elif atomic_dq:
@@ -324,30 +321,46 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
       plgpu.barrier_wait(ready.at[slot])
       q_t, do_t = q_ring.at[slot], do_ring.at[slot]
 
+      def tile_mask():
+        if not masked:
+          return None
+        q_idx = t * bq + plgpu.broadcasted_iota(
+            jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
+        return mask.visible(q_idx, k_idx, **_segment_kwargs(
+            qseg_ref, kvseg_ref, b, t * bq, bq, k_start, bk, q_axis=1))
+
       def sdp(s_acc, dp_acc=None):
         plgpu.wgmma(s_acc, k_smem, q_t.T)     # S^T = K Q^T
         if dp_acc is None:
           return s_acc[...], None
         plgpu.wgmma(dp_acc, v_smem, do_t.T)   # dP^T = V dO^T
+        if overlap:  # P^T while dP^T's wgmma runs (S^T's alone waited for)
+          s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
+          lse2 = plgpu.load(lse_ring.at[slot], layout=COL)
+          return _probs(s, lse2, tile_mask(), prob=prob,
+                        row_axis=1), dp_acc[...]
         return s_acc[...], dp_acc[...]
 
       acc = plgpu.ACC((bk, bq), jnp.float32)
-      s, dp = pl.run_scoped(sdp, *(acc,) * (1 + want_dk))
-      lse2 = plgpu.load(lse_ring.at[slot], layout=COL)
-      delta = (plgpu.load(delta_ring.at[slot], layout=COL) if want_dk
-               else None)
-      visible = None
-      if masked:
-        q_idx = t * bq + plgpu.broadcasted_iota(
-            jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
-        visible = mask.visible(q_idx, k_idx, **_segment_kwargs(
-            qseg_ref, kvseg_ref, b, t * bq, bq, k_start, bk, q_axis=1))
-      p, ds = _probs_and_dscores(s, dp, lse2, delta, visible, prob=prob,
-                                 row_axis=1)
+      if overlap and want_dk:
+        # FlashAttention-3's order: P^T under dP^T's wgmma (above), dS^T
+        # under dV's (below).
+        (p, th), dp = pl.run_scoped(sdp, acc, acc)
+        delta = plgpu.load(delta_ring.at[slot], layout=COL)
+        ds = None
+      else:
+        s, dp = pl.run_scoped(sdp, *(acc,) * (1 + want_dk))
+        lse2 = plgpu.load(lse_ring.at[slot], layout=COL)
+        delta = (plgpu.load(delta_ring.at[slot], layout=COL) if want_dk
+                 else None)
+        p, th = _probs(s, lse2, tile_mask(), prob=prob, row_axis=1)
+        ds = None if dp is None else _dscores(p, th, dp, delta, row_axis=1)
       if want_dv:  # dV += P^T dO
         plgpu.wgmma(accs["dv"], _a_operand(p, a_smem, dtype), do_t)
         if a_smem is not None and want_dk:
           plgpu.wgmma_wait(0)  # the staging buffer is reused for dS^T
+      if ds is None and want_dk:  # (overlap) while dV's wgmma runs
+        ds = _dscores(p, th, dp, delta, row_axis=1)
       if shared_dq:
         _dk_and_shared_dq(ds, q_t, accs["dk"], **shared_kw(step, t, g))
       elif atomic_dq:  # (with p_in_smem, the wait above freed P's buffer)
@@ -720,6 +733,7 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   a_smem2 = extra[0] if cfg.p_in_smem else None
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
   group_rows = cfg.bwd_compute_wgs * bq
+  overlap = cfg.bwd_softmax_overlap
   free = pipeline.ring_free(free, cfg.bwd_named_barriers,
                             cfg.bwd_compute_wgs)
   mask = prob.mask
@@ -749,6 +763,11 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       plgpu.barrier_wait(ready.at[slot])
       k_t, v_t = k_ring.at[slot], v_ring.at[slot]
 
+      def probs(s):
+        visible = _dq_tile_mask(masked, mask, q_idx, t, bk,
+                                (qseg_ref, kvseg_ref), b, q_start)
+        return _probs(s, lse2, visible, prob=prob, row_axis=0)
+
       def sdp(s_acc, dp_acc):
         plgpu.wgmma(s_acc, q_smem, k_t.T)     # S = Q K^T
         plgpu.wgmma(dp_acc, do_smem, v_t.T)   # dP = dO V^T
@@ -760,14 +779,18 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
           @pl.when(t > lo)
           def _():
             free.arrive(lax.rem(step - 1, stages))
+        if overlap:  # P while dP's wgmma runs (S's alone waited for)
+          p_th = probs(plgpu.wgmma_accumulator_load(s_acc, wait_n=1))
+          return p_th, dp_acc[...]
         return s_acc[...], dp_acc[...]
 
       acc = plgpu.ACC((bq, bk), jnp.float32)
-      s, dp = pl.run_scoped(sdp, acc, acc)
-      visible = _dq_tile_mask(masked, mask, q_idx, t, bk, (qseg_ref, kvseg_ref),
-                              b, q_start)
-      _, ds = _probs_and_dscores(s, dp, lse2, delta, visible, prob=prob,
-                                 row_axis=0)
+      if overlap:
+        (p, th), dp = pl.run_scoped(sdp, acc, acc)
+      else:
+        s, dp = pl.run_scoped(sdp, acc, acc)
+        p, th = probs(s)
+      ds = _dscores(p, th, dp, delta, row_axis=0)
       plgpu.wgmma(dq_acc, _a_operand(ds, a_smem, dtype), k_t)  # dQ += dS K
       if not late:
         plgpu.wgmma_wait(0)

@@ -261,6 +261,19 @@ class MosaicConfig:
       causal at s8192 against 664-739 for the dK and dV passes,
       tools/kernel_times.py); not a default: 2-9% slower on the H200
       (docs/benchmarks/h200-2026-12-01-dq-late-release.md).
+    bwd_softmax_overlap: FlashAttention-3's order inside a step of the
+      dK/dV and dQ kernels (hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp;
+      the intra-warpgroup overlap of arXiv 2407.08608 §3.2 applied to the
+      backward): after issuing the ``S`` and ``dP`` wgmmas, wait for
+      ``S``'s alone (``wgmma.wait_group 1``) and compute ``P``'s
+      exponentials while ``dP``'s still runs; in the dK/dV kernel, issue
+      ``dV += P^T dO`` before computing ``dS``, so ``dS``'s arithmetic
+      runs under that matmul.  The default waits for both products, then
+      computes ``P`` and ``dS``, then issues the second matmuls.  The
+      paired kernels (``bwd_paired_dkv``, ``bwd_paired_dq``) have one
+      product per consumer before the softmax and are unchanged.  With
+      ``p_in_smem`` (the interpreter's form) ``dS`` still waits for dV's
+      matmul, which reads the staging buffer ``dS`` reuses.
   """
 
   block_q: int = 64
@@ -293,6 +306,7 @@ class MosaicConfig:
   bwd_shared_dq: bool = False
   bwd_dq_halves: bool = False
   bwd_dq_late_release: bool = False
+  bwd_softmax_overlap: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):

@@ -26,7 +26,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxflash.triton import tiles
-from jaxflash.triton.common import LOG2E, Problem, dot, logits, out_struct
+from jaxflash.triton.common import (
+  LOG2E,
+  Problem,
+  dot,
+  logits,
+  out_struct,
+  softmax_delta,
+)
 from jaxflash.triton.config import TritonConfig
 
 
@@ -152,10 +159,7 @@ def backward(q, k, v, o, lse, do, dlse, masks_in: tiles.MaskInputs, *,
   batch = q.shape[0]
   dp = prob.head_dim_padded
   group = prob.group
-  # delta_i = sum_d dO_id O_id, in float32: one fused XLA pass.
-  delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32),
-                     do.astype(jnp.float32))
-  delta = delta - dlse
+  delta = softmax_delta(o, do, dlse)  # one fused XLA pass, float32
   lse2 = _lse2(lse)
   params = plt.CompilerParams(num_warps=config.num_warps_bwd,
                               num_stages=config.num_stages_bwd)

@@ -71,6 +71,23 @@ def logits(q, k, prob: Problem):
   return s * LOG2E, th
 
 
+def softmax_delta(out, dout, dlse):
+  """``delta_i = sum_d dO_id O_id - dlse_i`` per query row, float32,
+  ``[B, H, T]`` from ``[B, T, H, D]`` operands (``dlse`` ``[B, H, T]``).
+
+  Written as a product summed over ``d``, not as ``einsum("bthd,bthd->bht")``:
+  that is a ``dot_general`` whose batch dimensions come out in another order
+  than they go in, which XLA may run as a batched matmul behind transposes
+  of both float32 operands (and, on GPU at DEFAULT precision, in TF32);
+  this is one fused elementwise-and-reduce pass in exact float32, and only
+  the small ``[B, T, H]`` result is transposed.  ``d lse_i / d s_ij =
+  P_ij``, so the LSE cotangent enters the gradient through ``delta``.
+  """
+  prod = out.astype(jnp.float32) * dout.astype(jnp.float32)
+  return (jnp.sum(prod, axis=-1).transpose(0, 2, 1)
+          - dlse.astype(jnp.float32))
+
+
 def out_struct(shape, dtype, *like) -> jax.ShapeDtypeStruct:
   """A kernel output type that varies over the manual mesh axes of the
   arrays it is computed from (needed inside ``shard_map`` with
