@@ -199,10 +199,11 @@ INTERPRET_VARIANTS.update({
 # Options that are not a tuned default anywhere (experiments kept for
 # their records): on every commit (`make test`) the first two cases of
 # each, the rest with the `slow` marker (`make test-all`).  The defaults'
-# options (bwd_paired_dkv, bwd_paired_dq, prefetch_q) run every case.
+# options (bwd_paired_dkv, bwd_paired_dq, prefetch_q, bwd_softmax_overlap)
+# run every case.
 EXPERIMENTS = {"intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "split_kv_release", "pv_then_qk", "pv_then_qk+row_sum_in_pv",
-               "bwd_dq_late_release", "lean_epilogue", "bwd_softmax_overlap"}
+               "bwd_dq_late_release", "lean_epilogue"}
 
 
 def _variant_params():
