@@ -75,13 +75,13 @@ def softmax_delta(out, dout, dlse):
   """``delta_i = sum_d dO_id O_id - dlse_i`` per query row, float32,
   ``[B, H, T]`` from ``[B, T, H, D]`` operands (``dlse`` ``[B, H, T]``).
 
-  Written as a product summed over ``d``, not as ``einsum("bthd,bthd->bht")``:
-  that is a ``dot_general`` whose batch dimensions come out in another order
-  than they go in, which XLA may run as a batched matmul behind transposes
-  of both float32 operands (and, on GPU at DEFAULT precision, in TF32);
-  this is one fused elementwise-and-reduce pass in exact float32, and only
-  the small ``[B, T, H]`` result is transposed.  ``d lse_i / d s_ij =
-  P_ij``, so the LSE cotangent enters the gradient through ``delta``.
+  A product summed over ``d`` in float32, then the small ``[B, T, H]``
+  result transposed: one fused XLA pass, shared by both backends' backward.
+  (The einsum ``"bthd,bthd->bht"`` it replaces is a ``dot_general`` with
+  reordered batch dimensions; on the H200 XLA ran it as the same fused
+  reduction, bitwise equal and as fast, 0.04 ms at 16k tokens x width 2048,
+  docs/benchmarks/h200-2026-12-02-softmax-overlap.md.)  ``d lse_i / d s_ij
+  = P_ij``, so the LSE cotangent enters the gradient through ``delta``.
   """
   prod = out.astype(jnp.float32) * dout.astype(jnp.float32)
   return (jnp.sum(prod, axis=-1).transpose(0, 2, 1)
