@@ -646,17 +646,32 @@ def test_through_flash_attention_interpret(soft_cap):
                       causal=True, logits_soft_cap=soft_cap)
 
 
-@pytest.mark.parametrize("head_dim,paired_dq", [(64, False), (256, False),
-                                               (64, True), (256, True)])
-def test_paired_soft_cap_interpret(head_dim, paired_dq):
-  """bwd_paired_dkv (and bwd_paired_dq) under a soft cap: consumer 0 hands
-  over P^T (1 - tanh^2) (P (1 - tanh^2)), which consumer 1's dS needs
-  and cannot compute without S."""
+# Backward forms under a soft cap, in the interpreter: (head_dim, config).
+_SOFT_CAP_FORMS = {
+    # Consumer 0 hands over P^T (1 - tanh^2) (P (1 - tanh^2)), which
+    # consumer 1's dS needs and cannot compute without S.
+    "paired-dkv-d64": (64, dataclasses.replace(ONE_WG, bwd_paired_dkv=True)),
+    "paired-dkv-d256": (256, dataclasses.replace(ONE_WG,
+                                                 bwd_paired_dkv=True)),
+    "paired-dq-d64": (64, dataclasses.replace(ONE_WG, bwd_paired_dkv=True,
+                                              bwd_paired_dq=True)),
+    "paired-dq-d256": (256, dataclasses.replace(ONE_WG, bwd_paired_dkv=True,
+                                                bwd_paired_dq=True)),
+    # P and tanh computed under dP's wgmma, dS (times 1 - tanh^2) under
+    # dV's.
+    "softmax-overlap-d64-2wg": (64, dataclasses.replace(
+        TWO_WG, bwd_softmax_overlap=True)),
+    "softmax-overlap-d256-split": (256, dataclasses.replace(
+        SPLIT, bwd_softmax_overlap=True)),
+}
+
+
+@pytest.mark.parametrize("form", list(_SOFT_CAP_FORMS))
+def test_soft_cap_interpret(form):
+  head_dim, cfg = _SOFT_CAP_FORMS[form]
   args = numerics.random_inputs(jax.random.key(6), batch=1, q_len=100,
                                 kv_len=130, heads=2, kv_heads=1,
                                 head_dim=head_dim, dtype=jnp.bfloat16)
-  cfg = dataclasses.replace(ONE_WG, bwd_paired_dkv=True,
-                            bwd_paired_dq=paired_dq)
   spec = masks.MaskSpec(100, 130, True)
 
   def fn(q, k, v):
@@ -673,7 +688,8 @@ def test_paired_soft_cap_interpret(head_dim, paired_dq):
 @pytest.mark.parametrize("paired_dq", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_paired_soft_cap(causal, paired_dq):
-  """The H200 form of the test above, at head_dim 256."""
+  """The H200 form of test_soft_cap_interpret's paired forms, at head_dim
+  256."""
   args = numerics.random_inputs(jax.random.key(9), batch=2, q_len=1000,
                                 kv_len=1000, heads=8, kv_heads=2,
                                 head_dim=256, dtype=jnp.bfloat16)
@@ -706,27 +722,6 @@ def test_interpreter_thread_guard(monkeypatch):
                          softmax_scale=0.1, config=TWO_WG, interpret=True)
 
 
-@pytest.mark.parametrize("head_dim,cfg", [
-    (64, TWO_WG), (256, SPLIT)], ids=["d64-2wg", "d256-split"])
-def test_softmax_overlap_soft_cap_interpret(head_dim, cfg):
-  """bwd_softmax_overlap under a soft cap: P and tanh computed under dP's
-  wgmma, dS (times 1 - tanh^2) under dV's."""
-  args = numerics.random_inputs(jax.random.key(8), batch=1, q_len=100,
-                                kv_len=130, heads=2, kv_heads=1,
-                                head_dim=head_dim, dtype=jnp.bfloat16)
-  cfg = dataclasses.replace(cfg, bwd_softmax_overlap=True)
-  spec = masks.MaskSpec(100, 130, True)
-
-  def fn(q, k, v):
-    return mosaic_gpu.attention(q, k, v, mask=spec,
-                                softmax_scale=head_dim ** -0.5,
-                                logits_soft_cap=2.0, config=cfg,
-                                interpret=RACES)
-
-  numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
-                      causal=True, logits_soft_cap=2.0)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
@@ -734,11 +729,11 @@ def test_gpu_soft_cap(causal, overlap):
   args = numerics.random_inputs(jax.random.key(9), batch=2, q_len=1000,
                                 kv_len=1000, heads=8, kv_heads=2,
                                 head_dim=128, dtype=jnp.bfloat16)
-  cfg = None
-  if overlap:
-    cfg = dataclasses.replace(
-        mosaic_gpu.default_config(jax.devices()[0].device_kind, 128),
-        bwd_softmax_overlap=True)
+  # The call's tuned default, with and without bwd_softmax_overlap.
+  cfg = dataclasses.replace(
+      mosaic_gpu.default_config(jax.devices()[0].device_kind, 128,
+                                causal=causal, kv_len=1000),
+      bwd_softmax_overlap=overlap)
   fn = functools.partial(jaxflash.flash_attention, causal=causal,
                          return_lse=True, implementation="mosaic_gpu",
                          logits_soft_cap=30.0, config=cfg)
