@@ -186,14 +186,18 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
     dict(bwd_softmax_overlap=True, bwd_atomic_dq=True),
     dict(bwd_softmax_overlap=True, bwd_atomic_dq=True, bwd_shared_dq=True),
     dict(bwd_softmax_overlap=True, bwd_split_dkv=True, bwd_compute_wgs=1),
+    dict(bwd_stats_in_acc=True),
+    dict(bwd_stats_in_acc=True, bwd_softmax_overlap=True),
+    dict(bwd_stats_in_acc=True, bwd_atomic_dq=True),
 ], ["default", "p-in-smem", "one-wg", "deep", "split", "atomic-dq",
         "atomic-dq-p-in-smem-one-wg", "shared-dq", "dq-halves", "named",
         "named-shared-dq", "named-split", "regs240", "regs240-atomic-dq",
         "dq-late", "dq-late-split", "paired-dkv", "paired-dq",
         "paired-dq-named", "softmax-overlap", "softmax-overlap-atomic-dq",
-        "softmax-overlap-shared-dq", "softmax-overlap-split"],
+        "softmax-overlap-shared-dq", "softmax-overlap-split",
+        "stats-in-acc", "stats-in-acc-overlap", "stats-in-acc-atomic-dq"],
     every_commit={"default", "atomic-dq", "split", "paired-dkv",
-                  "paired-dq"}))
+                  "paired-dq", "stats-in-acc-overlap"}))
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),

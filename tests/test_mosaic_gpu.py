@@ -379,6 +379,20 @@ GPU_CONFIGS = {
     # H200, 2026-12-02; not yet run as a test).
     "bwd-softmax-overlap-regs240": mosaic_gpu.MosaicConfig(
         bwd_softmax_overlap=True, bwd_consumer_registers=240),
+    # LSE and delta folded into the dK/dV kernel's accumulators: the
+    # default step order and FA3's, atomic dQ, the split passes.
+    "bwd-stats-in-acc": mosaic_gpu.MosaicConfig(bwd_stats_in_acc=True),
+    "bwd-stats-in-acc-overlap": mosaic_gpu.MosaicConfig(
+        bwd_stats_in_acc=True, bwd_softmax_overlap=True),
+    "bwd-stats-in-acc-overlap-atomic": mosaic_gpu.MosaicConfig(
+        bwd_stats_in_acc=True, bwd_softmax_overlap=True, bwd_atomic_dq=True),
+    "bwd-stats-in-acc-overlap-regs240": mosaic_gpu.MosaicConfig(
+        bwd_stats_in_acc=True, bwd_softmax_overlap=True,
+        bwd_consumer_registers=240),
+    "bwd-stats-in-acc-atomic": mosaic_gpu.MosaicConfig(
+        bwd_stats_in_acc=True, bwd_atomic_dq=True),
+    "bwd-stats-in-acc-split": mosaic_gpu.MosaicConfig(
+        bwd_stats_in_acc=True, bwd_split_dkv=True, bwd_compute_wgs=1),
 }
 
 
@@ -564,6 +578,17 @@ def test_atomic_dq_needs_one_pass_and_a_gpu():
         config=dataclasses.replace(ONE_WG, bwd_atomic_dq=True))
 
 
+def test_stats_in_acc_needs_a_gpu():
+  """The interpreter rejects stores into a wgmma accumulator (seen with
+  jax 0.11.2: "Accumulator shape (6,) does not match value shape"): the
+  backend refuses the option there with the reason."""
+  q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="stores into a wgmma"):
+    jaxflash.flash_attention(
+        q, q, q, implementation="mosaic_gpu", interpret=True,
+        config=dataclasses.replace(ONE_WG, bwd_stats_in_acc=True))
+
+
 def test_shared_dq_validation():
   """bwd_shared_dq shares the atomic dQ of two consumers (ValueError
   otherwise) in halves of 64 columns (NotImplementedError below padded
@@ -727,17 +752,19 @@ def test_interpreter_thread_guard(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stats_in_acc", [False, True])
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_soft_cap(causal, overlap):
+def test_gpu_soft_cap(causal, overlap, stats_in_acc):
   args = numerics.random_inputs(jax.random.key(9), batch=2, q_len=1000,
                                 kv_len=1000, heads=8, kv_heads=2,
                                 head_dim=128, dtype=jnp.bfloat16)
-  # The call's tuned default, with and without bwd_softmax_overlap.
+  # The call's tuned default, with and without bwd_softmax_overlap and
+  # bwd_stats_in_acc (which folds only delta under a soft cap).
   cfg = dataclasses.replace(
       mosaic_gpu.default_config(jax.devices()[0].device_kind, 128,
                                 causal=causal, kv_len=1000),
-      bwd_softmax_overlap=overlap)
+      bwd_softmax_overlap=overlap, bwd_stats_in_acc=stats_in_acc)
   fn = functools.partial(jaxflash.flash_attention, causal=causal,
                          return_lse=True, implementation="mosaic_gpu",
                          logits_soft_cap=30.0, config=cfg)

@@ -79,7 +79,9 @@ def _probs(s, lse2, visible, *, prob: Problem, row_axis: int):
   ``tanh`` of the soft cap (None without one): ``dS`` takes ``1 - th^2``,
   the derivative of ``cap * tanh(x / cap)``.  ``lse2`` is per query;
   ``row_axis`` says which axis of the tile is the query axis (0 in the dQ
-  kernel, 1 in the transposed dK/dV kernels)."""
+  kernel, 1 in the transposed dK/dV kernels).  ``lse2=None``: ``s``
+  already holds ``q . k - lse2 / (scale log2 e)`` (:func:`_stats_init`),
+  so ``P = exp2(s scale log2 e)``."""
   if prob.logits_soft_cap is None:
     th = None
     logits2 = s * (prob.softmax_scale * LOG2E)
@@ -89,6 +91,8 @@ def _probs(s, lse2, visible, *, prob: Problem, row_axis: int):
     logits2 = th * (cap * LOG2E)
   if visible is not None:
     logits2 = jnp.where(visible, logits2, -jnp.inf)
+  if lse2 is None:
+    return jnp.exp2(logits2), th
   p = jnp.exp2(logits2 - lax.broadcast_in_dim(lse2, s.shape, [row_axis]))
   return p, th
 
@@ -96,11 +100,35 @@ def _probs(s, lse2, visible, *, prob: Problem, row_axis: int):
 def _dscores(p, th, dp, delta, *, row_axis: int):
   """``dS = P (dP - delta)`` of one tile (float32; times ``1 - th^2`` under
   a soft cap, ``th`` from :func:`_probs`), the gradient w.r.t. the scaled
-  logits; ``delta`` is per query."""
-  ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [row_axis]))
+  logits; ``delta`` is per query (None: ``dp`` already holds ``dP -
+  delta``, :func:`_stats_init`)."""
+  ds = p * (dp if delta is None
+            else dp - lax.broadcast_in_dim(delta, p.shape, [row_axis]))
   if th is not None:
     ds = ds * (1.0 - th * th)
   return ds
+
+
+def _stats_init(prob: Problem, lse_ref, delta_ref, shape, row_axis: int):
+  """``bwd_stats_in_acc``: the starting values of one tile's ``S`` and
+  ``dP`` accumulators (``(s0, dp0)``, float32, or None where not folded).
+  The wgmmas then accumulate ``q . k - lse2 / (scale log2 e)`` and ``dP -
+  delta``, the per-query statistics subtracted by the tensor cores'
+  float32 additions, so that the per-query vectors are dead before the
+  softmax (in the transposed dK/dV tile each is 16 registers per thread,
+  one per column a thread holds).  ``lse2 = +inf`` (a query that sees no
+  key) starts ``S`` at ``-inf``, so ``P = 0`` as before.  Under a soft
+  cap ``P`` takes ``tanh`` of the raw product, so only ``delta`` is
+  folded there."""
+  def start(ref, scale):
+    vec = plgpu.load(ref, layout=COL if row_axis == 1 else ROW)
+    return lax.broadcast_in_dim(vec * scale, shape, [row_axis])
+
+  s0 = None
+  if prob.logits_soft_cap is None:
+    s0 = start(lse_ref, -1.0 / (prob.softmax_scale * LOG2E))
+  dp0 = None if delta_ref is None else start(delta_ref, -1.0)
+  return s0, dp0
 
 
 def _segment_kwargs(q_seg_ref, kv_seg_ref, b, q_start, n_q, k_start, n_k,
@@ -277,6 +305,7 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
   a_smem2 = extra.pop(0) if cfg.p_in_smem else None
   shared_dq = atomic_dq and cfg.bwd_shared_dq
   overlap = cfg.bwd_softmax_overlap
+  stats_in_acc = cfg.bwd_stats_in_acc
   if shared_dq:
     ds_smem2, dq_smem2, ds_ready = extra
   elif atomic_dq:
@@ -313,31 +342,39 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     if want_dk:  # V enters only through dP^T = V dO^T
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg])
     plgpu.barrier_wait(kv_ready.at[wg])
-    k_idx = k_start + plgpu.broadcasted_iota(
-        jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
 
     def compute(step, t, carry, *, masked: bool, accs, g):
       slot = lax.rem(step, stages)
       plgpu.barrier_wait(ready.at[slot])
       q_t, do_t = q_ring.at[slot], do_ring.at[slot]
 
-      def tile_mask():
-        if not masked:
-          return None
-        q_idx = t * bq + plgpu.broadcasted_iota(
-            jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
-        return mask.visible(q_idx, k_idx, **_segment_kwargs(
-            qseg_ref, kvseg_ref, b, t * bq, bq, k_start, bk, q_axis=1))
+      tile_mask = lambda: _tile_mask(
+          masked, mask, (qseg_ref, kvseg_ref), b, q_start=t * bq, n_q=bq,
+          k_start=k_start, n_k=bk, q_axis=1)
+
+      # bwd_stats_in_acc: the accumulators start at -lse2 / (scale log2 e)
+      # and -delta (None: that statistic is subtracted below).
+      s0, dp0 = (_stats_init(prob, lse_ring.at[slot],
+                             delta_ring.at[slot] if want_dk else None,
+                             (bk, bq), row_axis=1)
+                 if stats_in_acc else (None, None))
+      lse2_of = lambda: (None if s0 is not None
+                         else plgpu.load(lse_ring.at[slot], layout=COL))
+      delta_of = lambda: (None if dp0 is not None
+                          else plgpu.load(delta_ring.at[slot], layout=COL))
 
       def sdp(s_acc, dp_acc=None):
+        if s0 is not None:
+          s_acc[...] = s0
         plgpu.wgmma(s_acc, k_smem, q_t.T)     # S^T = K Q^T
         if dp_acc is None:
           return s_acc[...], None
+        if dp0 is not None:
+          dp_acc[...] = dp0
         plgpu.wgmma(dp_acc, v_smem, do_t.T)   # dP^T = V dO^T
         if overlap:  # P^T while dP^T's wgmma runs (S^T's alone waited for)
           s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
-          lse2 = plgpu.load(lse_ring.at[slot], layout=COL)
-          return _probs(s, lse2, tile_mask(), prob=prob,
+          return _probs(s, lse2_of(), tile_mask(), prob=prob,
                         row_axis=1), dp_acc[...]
         return s_acc[...], dp_acc[...]
 
@@ -346,13 +383,12 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
         # FlashAttention-3's order: P^T under dP^T's wgmma (above), dS^T
         # under dV's (below).
         (p, th), dp = pl.run_scoped(sdp, acc, acc)
-        delta = plgpu.load(delta_ring.at[slot], layout=COL)
+        delta = delta_of()
         ds = None
       else:
         s, dp = pl.run_scoped(sdp, *(acc,) * (1 + want_dk))
-        lse2 = plgpu.load(lse_ring.at[slot], layout=COL)
-        delta = (plgpu.load(delta_ring.at[slot], layout=COL) if want_dk
-                 else None)
+        lse2 = lse2_of()
+        delta = delta_of() if want_dk else None
         p, th = _probs(s, lse2, tile_mask(), prob=prob, row_axis=1)
         ds = None if dp is None else _dscores(p, th, dp, delta, row_axis=1)
       if want_dv:  # dV += P^T dO
@@ -584,20 +620,15 @@ def _paired_dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
     pipeline.split_registers(False, 2, cfg.bwd_consumer_registers)
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[0])
     plgpu.barrier_wait(kv_ready.at[0])
-    k_idx = k_start + plgpu.broadcasted_iota(
-        jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
 
     def compute(step, t, carry, *, masked, acc):
       slot = lax.rem(step, stages)
       plgpu.barrier_wait(ready.at[slot])
 
       s = _product_t(k_smem, q_ring.at[slot], (bk, bq))  # S^T = K Q^T
-      visible = None
-      if masked:
-        q_idx = t * bq + plgpu.broadcasted_iota(
-            jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
-        visible = mask.visible(q_idx, k_idx, **_segment_kwargs(
-            qseg_ref, kvseg_ref, b, t * bq, bq, k_start, bk, q_axis=1))
+      visible = _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
+                           q_start=t * bq, n_q=bq, k_start=k_start, n_k=bk,
+                           q_axis=1)
       p, th = _probs(s, plgpu.load(lse_ring.at[slot], layout=COL), visible,
                      prob=prob, row_axis=1)
       hand.at[slot][...] = (p if th is None
@@ -698,16 +729,21 @@ def _query_group(prob: Problem, range_ref, group_rows: int, bk: int):
   return b, h, wg, start, streamed, tiles
 
 
-def _dq_tile_mask(masked: bool, mask, q_idx, t, bk, seg_refs, b, q_start):
-  """The element mask of a dQ kernel's tile (queries ``q_idx`` from
-  ``q_start`` by key tile ``t``), or None where ``masked`` is False."""
+def _tile_mask(masked: bool, mask, seg_refs, b, *, q_start, n_q, k_start,
+               n_k, q_axis: int):
+  """The element mask of one tile of a backward kernel (queries from
+  ``q_start`` along ``q_axis``, keys from ``k_start`` along the other), or
+  None where ``masked`` is False.  The index tiles are built here, in the
+  masked steps alone: one built before the loop stays live through it
+  (32 registers per thread in a 64 x 64 tile)."""
   if not masked:
     return None
-  bq = q_idx.shape[0]
-  k_idx = t * bk + plgpu.broadcasted_iota(
-      jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
-  return mask.visible(q_idx, k_idx, **_segment_kwargs(
-      *seg_refs, b, q_start, bq, t * bk, bk, q_axis=0))
+  shape = (n_q, n_k) if q_axis == 0 else (n_k, n_q)
+  idx = lambda start, axis: start + plgpu.broadcasted_iota(
+      jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+  return mask.visible(idx(q_start, q_axis), idx(k_start, 1 - q_axis),
+                      **_segment_kwargs(*seg_refs, b, q_start, n_q, k_start,
+                                        n_k, q_axis=q_axis))
 
 
 def _key_tile_loader(srcs, rings, ready, *, b, h, prob: Problem, u_lo, bk):
@@ -755,8 +791,6 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
     delta = plgpu.load(delta_ref.at[b, h, pl.ds(q_start, bq)], layout=ROW,
                        optimized=False)
     plgpu.barrier_wait(qdo_ready.at[wg])
-    q_idx = q_start + plgpu.broadcasted_iota(
-        jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
 
     def compute(step, t, carry, *, masked: bool, dq_acc):
       slot = lax.rem(step, stages)
@@ -764,8 +798,9 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       k_t, v_t = k_ring.at[slot], v_ring.at[slot]
 
       def probs(s):
-        visible = _dq_tile_mask(masked, mask, q_idx, t, bk,
-                                (qseg_ref, kvseg_ref), b, q_start)
+        visible = _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
+                             q_start=q_start, n_q=bq, k_start=t * bk,
+                             n_k=bk, q_axis=0)
         return _probs(s, lse2, visible, prob=prob, row_axis=0)
 
       def sdp(s_acc, dp_acc):
@@ -921,8 +956,6 @@ def _paired_dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   @pl.when(wg == 0)
   def _probs_consumer():
     lse2 = hold(q_ref, q_smem, 0, lse2_ref)
-    q_idx = q_start + plgpu.broadcasted_iota(
-        jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
 
     def compute(step, t, carry, *, masked, acc):
       del acc
@@ -931,8 +964,9 @@ def _paired_dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
 
       s = _product_t(q_smem, k_ring.at[slot], (bq, bk))  # S = Q K^T
       free.arrive(slot)  # K read; consumer 1 still holds the slot
-      visible = _dq_tile_mask(masked, mask, q_idx, t, bk, (qseg_ref, kvseg_ref),
-                              b, q_start)
+      visible = _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
+                           q_start=q_start, n_q=bq, k_start=t * bk, n_k=bk,
+                           q_axis=0)
       p, th = _probs(s, lse2, visible, prob=prob, row_axis=0)
       hand.at[slot][...] = (p if th is None
                             else p * (1.0 - th * th)).astype(dtype)

@@ -279,6 +279,23 @@ class MosaicConfig:
       shapes, s2048-16384); at 64 it loses 2-4% with atomic dQ and with
       the dQ kernel alike
       (docs/benchmarks/h200-2026-12-02-softmax-overlap.md).
+    bwd_stats_in_acc: in the dK/dV kernel, start each tile's ``S^T`` and
+      ``dP^T`` accumulators at ``-lse2 / (scale log2 e)`` and ``-delta``
+      per query (a store into the wgmma accumulator) instead of at zero,
+      so that the tensor cores' float32 additions subtract the per-query
+      statistics: ``P^T = exp2(acc * scale log2 e)`` and ``dS^T = P^T
+      acc``.  In the transposed tile a per-query vector is one value per
+      column a thread holds, 16 registers per thread each at
+      ``bwd_block_q=64``; folded, they are dead before the wgmmas are
+      issued instead of live through the softmax, where the d128 kernel
+      spills (ncu, d128 s8192: the spill reloads and the wait for the LSE
+      load on the path between ``S``'s wgmma and ``P``).  Under a soft
+      cap only ``delta`` is folded (``P`` takes ``tanh`` of the raw
+      product).  GPU only: the Mosaic GPU interpreter does not run stores
+      into an accumulator.  The paired kernels (``bwd_paired_dkv``,
+      ``bwd_paired_dq``) and the dQ kernel (whose per-query vectors are
+      one value per row, 2 registers, held for the whole loop) are
+      unchanged.
   """
 
   block_q: int = 64
@@ -312,6 +329,7 @@ class MosaicConfig:
   bwd_dq_halves: bool = False
   bwd_dq_late_release: bool = False
   bwd_softmax_overlap: bool = False
+  bwd_stats_in_acc: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
