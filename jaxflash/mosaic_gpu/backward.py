@@ -620,6 +620,8 @@ def _paired_dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
     pipeline.split_registers(False, 2, cfg.bwd_consumer_registers)
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[0])
     plgpu.barrier_wait(kv_ready.at[0])
+    k_idx = k_start + plgpu.broadcasted_iota(
+        jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
 
     def compute(step, t, carry, *, masked, acc):
       slot = lax.rem(step, stages)
@@ -628,7 +630,7 @@ def _paired_dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       s = _product_t(k_smem, q_ring.at[slot], (bk, bq))  # S^T = K Q^T
       visible = _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
                            q_start=t * bq, n_q=bq, k_start=k_start, n_k=bk,
-                           q_axis=1)
+                           q_axis=1, held=k_idx)
       p, th = _probs(s, plgpu.load(lse_ring.at[slot], layout=COL), visible,
                      prob=prob, row_axis=1)
       hand.at[slot][...] = (p if th is None
@@ -730,18 +732,24 @@ def _query_group(prob: Problem, range_ref, group_rows: int, bk: int):
 
 
 def _tile_mask(masked: bool, mask, seg_refs, b, *, q_start, n_q, k_start,
-               n_k, q_axis: int):
+               n_k, q_axis: int, held=None):
   """The element mask of one tile of a backward kernel (queries from
   ``q_start`` along ``q_axis``, keys from ``k_start`` along the other), or
   None where ``masked`` is False.  The index tiles are built here, in the
   masked steps alone: one built before the loop stays live through it
-  (32 registers per thread in a 64 x 64 tile)."""
+  (32 registers per thread in a 64 x 64 tile; the causal d128 dK/dV
+  kernel spilled 196 / 332 bytes with it, 128 / 184 without).  ``held``:
+  the held side's index tile, built before the loop (the paired kernels,
+  as measured on the H200; not re-timed without it)."""
   if not masked:
     return None
   shape = (n_q, n_k) if q_axis == 0 else (n_k, n_q)
   idx = lambda start, axis: start + plgpu.broadcasted_iota(
       jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
-  return mask.visible(idx(q_start, q_axis), idx(k_start, 1 - q_axis),
+  q_idx = held if held is not None and q_axis == 0 else idx(q_start, q_axis)
+  k_idx = held if held is not None and q_axis == 1 else idx(k_start,
+                                                              1 - q_axis)
+  return mask.visible(q_idx, k_idx,
                       **_segment_kwargs(*seg_refs, b, q_start, n_q, k_start,
                                         n_k, q_axis=q_axis))
 
@@ -956,6 +964,8 @@ def _paired_dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   @pl.when(wg == 0)
   def _probs_consumer():
     lse2 = hold(q_ref, q_smem, 0, lse2_ref)
+    q_idx = q_start + plgpu.broadcasted_iota(
+        jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
 
     def compute(step, t, carry, *, masked, acc):
       del acc
@@ -966,7 +976,7 @@ def _paired_dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       free.arrive(slot)  # K read; consumer 1 still holds the slot
       visible = _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
                            q_start=q_start, n_q=bq, k_start=t * bk, n_k=bk,
-                           q_axis=0)
+                           q_axis=0, held=q_idx)
       p, th = _probs(s, lse2, visible, prob=prob, row_axis=0)
       hand.at[slot][...] = (p if th is None
                             else p * (1.0 - th * th)).astype(dtype)
