@@ -211,9 +211,10 @@ class MosaicConfig:
       kernels' two consumer warpgroups (``setmaxnreg``; the producer keeps
       what is left of the launch allocation, at most 40:
       ``producer_registers``).  232 (tokamax's split, producer
-      40) by default; 240 is FlashAttention-3's (producer 24), for the
-      d128 kernels, which spill 40-136 bytes per thread at 232
-      (tools/ptxas_report.py).
+      40) by default; 240 is FlashAttention-3's (producer 24), the tuned
+      default at padded head_dim 128 with ``bwd_stats_in_acc`` (H200,
+      fwd+bwd +0.9-1.7% at s8192/16384 non-causal; before that option
+      removed the d128 kernel's spills it measured within noise).
     bwd_atomic_dq: accumulate dQ in the dK/dV kernel instead of a dQ
       kernel: each tile's ``dS K`` (float32, through shared memory) is
       added into a zeroed float32 buffer in global memory by a TMA
@@ -288,8 +289,12 @@ class MosaicConfig:
       column a thread holds, 16 registers per thread each at
       ``bwd_block_q=64``; folded, they are dead before the wgmmas are
       issued instead of live through the softmax, where the d128 kernel
-      spills (ncu, d128 s8192: the spill reloads and the wait for the LSE
-      load on the path between ``S``'s wgmma and ``P``).  Under a soft
+      spilled (ncu, d128 s8192: spill stores and reloads every step, and
+      the wait for the LSE load between ``S``'s wgmma and ``P``).  The
+      tuned default at padded head_dim 128 (H200, s8192 non-causal: dK/dV
+      kernel 3.61 -> 3.30 ms, ptxas spills 40 / 64 bytes -> none; fwd+bwd
+      +2-6% at 9 of 10 shapes, s1024-16384); at 64 (no spills) -1..+2%
+      (docs/benchmarks/h200-2026-12-02-stats-in-acc.md).  Under a soft
       cap only ``delta`` is folded (``P`` takes ``tanh`` of the raw
       product).  GPU only: the Mosaic GPU interpreter does not run stores
       into an accumulator.  The paired kernels (``bwd_paired_dkv``,
