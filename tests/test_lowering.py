@@ -189,13 +189,18 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
     dict(bwd_stats_in_acc=True),
     dict(bwd_stats_in_acc=True, bwd_softmax_overlap=True),
     dict(bwd_stats_in_acc=True, bwd_atomic_dq=True),
+    dict(bwd_stats_in_acc=True, bwd_softmax_overlap=True,
+         bwd_atomic_dq=True, bwd_shared_dq=True),
+    dict(bwd_stats_in_acc=True, bwd_split_dkv=True, bwd_compute_wgs=1),
+    dict(bwd_stats_in_acc=True, bwd_block_q=128),
 ], ["default", "p-in-smem", "one-wg", "deep", "split", "atomic-dq",
         "atomic-dq-p-in-smem-one-wg", "shared-dq", "dq-halves", "named",
         "named-shared-dq", "named-split", "regs240", "regs240-atomic-dq",
         "dq-late", "dq-late-split", "paired-dkv", "paired-dq",
         "paired-dq-named", "softmax-overlap", "softmax-overlap-atomic-dq",
         "softmax-overlap-shared-dq", "softmax-overlap-split",
-        "stats-in-acc", "stats-in-acc-overlap", "stats-in-acc-atomic-dq"],
+        "stats-in-acc", "stats-in-acc-overlap", "stats-in-acc-atomic-dq",
+        "stats-in-acc-shared-dq", "stats-in-acc-split", "stats-in-acc-bq128"],
     every_commit={"default", "atomic-dq", "split", "paired-dkv",
                   "paired-dq", "stats-in-acc-overlap"}))
 @pytest.mark.parametrize("shape", [
@@ -239,6 +244,25 @@ def test_mosaic_backward_lowers_for_cuda(shape, cfg, segments):
     kernels = re.findall(r"custom_call @(\w+)", lower())
     n = 3 + config.bwd_split_dkv - config.bwd_atomic_dq
     assert kernels == ["mosaic_gpu_v2"] * n, kernels
+
+
+def test_mosaic_backward_soft_cap_stats_in_acc_lowers():
+  """Under a soft cap ``bwd_stats_in_acc`` folds delta alone (the LSE
+  stays a subtraction after the tanh); both step orders lower."""
+  from jaxflash import mosaic_gpu
+  q, kv, _, _, mask = _mosaic_case((256, 256, 4, 2, 128, True, None))
+  for overlap in (False, True):
+    config = mosaic_gpu.MosaicConfig(bwd_stats_in_acc=True,
+                                     bwd_softmax_overlap=overlap)
+
+    def loss(q, k, v, config=config):
+      out, _ = mosaic_gpu.attention(q, k, v, mask=mask, softmax_scale=0.125,
+                                    logits_soft_cap=20.0, config=config)
+      return out.astype(jnp.float32).sum()
+
+    text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, kv, kv).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"] * 3
 
 
 @pytest.mark.parametrize("atomic", [False, True], ids=["dq-kernel", "atomic"])

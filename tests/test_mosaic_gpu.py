@@ -376,7 +376,7 @@ GPU_CONFIGS = {
     "bwd-softmax-overlap-split": mosaic_gpu.MosaicConfig(
         bwd_softmax_overlap=True, bwd_split_dkv=True, bwd_compute_wgs=1),
     # ... with FlashAttention-3's register split (+0.2-3% at d128 on the
-    # H200, 2026-12-02; not yet run as a test).
+    # H200, 2026-12-02; 15 passed at af3998b).
     "bwd-softmax-overlap-regs240": mosaic_gpu.MosaicConfig(
         bwd_softmax_overlap=True, bwd_consumer_registers=240),
     # LSE and delta folded into the dK/dV kernel's accumulators: the
@@ -391,6 +391,14 @@ GPU_CONFIGS = {
         bwd_consumer_registers=240),
     "bwd-stats-in-acc-atomic": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_atomic_dq=True),
+    # The next two are candidates of docs/perf-notes.md's plan (not yet
+    # run on the GPU, 2026-12-02).
+    "bwd-stats-in-acc-shared-dq": mosaic_gpu.MosaicConfig(
+        bwd_stats_in_acc=True, bwd_softmax_overlap=True, bwd_atomic_dq=True,
+        bwd_shared_dq=True, bwd_consumer_registers=240),
+    # 128-query tiles at head_dim 64: Sᵀ and dPᵀ 64 x 128 per consumer.
+    "bwd-stats-in-acc-bq128": mosaic_gpu.MosaicConfig(
+        bwd_stats_in_acc=True, bwd_block_q=128),
     "bwd-stats-in-acc-split": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_split_dkv=True, bwd_compute_wgs=1),
 }
@@ -527,6 +535,13 @@ def test_default_config_rules():
   assert dflt(64).bwd_atomic_dq and dflt(32, causal=True).bwd_atomic_dq
   assert not dflt(64).bwd_shared_dq
   assert not dflt(128).bwd_atomic_dq and not dflt(256).bwd_atomic_dq
+  # The statistics folded into the dK/dV accumulators, with
+  # FlashAttention-3's register split: measured faster at 128 only.
+  for causal in (False, True):
+    d128 = dflt(128, causal=causal, kv_len=8192)
+    assert d128.bwd_stats_in_acc and d128.bwd_consumer_registers == 240
+  assert not dflt(64).bwd_stats_in_acc and not dflt(256).bwd_stats_in_acc
+  assert dflt(64).bwd_consumer_registers == 232
   # Unlisted devices: the persistent rule is the H200's alone; the split
   # backward at head_dim 256 is carried over.
   other = functools.partial(mosaic_gpu.default_config, "some future GPU")

@@ -19,9 +19,13 @@ s8192) is compiled and run twice; profile the second call's launches::
     python3 tools/ncu_stalls.py rep.csv
 
 With ``--mode bwd`` one call launches the forward and then the backward's
-kernels in the order ``jaxflash.mosaic_gpu.backend.backward_passes``
-gives (at d256: dQ, dV, dK), so ``--launch-skip N+1 --launch-count N``
-with N kernels per call profiles the second call's.  ``--overrides``
+N kernels (``jaxflash.mosaic_gpu.backend.backward_passes``), so
+``--launch-skip N+1 --launch-count N`` profiles the second call's.  The
+backward's kernels run in the order XLA schedules them, not necessarily
+``backward_passes``' order: at d128 on the H200 (2026-12-02) it was
+forward, dK/dV, dQ, so the dK/dV kernel was ``--launch-skip 4``.  Tell
+them apart by a first run with ``--section LaunchStats`` (shared memory
+per block, and the dK/dV kernel's longer duration).  ``--overrides``
 takes MosaicConfig fields over the tuned default.  ncu is
 /usr/local/cuda/bin/ncu on the H200 machine, counters enabled; it fixes
 the clock (about 1.35 GHz), so compare its durations only with each

@@ -22,7 +22,12 @@ always with ``deterministic=True``):
 
 ``P`` is recomputed from the forward's base-2 log-sum-exp (``lse2 = +inf``
 for rows that saw no key, so ``P = 0`` there rather than NaN); ``delta =
-rowsum(dO * O) - dlse`` is one XLA pass before the kernels.  With a soft
+rowsum(dO * O) - dlse`` is one XLA pass before the kernels.  With
+``MosaicConfig.bwd_stats_in_acc`` (the d128 default) the dK/dV kernel
+starts the ``S^T`` and ``dP^T`` accumulators at ``-lse2 / (scale
+log2(e))`` and ``-delta`` instead of zero, so the wgmmas subtract them:
+``P^T = exp2(acc * scale * log2(e))``, ``dS^T = P^T * acc``
+(:func:`_stats_init`).  With a soft
 cap, ``dS`` is multiplied by ``1 - tanh^2`` (the derivative of ``cap *
 tanh(x / cap)``).  Tiles follow the forward's rule: fully masked tiles are
 skipped, fully visible ones take no per-element mask
@@ -92,6 +97,9 @@ def _probs(s, lse2, visible, *, prob: Problem, row_axis: int):
   if visible is not None:
     logits2 = jnp.where(visible, logits2, -jnp.inf)
   if lse2 is None:
+    if th is not None:  # the LSE cannot be folded under tanh
+      raise ValueError("a folded LSE (lse2=None) with a soft cap: "
+                       f"logits_soft_cap={prob.logits_soft_cap}")
     return jnp.exp2(logits2), th
   p = jnp.exp2(logits2 - lax.broadcast_in_dim(lse2, s.shape, [row_axis]))
   return p, th
