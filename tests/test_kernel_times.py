@@ -15,12 +15,15 @@ def test_kernel_times_interpret_split_backward(tmp_path):
              XLA_FLAGS="--xla_force_host_platform_device_count=8")
   subprocess.run(
       [sys.executable, str(ROOT / "tools" / "kernel_times.py"),
-       "--interpret", "--samples", "1", "--overrides", "bwd_split_dkv=1",
+       "--interpret", "--samples", "1", "--variants", "split:bwd_split_dkv=1",
        "--out", str(tmp_path)], check=True, env=env, capture_output=True,
-      text=True, timeout=600)
+      text=True, timeout=900)
   got = json.loads((tmp_path / "kernel_times.json").read_text())
-  # The split backward's passes in launch order, each timed.
-  assert [r["kernel"] for r in got["rows"]] == [
-      "forward", "backward (whole)", "backward prep", "dq", "dv", "dk"]
+  # Each config's passes in launch order, each timed in the same rounds.
+  rows = [(r["variant"], r["kernel"]) for r in got["rows"]]
+  common = ["forward", "backward (whole)", "backward prep", "dq"]
+  assert rows == ([("default", k) for k in common + ["dkv"]]
+                  + [("split", k) for k in common + ["dv", "dk"]])
   assert all(r["ms"] > 0 for r in got["rows"])
-  assert got["interpret"] and "bwd_split_dkv=True" in got["config"]
+  assert got["interpret"] and "bwd_split_dkv=True" in got["variants"]["split"]
+  assert "bwd_split_dkv=False" in got["config"]

@@ -17,6 +17,14 @@ convention per pass: ``S`` and ``P V``-sized matmuls, 2 per forward tile
 pair, counted per kernel from the matmuls it runs (forward 2, dQ kernel
 3, dK/dV 4, split dV 3 and dK 4, dK/dV with atomic dQ 5).
 
+``--variants "NAME:field=value,...;..."`` adds configs (each the base
+config with those fields replaced, as the benchmark's
+``--mosaic-variants``); every kernel of every config is then timed in
+the same interleaved rounds (``jaxflash.bench.core.time_interleaved``).
+Separate calls of this tool on the H200 disagreed by up to 8% for one
+config's dK/dV kernel (docs/benchmarks/h200-2026-12-02-stats-in-acc.md),
+so compare kernels of different configs within one call.
+
 ``--interpret`` runs a tiny shape in the Mosaic GPU interpreter (a smoke
 test of the tool, not a figure).
 """
@@ -45,6 +53,9 @@ def main(argv=None) -> int:
   ap.add_argument("--overrides", default="",
                   help="MosaicConfig fields over the tuned default,"
                        " 'field=value,...' (0/1 for booleans)")
+  ap.add_argument("--variants", default="",
+                  help="more configs, 'NAME:field=value,...;...', timed"
+                       " in the same interleaved rounds")
   ap.add_argument("--samples", type=int, default=7)
   ap.add_argument("--interpret", action="store_true",
                   help="tiny shape in the Mosaic GPU interpreter")
@@ -75,45 +86,63 @@ def main(argv=None) -> int:
                                      round_up(d, 64), causal=causal,
                                      kv_len=s)
   cfg = dataclasses.replace(base, **parse_overrides(args.overrides))
+  configs = {"default": cfg}
+  for part in filter(None, (p.strip() for p in args.variants.split(";"))):
+    name, sep, fields = part.partition(":")
+    if not sep or not name.strip() or name.strip() in configs:
+      raise ValueError(f"variant {part!r}: expected a new NAME:field=value")
+    configs[name.strip()] = dataclasses.replace(cfg,
+                                                **parse_overrides(fields))
   keys = jax.random.split(jax.random.key(0), 4)
   q, k, v, do = (jax.random.normal(key, (batch, s, heads, d), jnp.bfloat16)
                  for key in keys)
   mask = MaskSpec(s, s, causal, None, None, None)
   scale = d ** -0.5
   interpret = bool(args.interpret)
-  kw = dict(mask=mask, softmax_scale=scale, config=cfg, interpret=interpret)
-
-  fwd = jax.jit(lambda q, k, v: backend.forward(q, k, v, MaskArrays(),
-                                                **kw))
-  out, lse = fwd(q, k, v)
-  # The backward's own preparation (what backend.backward does before its
-  # kernels), then each pass on those operands.
-  prob = backend.backward_problem(q, k, mask, scale, cfg)
-  full = jax.jit(lambda q, k, v, out, lse, do: backend.backward(
-      q, k, v, MaskArrays(), out, lse, do, jnp.zeros_like(lse), **kw))
-  prep = jax.jit(lambda q, k, v, out, lse, do: backend.backward_operands(
-      q, k, v, out, lse, do, jnp.zeros_like(lse), prob))
-  tensors = prep(q, k, v, out, lse, do)
   params = backend._interpret_params(interpret)  # noqa: SLF001
-  calls = {"forward": (fwd, (q, k, v)),
-           "backward (whole)": (full, (q, k, v, out, lse, do)),
-           "backward prep": (prep, (q, k, v, out, lse, do))}
-  for name, run in backend.backward_passes(prob, cfg, None, None, params):
-    calls[name] = (jax.jit(run), tensors)
 
+  def kernel_calls(cfg):
+    """``name -> (jitted fn, args)``: the forward, the whole backward, its
+    XLA preparation, then each backward pass on the prepared operands."""
+    kw = dict(mask=mask, softmax_scale=scale, config=cfg,
+              interpret=interpret)
+    fwd = jax.jit(lambda q, k, v: backend.forward(q, k, v, MaskArrays(),
+                                                  **kw))
+    out, lse = fwd(q, k, v)
+    # The backward's own preparation (what backend.backward does before
+    # its kernels), then each pass on those operands.
+    prob = backend.backward_problem(q, k, mask, scale, cfg)
+    full = jax.jit(lambda q, k, v, out, lse, do: backend.backward(
+        q, k, v, MaskArrays(), out, lse, do, jnp.zeros_like(lse), **kw))
+    prep = jax.jit(lambda q, k, v, out, lse, do: backend.backward_operands(
+        q, k, v, out, lse, do, jnp.zeros_like(lse), prob))
+    tensors = prep(q, k, v, out, lse, do)
+    calls = {"forward": (fwd, (q, k, v)),
+             "backward (whole)": (full, (q, k, v, out, lse, do)),
+             "backward prep": (prep, (q, k, v, out, lse, do))}
+    for name, run in backend.backward_passes(prob, cfg, None, None, params):
+      calls[name] = (jax.jit(run), tensors)
+    return calls
+
+  calls = {(vname, name): call for vname, vcfg in configs.items()
+           for name, call in kernel_calls(vcfg).items()}
+  times = core.time_interleaved(calls, samples=args.samples)
   pair_flops = 2 * s * s * d * batch * heads * (0.5 if causal else 1.0)
   rows = []
-  for name, (fn, fn_args) in calls.items():
-    t = core.time_fn(fn, *fn_args, samples=args.samples)
+  for (vname, name), t in times.items():
+    if isinstance(t, Exception):
+      raise t
     mm = MATMULS.get(name)
     tflops = None if mm is None else mm * pair_flops / t / 1e12
-    rows.append(dict(kernel=name, ms=t * 1e3, tflops=tflops))
-    print(f"{name:18s} {t * 1e3:9.3f} ms"
+    rows.append(dict(variant=vname, kernel=name, ms=t * 1e3, tflops=tflops))
+    label = name if len(configs) == 1 else f"[{vname}] {name}"
+    print(f"{label:18s} {t * 1e3:9.3f} ms"
           + ("" if tflops is None else f" {tflops:7.1f} TFLOP/s"))
   if args.out:
     os.makedirs(args.out, exist_ok=True)
     meta = dict(head_dim=d, seq=s, causal=causal, batch=batch, heads=heads,
                 config=repr(cfg), commit=core.commit(),
+                variants={n: repr(c) for n, c in configs.items()},
                 device=jax.devices()[0].device_kind, interpret=interpret)
     with open(os.path.join(args.out, "kernel_times.json"), "w") as f:
       json.dump(dict(meta, rows=rows), f, indent=1)
