@@ -201,5 +201,6 @@ def test_mosaic_variants_are_rows_of_the_same_run(tmp_path, monkeypatch):
   _, rows = report.read_json(str(tmp_path / "v.json"))
   variant = [r for r in rows if r["impl"] == "jaxflash-mosaic_gpu[one]"]
   assert len(variant) == 2 and all(r["error"] is None for r in variant)
-  for bad in ["noname", "x:not_a_field=1", "x:bwd_stages=three"]:
+  for bad in ["noname", "x:not_a_field=1", "x:bwd_stages=three",
+              "x:bwd_stages=3;x:bwd_stages=4"]:
     assert bench_main.main(["--cpu-smoke", "--mosaic-variants", bad]) == 2

@@ -72,7 +72,7 @@ def main(argv=None) -> int:
   from jaxflash.bench import core
   from jaxflash.masks import MaskArrays, MaskSpec
   from jaxflash.mosaic_gpu import backend
-  from jaxflash.mosaic_gpu.config import parse_overrides
+  from jaxflash.mosaic_gpu.config import parse_overrides, parse_variants
   from jaxflash.triton.common import round_up
 
   d, s, causal = args.head_dim, args.seq, bool(args.causal)
@@ -87,12 +87,10 @@ def main(argv=None) -> int:
                                      kv_len=s)
   cfg = dataclasses.replace(base, **parse_overrides(args.overrides))
   configs = {"default": cfg}
-  for part in filter(None, (p.strip() for p in args.variants.split(";"))):
-    name, sep, fields = part.partition(":")
-    if not sep or not name.strip() or name.strip() in configs:
-      raise ValueError(f"variant {part!r}: expected a new NAME:field=value")
-    configs[name.strip()] = dataclasses.replace(cfg,
-                                                **parse_overrides(fields))
+  for name, overrides in parse_variants(args.variants).items():
+    if name in configs:
+      raise ValueError(f"variant {name!r}: the base config's name")
+    configs[name] = dataclasses.replace(cfg, **overrides)
   keys = jax.random.split(jax.random.key(0), 4)
   q, k, v, do = (jax.random.normal(key, (batch, s, heads, d), jnp.bfloat16)
                  for key in keys)

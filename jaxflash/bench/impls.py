@@ -121,15 +121,9 @@ def parse_mosaic_variants(text: str) -> dict[str, Callable]:
   """``"shared0:bwd_shared_dq=0;dqk:bwd_atomic_dq=0,bwd_shared_dq=0"`` ->
   implementations ``jaxflash-mosaic_gpu[shared0]``, ... (ValueError on an
   unnamed variant or an unknown field)."""
-  from jaxflash.mosaic_gpu.config import parse_overrides  # noqa: PLC0415
-  out = {}
-  for part in filter(None, (p.strip() for p in text.split(";"))):
-    name, sep, fields = part.partition(":")
-    if not sep or not name.strip():
-      raise ValueError(f"variant {part!r}: expected NAME:field=value,...")
-    out[f"jaxflash-mosaic_gpu[{name.strip()}]"] = mosaic_variant(
-        parse_overrides(fields))
-  return out
+  from jaxflash.mosaic_gpu.config import parse_variants  # noqa: PLC0415
+  return {f"jaxflash-mosaic_gpu[{name}]": mosaic_variant(overrides)
+          for name, overrides in parse_variants(text).items()}
 
 
 # A tiny CPU smoke run exercises these (interpret mode for the kernel).

@@ -520,6 +520,23 @@ def parse_overrides(text: str) -> dict:
   return out
 
 
+def parse_variants(text: str) -> dict[str, dict]:
+  """``"shared0:bwd_shared_dq=0;dqk:bwd_atomic_dq=0"`` -> ``{"shared0":
+  {"bwd_shared_dq": False}, "dqk": {...}}``: named override sets
+  (:func:`parse_overrides` each), as the benchmark's
+  ``--mosaic-variants`` and ``tools/kernel_times.py --variants`` take
+  them.  An unnamed or repeated variant raises ValueError."""
+  out = {}
+  for part in filter(None, (p.strip() for p in text.split(";"))):
+    name, sep, fields = part.partition(":")
+    name = name.strip()
+    if not sep or not name or name in out:
+      raise ValueError(f"variant {part!r}: expected NAME:field=value,..."
+                       " with a new NAME")
+    out[name] = parse_overrides(fields)
+  return out
+
+
 def needed_smem_bytes(config: "MosaicConfig", head_dim_padded: int) -> int:
   """Shared memory of the largest kernel a call with this config runs
   (the forward, and the Hopper backward where it serves the head_dim)."""
