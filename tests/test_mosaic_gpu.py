@@ -399,6 +399,13 @@ GPU_CONFIGS = {
     # 128-query tiles at head_dim 64: Sᵀ and dPᵀ 64 x 128 per consumer.
     "bwd-stats-in-acc-bq128": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_block_q=128),
+    # 128-query tiles with atomic dQ (the head_dim 64 candidate).
+    "bwd-stats-in-acc-bq128-atomic": mosaic_gpu.MosaicConfig(
+        bwd_stats_in_acc=True, bwd_block_q=128, bwd_atomic_dq=True),
+    # The head_dim 128 default with a third backward stage.
+    "bwd-d128-default-stages3": mosaic_gpu.MosaicConfig(
+        bwd_stats_in_acc=True, bwd_softmax_overlap=True,
+        bwd_consumer_registers=240, bwd_stages=3),
     "bwd-stats-in-acc-split": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_split_dkv=True, bwd_compute_wgs=1),
 }
@@ -515,6 +522,7 @@ def test_default_config_rules():
   """tuning.json's persistent rule: short non-causal calls only (and the
   d256 backward splits dK/dV with one consumer, the only form that fits)."""
   dflt = functools.partial(mosaic_gpu.default_config, "NVIDIA H200")
+  other = functools.partial(mosaic_gpu.default_config, "some future GPU")
   assert dflt(128, causal=False, kv_len=1024).persistent
   assert dflt(128, causal=False, kv_len=4096).persistent
   assert not dflt(128, causal=False, kv_len=8192).persistent
@@ -542,9 +550,19 @@ def test_default_config_rules():
     assert d128.bwd_stats_in_acc and d128.bwd_consumer_registers == 240
   assert not dflt(64).bwd_stats_in_acc and not dflt(256).bwd_stats_in_acc
   assert dflt(64).bwd_consumer_registers == 232
+  # kv_rules: 128-query backward tiles at head_dim 64 (with the folded
+  # statistics) on every non-causal call and on causal calls from 4096
+  # keys; none where the call is not known.
+  for causal, kv, big in [(False, 64, True), (False, 16384, True),
+                          (True, 2048, False), (True, 4096, True),
+                          (True, 16384, True)]:
+    d64 = dflt(64, causal=causal, kv_len=kv)
+    assert (d64.bwd_block_q == 128) == big, (causal, kv)
+    assert d64.bwd_stats_in_acc == big and d64.bwd_atomic_dq
+  assert dflt(64).bwd_block_q == 64 and dflt(128, kv_len=8192).bwd_block_q == 64
+  assert other(64, kv_len=8192).bwd_block_q == 64
   # Unlisted devices: the persistent rule is the H200's alone; the split
   # backward at head_dim 256 is carried over.
-  other = functools.partial(mosaic_gpu.default_config, "some future GPU")
   assert not other(128, kv_len=1024).persistent
   assert other(256).bwd_paired_dkv and other(256).bwd_paired_dq
   assert not other(64).bwd_atomic_dq

@@ -618,6 +618,12 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
   the H200, it pays where the key loop is short and the prologue and
   epilogue it overlaps are a large share of a program, and loses on
   causal calls at head_dim >= 128 (their longest-first order is lost).
+
+  An entry's ``kv_rules`` (a list of ``{"causal": bool, "min_kv": int,
+  "fields": {...}}``) replace those fields for calls of that causal
+  setting with at least ``min_kv`` keys (none applies where ``kv_len``
+  is not given): on the H200 the head_dim 64 backward's 128-query tiles
+  pay on every non-causal call and on causal calls from 4096 keys.
   """
   table = _tuning()["devices"]
   entries = table.get(device_kind or "", table["default"])
@@ -629,6 +635,10 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
   limit = rule.get(setting)
   if kv_len is not None and limit is not None and kv_len <= limit:
     fields["persistent"] = True
+  for kv_rule in fields.pop("kv_rules", []):
+    if (kv_len is not None and kv_rule["causal"] == causal
+        and kv_len >= kv_rule["min_kv"]):
+      fields.update(kv_rule["fields"])
   for name, value in list(fields.items()):
     if isinstance(value, dict):  # per causal setting, off where not given
       fields[name] = bool(value.get(setting, False))
