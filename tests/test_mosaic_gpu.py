@@ -160,6 +160,13 @@ INTERPRET_VARIANTS = {
         "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window", "d64-len1",
         "d32-tiny-window-empty", "d256-split-dkv-gqa",
         "d64-split-dkv-2wg-window", "d64-full"]),
+    # ... with dV's wgmma issued before the wait for dP^T (a wait_n=1
+    # leaves it in flight): one and two consumers, GQA, causal, windows,
+    # rows that see no key, empty tiles; the split passes (no dV beside
+    # dK) keep the plain order.
+    "bwd_early_dv": (dict(bwd_softmax_overlap=True, bwd_early_dv=True), [
+        "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window", "d64-len1",
+        "d32-tiny-window-empty", "d64-split-dkv-2wg-window", "d64-full"]),
 }
 # The output in 64-column chunks through two slots per consumer (one,
 # three and four chunks: head_dim 64, 192, 256), rows with no key.
@@ -203,7 +210,7 @@ INTERPRET_VARIANTS.update({
 # run every case.
 EXPERIMENTS = {"intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "split_kv_release", "pv_then_qk", "pv_then_qk+row_sum_in_pv",
-               "bwd_dq_late_release", "lean_epilogue"}
+               "bwd_dq_late_release", "lean_epilogue", "bwd_early_dv"}
 
 
 def _variant_params():
@@ -406,6 +413,22 @@ GPU_CONFIGS = {
     "bwd-d128-default-stages3": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_softmax_overlap=True,
         bwd_consumer_registers=240, bwd_stages=3),
+    # Candidates of the fourteenth session's ncu (not yet run on the GPU,
+    # 2026-12-02): the d128 default with both starting values stored
+    # before the wgmmas, with dV's wgmma issued before the wait for dP^T,
+    # and both; the d64 rule's form with the first.
+    "bwd-d128-stats-first": mosaic_gpu.MosaicConfig(
+        bwd_stats_in_acc=True, bwd_softmax_overlap=True,
+        bwd_consumer_registers=240, bwd_stats_first=True),
+    "bwd-d128-early-dv": mosaic_gpu.MosaicConfig(
+        bwd_stats_in_acc=True, bwd_softmax_overlap=True,
+        bwd_consumer_registers=240, bwd_early_dv=True),
+    "bwd-d128-stats-first-early-dv": mosaic_gpu.MosaicConfig(
+        bwd_stats_in_acc=True, bwd_softmax_overlap=True,
+        bwd_consumer_registers=240, bwd_stats_first=True, bwd_early_dv=True),
+    "bwd-bq128-atomic-stats-first": mosaic_gpu.MosaicConfig(
+        bwd_stats_in_acc=True, bwd_block_q=128, bwd_atomic_dq=True,
+        bwd_stats_first=True),
     "bwd-stats-in-acc-split": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_split_dkv=True, bwd_compute_wgs=1),
 }
@@ -469,7 +492,9 @@ def test_config_validation():
                      (dict(bwd_paired_dkv=True, bwd_split_dkv=True),
                       "bwd_split_dkv=False"),
                      (dict(bwd_paired_dkv=True, bwd_atomic_dq=True),
-                      "bwd_atomic_dq=False")]:
+                      "bwd_atomic_dq=False"),
+                     (dict(bwd_stats_first=True), "bwd_stats_in_acc=True"),
+                     (dict(bwd_early_dv=True), "bwd_softmax_overlap=True")]:
     with pytest.raises(ValueError, match=match):
       mosaic_gpu.MosaicConfig(**bad)
   cfg = mosaic_gpu.default_config("NVIDIA H200", 128)

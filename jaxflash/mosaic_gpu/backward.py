@@ -314,6 +314,10 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
   shared_dq = atomic_dq and cfg.bwd_shared_dq
   overlap = cfg.bwd_softmax_overlap
   stats_in_acc = cfg.bwd_stats_in_acc
+  stats_first = cfg.bwd_stats_first
+  # bwd_early_dv: in the overlapped order, dV's wgmma issued before the
+  # wait for dP^T (the kernels with both dK and dV).
+  early_dv = cfg.bwd_early_dv and overlap and want_dk and want_dv
   if shared_dq:
     ds_smem2, dq_smem2, ds_ready = extra
   elif atomic_dq:
@@ -372,18 +376,27 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
                           else plgpu.load(delta_ring.at[slot], layout=COL))
 
       def sdp(s_acc, dp_acc=None):
+        # bwd_stats_first: both starting values stored before the first
+        # wgmma.  Stored between the two, ptxas waited for S^T's wgmma
+        # before issuing dP^T's (ncu SASS, d128, 2026-12-02).
+        dp_first = dp_acc is not None and dp0 is not None and stats_first
         if s0 is not None:
           s_acc[...] = s0
+        if dp_first:
+          dp_acc[...] = dp0
         plgpu.wgmma(s_acc, k_smem, q_t.T)     # S^T = K Q^T
         if dp_acc is None:
           return s_acc[...], None
-        if dp0 is not None:
+        if dp0 is not None and not dp_first:
           dp_acc[...] = dp0
         plgpu.wgmma(dp_acc, v_smem, do_t.T)   # dP^T = V dO^T
         if overlap:  # P^T while dP^T's wgmma runs (S^T's alone waited for)
           s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
-          return _probs(s, lse2_of(), tile_mask(), prob=prob,
-                        row_axis=1), dp_acc[...]
+          p, th = _probs(s, lse2_of(), tile_mask(), prob=prob, row_axis=1)
+          if early_dv:  # dV += P^T dO queued behind dP^T; wait for dP^T
+            plgpu.wgmma(accs["dv"], _a_operand(p, a_smem, dtype), do_t)
+            return (p, th), plgpu.wgmma_accumulator_load(dp_acc, wait_n=1)
+          return (p, th), dp_acc[...]
         return s_acc[...], dp_acc[...]
 
       acc = plgpu.ACC((bk, bq), jnp.float32)
@@ -399,8 +412,9 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
         delta = delta_of() if want_dk else None
         p, th = _probs(s, lse2, tile_mask(), prob=prob, row_axis=1)
         ds = None if dp is None else _dscores(p, th, dp, delta, row_axis=1)
-      if want_dv:  # dV += P^T dO
-        plgpu.wgmma(accs["dv"], _a_operand(p, a_smem, dtype), do_t)
+      if want_dv:  # dV += P^T dO (with early_dv, issued above)
+        if not early_dv:
+          plgpu.wgmma(accs["dv"], _a_operand(p, a_smem, dtype), do_t)
         if a_smem is not None and want_dk:
           plgpu.wgmma_wait(0)  # the staging buffer is reused for dS^T
       if ds is None and want_dk:  # (overlap) while dV's wgmma runs

@@ -301,6 +301,21 @@ class MosaicConfig:
       ``bwd_paired_dq``) and the dQ kernel (whose per-query vectors are
       one value per row, 2 registers, held for the whole loop) are
       unchanged.
+    bwd_stats_first: with ``bwd_stats_in_acc``, store both starting
+      values before the first of the two wgmmas (``S^T``'s, then
+      ``dP^T``'s) instead of ``dP^T``'s between them.  ncu's SASS of the
+      d128 dK/dV kernel (H200, 2026-12-02,
+      docs/benchmarks/h200-2026-12-02-d64-bq128.md) shows ptxas waiting
+      for ``S^T``'s wgmma to complete before it issues ``dP^T``'s when
+      the ``-delta`` stores come between them (9.0% of the stall samples
+      on that wait), where with zero-started accumulators the two were
+      issued back to back.  Not yet timed; GPU only, as its parent.
+    bwd_early_dv: with ``bwd_softmax_overlap``, issue ``dV += P^T dO`` as
+      soon as ``P^T`` is computed, queued behind ``dP^T``'s wgmma, and
+      then wait for ``dP^T`` alone (``wait_n=1``), instead of waiting for
+      ``dP^T`` before issuing dV's (8.4% of the d128 kernel's stall
+      samples are on that wait).  Kernels that compute both dK and dV
+      only.  Not yet timed.
   """
 
   block_q: int = 64
@@ -335,6 +350,8 @@ class MosaicConfig:
   bwd_dq_late_release: bool = False
   bwd_softmax_overlap: bool = False
   bwd_stats_in_acc: bool = False
+  bwd_stats_first: bool = False
+  bwd_early_dv: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
@@ -380,6 +397,12 @@ class MosaicConfig:
           " it needs bwd_atomic_dq=True and bwd_compute_wgs=2, got"
           f" bwd_atomic_dq={self.bwd_atomic_dq},"
           f" bwd_compute_wgs={self.bwd_compute_wgs}")
+    for option, parent in (("bwd_stats_first", "bwd_stats_in_acc"),
+                           ("bwd_early_dv", "bwd_softmax_overlap")):
+      if getattr(self, option) and not getattr(self, parent):
+        raise ValueError(f"{option}=True changes the order of"
+                         f" {parent}=True: it needs {parent}=True (got"
+                         f" {parent}=False)")
     if self.bwd_dq_halves and not (self.bwd_atomic_dq
                                    and not self.bwd_shared_dq):
       raise ValueError(
