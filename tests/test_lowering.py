@@ -198,8 +198,10 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
          bwd_early_dv=True),
     dict(bwd_stats_in_acc=True, bwd_block_q=128, bwd_atomic_dq=True,
          bwd_stats_first=True),
-    dict(bwd_softmax_overlap=True, bwd_early_dv=True, bwd_split_dkv=True,
-         bwd_compute_wgs=1),
+    dict(bwd_stats_in_acc=True, bwd_block_q=128, bwd_atomic_dq=True),
+    dict(bwd_softmax_overlap=True, bwd_early_dv=True, bwd_atomic_dq=True),
+    dict(bwd_softmax_overlap=True, bwd_early_dv=True, bwd_atomic_dq=True,
+         bwd_shared_dq=True),
 ], ["default", "p-in-smem", "one-wg", "deep", "split", "atomic-dq",
         "atomic-dq-p-in-smem-one-wg", "shared-dq", "dq-halves", "named",
         "named-shared-dq", "named-split", "regs240", "regs240-atomic-dq",
@@ -209,9 +211,11 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
         "stats-in-acc", "stats-in-acc-overlap", "stats-in-acc-atomic-dq",
         "stats-in-acc-shared-dq", "stats-in-acc-split", "stats-in-acc-bq128",
         "stats-first-early-dv", "stats-first-bq128-atomic-dq",
-        "early-dv-split"],
+        "stats-in-acc-bq128-atomic-dq", "early-dv-atomic-dq",
+        "early-dv-shared-dq"],
     every_commit={"default", "atomic-dq", "split", "paired-dkv",
-                  "paired-dq", "stats-in-acc-overlap"}))
+                  "paired-dq", "stats-in-acc-overlap",
+                  "stats-in-acc-bq128-atomic-dq"}))
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),
@@ -257,12 +261,16 @@ def test_mosaic_backward_lowers_for_cuda(shape, cfg, segments):
 
 def test_mosaic_backward_soft_cap_stats_in_acc_lowers():
   """Under a soft cap ``bwd_stats_in_acc`` folds delta alone (the LSE
-  stays a subtraction after the tanh); both step orders lower."""
+  stays a subtraction after the tanh); both step orders lower, and so do
+  ``bwd_stats_first`` (delta's store alone before the wgmmas) and
+  ``bwd_early_dv`` (dV issued before ``tanh``'s factor enters dS)."""
   from jaxflash import mosaic_gpu
   q, kv, _, _, mask = _mosaic_case((256, 256, 4, 2, 128, True, None))
-  for overlap in (False, True):
-    config = mosaic_gpu.MosaicConfig(bwd_stats_in_acc=True,
-                                     bwd_softmax_overlap=overlap)
+  for overlap, first, early in [(False, False, False), (True, False, False),
+                                (False, True, False), (True, True, True)]:
+    config = mosaic_gpu.MosaicConfig(
+        bwd_stats_in_acc=True, bwd_softmax_overlap=overlap,
+        bwd_stats_first=first, bwd_early_dv=early)
 
     def loss(q, k, v, config=config):
       out, _ = mosaic_gpu.attention(q, k, v, mask=mask, softmax_scale=0.125,

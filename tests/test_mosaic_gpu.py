@@ -544,8 +544,9 @@ def test_register_split_fits_the_launch_allocation():
 
 
 def test_default_config_rules():
-  """tuning.json's persistent rule: short non-causal calls only (and the
-  d256 backward splits dK/dV with one consumer, the only form that fits)."""
+  """tuning.json's rules: the persistent forward on short non-causal calls
+  only, the d256 backward's paired kernels, the d128 folded statistics,
+  and the d64 128-query backward tiles (``kv_rules``)."""
   dflt = functools.partial(mosaic_gpu.default_config, "NVIDIA H200")
   other = functools.partial(mosaic_gpu.default_config, "some future GPU")
   assert dflt(128, causal=False, kv_len=1024).persistent
@@ -579,8 +580,9 @@ def test_default_config_rules():
   # statistics) on every non-causal call and on causal calls from 4096
   # keys; none where the call is not known.
   for causal, kv, big in [(False, 64, True), (False, 16384, True),
-                          (True, 2048, False), (True, 4096, True),
-                          (True, 16384, True)]:
+                          (True, 2048, False), (True, 4095, False),
+                          (True, 4096, True), (True, 16384, True),
+                          (False, None, False), (True, None, False)]:
     d64 = dflt(64, causal=causal, kv_len=kv)
     assert (d64.bwd_block_q == 128) == big, (causal, kv)
     assert d64.bwd_stats_in_acc == big and d64.bwd_atomic_dq
