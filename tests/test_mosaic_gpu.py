@@ -264,6 +264,10 @@ def test_named_barriers_need_a_gpu():
           config=mosaic_gpu.MosaicConfig(**{name: True}))
 
 
+# The backward fields of the tuned d128 default (tuning.json, H200).
+_D128_BWD = dict(bwd_stats_in_acc=True, bwd_softmax_overlap=True,
+                 bwd_consumer_registers=240)
+
 GPU_CONFIGS = {
     "default": None,
     "p-in-smem": mosaic_gpu.MosaicConfig(p_in_smem=True),
@@ -393,39 +397,31 @@ GPU_CONFIGS = {
         bwd_stats_in_acc=True, bwd_softmax_overlap=True),
     "bwd-stats-in-acc-overlap-atomic": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_softmax_overlap=True, bwd_atomic_dq=True),
-    "bwd-stats-in-acc-overlap-regs240": mosaic_gpu.MosaicConfig(
-        bwd_stats_in_acc=True, bwd_softmax_overlap=True,
-        bwd_consumer_registers=240),
+    "bwd-stats-in-acc-overlap-regs240": mosaic_gpu.MosaicConfig(**_D128_BWD),
     "bwd-stats-in-acc-atomic": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_atomic_dq=True),
-    # The next two are candidates of docs/perf-notes.md's plan (not yet
-    # run on the GPU, 2026-12-02).
+    # Shared atomic dQ over the d128 default's form (passed at 5803c18).
     "bwd-stats-in-acc-shared-dq": mosaic_gpu.MosaicConfig(
-        bwd_stats_in_acc=True, bwd_softmax_overlap=True, bwd_atomic_dq=True,
-        bwd_shared_dq=True, bwd_consumer_registers=240),
-    # 128-query tiles at head_dim 64: Sᵀ and dPᵀ 64 x 128 per consumer.
+        **_D128_BWD, bwd_atomic_dq=True, bwd_shared_dq=True),
+    # 128-query tiles at head_dim 64: Sᵀ and dPᵀ 64 x 128 per consumer,
+    # with the dQ kernel and with atomic dQ (the d64 rule's form).
     "bwd-stats-in-acc-bq128": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_block_q=128),
-    # 128-query tiles with atomic dQ (the head_dim 64 candidate).
     "bwd-stats-in-acc-bq128-atomic": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_block_q=128, bwd_atomic_dq=True),
     # The head_dim 128 default with a third backward stage.
     "bwd-d128-default-stages3": mosaic_gpu.MosaicConfig(
-        bwd_stats_in_acc=True, bwd_softmax_overlap=True,
-        bwd_consumer_registers=240, bwd_stages=3),
+        **_D128_BWD, bwd_stages=3),
     # Candidates of the fourteenth session's ncu (not yet run on the GPU,
     # 2026-12-02): the d128 default with both starting values stored
     # before the wgmmas, with dV's wgmma issued before the wait for dP^T,
     # and both; the d64 rule's form with the first.
     "bwd-d128-stats-first": mosaic_gpu.MosaicConfig(
-        bwd_stats_in_acc=True, bwd_softmax_overlap=True,
-        bwd_consumer_registers=240, bwd_stats_first=True),
+        **_D128_BWD, bwd_stats_first=True),
     "bwd-d128-early-dv": mosaic_gpu.MosaicConfig(
-        bwd_stats_in_acc=True, bwd_softmax_overlap=True,
-        bwd_consumer_registers=240, bwd_early_dv=True),
+        **_D128_BWD, bwd_early_dv=True),
     "bwd-d128-stats-first-early-dv": mosaic_gpu.MosaicConfig(
-        bwd_stats_in_acc=True, bwd_softmax_overlap=True,
-        bwd_consumer_registers=240, bwd_stats_first=True, bwd_early_dv=True),
+        **_D128_BWD, bwd_stats_first=True, bwd_early_dv=True),
     "bwd-bq128-atomic-stats-first": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_block_q=128, bwd_atomic_dq=True,
         bwd_stats_first=True),

@@ -376,18 +376,18 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
                           else plgpu.load(delta_ring.at[slot], layout=COL))
 
       def sdp(s_acc, dp_acc=None):
-        # bwd_stats_first: both starting values stored before the first
-        # wgmma.  Stored between the two, ptxas waited for S^T's wgmma
-        # before issuing dP^T's (ncu SASS, d128, 2026-12-02).
-        dp_first = dp_acc is not None and dp0 is not None and stats_first
+        # (dp0 is None where there is no dP^T.)  bwd_stats_first: both
+        # starting values stored before the first wgmma.  Stored between
+        # the two, ptxas waited for S^T's wgmma before issuing dP^T's (ncu
+        # SASS, d128, 2026-12-02).
         if s0 is not None:
           s_acc[...] = s0
-        if dp_first:
+        if dp0 is not None and stats_first:
           dp_acc[...] = dp0
         plgpu.wgmma(s_acc, k_smem, q_t.T)     # S^T = K Q^T
         if dp_acc is None:
           return s_acc[...], None
-        if dp0 is not None and not dp_first:
+        if dp0 is not None and not stats_first:
           dp_acc[...] = dp0
         plgpu.wgmma(dp_acc, v_smem, do_t.T)   # dP^T = V dO^T
         if overlap:  # P^T while dP^T's wgmma runs (S^T's alone waited for)
