@@ -206,11 +206,11 @@ INTERPRET_VARIANTS.update({
 # Options that are not a tuned default anywhere (experiments kept for
 # their records): on every commit (`make test`) the first two cases of
 # each, the rest with the `slow` marker (`make test-all`).  The defaults'
-# options (bwd_paired_dkv, bwd_paired_dq, prefetch_q, bwd_softmax_overlap)
-# run every case.
+# options (bwd_paired_dkv, bwd_paired_dq, prefetch_q, bwd_softmax_overlap,
+# bwd_early_dv) run every case.
 EXPERIMENTS = {"intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "split_kv_release", "pv_then_qk", "pv_then_qk+row_sum_in_pv",
-               "bwd_dq_late_release", "lean_epilogue", "bwd_early_dv"}
+               "bwd_dq_late_release", "lean_epilogue"}
 
 
 def _variant_params():
@@ -266,7 +266,7 @@ def test_named_barriers_need_a_gpu():
 
 # The backward fields of the tuned d128 default (tuning.json, H200).
 _D128_BWD = dict(bwd_stats_in_acc=True, bwd_softmax_overlap=True,
-                 bwd_consumer_registers=240)
+                 bwd_consumer_registers=240, bwd_early_dv=True)
 
 GPU_CONFIGS = {
     "default": None,
@@ -397,7 +397,9 @@ GPU_CONFIGS = {
         bwd_stats_in_acc=True, bwd_softmax_overlap=True),
     "bwd-stats-in-acc-overlap-atomic": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_softmax_overlap=True, bwd_atomic_dq=True),
-    "bwd-stats-in-acc-overlap-regs240": mosaic_gpu.MosaicConfig(**_D128_BWD),
+    # The d128 default before bwd_early_dv (2026-12-02).
+    "bwd-stats-in-acc-overlap-regs240": mosaic_gpu.MosaicConfig(
+        **{**_D128_BWD, "bwd_early_dv": False}),
     "bwd-stats-in-acc-atomic": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_atomic_dq=True),
     # Shared atomic dQ over the d128 default's form (passed at 5803c18).
@@ -412,16 +414,15 @@ GPU_CONFIGS = {
     # The head_dim 128 default with a third backward stage.
     "bwd-d128-default-stages3": mosaic_gpu.MosaicConfig(
         **_D128_BWD, bwd_stages=3),
-    # Candidates of the fourteenth session's ncu (not yet run on the GPU,
-    # 2026-12-02): the d128 default with both starting values stored
-    # before the wgmmas, with dV's wgmma issued before the wait for dP^T,
-    # and both; the d64 rule's form with the first.
+    # The fourteenth session's ncu candidates (passed on the H200,
+    # 2026-12-02, at 29f4ae6): both starting values stored before the
+    # wgmmas, with and without dV's wgmma issued before the wait for dP^T
+    # (bwd_early_dv, since the d128 default); the d64 rule's form with the
+    # first.
     "bwd-d128-stats-first": mosaic_gpu.MosaicConfig(
-        **_D128_BWD, bwd_stats_first=True),
-    "bwd-d128-early-dv": mosaic_gpu.MosaicConfig(
-        **_D128_BWD, bwd_early_dv=True),
+        **{**_D128_BWD, "bwd_early_dv": False}, bwd_stats_first=True),
     "bwd-d128-stats-first-early-dv": mosaic_gpu.MosaicConfig(
-        **_D128_BWD, bwd_stats_first=True, bwd_early_dv=True),
+        **_D128_BWD, bwd_stats_first=True),
     "bwd-bq128-atomic-stats-first": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_block_q=128, bwd_atomic_dq=True,
         bwd_stats_first=True),
@@ -570,6 +571,7 @@ def test_default_config_rules():
   for causal in (False, True):
     d128 = dflt(128, causal=causal, kv_len=8192)
     assert d128.bwd_stats_in_acc and d128.bwd_consumer_registers == 240
+    assert d128.bwd_early_dv and d128.bwd_softmax_overlap
   assert not dflt(64).bwd_stats_in_acc and not dflt(256).bwd_stats_in_acc
   assert dflt(64).bwd_consumer_registers == 232
   # kv_rules: 128-query backward tiles at head_dim 64 (with the folded

@@ -309,13 +309,19 @@ class MosaicConfig:
       for ``S^T``'s wgmma to complete before it issues ``dP^T``'s when
       the ``-delta`` stores come between them (9.0% of the stall samples
       on that wait), where with zero-started accumulators the two were
-      issued back to back.  Not yet timed; GPU only, as its parent.
+      issued back to back.  Measured a loss (H200, s8192 non-causal:
+      d128 dK/dV kernel 3.35 against 3.27 ms, d64's 128-query form 6.60
+      against 6.55; docs/benchmarks/h200-2026-12-02-early-dv.md), so not
+      a default.  GPU only, as its parent.
     bwd_early_dv: with ``bwd_softmax_overlap``, issue ``dV += P^T dO`` as
       soon as ``P^T`` is computed, queued behind ``dP^T``'s wgmma, and
       then wait for ``dP^T`` alone (``wait_n=1``), instead of waiting for
       ``dP^T`` before issuing dV's (8.4% of the d128 kernel's stall
       samples are on that wait).  Kernels that compute both dK and dV
-      only.  Not yet timed.
+      only.  The tuned default at padded head_dim 128 (H200: dK/dV
+      kernel 3.27 -> 3.17 ms at s8192 non-causal; fwd+bwd +0.2-3.2% at
+      every shape, s1024-16384, causal and not); at 64 it loses with the
+      overlapped order's other costs (docs/benchmarks/h200-2026-12-02-early-dv.md).
   """
 
   block_q: int = 64
