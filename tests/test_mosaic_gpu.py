@@ -817,12 +817,14 @@ def test_gpu_soft_cap(causal, overlap, stats_in_acc):
   args = numerics.random_inputs(jax.random.key(9), batch=2, q_len=1000,
                                 kv_len=1000, heads=8, kv_heads=2,
                                 head_dim=128, dtype=jnp.bfloat16)
-  # The call's tuned default, with and without bwd_softmax_overlap and
-  # bwd_stats_in_acc (which folds only delta under a soft cap).
+  # The call's tuned default, with and without bwd_softmax_overlap (and
+  # its bwd_early_dv) and bwd_stats_in_acc (which folds only delta under
+  # a soft cap).
+  cfg = mosaic_gpu.default_config(jax.devices()[0].device_kind, 128,
+                                  causal=causal, kv_len=1000)
   cfg = dataclasses.replace(
-      mosaic_gpu.default_config(jax.devices()[0].device_kind, 128,
-                                causal=causal, kv_len=1000),
-      bwd_softmax_overlap=overlap, bwd_stats_in_acc=stats_in_acc)
+      cfg, bwd_softmax_overlap=overlap, bwd_stats_in_acc=stats_in_acc,
+      bwd_early_dv=overlap and cfg.bwd_early_dv)
   fn = functools.partial(jaxflash.flash_attention, causal=causal,
                          return_lse=True, implementation="mosaic_gpu",
                          logits_soft_cap=30.0, config=cfg)

@@ -12,7 +12,8 @@ runs the same cases in a worktree of that commit and compares;
 ``--against-overrides "field=value,..."`` applies MosaicConfig overrides
 to that commit's defaults first (to show that a variant measured there,
 ``--mosaic-variants`` of the benchmark, is the kernel a later default
-builds).
+builds); a case whose default the overrides do not fit (a ValueError of
+MosaicConfig) keeps its default and says so on stderr.
 """
 
 from __future__ import annotations
@@ -61,7 +62,10 @@ def fingerprints(overrides: str = "") -> dict[str, str]:
       import dataclasses
 
       from jaxflash.mosaic_gpu.config import parse_overrides
-      cfg = dataclasses.replace(cfg, **parse_overrides(overrides))
+      try:
+        cfg = dataclasses.replace(cfg, **parse_overrides(overrides))
+      except ValueError as e:  # not valid with this case's default
+        print(f"{name}: overrides not applied ({e})", file=sys.stderr)
 
     def f(q, k, v, ids, spec=spec, seg=seg, grad=grad, cfg=cfg):
       arrays = MaskArrays(ids, ids) if seg else MaskArrays()
