@@ -321,7 +321,8 @@ class MosaicConfig:
       only.  The tuned default at padded head_dim 128 (H200: dK/dV
       kernel 3.27 -> 3.17 ms at s8192 non-causal; fwd+bwd +0.2-3.2% at
       every shape, s1024-16384, causal and not); at 64 it loses with the
-      overlapped order's other costs (docs/benchmarks/h200-2026-12-02-early-dv.md).
+      overlapped order's other costs
+      (docs/benchmarks/h200-2026-12-02-early-dv.md).
   """
 
   block_q: int = 64
