@@ -28,12 +28,12 @@ compare: $(STAMP)
 # options' further interpreter cases and their segment-id lowerings), on
 # every core (pytest-xdist).
 test: $(STAMP)
-	$(PY) -m ruff check jaxflash tests examples
+	$(PY) -m ruff check jaxflash tests examples tools
 	$(PY) -m pytest -q -n auto -m "not slow" tests
 
 # Every CPU test, the slow tier included.
 test-all: $(STAMP)
-	$(PY) -m ruff check jaxflash tests examples
+	$(PY) -m ruff check jaxflash tests examples tools
 	$(PY) -m pytest -q -n auto tests
 
 # GPU tests only (run on a CUDA machine).
@@ -45,7 +45,7 @@ bench: $(STAMP)
 	$(PY) -m jaxflash.bench
 
 lint: $(STAMP)
-	$(PY) -m ruff check jaxflash tests examples
+	$(PY) -m ruff check jaxflash tests examples tools
 
 clean:
 	rm -rf $(VENV) .pytest_cache
