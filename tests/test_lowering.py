@@ -202,6 +202,9 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
     dict(bwd_softmax_overlap=True, bwd_early_dv=True, bwd_atomic_dq=True),
     dict(bwd_softmax_overlap=True, bwd_early_dv=True, bwd_atomic_dq=True,
          bwd_shared_dq=True),
+    # The tuned head_dim 128 backward (tuning.json, H200).
+    dict(bwd_stats_in_acc=True, bwd_softmax_overlap=True,
+         bwd_consumer_registers=240, bwd_early_dv=True),
 ], ["default", "p-in-smem", "one-wg", "deep", "split", "atomic-dq",
         "atomic-dq-p-in-smem-one-wg", "shared-dq", "dq-halves", "named",
         "named-shared-dq", "named-split", "regs240", "regs240-atomic-dq",
@@ -212,9 +215,9 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
         "stats-in-acc-shared-dq", "stats-in-acc-split", "stats-in-acc-bq128",
         "stats-first-early-dv", "stats-first-bq128-atomic-dq",
         "stats-in-acc-bq128-atomic-dq", "early-dv-atomic-dq",
-        "early-dv-shared-dq"],
+        "early-dv-shared-dq", "d128-default"],
     every_commit={"default", "atomic-dq", "split", "paired-dkv",
-                  "paired-dq", "stats-in-acc-overlap",
+                  "paired-dq", "d128-default",
                   "stats-in-acc-bq128-atomic-dq"}))
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)

@@ -402,7 +402,8 @@ GPU_CONFIGS = {
         **{**_D128_BWD, "bwd_early_dv": False}),
     "bwd-stats-in-acc-atomic": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_atomic_dq=True),
-    # Shared atomic dQ over the d128 default's form (passed at 5803c18).
+    # Shared atomic dQ over the d128 default's form (passed at 5803c18,
+    # before bwd_early_dv joined the default; with it not yet run).
     "bwd-stats-in-acc-shared-dq": mosaic_gpu.MosaicConfig(
         **_D128_BWD, bwd_atomic_dq=True, bwd_shared_dq=True),
     # 128-query tiles at head_dim 64: Sᵀ and dPᵀ 64 x 128 per consumer,
@@ -411,7 +412,8 @@ GPU_CONFIGS = {
         bwd_stats_in_acc=True, bwd_block_q=128),
     "bwd-stats-in-acc-bq128-atomic": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_block_q=128, bwd_atomic_dq=True),
-    # The head_dim 128 default with a third backward stage.
+    # The head_dim 128 default with a third backward stage (passed
+    # before bwd_early_dv joined the default; with it not yet run).
     "bwd-d128-default-stages3": mosaic_gpu.MosaicConfig(
         **_D128_BWD, bwd_stages=3),
     # The fourteenth session's ncu candidates (passed on the H200,

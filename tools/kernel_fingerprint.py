@@ -62,8 +62,9 @@ def fingerprints(overrides: str = "") -> dict[str, str]:
       import dataclasses
 
       from jaxflash.mosaic_gpu.config import parse_overrides
+      fields = parse_overrides(overrides)  # a bad field or value raises
       try:
-        cfg = dataclasses.replace(cfg, **parse_overrides(overrides))
+        cfg = dataclasses.replace(cfg, **fields)
       except ValueError as e:  # not valid with this case's default
         print(f"{name}: overrides not applied ({e})", file=sys.stderr)
 
