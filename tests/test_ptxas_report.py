@@ -38,3 +38,35 @@ def test_parse_warning_before_any_entry(monkeypatch):
       "ptxas warning : Potential Performance Loss: wgmma.mma_async"
       " instructions are serialized\n")
   assert only["entry"] == "?" and "serialized" in only["warnings"][0]
+
+
+# CUDA 13's ptxas (as Mosaic GPU's MOSAIC_GPU_DUMP_PTXAS files show, one
+# per kernel): a kernel's notes and warnings come before its entry line.
+REPORT_13 = """\
+ptxas info    : (C7517) warpgroup.wait is injected in around line 609 by \
+compiler to allow use of registers defined by GMMA in function 'dkv'
+ptxas warning : Registers are spilled to local memory in function 'dkv', \
+152 bytes spill stores, 160 bytes spill loads
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'dkv' for 'sm_90a'
+ptxas info    : Function properties for dkv
+    160 bytes stack frame, 152 bytes spill stores, 160 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 1 bytes smem
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'dq' for 'sm_90a'
+ptxas info    : Function properties for dq
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 1 bytes smem
+"""
+
+
+def test_parse_notes_before_their_entry(monkeypatch):
+  monkeypatch.syspath_prepend(pathlib.Path(__file__).parents[1] / "tools")
+  import ptxas_report
+
+  dkv, dq = ptxas_report.parse(REPORT_13)
+  assert (dkv["entry"], dkv["spill_stores"], dkv["spill_loads"]) == (
+      "dkv", 152, 160)
+  assert len(dkv["warnings"]) == 2 and "C7517" in dkv["warnings"][0]
+  assert dq["entry"] == "dq" and dq["warnings"] == []
+  assert dq["spill_stores"] == 0

@@ -1,7 +1,7 @@
 """What ptxas says about the Hopper kernels: registers, spills and
 warnings (e.g. serialised ``wgmma``) per compiled kernel and config.
 
-    PYTHONPATH=. python3 tools/ptxas_report.py [--out DIR]
+    [RULE_KV_LEN=8192] PYTHONPATH=. python3 tools/ptxas_report.py [--out DIR]
         [--cases "128:fwd:0:;128:fwd:0:named_barriers=0,persistent=0,\
 intra_wg_overlap=1"]
 
@@ -44,31 +44,43 @@ ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 REGS = re.compile(r"Used (\d+) registers")
 SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 STACK = re.compile(r"(\d+) bytes stack frame")
+# ptxas' performance notes are "info" lines, e.g. "(C7517) warpgroup.wait
+# is injected in around line N by compiler to allow use of registers
+# defined by GMMA" (a wgmma waited for earlier than the code asks) and
+# C7515 (wgmma serialised): kept with the warnings.
+PERF_NOTE = re.compile(r"\(C75\d\d\)")
 
 
 def parse(text: str) -> list[dict]:
-  """ptxas' verbose output -> one dict per entry function (warnings kept
-  with the entry they follow)."""
-  entries, cur = [], None
+  """ptxas' verbose output -> one dict per entry function.  ptxas prints
+  a kernel's warnings and notes before its "Compiling entry function"
+  line, so those that come before an entry, or after an entry's report
+  ended (its "Used N registers" line), go with the next entry; any left
+  at the end form an entry named ``?``."""
+  entries, cur, pending = [], None, []
   for line in text.splitlines():
     m = ENTRY.search(line)
     if m:
-      cur = dict(entry=m.group(1), warnings=[])
+      cur = dict(entry=m.group(1), warnings=pending)
+      pending = []
       entries.append(cur)
       continue
-    if cur is None:
-      if "warning" in line.lower():
-        entries.append(cur := dict(entry="?", warnings=[]))
+    if "warning" in line.lower() or PERF_NOTE.search(line):
+      if cur is None or "registers" in cur:
+        pending.append(line.strip()[:300])
       else:
-        continue
+        cur["warnings"].append(line.strip()[:300])
+      continue
+    if cur is None:
+      continue
     if (m := REGS.search(line)):
       cur["registers"] = int(m.group(1))
     if (m := SPILL.search(line)):
       cur["spill_stores"], cur["spill_loads"] = map(int, m.groups())
     if (m := STACK.search(line)):
       cur["stack"] = int(m.group(1))
-    if "warning" in line.lower():
-      cur["warnings"].append(line.strip()[:300])
+  if pending:
+    entries.append(dict(entry="?", warnings=pending))
   return entries
 
 
@@ -86,10 +98,13 @@ def child(case: str) -> None:
 
   d, mode, causal, overrides = case.split(":", 3)
   d, causal = int(d), bool(int(causal))
-  seq = 2048  # over 2048 keys, so the persistent rule stays off
+  seq = 2048
+  # The config the tuned rules give a call of RULE_KV_LEN keys (persistent
+  # forward and kv_rules), compiled on a short call: registers, spills and
+  # ptxas' notes do not depend on the sequence length.
   cfg = jaxflash.mosaic_gpu.default_config(
       jax.devices()[0].device_kind, round_up(d, 64), causal=causal,
-      kv_len=seq * 2)
+      kv_len=int(os.environ.get("RULE_KV_LEN", "8192")))
   cfg = dataclasses.replace(cfg, **parse_overrides(overrides))
   ks = jax.random.split(jax.random.key(0), 3)
   q, k, v = (jax.random.normal(kk, (1, seq, 2, d), jnp.bfloat16) for kk in ks)
@@ -129,8 +144,12 @@ def run_case(case: str, out: pathlib.Path, timeout: int) -> dict:
   (dump / "process.log").write_text(text)
   # The report goes to files under MOSAIC_GPU_DUMP_TO, or to the output:
   # read one of the two (the same report in both would count twice).
-  dumped = "\n".join(p.read_text(errors="replace") for p in sorted(
-      dump.iterdir()) if p.is_file() and p.name != "process.log")
+  # (Mosaic GPU writes one NAME.ptxas per kernel, beside its PTX and MLIR
+  # when those are dumped too: read the reports alone.)
+  files = [p for p in sorted(dump.iterdir())
+           if p.is_file() and p.name != "process.log"]
+  reports = [p for p in files if p.suffix == ".ptxas"] or files
+  dumped = "\n".join(p.read_text(errors="replace") for p in reports)
   source = dumped if ENTRY.search(dumped) else text
   raw = [ln.rstrip() for ln in source.splitlines()
          if "ptxas" in ln or SPILL.search(ln)]
