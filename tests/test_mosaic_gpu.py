@@ -257,7 +257,7 @@ def test_forward_smem_rules():
 
 def test_named_barriers_need_a_gpu():
   q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
-  for name in ("named_barriers", "bwd_named_barriers"):
+  for name in ("named_barriers", "bwd_named_barriers", "q_in_regs"):
     with pytest.raises(NotImplementedError, match=name):
       jaxflash.flash_attention(
           q, q, q, implementation="mosaic_gpu", interpret=True,
@@ -321,6 +321,13 @@ GPU_CONFIGS = {
     "named-split-kv-prefetch-q": mosaic_gpu.MosaicConfig(
         named_barriers=True, persistent=True, prefetch_q=True,
         split_kv_release=True),
+    # Q as the S wgmma's register A operand (not yet run on a GPU): the
+    # H200 forward's two forms (plain, persistent with prefetch_q).
+    "named-q-in-regs": mosaic_gpu.MosaicConfig(
+        named_barriers=True, block_kv=128, q_in_regs=True),
+    "named-q-in-regs-prefetch-q": mosaic_gpu.MosaicConfig(
+        named_barriers=True, block_kv=128, persistent=True, prefetch_q=True,
+        q_in_regs=True),
     # tokamax's epilogue: reciprocal, chunked stores, read-only last wait.
     "named-lean-epilogue": mosaic_gpu.MosaicConfig(named_barriers=True,
                                                    lean_epilogue=True),

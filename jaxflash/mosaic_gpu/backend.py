@@ -373,6 +373,10 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
         raise NotImplementedError(
             f"{name}=True needs a GPU: hardware named barriers are inline"
             " PTX, which the Mosaic GPU interpreter does not run")
+    if config is not None and config.q_in_regs:
+      raise NotImplementedError(
+          "q_in_regs=True needs a GPU: the Mosaic GPU interpreter does not"
+          " run a wgmma whose A operand is in registers")
     if config is not None and config.bwd_stats_in_acc:
       raise NotImplementedError(
           "bwd_stats_in_acc=True needs a GPU: the Mosaic GPU interpreter"

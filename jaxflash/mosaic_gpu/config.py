@@ -159,6 +159,19 @@ class MosaicConfig:
       (docs/benchmarks/h200-2026-12-01-no-auto-barriers.md).  GPU only,
       not with ``p_in_smem`` (P's buffer is rewritten each step after
       wgmmas of other warps read it).
+    q_in_regs: the forward loads each work item's Q tile from shared
+      memory into registers once (wgmma's A-operand layout) and feeds
+      ``S = Q K^T`` from there instead of from shared memory.  Each
+      64-row wgmma of ``S`` reads its A operand (Q) and its B operand (K)
+      from shared memory, 96 B per clock at the tensor cores' rate with
+      128-key tiles, and TMA writes the next K/V tiles beside it (32 B
+      per clock), which is the whole shared-memory bandwidth (128 B per
+      clock per SM) while ``S`` runs; with Q in registers the ``S``
+      wgmmas read 64.  It costs ``block_q * head_dim / 256`` registers
+      per thread for the whole loop (32 at head_dim 128, 16 at 64;
+      FlashAttention-2's ``Q_in_regs`` on Ampere).  An experiment, not
+      yet run on a GPU; GPU only (the interpreter has no register A
+      operand).
     bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
       64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
       key rows and streams ``bwd_block_q`` query rows; the dQ kernel gives
@@ -342,6 +355,7 @@ class MosaicConfig:
   prefetch_q: bool = False
   lean_epilogue: bool = False
   no_auto_barriers: bool = False
+  q_in_regs: bool = False
   bwd_block_q: int = 64
   bwd_block_kv: int = 64
   bwd_stages: int = 2
