@@ -345,6 +345,17 @@ def _manual_devices() -> int:
   return math.prod(mesh.shape[a] for a in mesh.manual_axes)
 
 
+# Options the Mosaic GPU interpreter cannot run, and why.
+_GPU_ONLY = (
+    ("bwd_atomic_dq", "has no TMA reduce-add"),
+    ("named_barriers", "does not run hardware named barriers (inline PTX)"),
+    ("bwd_named_barriers",
+     "does not run hardware named barriers (inline PTX)"),
+    ("q_in_regs", "does not run a wgmma whose A operand is in registers"),
+    ("bwd_stats_in_acc", "does not run stores into a wgmma accumulator"),
+)
+
+
 def check_supported(q, k, v, *, arrays: MaskArrays,
                     logits_soft_cap: float | None, config, interpret) -> None:
   """Raises NotImplementedError when this backend cannot serve the call."""
@@ -364,23 +375,10 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
   if why:
     raise NotImplementedError(why)
   if interpret:
-    if config is not None and config.bwd_atomic_dq:
-      raise NotImplementedError(
-          "bwd_atomic_dq=True needs a GPU: the Mosaic GPU interpreter has"
-          " no TMA reduce-add")
-    for name in ("named_barriers", "bwd_named_barriers"):
+    for name, why in _GPU_ONLY:
       if config is not None and getattr(config, name):
         raise NotImplementedError(
-            f"{name}=True needs a GPU: hardware named barriers are inline"
-            " PTX, which the Mosaic GPU interpreter does not run")
-    if config is not None and config.q_in_regs:
-      raise NotImplementedError(
-          "q_in_regs=True needs a GPU: the Mosaic GPU interpreter does not"
-          " run a wgmma whose A operand is in registers")
-    if config is not None and config.bwd_stats_in_acc:
-      raise NotImplementedError(
-          "bwd_stats_in_acc=True needs a GPU: the Mosaic GPU interpreter"
-          " does not run stores into a wgmma accumulator")
+            f"{name}=True needs a GPU: the Mosaic GPU interpreter {why}")
     manual = _manual_devices()
     if manual > 1:
       raise NotImplementedError(
