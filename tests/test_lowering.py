@@ -122,23 +122,19 @@ def _mosaic_case(shape):
          prefetch_q=True, row_sum_in_pv=True),
     dict(named_barriers=True, late_rescale=True, early_k_wait=True,
          row_sum_in_pv=True),
-    # Q as the S wgmma's register A operand: the H200 default's forms
-    # (persistent with prefetch_q, plain) and the other loops.
-    dict(named_barriers=True, q_in_regs=True, block_kv=128),
-    dict(named_barriers=True, q_in_regs=True, block_kv=128, persistent=True,
+    # Three consumers: the d64 default's forms.
+    dict(named_barriers=True, compute_wgs=3, block_kv=128),
+    dict(named_barriers=True, compute_wgs=3, block_kv=128, persistent=True,
          prefetch_q=True),
-    dict(q_in_regs=True, intra_wg_overlap=True),
-    dict(named_barriers=True, q_in_regs=True, pv_then_qk=True),
 ], ["default", "p-in-smem", "one-wg", "deep", "wide", "persistent",
         "overlap", "overlap-wide", "named-early", "named-persistent",
         "named-one-wg", "named-row-sum-in-pv", "named-split-kv",
         "named-prefetch-q", "prefetch-q-split-kv", "named-kv192",
         "named-lean", "named-lean-persistent", "named-no-auto-barriers",
         "named-pv-then-qk", "named-pv-then-qk-persistent",
-        "named-tokamax-order", "q-in-regs", "q-in-regs-prefetch-q",
-        "q-in-regs-overlap", "q-in-regs-pv-then-qk"],
+        "named-tokamax-order", "three-wg", "three-wg-prefetch-q"],
     every_commit={"default", "persistent", "named-persistent",
-                  "named-prefetch-q", "q-in-regs", "q-in-regs-prefetch-q"}))
+                  "named-prefetch-q"}))
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),

@@ -200,6 +200,15 @@ INTERPRET_VARIANTS.update({
     # Any grid (the cases' own): the reciprocal normalisation and the
     # read-only last wait.
     "lean_epilogue": (dict(lean_epilogue=True), _CHUNKED_OUT_CASES),
+    # Three consumers (no ping-pong): 192-row query groups, a group that
+    # is mostly padding, skip steps of a causal diagonal, rows that see
+    # no key, and the persistent grid with the producer's Q prefetch.
+    "three_wgs": (dict(compute_wgs=3, schedule_barrier=False), [
+        "d64-causal-2wg", "d96-gqa-q200-k300", "d64-full", "d64-len1",
+        "d32-tiny-window-empty", "d64-stages4-window-far"]),
+    "three_wgs+prefetch_q": (dict(compute_wgs=3, schedule_barrier=False,
+                                  persistent=True, prefetch_q=True),
+                             ["d64-persistent-2wg-causal", "d64-full"]),
 })
 
 
@@ -210,7 +219,8 @@ INTERPRET_VARIANTS.update({
 # bwd_early_dv) run every case.
 EXPERIMENTS = {"intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "split_kv_release", "pv_then_qk", "pv_then_qk+row_sum_in_pv",
-               "bwd_dq_late_release", "lean_epilogue"}
+               "bwd_dq_late_release", "lean_epilogue", "three_wgs",
+               "three_wgs+prefetch_q"}
 
 
 def _variant_params():
@@ -257,7 +267,7 @@ def test_forward_smem_rules():
 
 def test_named_barriers_need_a_gpu():
   q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
-  for name in ("named_barriers", "bwd_named_barriers", "q_in_regs"):
+  for name in ("named_barriers", "bwd_named_barriers"):
     with pytest.raises(NotImplementedError, match=name):
       jaxflash.flash_attention(
           q, q, q, implementation="mosaic_gpu", interpret=True,
@@ -321,13 +331,13 @@ GPU_CONFIGS = {
     "named-split-kv-prefetch-q": mosaic_gpu.MosaicConfig(
         named_barriers=True, persistent=True, prefetch_q=True,
         split_kv_release=True),
-    # Q as the S wgmma's register A operand (not yet run on a GPU): the
-    # H200 forward's two forms (plain, persistent with prefetch_q).
-    "named-q-in-regs": mosaic_gpu.MosaicConfig(
-        named_barriers=True, block_kv=128, q_in_regs=True),
-    "named-q-in-regs-prefetch-q": mosaic_gpu.MosaicConfig(
-        named_barriers=True, block_kv=128, persistent=True, prefetch_q=True,
-        q_in_regs=True),
+    # Three consumers without the ping-pong (FA3's 192-row tile at d64):
+    # the H200 d64 default's two forms with it.
+    "named-three-wg": mosaic_gpu.MosaicConfig(
+        named_barriers=True, compute_wgs=3, block_kv=128),
+    "named-three-wg-prefetch-q": mosaic_gpu.MosaicConfig(
+        named_barriers=True, compute_wgs=3, block_kv=128, persistent=True,
+        prefetch_q=True),
     # tokamax's epilogue: reciprocal, chunked stores, read-only last wait.
     "named-lean-epilogue": mosaic_gpu.MosaicConfig(named_barriers=True,
                                                    lean_epilogue=True),

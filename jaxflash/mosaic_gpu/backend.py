@@ -351,7 +351,6 @@ _GPU_ONLY = (
     ("named_barriers", "does not run hardware named barriers (inline PTX)"),
     ("bwd_named_barriers",
      "does not run hardware named barriers (inline PTX)"),
-    ("q_in_regs", "does not run a wgmma whose A operand is in registers"),
     ("bwd_stats_in_acc", "does not run stores into a wgmma accumulator"),
 )
 

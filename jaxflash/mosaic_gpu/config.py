@@ -59,8 +59,12 @@ class MosaicConfig:
       ``wgmma`` M-tile is 64 rows).
     block_kv: key rows per pipeline stage (a multiple of 64).
     stages: depth of the K/V shared-memory ring filled by TMA (>= 2).
-    compute_wgs: consumer warpgroups per program (1 or 2); a producer
-      warpgroup issues the TMA copies (warp specialisation).
+    compute_wgs: consumer warpgroups per program (1, 2 or 3); a producer
+      warpgroup issues the TMA copies (warp specialisation).  Two run
+      FlashAttention-3's ping-pong (``schedule_barrier``); three
+      (FlashAttention-3's 192-row tile at head_dim 64, hopper/tile_size.h)
+      run without it, at ``THREE_CONSUMER_REGISTERS`` per thread, and
+      load each key/value tile for a third more query rows.
     p_in_smem: stage the probabilities ``P`` through shared memory for the
       ``P V`` wgmma (``True``), or feed them from registers (``False``, as
       FlashAttention-3).  Pallas' Mosaic GPU interpreter only runs the
@@ -159,19 +163,6 @@ class MosaicConfig:
       (docs/benchmarks/h200-2026-12-01-no-auto-barriers.md).  GPU only,
       not with ``p_in_smem`` (P's buffer is rewritten each step after
       wgmmas of other warps read it).
-    q_in_regs: the forward loads each work item's Q tile from shared
-      memory into registers once (wgmma's A-operand layout) and feeds
-      ``S = Q K^T`` from there instead of from shared memory.  Each
-      64-row wgmma of ``S`` reads its A operand (Q) and its B operand (K)
-      from shared memory, 96 B per clock at the tensor cores' rate with
-      128-key tiles, and TMA writes the next K/V tiles beside it (32 B
-      per clock), which is the whole shared-memory bandwidth (128 B per
-      clock per SM) while ``S`` runs; with Q in registers the ``S``
-      wgmmas read 64.  It costs ``block_q * head_dim / 256`` registers
-      per thread for the whole loop (32 at head_dim 128, 16 at 64;
-      FlashAttention-2's ``Q_in_regs`` on Ampere).  An experiment, not
-      yet run on a GPU; GPU only (the interpreter has no register A
-      operand).
     bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
       64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
       key rows and streams ``bwd_block_q`` query rows; the dQ kernel gives
@@ -355,7 +346,6 @@ class MosaicConfig:
   prefetch_q: bool = False
   lean_epilogue: bool = False
   no_auto_barriers: bool = False
-  q_in_regs: bool = False
   bwd_block_q: int = 64
   bwd_block_kv: int = 64
   bwd_stages: int = 2
@@ -383,9 +373,12 @@ class MosaicConfig:
       val = getattr(self, name)
       if not isinstance(val, int) or val < 2:
         raise ValueError(f"{name}={val!r} must be an integer >= 2")
-    for name in ("compute_wgs", "bwd_compute_wgs"):
-      if getattr(self, name) not in (1, 2):
-        raise ValueError(f"{name}={getattr(self, name)!r} must be 1 or 2")
+    if self.compute_wgs not in (1, 2, 3):
+      raise ValueError(
+          f"compute_wgs={self.compute_wgs!r} must be 1, 2 or 3")
+    if self.bwd_compute_wgs not in (1, 2):
+      raise ValueError(
+          f"bwd_compute_wgs={self.bwd_compute_wgs!r} must be 1 or 2")
     for option, other, why in _EXCLUSIVE_OPTIONS:
       if getattr(self, option) and getattr(self, other):
         raise ValueError(f"{option}=True {why}: it needs {other}=False"
@@ -607,6 +600,10 @@ SMEM_LIMIT = 227 * 1024
 REGISTER_FILE = 65536
 MIN_REGISTERS = 24
 DEFAULT_CONSUMER_REGISTERS = 232
+# Three consumers and a producer start at 128 registers per thread (512
+# threads); FlashAttention-3 gives its three consumers 160 and the
+# producer the 32 left (hopper/flash_fwd_kernel_sm90.h).
+THREE_CONSUMER_REGISTERS = 160
 
 
 def launch_registers(n_warpgroups: int) -> int:

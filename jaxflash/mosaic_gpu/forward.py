@@ -129,11 +129,6 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, bq), h], qo_smem,
                               q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[wg])
-    # q_in_regs: Q read from shared memory once per work item, in the
-    # wgmma A-operand layout, so that each S = Q K^T wgmma reads only K
-    # from shared memory (MosaicConfig.q_in_regs).
-    q_op = (plgpu.load(qo_smem, layout=plgpu.Layout.WGMMA)
-            if cfg.q_in_regs else qo_smem)
     row = plgpu.Layout.WGMMA.reduce(1)
     m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row)
     l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row)
@@ -201,7 +196,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         plgpu.barrier_wait(k_ready.at[slot])
 
       def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_op, k_smem.at[slot].T)
+        plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].T)
         ping.issued()  # let the other consumer's matmul go next
         return acc_ref[...]
 
@@ -348,7 +343,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         plgpu.barrier_wait(k_ready.at[slot])
 
         def issue(s_acc, o_acc):
-          plgpu.wgmma(s_acc, q_op, k_smem.at[slot].T)  # S_t
+          plgpu.wgmma(s_acc, qo_smem, k_smem.at[slot].T)  # S_t
           plgpu.barrier_wait(v_ready.at[prev])
           plgpu.wgmma(o_acc, p_operand(p_prev), v_smem.at[prev])  # P V
           ping.rendezvous()  # both matmuls issued: the other's turn
@@ -430,7 +425,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
           plgpu.wgmma(o_acc, p_src, v_smem.at[slot])
           l_next = l if p_sum is None else l + p_sum.sum(axis=1)
           plgpu.barrier_wait(k_ready.at[nxt])
-          plgpu.wgmma(s_acc, q_op, k_smem.at[nxt].T)
+          plgpu.wgmma(s_acc, qo_smem, k_smem.at[nxt].T)
           ping.issued()  # this consumer's turn ends
           return l_next
 
