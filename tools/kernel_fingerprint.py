@@ -1,6 +1,7 @@
 """Fingerprints of the Hopper kernels' default programs.
 
-    PYTHONPATH=. python3 tools/kernel_fingerprint.py [--against COMMIT]
+    [RULE_KV_LEN=1024] PYTHONPATH=. python3 tools/kernel_fingerprint.py
+        [--against COMMIT]
 
 Prints, per case, a hash of the traced program (``jax.make_jaxpr`` of the
 forward, or of the gradient, with the tuned default config; no GPU
@@ -13,7 +14,10 @@ runs the same cases in a worktree of that commit and compares;
 to that commit's defaults first (to show that a variant measured there,
 ``--mosaic-variants`` of the benchmark, is the kernel a later default
 builds); a case whose default the overrides do not fit (a ValueError of
-MosaicConfig) keeps its default and says so on stderr.
+MosaicConfig) keeps its default and says so on stderr.  Every case has
+``RULE_KV_LEN`` queries and keys (default 1024): the tuned default's
+per-call rules (``kv_rules``, ``persistent_max_kv``) pick the config of
+a call that long.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import tempfile
 CASES = [
     # name, head_dim, causal, segments, window, gradient
     ("d64-full-fwd", 64, False, False, None, False),
+    ("d64-causal-fwd", 64, True, False, None, False),
     ("d128-full-fwd", 128, False, False, None, False),
     ("d128-causal-grad", 128, True, False, None, True),
     ("d128-full-grad", 128, False, False, None, True),
@@ -48,7 +53,7 @@ def fingerprints(overrides: str = "") -> dict[str, str]:
 
   out = {}
   for name, d, causal, seg, window, grad in CASES:
-    b, t, h, kh = 2, 1024, 4, 2
+    b, t, h, kh = 2, int(os.environ.get("RULE_KV_LEN", "1024")), 4, 2
     q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, t, kh, d), jnp.bfloat16)
     ids = jax.ShapeDtypeStruct((b, t), jnp.int32)
