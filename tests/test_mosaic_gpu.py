@@ -482,7 +482,8 @@ def test_config_validation():
   for bad, match in [(dict(block_q=32), "block_q=32"),
                      (dict(block_kv=100), "block_kv=100"),
                      (dict(stages=1), "stages=1"),
-                     (dict(compute_wgs=3), "compute_wgs=3"),
+                     (dict(compute_wgs=4), "compute_wgs=4"),
+                     (dict(bwd_compute_wgs=3), "bwd_compute_wgs=3"),
                      (dict(bwd_block_q=32), "bwd_block_q=32"),
                      (dict(bwd_stages=1), "bwd_stages=1"),
                      (dict(intra_wg_overlap=True, persistent=True),
@@ -557,6 +558,13 @@ def test_register_split_fits_the_launch_allocation():
   for consumer, producer in [(232, 40), (240, 24)]:
     assert config.producer_registers(consumer, 2) == producer
     assert 2 * consumer + producer <= 3 * config.launch_registers(3)
+  # Three consumers (4 x 128 at launch): 3 x 160 + 32, FlashAttention-3's.
+  assert config.launch_registers(4) == 128
+  three = config.THREE_CONSUMER_REGISTERS
+  producer = config.producer_registers(three, 3)
+  assert (three, producer) == (160, 32)
+  assert 3 * three + producer <= 4 * config.launch_registers(4)
+  assert producer >= config.MIN_REGISTERS
 
 
 def test_default_config_rules():
@@ -604,6 +612,16 @@ def test_default_config_rules():
     assert (d64.bwd_block_q == 128) == big, (causal, kv)
     assert d64.bwd_stats_in_acc == big and d64.bwd_atomic_dq
   assert dflt(64).bwd_block_q == 64 and dflt(128, kv_len=8192).bwd_block_q == 64
+  # kv_rules: three consumers in the d64 forward on non-causal calls from
+  # 4096 keys and causal ones from 16384 (measured slower below); two
+  # at the other head_dims and on other devices.
+  for causal, kv, three in [(False, 2048, False), (False, 4095, False),
+                            (False, 4096, True), (False, 65536, True),
+                            (True, 8192, False), (True, 16383, False),
+                            (True, 16384, True), (False, None, False)]:
+    assert (dflt(64, causal=causal, kv_len=kv).compute_wgs == 3) == three
+  assert dflt(128, kv_len=16384).compute_wgs == 2
+  assert other(64, kv_len=16384).compute_wgs == 2
   assert other(64, kv_len=8192).bwd_block_q == 64
   # Unlisted devices: the persistent rule is the H200's alone; the split
   # backward at head_dim 256 is carried over.
