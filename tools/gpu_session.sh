@@ -24,8 +24,10 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # XDIST=0 for tests that use every GPU (tests/test_multigpu.py).
   n=${XDIST:-8}; python3 -c 'import xdist' 2>/dev/null || n=0
   # -v: one line per finished test, so a run stopped by the timeout still
-  # says which tests passed.  TESTS picks files (default: all of tests/).
+  # says which tests passed.  TESTS picks files (default: all of tests/),
+  # PYTEST_K a -k expression (default: every gpu test of those files).
   timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m gpu ${TESTS:-tests} \
+    ${PYTEST_K:+-k "$PYTEST_K"} \
     -p no:benchmark -p no:cacheprovider -n "$n" -rfE --durations=15 -v \
     > "$out/gpu_tests.log" 2>&1
   echo "pytest rc=$?"
