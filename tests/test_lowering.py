@@ -134,7 +134,7 @@ def _mosaic_case(shape):
         "named-pv-then-qk", "named-pv-then-qk-persistent",
         "named-tokamax-order", "three-wg", "three-wg-prefetch-q"],
     every_commit={"default", "persistent", "named-persistent",
-                  "named-prefetch-q"}))
+                  "named-prefetch-q", "three-wg", "three-wg-prefetch-q"}))
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),

@@ -1,8 +1,8 @@
 """The Hopper (Mosaic GPU) forward kernel.
 
 On CPU it runs in the Mosaic GPU interpreter with race detection
-(``InterpretGPUParams(detect_races=True)``): TMA, barriers, wgmma, one or
-two consumer warpgroups with the ping-pong schedule barrier.  The ``gpu``
+(``InterpretGPUParams(detect_races=True)``): TMA, barriers, wgmma, one, two
+(with the ping-pong schedule barrier) or three consumer warpgroups.  The ``gpu``
 variants compile it for the H200, including the register-operand ``P V``
 form the interpreter cannot run.  Gradients go through the Hopper dK/dV and
 dQ kernels (padded head_dim <= 128, or with ``bwd_split_dkv``), else the
@@ -216,11 +216,10 @@ INTERPRET_VARIANTS.update({
 # their records): on every commit (`make test`) the first two cases of
 # each, the rest with the `slow` marker (`make test-all`).  The defaults'
 # options (bwd_paired_dkv, bwd_paired_dq, prefetch_q, bwd_softmax_overlap,
-# bwd_early_dv) run every case.
+# bwd_early_dv, three_wgs) run every case.
 EXPERIMENTS = {"intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "split_kv_release", "pv_then_qk", "pv_then_qk+row_sum_in_pv",
-               "bwd_dq_late_release", "lean_epilogue", "three_wgs",
-               "three_wgs+prefetch_q"}
+               "bwd_dq_late_release", "lean_epilogue"}
 
 
 def _variant_params():
@@ -560,11 +559,29 @@ def test_register_split_fits_the_launch_allocation():
     assert 2 * consumer + producer <= 3 * config.launch_registers(3)
   # Three consumers (4 x 128 at launch): 3 x 160 + 32, FlashAttention-3's.
   assert config.launch_registers(4) == 128
-  three = config.THREE_CONSUMER_REGISTERS
-  producer = config.producer_registers(three, 3)
-  assert (three, producer) == (160, 32)
-  assert 3 * three + producer <= 4 * config.launch_registers(4)
-  assert producer >= config.MIN_REGISTERS
+  assert config.THREE_CONSUMER_REGISTERS == 160
+  assert config.producer_registers(160, 3) == 32 >= config.MIN_REGISTERS
+
+
+@pytest.mark.parametrize("n,asked,want", [
+    (1, 240, []),  # one consumer: the launch split (no setmaxnreg)
+    (2, 232, [(40, "decrease"), (232, "increase")]),
+    (2, 240, [(24, "decrease"), (240, "increase")]),
+    (3, 240, [(32, "decrease"), (160, "increase")]),  # 160 whatever asked
+])
+def test_split_registers_requests(monkeypatch, n, asked, want):
+  """What pipeline.split_registers asks setmaxnreg for, producer then
+  consumer: within the launch allocation of n + 1 warpgroups."""
+  from jaxflash.mosaic_gpu import config, pipeline
+  calls = []
+  monkeypatch.setattr(pipeline.plgpu, "set_max_registers",
+                      lambda regs, *, action: calls.append((regs, action)))
+  pipeline.split_registers(True, n, asked)
+  pipeline.split_registers(False, n, asked)
+  assert calls == want
+  if want:
+    (producer, _), (consumer, _) = want
+    assert n * consumer + producer <= (n + 1) * config.launch_registers(n + 1)
 
 
 def test_default_config_rules():
@@ -886,6 +903,10 @@ SEG_CASES = [
     ("packed-causal-2wg-softmax-overlap", 256, 256, True, None,
      dict(docs=5, pad=9),
      dataclasses.replace(TWO_WG, bwd_softmax_overlap=True)),
+    # Three consumers (the d64 default from 4096 keys): 192-row groups'
+    # key-tile ranges.
+    ("packed-causal-3wg", 256, 256, True, None, dict(docs=5, pad=9),
+     dataclasses.replace(TWO_WG, compute_wgs=3, schedule_barrier=False)),
     # One key tile per dK/dV program: the group range narrows per tile.
     ("packed-lengths-paired-dkv", 256, 256, True, None,
      dict(docs=4, pad=7, kv_len=[256, 150]),
@@ -944,6 +965,7 @@ GPU_SEG_OVERRIDES = {
     "packed-causal-2wg-softmax-overlap": dict(bwd_softmax_overlap=True),
     "packed-lengths-paired-dkv": dict(bwd_paired_dkv=True),
     "packed-lengths-paired-dq": dict(bwd_paired_dq=True),
+    "packed-causal-3wg": dict(compute_wgs=3),
 }
 
 

@@ -11,7 +11,9 @@ import json
 import os
 
 # Hardware named barriers free for the kernels: ids 4..15 (Mosaic GPU's own
-# are 0-3).  The forward takes two for the ping-pong schedule and one per
+# are 0 and 1 + warpgroup index: 0-3 with three warpgroups; with four, the
+# forward's three consumers, also 4, which only the two-consumer ping-pong
+# would take).  The forward takes two for the ping-pong schedule and one per
 # stage for each of the K and V rings; the backward one per stage.
 FREE_NAMED_BARRIERS = 12
 MAX_NAMED_STAGES = (FREE_NAMED_BARRIERS - 2) // 2
@@ -63,8 +65,12 @@ class MosaicConfig:
       warpgroup issues the TMA copies (warp specialisation).  Two run
       FlashAttention-3's ping-pong (``schedule_barrier``); three
       (FlashAttention-3's 192-row tile at head_dim 64, hopper/tile_size.h)
-      run without it, at ``THREE_CONSUMER_REGISTERS`` per thread, and
-      load each key/value tile for a third more query rows.
+      run without it (``schedule_barrier`` has no effect), at
+      ``THREE_CONSUMER_REGISTERS`` per thread, and load each key/value
+      tile for a third more query rows.  Meant for head_dim 64: 160
+      registers hold a 64 x 128 float32 ``S`` and a 64 x 64 ``O``; larger
+      ``O`` tiles or 192-key tiles spill (876 bytes measured at
+      ``block_kv=192``, head_dim 64).
     p_in_smem: stage the probabilities ``P`` through shared memory for the
       ``P V`` wgmma (``True``), or feed them from registers (``False``, as
       FlashAttention-3).  Pallas' Mosaic GPU interpreter only runs the

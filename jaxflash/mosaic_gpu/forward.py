@@ -86,7 +86,8 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
   q_free = extra.pop(0) if prefetch else None
   bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
   # Named, the consumed signals take the ids after the schedule's two
-  # (4 + 2 + [0, 2 * stages): config.MAX_NAMED_STAGES).
+  # (4 + 2 + [0, 2 * stages): config.MAX_NAMED_STAGES), above Mosaic GPU's
+  # warpgroup barriers (1 + warpgroup index: at most 4, three consumers).
   first = pipeline.FIRST_NAMED_BARRIER + 2
   k_free = pipeline.ring_free(k_free, cfg.named_barriers, cfg.compute_wgs,
                               first)

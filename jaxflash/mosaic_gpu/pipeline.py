@@ -55,8 +55,10 @@ def launch(body, *, out_type, scratch, grid, grid_names, consumers: int,
 
 
 # Hardware named barriers (``bar.arrive`` / ``bar.sync``): 16 per CTA;
-# Mosaic GPU uses id 0 and 1 + warpgroup index for its own barriers
-# (tokamax's sm90 kernel starts at 4 as well).
+# Mosaic GPU uses id 0 and 1 + warpgroup index for its own barriers: 0-3
+# with three warpgroups (tokamax's sm90 kernel starts at 4 as well), 0-4
+# with four (the forward's three consumers, which run no ping-pong: its
+# ids 4 and 5 stay unused there and the rings start at 6).
 FIRST_NAMED_BARRIER = 4
 
 
