@@ -67,6 +67,12 @@ CASES = [
     ("d256-causal-q300-k100", 300, 100, 2, 1, 256, jnp.bfloat16, True, None,
      ONE_WG),
     ("d64-len1", 1, 1, 2, 1, 64, jnp.bfloat16, False, None, TWO_WG),
+    # Several fully visible key tiles per consumer at head_dim 128: the
+    # unmasked loop's later steps (a config that used Q from registers
+    # went wrong from the second such tile on the H200, and no other case
+    # had one; docs/benchmarks/h200-2026-12-02-q-in-regs.md).
+    ("d128-full-6tiles", 128, 384, 2, 2, 128, jnp.bfloat16, False, None,
+     TWO_WG),
     ("d64-stages4-short", 64, 128, 2, 2, 64, jnp.bfloat16, False, None,
      DEEP),
     ("d64-stages4-window-far", 384, 384, 2, 2, 64, jnp.bfloat16, False,
