@@ -573,7 +573,7 @@ def test_register_split_fits_the_launch_allocation():
     (1, 240, []),  # one consumer: the launch split (no setmaxnreg)
     (2, 232, [(40, "decrease"), (232, "increase")]),
     (2, 240, [(24, "decrease"), (240, "increase")]),
-    (3, 240, [(32, "decrease"), (160, "increase")]),  # 160 whatever asked
+    (3, None, [(32, "decrease"), (160, "increase")]),  # the default, 160
 ])
 def test_split_registers_requests(monkeypatch, n, asked, want):
   """What pipeline.split_registers asks setmaxnreg for, producer then
@@ -588,6 +588,14 @@ def test_split_registers_requests(monkeypatch, n, asked, want):
   if want:
     (producer, _), (consumer, _) = want
     assert n * consumer + producer <= (n + 1) * config.launch_registers(n + 1)
+
+
+def test_split_registers_refuses_more_than_the_launch_allocation():
+  """Three consumers of 240 registers would leave the producer nothing
+  (and hang in setmaxnreg.inc): a ValueError before any request."""
+  from jaxflash.mosaic_gpu import pipeline
+  with pytest.raises(ValueError, match="3 consumers of 240 registers"):
+    pipeline.split_registers(True, 3, 240)
 
 
 def test_default_config_rules():

@@ -11,10 +11,9 @@ import json
 import os
 
 # Hardware named barriers free for the kernels: ids 4..15 (Mosaic GPU's own
-# are 0 and 1 + warpgroup index: 0-3 with three warpgroups; with four, the
-# forward's three consumers, also 4, which only the two-consumer ping-pong
-# would take).  The forward takes two for the ping-pong schedule and one per
-# stage for each of the K and V rings; the backward one per stage.
+# below them: pipeline.FIRST_NAMED_BARRIER).  The forward takes two for the
+# ping-pong schedule and one per stage for each of the K and V rings; the
+# backward one per stage.
 FREE_NAMED_BARRIERS = 12
 MAX_NAMED_STAGES = (FREE_NAMED_BARRIERS - 2) // 2
 

@@ -22,6 +22,7 @@ from jax.experimental.mosaic import gpu as mgpu
 
 from jaxflash.mosaic_gpu.config import (
   DEFAULT_CONSUMER_REGISTERS,
+  MIN_REGISTERS,
   THREE_CONSUMER_REGISTERS,
   producer_registers,
 )
@@ -139,19 +140,22 @@ def narrow_to_segments(u_lo, u_hi, range_ref, b, group):
 
 
 def split_registers(is_producer: bool, n_consumers: int,
-                    consumer_registers: int = DEFAULT_CONSUMER_REGISTERS
-                    ) -> None:
+                    consumer_registers: int | None = None) -> None:
   """With two or three consumers, move registers from the producer (which
   only issues TMA copies) to the consumers' float32 accumulators:
   ``consumer_registers`` per consumer thread (232 as tokamax, leaving the
   producer 40; 240 as FlashAttention-3, leaving it 24), the rest to the
   producer (at most 40; :func:`config.producer_registers`, whose rule
-  MosaicConfig enforces).  Three consumers take
-  ``THREE_CONSUMER_REGISTERS`` (160, the producer 32) whatever
-  ``consumer_registers`` says."""
-  if n_consumers == 3:
-    consumer_registers = THREE_CONSUMER_REGISTERS
+  MosaicConfig enforces).  None: 232 for two consumers, 160 for three
+  (``THREE_CONSUMER_REGISTERS``, the producer 32)."""
+  if consumer_registers is None:
+    consumer_registers = (THREE_CONSUMER_REGISTERS if n_consumers == 3
+                          else DEFAULT_CONSUMER_REGISTERS)
   if n_consumers >= 2:
+    if producer_registers(consumer_registers, n_consumers) < MIN_REGISTERS:
+      raise ValueError(
+          f"{n_consumers} consumers of {consumer_registers} registers leave"
+          f" the producer fewer than {MIN_REGISTERS}")
     if is_producer:
       plgpu.set_max_registers(
           min(40, producer_registers(consumer_registers, n_consumers)),
