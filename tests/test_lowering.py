@@ -209,6 +209,11 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
     # The tuned head_dim 128 backward (tuning.json, H200).
     dict(bwd_stats_in_acc=True, bwd_softmax_overlap=True,
          bwd_consumer_registers=240, bwd_early_dv=True),
+    # ... with dK's wgmma left in flight into the next step.
+    dict(bwd_stats_in_acc=True, bwd_softmax_overlap=True,
+         bwd_consumer_registers=240, bwd_early_dv=True,
+         bwd_dkv_late_release=True, bwd_stages=3),
+    dict(bwd_dkv_late_release=True, bwd_split_dkv=True, bwd_compute_wgs=1),
 ], ["default", "p-in-smem", "one-wg", "deep", "split", "atomic-dq",
         "atomic-dq-p-in-smem-one-wg", "shared-dq", "dq-halves", "named",
         "named-shared-dq", "named-split", "regs240", "regs240-atomic-dq",
@@ -219,7 +224,8 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
         "stats-in-acc-shared-dq", "stats-in-acc-split", "stats-in-acc-bq128",
         "stats-first-early-dv", "stats-first-bq128-atomic-dq",
         "stats-in-acc-bq128-atomic-dq", "early-dv-atomic-dq",
-        "early-dv-shared-dq", "d128-default"],
+        "early-dv-shared-dq", "d128-default", "d128-dkv-late",
+        "dkv-late-split"],
     every_commit={"default", "atomic-dq", "split", "paired-dkv",
                   "paired-dq", "d128-default",
                   "stats-in-acc-bq128-atomic-dq"}))

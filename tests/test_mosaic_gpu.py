@@ -158,6 +158,21 @@ INTERPRET_VARIANTS = {
         "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window", "d64-len1",
         "d64-stages4-window-far", "d32-tiny-window-empty",
         "d256-split-dkv-gqa", "d64-split-dkv-2wg-window"]),
+    # The dK/dV kernel's last wgmma of each step left in flight, its Q/dO
+    # slot released in the next step (the last computed one before the
+    # skips after it): one and two consumers, GQA (a tile loop per query
+    # head), causal, windows, rows that see no key, a deep ring, the split
+    # passes; over FlashAttention-3's order with dV issued early (the d128
+    # default's).
+    "bwd_dkv_late_release": (dict(bwd_dkv_late_release=True), [
+        "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window", "d64-len1",
+        "d64-stages4-window-far", "d32-tiny-window-empty",
+        "d256-split-dkv-gqa", "d64-split-dkv-2wg-window"]),
+    "bwd_dkv_late_release+early_dv": (
+        dict(bwd_dkv_late_release=True, bwd_softmax_overlap=True,
+             bwd_early_dv=True, bwd_stages=3),
+        ["d96-gqa-q200-k300", "d64-causal-2wg", "d128-window",
+         "d32-tiny-window-empty"]),
     # P computed under dP's wgmma (S's waited for alone), dS^T after dV's
     # wgmma is issued: the dK/dV and dQ kernels with one and two
     # consumers, the split dK and dV passes, GQA, causal, windows, rows
@@ -225,7 +240,8 @@ INTERPRET_VARIANTS.update({
 # bwd_early_dv, three_wgs) run every case.
 EXPERIMENTS = {"intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "split_kv_release", "pv_then_qk", "pv_then_qk+row_sum_in_pv",
-               "bwd_dq_late_release", "lean_epilogue"}
+               "bwd_dq_late_release", "bwd_dkv_late_release",
+               "bwd_dkv_late_release+early_dv", "lean_epilogue"}
 
 
 def _variant_params():
@@ -452,6 +468,14 @@ GPU_CONFIGS = {
         bwd_stats_first=True),
     "bwd-stats-in-acc-split": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_split_dkv=True, bwd_compute_wgs=1),
+    # The dK/dV kernel's dK wgmma left in flight into the next step, over
+    # the d128 default with two and three stages, and the split passes.
+    "bwd-d128-dkv-late": mosaic_gpu.MosaicConfig(
+        **_D128_BWD, bwd_dkv_late_release=True),
+    "bwd-d128-dkv-late-stages3": mosaic_gpu.MosaicConfig(
+        **_D128_BWD, bwd_dkv_late_release=True, bwd_stages=3),
+    "bwd-dkv-late-split": mosaic_gpu.MosaicConfig(
+        bwd_dkv_late_release=True, bwd_split_dkv=True, bwd_compute_wgs=1),
 }
 
 

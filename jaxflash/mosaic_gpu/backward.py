@@ -318,6 +318,9 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
   # bwd_early_dv: in the overlapped order, dV's wgmma issued before the
   # wait for dP^T (the kernels with both dK and dV).
   early_dv = cfg.bwd_early_dv and overlap and want_dk and want_dv
+  # bwd_dkv_late_release: each step's last wgmma left in flight, its slot
+  # released in the next step (release_previous) or after the loop.
+  late = cfg.bwd_dkv_late_release
   if shared_dq:
     ds_smem2, dq_smem2, ds_ready = extra
   elif atomic_dq:
@@ -375,6 +378,18 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
       delta_of = lambda: (None if dp0 is not None
                           else plgpu.load(delta_ring.at[slot], layout=COL))
 
+      def release_previous(in_flight: int):
+        """bwd_dkv_late_release: with only this step's ``in_flight``
+        wgmmas left, the last step's final wgmma has read its Q and dO
+        (dV's and dK's, queued before them): release that slot."""
+        if not late:
+          return
+        plgpu.wgmma_wait(in_flight)
+
+        @pl.when(t > lo)
+        def _():
+          free.arrive(lax.rem(step - 1, stages))
+
       def sdp(s_acc, dp_acc=None):
         # (dp0 is None where there is no dP^T.)  bwd_stats_first: both
         # starting values stored before the first wgmma.  Stored between
@@ -386,10 +401,12 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
           dp_acc[...] = dp0
         plgpu.wgmma(s_acc, k_smem, q_t.T)     # S^T = K Q^T
         if dp_acc is None:
+          release_previous(1)
           return s_acc[...], None
         if dp0 is not None and not stats_first:
           dp_acc[...] = dp0
         plgpu.wgmma(dp_acc, v_smem, do_t.T)   # dP^T = V dO^T
+        release_previous(2)
         if overlap:  # P^T while dP^T's wgmma runs (S^T's alone waited for)
           s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
           p, th = _probs(s, lse2_of(), tile_mask(), prob=prob, row_axis=1)
@@ -427,8 +444,9 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
                           halves=cfg.bwd_dq_halves)
       elif want_dk:  # dK += dS^T Q
         plgpu.wgmma(accs["dk"], _a_operand(ds, a_smem, dtype), q_t)
-      plgpu.wgmma_wait(0)
-      free.arrive(slot)
+      if not late:
+        plgpu.wgmma_wait(0)
+        free.arrive(slot)
       return carry
 
     def dq_dst(t, g):  # the query tile's rows of dQ (float32, padded)
@@ -448,6 +466,21 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
       return acknowledge(step, carry)
 
     own = mask.q_block_range(k_start, bk, bq)
+    everywhere = range_ref is not None
+    # The first and last computed query tiles (per query head of the
+    # group: the same range for each).
+    lo, _, _, hi = pipeline.computed_tiles(u_lo, u_hi, own, everywhere)
+
+    def release_last(carry, *, g):
+      """bwd_dkv_late_release: the last computed step's slot, once its
+      final wgmma has finished (before the skips after it, whose slots
+      the producer may only refill after this one)."""
+      plgpu.wgmma_wait(0)
+
+      @pl.when(hi > lo)
+      def _():
+        free.arrive(lax.rem(g * n_tiles + hi - 1 - u_lo, stages))
+      return carry
 
     def accumulate(*acc_refs):
       accs = dict(zip(parts, acc_refs))
@@ -458,7 +491,8 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
             u_lo, u_hi, own, first_step=g * n_tiles,
             compute=functools.partial(compute, accs=accs, g=g),
             skip=functools.partial(skip, g=g),
-            element_mask_everywhere=range_ref is not None)
+            element_mask_everywhere=everywhere,
+            finish=functools.partial(release_last, g=g) if late else None)
       return tuple(a[...] for a in acc_refs)
 
     acc = plgpu.ACC((bk, prob.head_dim_padded), jnp.float32)

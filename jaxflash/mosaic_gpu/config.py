@@ -48,6 +48,11 @@ _EXCLUSIVE_OPTIONS = (
      "is a dQ kernel, which bwd_atomic_dq=True does not run"),
     ("bwd_paired_dq", "bwd_dq_late_release",
      "has its own dQ loop (bwd_dq_late_release changes the other one)"),
+    ("bwd_dkv_late_release", "bwd_atomic_dq",
+     "leaves dK's wgmma in flight, where bwd_atomic_dq's dS K follows it"),
+    ("bwd_dkv_late_release", "bwd_paired_dkv",
+     "changes the two-accumulator dK/dV kernel, which"
+     " bwd_paired_dkv=True does not run"),
 )
 
 
@@ -322,6 +327,18 @@ class MosaicConfig:
       d128 dK/dV kernel 3.35 against 3.27 ms, d64's 128-query form 6.60
       against 6.55; docs/benchmarks/h200-2026-12-02-early-dv.md), so not
       a default.  GPU only, as its parent.
+    bwd_dkv_late_release: the same for the dK/dV kernel (and its split
+      passes): each step's last wgmma (``dK += dS^T Q``, or the pass's
+      only accumulator's) is left in flight into the next step, whose
+      ``S^T`` and ``dP^T`` wgmmas queue behind it, and the Q/dO slot it
+      reads is released after ``wgmma.wait_group 2`` there (the last
+      computed step's at the end of the tile loop).  The end-of-step wait
+      for dK's wgmma was 10.4% of the d128 kernel's stall samples (ncu,
+      2026-12-02).  A slot is then released a step later than before,
+      so the producer refills it one step later: with two stages a
+      step's tile is loaded while the step before it runs, with three
+      one step earlier.  Not with ``bwd_atomic_dq`` or
+      ``bwd_paired_dkv``.
     bwd_early_dv: with ``bwd_softmax_overlap``, issue ``dV += P^T dO`` as
       soon as ``P^T`` is computed, queued behind ``dP^T``'s wgmma, and
       then wait for ``dP^T`` alone (``wait_n=1``), instead of waiting for
@@ -364,6 +381,7 @@ class MosaicConfig:
   bwd_shared_dq: bool = False
   bwd_dq_halves: bool = False
   bwd_dq_late_release: bool = False
+  bwd_dkv_late_release: bool = False
   bwd_softmax_overlap: bool = False
   bwd_stats_in_acc: bool = False
   bwd_stats_first: bool = False
