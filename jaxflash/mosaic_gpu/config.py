@@ -337,8 +337,12 @@ class MosaicConfig:
       2026-12-02).  A slot is then released a step later than before,
       so the producer refills it one step later: with two stages a
       step's tile is loaded while the step before it runs, with three
-      one step earlier.  Not with ``bwd_atomic_dq`` or
-      ``bwd_paired_dkv``.
+      one step earlier.  Measured a loss (H200, d128 s8192, dK/dV kernel
+      3.47 ms against 3.14 non-causal, 2.14 against 1.68 causal; 3.40 and
+      2.08 with 3 stages): ptxas injects ``warpgroup.wait`` for the
+      in-flight wgmma's registers (C7517, at two places instead of one;
+      docs/benchmarks/h200-2026-12-02-s17.md), so not a default.  Not
+      with ``bwd_atomic_dq`` or ``bwd_paired_dkv``.
     bwd_early_dv: with ``bwd_softmax_overlap``, issue ``dV += P^T dO`` as
       soon as ``P^T`` is computed, queued behind ``dP^T``'s wgmma, and
       then wait for ``dP^T`` alone (``wait_n=1``), instead of waiting for
