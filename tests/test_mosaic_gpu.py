@@ -507,6 +507,17 @@ def test_gpu_long(seq, causal, head_dim):
   _run(case, False, None)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_long_three_consumers(causal):
+  """16384 keys at head_dim 64 (MQA): on the H200 the tuned default runs
+  three consumers there, causal or not (tuning.json's kv_rules), the
+  non-causal call on the persistent grid; gradients too."""
+  case = ("long-16384-64-mqa", 16384, 16384, 2, 1, 64, jnp.bfloat16, causal,
+          None, None)
+  _run(case, False, None)
+
+
 def test_config_validation():
   for bad, match in [(dict(block_q=32), "block_q=32"),
                      (dict(block_kv=100), "block_kv=100"),
@@ -539,6 +550,10 @@ def test_config_validation():
                       "bwd_split_dkv=False"),
                      (dict(bwd_paired_dkv=True, bwd_atomic_dq=True),
                       "bwd_atomic_dq=False"),
+                     (dict(bwd_dkv_late_release=True, bwd_atomic_dq=True),
+                      "bwd_atomic_dq=False"),
+                     (dict(bwd_dkv_late_release=True, bwd_paired_dkv=True),
+                      "bwd_paired_dkv=False"),
                      (dict(bwd_stats_first=True), "bwd_stats_in_acc=True"),
                      (dict(bwd_early_dv=True), "bwd_softmax_overlap=True")]:
     with pytest.raises(ValueError, match=match):
