@@ -126,15 +126,24 @@ def _mosaic_case(shape):
     dict(named_barriers=True, compute_wgs=3, block_kv=128),
     dict(named_barriers=True, compute_wgs=3, block_kv=128, persistent=True,
          prefetch_q=True),
+    # FlashAttention-3's 80- and 176-key tiles (V and P in the 32-byte
+    # swizzle), K and V unpadded.
+    dict(named_barriers=True, block_kv=80),
+    dict(named_barriers=True, block_kv=80, unpadded_kv=True),
+    dict(named_barriers=True, block_kv=176, p_in_smem=True),
+    dict(block_kv=96, p_in_smem=True, persistent=True),
 ], ["default", "p-in-smem", "one-wg", "deep", "wide", "persistent",
         "overlap", "overlap-wide", "named-early", "named-persistent",
         "named-one-wg", "named-row-sum-in-pv", "named-split-kv",
         "named-prefetch-q", "prefetch-q-split-kv", "named-kv192",
         "named-lean", "named-lean-persistent", "named-no-auto-barriers",
         "named-pv-then-qk", "named-pv-then-qk-persistent",
-        "named-tokamax-order", "three-wg", "three-wg-prefetch-q"],
+        "named-tokamax-order", "three-wg", "three-wg-prefetch-q",
+        "named-kv80", "named-kv80-unpadded", "named-kv176-p-in-smem",
+        "kv96-p-in-smem-persistent"],
     every_commit={"default", "persistent", "named-persistent",
-                  "named-prefetch-q", "three-wg", "three-wg-prefetch-q"}))
+                  "named-prefetch-q", "three-wg", "three-wg-prefetch-q",
+                  "named-kv80-unpadded"}))
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),

@@ -221,6 +221,15 @@ INTERPRET_VARIANTS.update({
     # Any grid (the cases' own): the reciprocal normalisation and the
     # read-only last wait.
     "lean_epilogue": (dict(lean_epilogue=True), _CHUNKED_OUT_CASES),
+    # Key tiles that are not a multiple of 64 (FlashAttention-3's 80 and
+    # 176; V and the staged P in the 32-byte swizzle): a last tile cut by
+    # the key length, causal diagonals and windows across 80-key tiles,
+    # GQA, rows that see no key, head_dim 256.
+    "block_kv_80": (dict(block_kv=80), [
+        "d32-tiny-window-empty", "d64-causal-2wg", "d96-gqa-q200-k300",
+        "d128-window", "d256-causal-q300-k100", "d64-full"]),
+    "block_kv_176": (dict(block_kv=176), [
+        "d128-full-6tiles", "d128-window"]),
     # Three consumers (no ping-pong): 192-row query groups, a group that
     # is mostly padding, skip steps of a causal diagonal, rows that see
     # no key, and the persistent grid with the producer's Q prefetch.
@@ -241,7 +250,8 @@ INTERPRET_VARIANTS.update({
 EXPERIMENTS = {"intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "split_kv_release", "pv_then_qk", "pv_then_qk+row_sum_in_pv",
                "bwd_dq_late_release", "bwd_dkv_late_release",
-               "bwd_dkv_late_release+early_dv", "lean_epilogue"}
+               "bwd_dkv_late_release+early_dv", "lean_epilogue",
+               "block_kv_80", "block_kv_176"}
 
 
 def _variant_params():
@@ -286,9 +296,9 @@ def test_forward_smem_rules():
                                                else None)
 
 
-def test_named_barriers_need_a_gpu():
+def test_gpu_only_options_are_refused_in_the_interpreter():
   q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
-  for name in ("named_barriers", "bwd_named_barriers"):
+  for name in ("named_barriers", "bwd_named_barriers", "unpadded_kv"):
     with pytest.raises(NotImplementedError, match=name):
       jaxflash.flash_attention(
           q, q, q, implementation="mosaic_gpu", interpret=True,
@@ -468,6 +478,15 @@ GPU_CONFIGS = {
         bwd_stats_first=True),
     "bwd-stats-in-acc-split": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_split_dkv=True, bwd_compute_wgs=1),
+    # FlashAttention-3's forward tiles: 80 keys (its head_dim 256 tile;
+    # shared memory refuses it at 128 and 256 with out slots) and 176 (its
+    # head_dim 128 tile), K and V padded by XLA or zero-filled by TMA.
+    "named-kv80": mosaic_gpu.MosaicConfig(named_barriers=True, block_kv=80),
+    "named-kv80-unpadded": mosaic_gpu.MosaicConfig(
+        named_barriers=True, block_kv=80, unpadded_kv=True),
+    "named-kv176-unpadded": mosaic_gpu.MosaicConfig(
+        named_barriers=True, block_kv=176, unpadded_kv=True),
+    "unpadded-kv": mosaic_gpu.MosaicConfig(unpadded_kv=True),
     # The dK/dV kernel's dK wgmma left in flight into the next step, over
     # the d128 default with two and three stages, and the split passes.
     "bwd-d128-dkv-late": mosaic_gpu.MosaicConfig(
@@ -521,6 +540,7 @@ def test_gpu_long_three_consumers(causal):
 def test_config_validation():
   for bad, match in [(dict(block_q=32), "block_q=32"),
                      (dict(block_kv=100), "block_kv=100"),
+                     (dict(block_kv=48), "block_kv=48"),
                      (dict(stages=1), "stages=1"),
                      (dict(compute_wgs=4), "compute_wgs=4"),
                      (dict(bwd_compute_wgs=3), "bwd_compute_wgs=3"),

@@ -161,8 +161,12 @@ def _forward(q, k, v, st: _Static, arrays: MaskArrays = NO_MASK_ARRAYS):
   pad = lambda x, n: pad_axis(pad_axis(x, 1, n), 3, prob.head_dim_padded)
   segments = (_segments(arrays, st, q.shape[0]) if prob.has_segments
               else None)
+  # unpadded_kv: the TMA copies zero-fill the last tile past the keys (not
+  # the interpreter, refused at dispatch: its slices clamp).
+  kv_rows = (k.shape[1] if st.config.unpadded_kv and not st.interpret
+             else prob.kv_pad)
   out, lse = fwd_lib.forward(
-      pad(q, prob.q_pad), pad(k, prob.kv_pad), pad(v, prob.kv_pad), segments,
+      pad(q, prob.q_pad), pad(k, kv_rows), pad(v, kv_rows), segments,
       prob=prob, cfg=st.config, interpret=_interpret_params(st.interpret))
   T = q.shape[1]
   return out[:, :T, :, :st.head_dim], lse[:, :, :T]
@@ -352,6 +356,8 @@ _GPU_ONLY = (
     ("bwd_named_barriers",
      "does not run hardware named barriers (inline PTX)"),
     ("bwd_stats_in_acc", "does not run stores into a wgmma accumulator"),
+    ("unpadded_kv", "clamps slices past the end of K and V (TMA zero-fills"
+     " them)"),
 )
 
 

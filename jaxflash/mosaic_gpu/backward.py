@@ -379,16 +379,10 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
                           else plgpu.load(delta_ring.at[slot], layout=COL))
 
       def release_previous(in_flight: int):
-        """bwd_dkv_late_release: with only this step's ``in_flight``
-        wgmmas left, the last step's final wgmma has read its Q and dO
-        (dV's and dK's, queued before them): release that slot."""
-        if not late:
-          return
-        plgpu.wgmma_wait(in_flight)
-
-        @pl.when(t > lo)
-        def _():
-          free.arrive(lax.rem(step - 1, stages))
+        """bwd_dkv_late_release: the last step's dV and dK wgmmas, queued
+        before this step's ``in_flight``, have read its Q and dO."""
+        if late:
+          late_release(g)[0](step, t, in_flight)
 
       def sdp(s_acc, dp_acc=None):
         # (dp0 is None where there is no dP^T.)  bwd_stats_first: both
@@ -470,17 +464,11 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     # The first and last computed query tiles (per query head of the
     # group: the same range for each).
     lo, _, _, hi = pipeline.computed_tiles(u_lo, u_hi, own, everywhere)
-
-    def release_last(carry, *, g):
-      """bwd_dkv_late_release: the last computed step's slot, once its
-      final wgmma has finished (before the skips after it, whose slots
-      the producer may only refill after this one)."""
-      plgpu.wgmma_wait(0)
-
-      @pl.when(hi > lo)
-      def _():
-        free.arrive(lax.rem(g * n_tiles + hi - 1 - u_lo, stages))
-      return carry
+    # bwd_dkv_late_release, per query head g of the group (its steps start
+    # at g * n_tiles).
+    late_release = lambda g: pipeline.late_release(
+        free, lo=lo, hi=hi, u_lo=u_lo, first_step=g * n_tiles,
+        stages=stages)
 
     def accumulate(*acc_refs):
       accs = dict(zip(parts, acc_refs))
@@ -492,7 +480,7 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
             compute=functools.partial(compute, accs=accs, g=g),
             skip=functools.partial(skip, g=g),
             element_mask_everywhere=everywhere,
-            finish=functools.partial(release_last, g=g) if late else None)
+            finish=late_release(g)[1] if late else None)
       return tuple(a[...] for a in acc_refs)
 
     acc = plgpu.ACC((bk, prob.head_dim_padded), jnp.float32)
@@ -873,11 +861,7 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
         if late:
           # At most these two in flight: the previous step's dS K (queued
           # before them) has read its K, so release that slot now.
-          plgpu.wgmma_wait(2)
-
-          @pl.when(t > lo)
-          def _():
-            free.arrive(lax.rem(step - 1, stages))
+          release_previous(step, t, 2)
         if overlap:  # P while dP's wgmma runs (S's alone waited for)
           p_th = probs(plgpu.wgmma_accumulator_load(s_acc, wait_n=1))
           return p_th, dp_acc[...]
@@ -903,16 +887,8 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
     late = cfg.bwd_dq_late_release
     if late:  # the first and last computed tiles
       lo, _, _, hi = pipeline.computed_tiles(u_lo, u_hi, own, everywhere)
-
-    def release_last(carry):
-      """bwd_dq_late_release: the last computed step's slot, once its dS K
-      has finished."""
-      plgpu.wgmma_wait(0)
-
-      @pl.when(hi > lo)
-      def _():
-        free.arrive(lax.rem(hi - 1 - u_lo, stages))
-      return carry
+      release_previous, release_last = pipeline.late_release(
+          free, lo=lo, hi=hi, u_lo=u_lo, first_step=0, stages=stages)
 
     def accumulate(dq_acc):
       pipeline.tile_loop(

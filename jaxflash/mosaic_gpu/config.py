@@ -63,7 +63,13 @@ class MosaicConfig:
   Attributes:
     block_q: query rows per consumer warpgroup (a multiple of 64: one
       ``wgmma`` M-tile is 64 rows).
-    block_kv: key rows per pipeline stage (a multiple of 64).
+    block_kv: key rows per pipeline stage of the forward: a multiple of
+      16 from 64.  Multiples of 64 keep the 128-byte swizzle; others
+      (FlashAttention-3's 80 at head_dim 256 and 176 at 128,
+      hopper/tile_size.h) store V, and ``P`` with ``p_in_smem``, with the
+      widest swizzle that divides them (``pipeline.tiled_over``): 64
+      bytes at multiples of 32, 32 bytes otherwise.  Those narrower
+      swizzles are not yet measured on a GPU.
     stages: depth of the K/V shared-memory ring filled by TMA (>= 2).
     compute_wgs: consumer warpgroups per program (1, 2 or 3); a producer
       warpgroup issues the TMA copies (warp specialisation).  Two run
@@ -173,6 +179,16 @@ class MosaicConfig:
       (docs/benchmarks/h200-2026-12-01-no-auto-barriers.md).  GPU only,
       not with ``p_in_smem`` (P's buffer is rewritten each step after
       wgmmas of other warps read it).
+    unpadded_kv: the forward reads K and V unpadded: the last key tile's
+      rows past the keys are zero-filled by the TMA copy (which skips
+      out-of-bounds reads) instead of by an XLA pad, which copies K and V
+      whenever the key length is not a multiple of ``block_kv`` (with
+      80-key tiles, at every power-of-two length: at head_dim 256, 8192
+      keys, batch 2 and 8 heads, about 256 MB of traffic, some 4% of the
+      kernel's time).  The padded keys are masked either way
+      (``MaskSpec.kv_block_range`` ends the unmasked tiles at the last
+      whole one).  GPU only: the interpreter's slices clamp at the end of
+      the array.  Not yet measured on a GPU.
     bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
       64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
       key rows and streams ``bwd_block_q`` query rows; the dQ kernel gives
@@ -372,6 +388,7 @@ class MosaicConfig:
   prefetch_q: bool = False
   lean_epilogue: bool = False
   no_auto_barriers: bool = False
+  unpadded_kv: bool = False
   bwd_block_q: int = 64
   bwd_block_kv: int = 64
   bwd_stages: int = 2
@@ -392,10 +409,14 @@ class MosaicConfig:
   bwd_early_dv: bool = False
 
   def __post_init__(self):
-    for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
+    for name in ("block_q", "bwd_block_q", "bwd_block_kv"):
       val = getattr(self, name)
       if not isinstance(val, int) or val < 64 or val % 64:
         raise ValueError(f"{name}={val!r} must be a positive multiple of 64")
+    if (not isinstance(self.block_kv, int) or self.block_kv < 64
+        or self.block_kv % 16):
+      raise ValueError(f"block_kv={self.block_kv!r} must be a multiple of 16"
+                       " from 64")
     for name in ("stages", "bwd_stages"):
       val = getattr(self, name)
       if not isinstance(val, int) or val < 2:

@@ -764,7 +764,9 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
   scratch = [
       plgpu.SMEM((cfg.compute_wgs, bq, dp), dtype, **tiled),
       plgpu.SMEM((cfg.stages, bk, dp), dtype, **tiled),
-      plgpu.SMEM((cfg.stages, bk, dp), dtype, **tiled),
+      # V: P V contracts over its bk rows (a narrower swizzle where bk is
+      # not a multiple of 64).
+      plgpu.SMEM((cfg.stages, bk, dp), dtype, **pipeline.tiled_over(bk)),
       plgpu.SMEM((cfg.compute_wgs, bq), jnp.float32),
       plgpu.Barrier(num_barriers=cfg.stages),             # k_ready (TMA)
       plgpu.Barrier(num_barriers=cfg.stages),             # v_ready (TMA)
@@ -775,7 +777,8 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
                     num_barriers=cfg.stages),             # v_free
   ]
   if cfg.p_in_smem:
-    scratch.append(plgpu.SMEM((cfg.compute_wgs, bq, bk), dtype, **tiled))
+    scratch.append(plgpu.SMEM((cfg.compute_wgs, bq, bk), dtype,
+                              **pipeline.tiled_over(bk)))
   if cfg.out_slots:
     _, slots = cfg.out_chunks(dp)
     scratch.append(

@@ -33,6 +33,22 @@ TILED = dict(transforms=(plgpu.TilingTransform((8, 64)),
                          plgpu.SwizzleTransform(128)))
 
 
+def tiled_over(contraction: int) -> dict:
+  """The shared-memory layout of a wgmma operand whose contraction runs
+  along its major dimension, ``contraction`` long (V in ``P V``, and
+  ``P`` staged in shared memory): the widest swizzle whose width in
+  16-bit elements divides it.  Mosaic GPU's wgmma needs the contraction
+  to be a multiple of that width (``K must be a multiple of 64, got:
+  80`` at the 128-byte swizzle), so FlashAttention-3's 80- and 176-key
+  tiles take the 32-byte swizzle (16 elements)."""
+  for swizzle in (128, 64, 32):
+    if contraction % (swizzle // 2) == 0:
+      return dict(transforms=(plgpu.TilingTransform((8, swizzle // 2)),
+                              plgpu.SwizzleTransform(swizzle)))
+  raise ValueError(f"a wgmma contraction of {contraction} is not a multiple"
+                   " of 16")
+
+
 def launch(body, *, out_type, scratch, grid, grid_names, consumers: int,
            interpret, reduction_scratch_bytes: int | None = None,
            no_auto_barriers: bool = False):
@@ -238,6 +254,40 @@ def acknowledge(ready, free, stages: int):
     free.arrive(slot)
     return carry
   return skip
+
+
+def late_release(free, *, lo, hi, u_lo, first_step, stages: int):
+  """A consumer that leaves each step's last wgmma in flight into the
+  next step (``bwd_dq_late_release``, ``bwd_dkv_late_release``; CUTLASS's
+  ``warpgroup_wait<N>`` before releasing the previous stage).  Returns
+  ``(previous, last)``:
+
+  * ``previous(step, t, in_flight)``, in computed step ``step`` (tile
+    ``t``) once its own ``in_flight`` wgmmas are issued: wait until only
+    those are left, so the last step's wgmmas have read their operands,
+    and release that step's slot (none before the first computed tile
+    ``lo``).
+  * ``last(carry)``, :func:`tile_loop`'s ``finish``: wait for every
+    wgmma and release the last computed tile's slot (``hi - 1``), before
+    the skips after it, whose slots the producer may refill only after
+    this one.
+  """
+  def previous(step, t, in_flight: int) -> None:
+    plgpu.wgmma_wait(in_flight)
+
+    @pl.when(t > lo)
+    def _():
+      free.arrive(lax.rem(step - 1, stages))
+
+  def last(carry):
+    plgpu.wgmma_wait(0)
+
+    @pl.when(hi > lo)
+    def _():
+      free.arrive(lax.rem(first_step + hi - 1 - u_lo, stages))
+    return carry
+
+  return previous, last
 
 
 def computed_tiles(u_lo, u_hi, own, element_mask_everywhere: bool):
