@@ -461,14 +461,14 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
 
     own = mask.q_block_range(k_start, bk, bq)
     everywhere = range_ref is not None
-    # The first and last computed query tiles (per query head of the
-    # group: the same range for each).
-    lo, _, _, hi = pipeline.computed_tiles(u_lo, u_hi, own, everywhere)
-    # bwd_dkv_late_release, per query head g of the group (its steps start
-    # at g * n_tiles).
-    late_release = lambda g: pipeline.late_release(
-        free, lo=lo, hi=hi, u_lo=u_lo, first_step=g * n_tiles,
-        stages=stages)
+    if late:
+      # The first and last computed query tiles (per query head of the
+      # group: the same range for each), and the releases of query head
+      # g's steps (from g * n_tiles).
+      lo, _, _, hi = pipeline.computed_tiles(u_lo, u_hi, own, everywhere)
+      late_release = lambda g: pipeline.late_release(
+          free, lo=lo, hi=hi, u_lo=u_lo, first_step=g * n_tiles,
+          stages=stages)
 
     def accumulate(*acc_refs):
       accs = dict(zip(parts, acc_refs))
