@@ -69,7 +69,7 @@ class MosaicConfig:
       hopper/tile_size.h) store V, and ``P`` with ``p_in_smem``, with the
       widest swizzle that divides them (``pipeline.tiled_over``): 64
       bytes at multiples of 32, 32 bytes otherwise.  Those narrower
-      swizzles are not yet measured on a GPU.
+      swizzles have not yet run on a GPU: neither tested nor timed there.
     stages: depth of the K/V shared-memory ring filled by TMA (>= 2).
     compute_wgs: consumer warpgroups per program (1, 2 or 3); a producer
       warpgroup issues the TMA copies (warp specialisation).  Two run
@@ -188,7 +188,7 @@ class MosaicConfig:
       kernel's time).  The padded keys are masked either way
       (``MaskSpec.kv_block_range`` ends the unmasked tiles at the last
       whole one).  GPU only: the interpreter's slices clamp at the end of
-      the array.  Not yet measured on a GPU.
+      the array.  Not yet run on a GPU: neither tested nor timed there.
     bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
       64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
       key rows and streams ``bwd_block_q`` query rows; the dQ kernel gives
