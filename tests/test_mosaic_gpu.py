@@ -478,9 +478,9 @@ GPU_CONFIGS = {
         bwd_stats_first=True),
     "bwd-stats-in-acc-split": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_split_dkv=True, bwd_compute_wgs=1),
-    # FlashAttention-3's forward tiles: 80 keys (its head_dim 256 tile;
-    # shared memory refuses it at 128 and 256 with out slots) and 176 (its
-    # head_dim 128 tile), K and V padded by XLA or zero-filled by TMA.
+    # FlashAttention-3's forward tiles: 80 keys (its head_dim 256 tile)
+    # and 176 (its head_dim 128 tile; over shared memory at 192 and 256,
+    # skipped there), K and V padded by XLA or zero-filled by TMA.
     "named-kv80": mosaic_gpu.MosaicConfig(named_barriers=True, block_kv=80),
     "named-kv80-unpadded": mosaic_gpu.MosaicConfig(
         named_barriers=True, block_kv=80, unpadded_kv=True),

@@ -319,7 +319,7 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
   # wait for dP^T (the kernels with both dK and dV).
   early_dv = cfg.bwd_early_dv and overlap and want_dk and want_dv
   # bwd_dkv_late_release: each step's last wgmma left in flight, its slot
-  # released in the next step (release_previous) or after the loop.
+  # released in the next step (compute's ``release``) or after the loop.
   late = cfg.bwd_dkv_late_release
   if shared_dq:
     ds_smem2, dq_smem2, ds_ready = extra
@@ -358,7 +358,7 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg])
     plgpu.barrier_wait(kv_ready.at[wg])
 
-    def compute(step, t, carry, *, masked: bool, accs, g):
+    def compute(step, t, carry, *, masked: bool, accs, g, release=None):
       slot = lax.rem(step, stages)
       plgpu.barrier_wait(ready.at[slot])
       q_t, do_t = q_ring.at[slot], do_ring.at[slot]
@@ -379,10 +379,11 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
                           else plgpu.load(delta_ring.at[slot], layout=COL))
 
       def release_previous(in_flight: int):
-        """bwd_dkv_late_release: the last step's dV and dK wgmmas, queued
-        before this step's ``in_flight``, have read its Q and dO."""
-        if late:
-          late_release(g)[0](step, t, in_flight)
+        """bwd_dkv_late_release (``release``): the last step's dV and dK
+        wgmmas, queued before this step's ``in_flight``, have read its Q
+        and dO."""
+        if release is not None:
+          release(step, t, in_flight)
 
       def sdp(s_acc, dp_acc=None):
         # (dp0 is None where there is no dP^T.)  bwd_stats_first: both
@@ -461,26 +462,24 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
 
     own = mask.q_block_range(k_start, bk, bq)
     everywhere = range_ref is not None
-    if late:
-      # The first and last computed query tiles (per query head of the
-      # group: the same range for each), and the releases of query head
-      # g's steps (from g * n_tiles).
+    if late:  # the first and last computed query tiles (per query head)
       lo, _, _, hi = pipeline.computed_tiles(u_lo, u_hi, own, everywhere)
-      late_release = lambda g: pipeline.late_release(
-          free, lo=lo, hi=hi, u_lo=u_lo, first_step=g * n_tiles,
-          stages=stages)
 
     def accumulate(*acc_refs):
       accs = dict(zip(parts, acc_refs))
 
       @pl.loop(0, group_size)
       def _(g):
+        # bwd_dkv_late_release: query head g's steps start at g * n_tiles.
+        previous, last = (pipeline.late_release(
+            free, lo=lo, hi=hi, u_lo=u_lo, first_step=g * n_tiles,
+            stages=stages) if late else (None, None))
         pipeline.tile_loop(
             u_lo, u_hi, own, first_step=g * n_tiles,
-            compute=functools.partial(compute, accs=accs, g=g),
+            compute=functools.partial(compute, accs=accs, g=g,
+                                      release=previous),
             skip=functools.partial(skip, g=g),
-            element_mask_everywhere=everywhere,
-            finish=late_release(g)[1] if late else None)
+            element_mask_everywhere=everywhere, finish=last)
       return tuple(a[...] for a in acc_refs)
 
     acc = plgpu.ACC((bk, prob.head_dim_padded), jnp.float32)

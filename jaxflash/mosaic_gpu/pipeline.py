@@ -27,11 +27,6 @@ from jaxflash.mosaic_gpu.config import (
   producer_registers,
 )
 
-# 128-byte swizzle over 64-element (bf16/fp16) rows: the shared-memory
-# layout wgmma reads without bank conflicts.
-TILED = dict(transforms=(plgpu.TilingTransform((8, 64)),
-                         plgpu.SwizzleTransform(128)))
-
 
 def tiled_over(contraction: int) -> dict:
   """The shared-memory layout of a wgmma operand whose contraction runs
@@ -47,6 +42,11 @@ def tiled_over(contraction: int) -> dict:
                               plgpu.SwizzleTransform(swizzle)))
   raise ValueError(f"a wgmma contraction of {contraction} is not a multiple"
                    " of 16")
+
+
+# 128-byte swizzle over 64-element (bf16/fp16) rows: the shared-memory
+# layout wgmma reads without bank conflicts.
+TILED = tiled_over(64)
 
 
 def launch(body, *, out_type, scratch, grid, grid_names, consumers: int,
