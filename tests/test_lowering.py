@@ -175,6 +175,32 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
     assert "mosaic_gpu" in lower()
 
 
+@pytest.mark.parametrize("cfg", [
+    dict(unpadded_kv=True),
+    dict(named_barriers=True, block_kv=80, unpadded_kv=True),
+    dict(named_barriers=True, block_kv=176, unpadded_kv=True),
+], ids=["unpadded", "named-kv80-unpadded", "named-kv176-unpadded"])
+@pytest.mark.parametrize("shape", [
+    (200, 300, 4, 1, 96, False, (128, 0)),
+    (113, 17, 2, 2, 128, True, None),
+], ids=["k300", "k17"])
+def test_mosaic_unpadded_kv_lowers_at_any_length(shape, cfg):
+  """``unpadded_kv`` at key lengths that 8 does not divide: Mosaic GPU
+  tiles a swizzled copy's global array by 8 rows and refuses others at
+  lowering (seen on the H200 before K and V were padded to 8 rows)."""
+  from jaxflash import mosaic_gpu
+  q, kv, _, _, mask = _mosaic_case(shape)
+  config = mosaic_gpu.MosaicConfig(**cfg)
+
+  def fwd(q, k, v):
+    return mosaic_gpu.attention(q, k, v, mask=mask, arrays=MaskArrays(),
+                                softmax_scale=0.125, config=config)[0]
+
+  text = jax.jit(fwd).trace(q, kv, kv).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
 @pytest.mark.parametrize("cfg,segments", _with_segments([
     dict(),
     dict(p_in_smem=True),

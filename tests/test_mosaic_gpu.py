@@ -537,6 +537,20 @@ def test_gpu_long_three_consumers(causal):
   _run(case, False, None)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_len", [8195, 16384])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_gpu_long_fa3_tiles(head_dim, kv_len):
+  """Non-causal calls from 8192 keys at head_dim 128 and 256: on the H200
+  the tuned default takes FlashAttention-3's 176- and 80-key tiles there
+  with K and V unpadded (tuning.json's kv_rules), so the last tile runs
+  past the keys (TMA zero-fills it; 8195 keys are first padded to 8
+  rows); GQA, gradients too."""
+  case = (f"long-{kv_len}-{head_dim}", 2048, kv_len, 4, 2, head_dim,
+          jnp.bfloat16, False, None, None)
+  _run(case, False, None)
+
+
 def test_config_validation():
   for bad, match in [(dict(block_q=32), "block_q=32"),
                      (dict(block_kv=100), "block_kv=100"),
@@ -713,6 +727,19 @@ def test_default_config_rules():
   assert dflt(128, kv_len=16384).compute_wgs == 2
   assert other(64, kv_len=16384).compute_wgs == 2
   assert other(64, kv_len=8192).bwd_block_q == 64
+  # kv_rules: FlashAttention-3's forward key tiles (176 at head_dim 128, 80
+  # at 256) on non-causal calls from 8192 keys (measured slower causal);
+  # K and V unpadded on the H200 at every head_dim.
+  for d, wide in ((128, 176), (256, 80)):
+    for causal, kv, fa3 in [(False, 4096, False), (False, 8191, False),
+                            (False, 8192, True), (False, 65536, True),
+                            (True, 16384, False), (False, None, False)]:
+      cfg = dflt(d, causal=causal, kv_len=kv)
+      assert (cfg.block_kv == wide) == fa3, (d, causal, kv)
+      assert cfg.unpadded_kv
+  assert dflt(64, kv_len=16384).block_kv == 128 and dflt(64).unpadded_kv
+  assert not other(128, kv_len=16384).unpadded_kv
+  assert other(128, kv_len=16384).block_kv == 128
   # Unlisted devices: the persistent rule is the H200's alone; the split
   # backward at head_dim 256 is carried over.
   assert not other(128, kv_len=1024).persistent

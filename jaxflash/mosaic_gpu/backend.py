@@ -44,6 +44,10 @@ from jaxflash.triton.common import pad_axis, round_up, softmax_delta
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 LOG2E = 1.4426950408889634
 NO_MASK_ARRAYS = MaskArrays()
+# Rows of the tiling Mosaic GPU applies to both ends of a swizzled TMA copy
+# (mosaic/gpu/launch_context.py, TileTransform): a global array's row count
+# must be a multiple of it (or smaller).
+TMA_ROW_TILE = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,8 +166,13 @@ def _forward(q, k, v, st: _Static, arrays: MaskArrays = NO_MASK_ARRAYS):
   segments = (_segments(arrays, st, q.shape[0]) if prob.has_segments
               else None)
   # unpadded_kv: the TMA copies zero-fill the last tile past the keys (not
-  # the interpreter, refused at dispatch: its slices clamp).
-  kv_rows = (k.shape[1] if st.config.unpadded_kv and not st.interpret
+  # the interpreter, refused at dispatch: its slices clamp).  Mosaic GPU
+  # tiles the global view of a swizzled copy by 8 rows and refuses a
+  # length that 8 does not divide, so K and V are padded to a multiple of
+  # 8 rows (a copy only at such lengths, instead of at every length that
+  # block_kv does not divide).
+  kv_rows = (round_up(k.shape[1], TMA_ROW_TILE)
+             if st.config.unpadded_kv and not st.interpret
              else prob.kv_pad)
   out, lse = fwd_lib.forward(
       pad(q, prob.q_pad), pad(k, kv_rows), pad(v, kv_rows), segments,
