@@ -284,7 +284,7 @@ def test_forward_smem_rules():
   assert cfg.out_chunks(192) == (3, 2) and cfg.out_chunks(64) == (1, 1)
   # The reduction scratch is dropped only where the buffers need its room
   # (and always with prefetch_q): the tuned defaults keep it, but for
-  # FlashAttention-3's key tiles (176 at head_dim 128, 80 at 256).
+  # FlashAttention-3's 80-key tile at head_dim 256 (231,424 B without).
   assert cfg.fwd_reduction_scratch(64) == 0
   wide = mosaic_gpu.MosaicConfig(block_kv=192)
   assert wide.fwd_reduction_scratch(128) == 0
@@ -293,7 +293,7 @@ def test_forward_smem_rules():
   for d in (64, 128, 256):
     for kv in (1024, 4096, 16384):
       dflt = mosaic_gpu.default_config("NVIDIA H200", d, kv_len=kv)
-      dropped = dflt.prefetches_q or dflt.block_kv in (80, 176)
+      dropped = dflt.prefetches_q or dflt.block_kv == 80
       assert dflt.fwd_reduction_scratch(d) == (0 if dropped else None)
 
 
