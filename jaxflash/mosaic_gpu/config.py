@@ -68,8 +68,11 @@ class MosaicConfig:
       (FlashAttention-3's 80 at head_dim 256 and 176 at 128,
       hopper/tile_size.h) store V, and ``P`` with ``p_in_smem``, with the
       widest swizzle that divides them (``pipeline.tiled_over``): 64
-      bytes at multiples of 32, 32 bytes otherwise.  Those narrower
-      swizzles have not yet run on a GPU: neither tested nor timed there.
+      bytes at multiples of 32, 32 bytes otherwise.  On the H200 the
+      wide tiles are the default for non-causal calls from 8192 keys
+      (tuning.json's ``kv_rules``; forward +4-6.5% there); shorter and
+      causal calls lose with them (176 keys at head_dim 128 causal
+      spills; docs/benchmarks/h200-2026-12-02-fa3-tiles.md).
     stages: depth of the K/V shared-memory ring filled by TMA (>= 2).
     compute_wgs: consumer warpgroups per program (1, 2 or 3); a producer
       warpgroup issues the TMA copies (warp specialisation).  Two run
@@ -183,12 +186,15 @@ class MosaicConfig:
       rows past the keys are zero-filled by the TMA copy (which skips
       out-of-bounds reads) instead of by an XLA pad, which copies K and V
       whenever the key length is not a multiple of ``block_kv`` (with
-      80-key tiles, at every power-of-two length: at head_dim 256, 8192
-      keys, batch 2 and 8 heads, about 256 MB of traffic, some 4% of the
-      kernel's time).  The padded keys are masked either way
-      (``MaskSpec.kv_block_range`` ends the unmasked tiles at the last
-      whole one).  GPU only: the interpreter's slices clamp at the end of
-      the array.  Not yet run on a GPU: neither tested nor timed there.
+      80- or 176-key tiles, at every power-of-two length: on the H200
+      the unpadded forms ran 2-21% faster than the padded ones).  The
+      padded keys are masked either way (``MaskSpec.kv_block_range`` ends
+      the unmasked tiles at the last whole one).  K and V are still
+      padded to a multiple of 8 rows where 8 does not divide the key
+      length: Mosaic GPU tiles the global side of a swizzled TMA copy by
+      8 rows.  GPU only: the interpreter's slices clamp at the end of
+      the array.  The H200 default at every head_dim (it changed nothing
+      measurable where no pad was needed).
     bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
       64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
       key rows and streams ``bwd_block_q`` query rows; the dQ kernel gives
