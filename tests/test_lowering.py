@@ -179,15 +179,23 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
     dict(unpadded_kv=True),
     dict(named_barriers=True, block_kv=80, unpadded_kv=True),
     dict(named_barriers=True, block_kv=176, unpadded_kv=True),
-], ids=["unpadded", "named-kv80-unpadded", "named-kv176-unpadded"])
+    dict(unpadded_kv=True, unpadded_q=True),
+    dict(named_barriers=True, compute_wgs=3, unpadded_kv=True,
+         unpadded_q=True),
+    dict(named_barriers=True, compute_wgs=3, persistent=True,
+         prefetch_q=True, unpadded_kv=True, unpadded_q=True),
+], ids=["unpadded", "named-kv80-unpadded", "named-kv176-unpadded",
+        "unpadded-q", "three-wg-unpadded-q", "three-wg-prefetch-q-unpadded-q"])
 @pytest.mark.parametrize("shape", [
     (200, 300, 4, 1, 96, False, (128, 0)),
     (113, 17, 2, 2, 128, True, None),
-], ids=["k300", "k17"])
+    (1000, 1000, 2, 1, 64, False, None),
+], ids=["k300", "k17", "q1000-d64"])
 def test_mosaic_unpadded_kv_lowers_at_any_length(shape, cfg):
-  """``unpadded_kv`` at key lengths that 8 does not divide: Mosaic GPU
-  tiles a swizzled copy's global array by 8 rows and refuses others at
-  lowering (seen on the H200 before K and V were padded to 8 rows)."""
+  """``unpadded_kv`` / ``unpadded_q`` at lengths that 8 does not divide
+  (or 192-row query groups do not): Mosaic GPU tiles a swizzled copy's
+  global array by 8 rows and refuses others at lowering (seen on the
+  H200 before K and V were padded to 8 rows)."""
   from jaxflash import mosaic_gpu
   q, kv, _, _, mask = _mosaic_case(shape)
   config = mosaic_gpu.MosaicConfig(**cfg)

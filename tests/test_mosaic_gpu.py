@@ -299,7 +299,8 @@ def test_forward_smem_rules():
 
 def test_gpu_only_options_are_refused_in_the_interpreter():
   q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
-  for name in ("named_barriers", "bwd_named_barriers", "unpadded_kv"):
+  for name in ("named_barriers", "bwd_named_barriers", "unpadded_kv",
+               "unpadded_q"):
     with pytest.raises(NotImplementedError, match=name):
       jaxflash.flash_attention(
           q, q, q, implementation="mosaic_gpu", interpret=True,
@@ -488,6 +489,15 @@ GPU_CONFIGS = {
     "named-kv176-unpadded": mosaic_gpu.MosaicConfig(
         named_barriers=True, block_kv=176, unpadded_kv=True),
     "unpadded-kv": mosaic_gpu.MosaicConfig(unpadded_kv=True),
+    # Q and O unpadded too (TMA zero-fills Q, clips O's store): two
+    # consumers, and the d64 default's three-consumer forms.
+    "unpadded-q": mosaic_gpu.MosaicConfig(unpadded_kv=True, unpadded_q=True),
+    "named-three-wg-unpadded-q": mosaic_gpu.MosaicConfig(
+        named_barriers=True, compute_wgs=3, block_kv=128, unpadded_kv=True,
+        unpadded_q=True),
+    "named-three-wg-prefetch-q-unpadded-q": mosaic_gpu.MosaicConfig(
+        named_barriers=True, compute_wgs=3, block_kv=128, persistent=True,
+        prefetch_q=True, unpadded_kv=True, unpadded_q=True),
     # The dK/dV kernel's dK wgmma left in flight into the next step, over
     # the d128 default with two and three stages, and the split passes.
     "bwd-d128-dkv-late": mosaic_gpu.MosaicConfig(

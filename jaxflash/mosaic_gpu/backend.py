@@ -174,8 +174,13 @@ def _forward(q, k, v, st: _Static, arrays: MaskArrays = NO_MASK_ARRAYS):
   kv_rows = (round_up(k.shape[1], TMA_ROW_TILE)
              if st.config.unpadded_kv and not st.interpret
              else prob.kv_pad)
+  # unpadded_q: likewise Q's last query group is zero-filled past the
+  # queries, and the TMA store of O drops its rows past them (out has
+  # q_rows rows; the LSE stays q_pad long, stored whole).
+  q_rows = (round_up(q.shape[1], TMA_ROW_TILE)
+            if st.config.unpadded_q and not st.interpret else prob.q_pad)
   out, lse = fwd_lib.forward(
-      pad(q, prob.q_pad), pad(k, kv_rows), pad(v, kv_rows), segments,
+      pad(q, q_rows), pad(k, kv_rows), pad(v, kv_rows), segments,
       prob=prob, cfg=st.config, interpret=_interpret_params(st.interpret))
   T = q.shape[1]
   return out[:, :T, :, :st.head_dim], lse[:, :, :T]
@@ -367,6 +372,8 @@ _GPU_ONLY = (
     ("bwd_stats_in_acc", "does not run stores into a wgmma accumulator"),
     ("unpadded_kv", "clamps slices past the end of K and V (TMA zero-fills"
      " them)"),
+    ("unpadded_q", "clamps slices past the end of Q and O (TMA zero-fills"
+     " and clips them)"),
 )
 
 

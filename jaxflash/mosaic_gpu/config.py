@@ -195,6 +195,16 @@ class MosaicConfig:
       8 rows.  GPU only: the interpreter's slices clamp at the end of
       the array.  The H200 default at every head_dim (it changed nothing
       measurable where no pad was needed).
+    unpadded_q: the forward reads Q and writes O unpadded (to a multiple
+      of 8 rows, as ``unpadded_kv``): the last query group's rows past
+      the queries are zero-filled by the TMA copy of Q and dropped by
+      the TMA store of O, instead of an XLA pad of Q and a slice of O.
+      Those copies happen wherever ``compute_wgs * block_q`` does not
+      divide the query length: with three consumers (192-row groups) at
+      every power-of-two length, about 1.5% of the head_dim 64 forward
+      at 16384 tokens (an estimate from the bytes).  The log-sum-exp
+      keeps its padded length.  GPU only (the interpreter's slices
+      clamp).  Not yet run on a GPU: neither tested nor timed there.
     bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
       64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
       key rows and streams ``bwd_block_q`` query rows; the dQ kernel gives
@@ -395,6 +405,7 @@ class MosaicConfig:
   lean_epilogue: bool = False
   no_auto_barriers: bool = False
   unpadded_kv: bool = False
+  unpadded_q: bool = False
   bwd_block_q: int = 64
   bwd_block_kv: int = 64
   bwd_stages: int = 2
