@@ -729,7 +729,10 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
   "fields": {...}}``) replace those fields for calls of that causal
   setting with at least ``min_kv`` keys (none applies where ``kv_len``
   is not given): on the H200 the head_dim 64 backward's 128-query tiles
-  pay on every non-causal call and on causal calls from 4096 keys.
+  pay on every non-causal call and on causal calls from 4096 keys, the
+  head_dim 64 forward's three consumers on non-causal calls from 4096
+  keys and causal ones from 16384, and the forward's 176- and 80-key
+  tiles at head_dim 128 and 256 on non-causal calls from 8192 keys.
   """
   table = _tuning()["devices"]
   entries = table.get(device_kind or "", table["default"])
