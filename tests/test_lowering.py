@@ -132,6 +132,8 @@ def _mosaic_case(shape):
     dict(named_barriers=True, block_kv=80, unpadded_kv=True),
     dict(named_barriers=True, block_kv=176, p_in_smem=True),
     dict(block_kv=96, p_in_smem=True, persistent=True),
+    dict(named_barriers=True, block_kv=80, unpadded_kv=True,
+         consumer_registers=240),
 ], ["default", "p-in-smem", "one-wg", "deep", "wide", "persistent",
         "overlap", "overlap-wide", "named-early", "named-persistent",
         "named-one-wg", "named-row-sum-in-pv", "named-split-kv",
@@ -140,7 +142,7 @@ def _mosaic_case(shape):
         "named-pv-then-qk", "named-pv-then-qk-persistent",
         "named-tokamax-order", "three-wg", "three-wg-prefetch-q",
         "named-kv80", "named-kv80-unpadded", "named-kv176-p-in-smem",
-        "kv96-p-in-smem-persistent"],
+        "kv96-p-in-smem-persistent", "named-kv80-unpadded-regs240"],
     every_commit={"default", "persistent", "named-persistent",
                   "named-prefetch-q", "three-wg", "three-wg-prefetch-q",
                   "named-kv80-unpadded"}))

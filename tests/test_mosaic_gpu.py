@@ -489,6 +489,11 @@ GPU_CONFIGS = {
     "named-kv176-unpadded": mosaic_gpu.MosaicConfig(
         named_barriers=True, block_kv=176, unpadded_kv=True),
     "unpadded-kv": mosaic_gpu.MosaicConfig(unpadded_kv=True),
+    # FlashAttention-3's register split (240 per consumer, the producer
+    # 24) over the head_dim 256 default's 80-key form.
+    "named-kv80-unpadded-regs240": mosaic_gpu.MosaicConfig(
+        named_barriers=True, block_kv=80, unpadded_kv=True,
+        consumer_registers=240),
     # Q and O unpadded too (TMA zero-fills Q, clips O's store): two
     # consumers, and the d64 default's three-consumer forms.
     "unpadded-q": mosaic_gpu.MosaicConfig(unpadded_kv=True, unpadded_q=True),
@@ -581,6 +586,14 @@ def test_config_validation():
                      (dict(bwd_named_barriers=True, bwd_stages=13),
                       "bwd_stages=13"),
                      (dict(bwd_consumer_registers=248), "got 248"),
+                     (dict(consumer_registers=248),
+                      "consumer_registers=248"),
+                     (dict(consumer_registers=236),
+                      "consumer_registers=236"),
+                     (dict(compute_wgs=1, consumer_registers=232),
+                      "compute_wgs=1"),
+                     (dict(compute_wgs=3, consumer_registers=168),
+                      "consumer_registers=168"),
                      (dict(no_auto_barriers=True, p_in_smem=True),
                       "p_in_smem=False"),
                      (dict(pv_then_qk=True, early_k_wait=True),

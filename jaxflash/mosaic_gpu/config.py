@@ -84,6 +84,14 @@ class MosaicConfig:
       registers hold a 64 x 128 float32 ``S`` and a 64 x 64 ``O``; larger
       ``O`` tiles or 192-key tiles spill (876 bytes measured at
       ``block_kv=192``, head_dim 64).
+    consumer_registers: registers per thread of each forward consumer
+      warpgroup (``setmaxnreg``), None for the default: 232 with two
+      consumers (tokamax's split, the producer 40), 160 with three.  240
+      is FlashAttention-3's split for two (the producer 24); written for
+      the head_dim 256 forward with 80-key tiles, where ptxas spills 32 /
+      60 bytes at 232 (not yet run on a GPU).  A multiple of 8 from the
+      launch allocation that leaves the producer at least 24
+      (``producer_registers``); with two or three consumers only.
     p_in_smem: stage the probabilities ``P`` through shared memory for the
       ``P V`` wgmma (``True``), or feed them from registers (``False``, as
       FlashAttention-3).  Pallas' Mosaic GPU interpreter only runs the
@@ -391,6 +399,7 @@ class MosaicConfig:
   block_kv: int = 64
   stages: int = 2
   compute_wgs: int = 2
+  consumer_registers: int | None = None
   p_in_smem: bool = False
   schedule_barrier: bool = True
   persistent: bool = False
@@ -460,6 +469,19 @@ class MosaicConfig:
           f" {FREE_NAMED_BARRIERS} free hardware barriers per stage:"
           f" bwd_stages <= {FREE_NAMED_BARRIERS}, got"
           f" bwd_stages={self.bwd_stages}")
+    regs = self.consumer_registers
+    n_wg = self.compute_wgs + 1
+    if regs is not None and (
+        self.compute_wgs == 1 or not isinstance(regs, int) or regs % 8
+        or regs < launch_registers(n_wg)
+        or producer_registers(regs, self.compute_wgs) < MIN_REGISTERS):
+      raise ValueError(
+          "consumer_registers must be None or, with compute_wgs 2 or 3, a"
+          f" multiple of 8 from the launch allocation"
+          f" ({launch_registers(n_wg)} per thread of each of {n_wg}"
+          f" warpgroups) that leaves the producer at least {MIN_REGISTERS}:"
+          f" got consumer_registers={regs!r} with"
+          f" compute_wgs={self.compute_wgs}")
     regs = self.bwd_consumer_registers
     if (not isinstance(regs, int) or regs % 8
         or not DEFAULT_CONSUMER_REGISTERS <= regs

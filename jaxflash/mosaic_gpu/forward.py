@@ -622,7 +622,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
 
   @pl.when(wg < cfg.compute_wgs)
   def _consumer():
-    pipeline.split_registers(False, cfg.compute_wgs)
+    pipeline.split_registers(False, cfg.compute_wgs, cfg.consumer_registers)
     if persistent:
       for_each_item(lambda item, *args: consume(*args))
       plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.lean_epilogue)
@@ -631,7 +631,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
 
   @pl.when(wg == cfg.compute_wgs)
   def _producer():
-    pipeline.split_registers(True, cfg.compute_wgs)
+    pipeline.split_registers(True, cfg.compute_wgs, cfg.consumer_registers)
     if persistent:
       total_steps, n_items = for_each_item(
           lambda item, b, h, group_start, u_lo, u_hi, first: produce(
