@@ -39,6 +39,7 @@ CASES = [
     ("d128-full-grad", 128, False, False, None, True),
     ("d64-segments-causal-grad", 64, True, True, None, True),
     ("d96-window-grad", 96, False, False, (50, 0), True),
+    ("d256-full-fwd", 256, False, False, None, False),
     ("d256-causal-fwd", 256, True, False, None, False),
     ("d256-causal-grad", 256, True, False, None, True),
 ]
