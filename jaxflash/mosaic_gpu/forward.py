@@ -753,7 +753,10 @@ def _use_schedule(cfg: MosaicConfig) -> bool:
 def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
             interpret=None):
   """Padded ``q [B, T, H, Dp]``, ``k, v [B, S, K, Dp]`` (bf16/fp16) ->
-  ``(out [B, T, H, Dp], lse [B, H, T] float32)``.
+  ``(out [B, T, H, Dp], lse [B, H, prob.q_pad] float32)``.  T and S are
+  ``prob.q_pad`` and ``prob.kv_pad``, or with ``unpadded_q`` /
+  ``unpadded_kv`` any multiple of 8 up to them (the TMA copies zero-fill
+  the rows past the arrays and the store of O drops them).
 
   ``segments``: ``(q_seg, kv_seg, seg_range)`` when ``prob.has_segments``.
   """
