@@ -557,14 +557,19 @@ def test_gpu_long_three_consumers(causal):
 @pytest.mark.parametrize("kv_len", [8195, 16384])
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_gpu_long_fa3_tiles(head_dim, kv_len):
-  """Non-causal calls from 8192 keys at head_dim 128 and 256: on the H200
-  the tuned default takes FlashAttention-3's 176- and 80-key tiles there
-  with K and V unpadded (tuning.json's kv_rules), so the last tile runs
-  past the keys (TMA zero-fills it; 8195 keys are first padded to 8
-  rows); GQA, gradients too."""
+  """Non-causal calls from 8192 keys at head_dim 128 and 256 with the
+  H200's tuned config, on whichever Hopper card runs the test:
+  FlashAttention-3's 176- and 80-key tiles with K and V unpadded
+  (tuning.json's kv_rules), so the last tile runs past the keys (TMA
+  zero-fills it; 8195 keys are first padded to 8 rows); GQA, gradients
+  too."""
+  config = mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=False,
+                                     kv_len=kv_len)
+  assert config.block_kv == {128: 176, 256: 80}[head_dim]
+  assert config.unpadded_kv
   case = (f"long-{kv_len}-{head_dim}", 2048, kv_len, 4, 2, head_dim,
           jnp.bfloat16, False, None, None)
-  _run(case, False, None)
+  _run(case, False, config)
 
 
 def test_config_validation():
@@ -590,6 +595,8 @@ def test_config_validation():
                       "consumer_registers=248"),
                      (dict(consumer_registers=236),
                       "consumer_registers=236"),
+                     (dict(consumer_registers=160),
+                      "consumer_registers=160"),
                      (dict(compute_wgs=1, consumer_registers=232),
                       "compute_wgs=1"),
                      (dict(compute_wgs=3, consumer_registers=168),

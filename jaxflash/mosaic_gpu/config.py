@@ -471,16 +471,20 @@ class MosaicConfig:
           f" bwd_stages={self.bwd_stages}")
     regs = self.consumer_registers
     n_wg = self.compute_wgs + 1
+    if regs is not None and self.compute_wgs == 1:
+      raise ValueError(
+          "consumer_registers moves registers from the producer to two or"
+          " three consumers: it needs compute_wgs 2 or 3, got"
+          f" consumer_registers={regs!r} with compute_wgs=1")
     if regs is not None and (
-        self.compute_wgs == 1 or not isinstance(regs, int) or regs % 8
+        not isinstance(regs, int) or regs % 8
         or regs < launch_registers(n_wg)
         or producer_registers(regs, self.compute_wgs) < MIN_REGISTERS):
       raise ValueError(
-          "consumer_registers must be None or, with compute_wgs 2 or 3, a"
-          f" multiple of 8 from the launch allocation"
-          f" ({launch_registers(n_wg)} per thread of each of {n_wg}"
-          f" warpgroups) that leaves the producer at least {MIN_REGISTERS}:"
-          f" got consumer_registers={regs!r} with"
+          "consumer_registers must be None or a multiple of 8 from the"
+          f" launch allocation ({launch_registers(n_wg)} per thread of each"
+          f" of {n_wg} warpgroups) that leaves the producer at least"
+          f" {MIN_REGISTERS}: got consumer_registers={regs!r} with"
           f" compute_wgs={self.compute_wgs}")
     regs = self.bwd_consumer_registers
     if (not isinstance(regs, int) or regs % 8
