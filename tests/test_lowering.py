@@ -193,7 +193,7 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
     (113, 17, 2, 2, 128, True, None),
     (1000, 1000, 2, 1, 64, False, None),
 ], ids=["k300", "k17", "q1000-d64"])
-def test_mosaic_unpadded_kv_lowers_at_any_length(shape, cfg):
+def test_mosaic_unpadded_lowers_at_any_length(shape, cfg):
   """``unpadded_kv`` / ``unpadded_q`` at lengths that 8 does not divide
   (or 192-row query groups do not): Mosaic GPU tiles a swizzled copy's
   global array by 8 rows and refuses others at lowering (seen on the

@@ -160,25 +160,26 @@ def _segments(arrays: MaskArrays, st: _Static, batch: int):
                                      kv_seg, cfg.block_kv)
 
 
+def _tma_rows(rows: int, unpadded: bool, padded: int) -> int:
+  """Rows of an array the forward copies by TMA: ``padded`` (whole tiles),
+  or ``unpadded`` the length itself, rounded up to ``TMA_ROW_TILE`` (Mosaic
+  GPU refuses other lengths): a copy only at such lengths instead of at
+  every length that the tile does not divide."""
+  return round_up(rows, TMA_ROW_TILE) if unpadded else padded
+
+
 def _forward(q, k, v, st: _Static, arrays: MaskArrays = NO_MASK_ARRAYS):
   prob = st.prob
   pad = lambda x, n: pad_axis(pad_axis(x, 1, n), 3, prob.head_dim_padded)
   segments = (_segments(arrays, st, q.shape[0]) if prob.has_segments
               else None)
-  # unpadded_kv: the TMA copies zero-fill the last tile past the keys (not
-  # the interpreter, refused at dispatch: its slices clamp).  Mosaic GPU
-  # tiles the global view of a swizzled copy by 8 rows and refuses a
-  # length that 8 does not divide, so K and V are padded to a multiple of
-  # 8 rows (a copy only at such lengths, instead of at every length that
-  # block_kv does not divide).
-  kv_rows = (round_up(k.shape[1], TMA_ROW_TILE)
-             if st.config.unpadded_kv and not st.interpret
-             else prob.kv_pad)
-  # unpadded_q: likewise Q's last query group is zero-filled past the
-  # queries, and the TMA store of O drops its rows past them (out has
-  # q_rows rows; the LSE stays q_pad long, stored whole).
-  q_rows = (round_up(q.shape[1], TMA_ROW_TILE)
-            if st.config.unpadded_q and not st.interpret else prob.q_pad)
+  # unpadded_kv / unpadded_q (not the interpreter, refused at dispatch: its
+  # slices clamp): the TMA copies zero-fill the last tile past the keys or
+  # queries and the store of O drops its rows past them (the LSE stays
+  # q_pad long, stored whole).
+  gpu = not st.interpret
+  kv_rows = _tma_rows(k.shape[1], st.config.unpadded_kv and gpu, prob.kv_pad)
+  q_rows = _tma_rows(q.shape[1], st.config.unpadded_q and gpu, prob.q_pad)
   out, lse = fwd_lib.forward(
       pad(q, q_rows), pad(k, kv_rows), pad(v, kv_rows), segments,
       prob=prob, cfg=st.config, interpret=_interpret_params(st.interpret))

@@ -469,32 +469,20 @@ class MosaicConfig:
           f" {FREE_NAMED_BARRIERS} free hardware barriers per stage:"
           f" bwd_stages <= {FREE_NAMED_BARRIERS}, got"
           f" bwd_stages={self.bwd_stages}")
-    regs = self.consumer_registers
-    n_wg = self.compute_wgs + 1
-    if regs is not None and self.compute_wgs == 1:
-      raise ValueError(
-          "consumer_registers moves registers from the producer to two or"
-          " three consumers: it needs compute_wgs 2 or 3, got"
-          f" consumer_registers={regs!r} with compute_wgs=1")
-    if regs is not None and (
-        not isinstance(regs, int) or regs % 8
-        or regs < launch_registers(n_wg)
-        or producer_registers(regs, self.compute_wgs) < MIN_REGISTERS):
-      raise ValueError(
-          "consumer_registers must be None or a multiple of 8 from the"
-          f" launch allocation ({launch_registers(n_wg)} per thread of each"
-          f" of {n_wg} warpgroups) that leaves the producer at least"
-          f" {MIN_REGISTERS}: got consumer_registers={regs!r} with"
-          f" compute_wgs={self.compute_wgs}")
-    regs = self.bwd_consumer_registers
-    if (not isinstance(regs, int) or regs % 8
-        or not DEFAULT_CONSUMER_REGISTERS <= regs
-        or producer_registers(regs, 2) < MIN_REGISTERS):
-      raise ValueError(
-          "bwd_consumer_registers must be a multiple of 8 from"
-          f" {DEFAULT_CONSUMER_REGISTERS} that leaves the producer at least"
-          f" {MIN_REGISTERS} of the launch allocation ({launch_registers(3)}"
-          f" per thread of each of 3 warpgroups): 232 or 240, got {regs!r}")
+    if self.consumer_registers is not None:
+      if self.compute_wgs == 1:
+        raise ValueError(
+            "consumer_registers moves registers from the producer to two or"
+            " three consumers: it needs compute_wgs 2 or 3, got"
+            f" consumer_registers={self.consumer_registers!r} with"
+            " compute_wgs=1")
+      _check_register_split("consumer_registers", self.consumer_registers,
+                            self.compute_wgs,
+                            launch_registers(self.compute_wgs + 1))
+    # The backward's split: from tokamax's 232 (two consumers).
+    _check_register_split("bwd_consumer_registers",
+                          self.bwd_consumer_registers, 2,
+                          DEFAULT_CONSUMER_REGISTERS)
     if self.bwd_shared_dq and not (self.bwd_atomic_dq
                                    and self.bwd_compute_wgs == 2):
       raise ValueError(
@@ -695,6 +683,21 @@ DEFAULT_CONSUMER_REGISTERS = 232
 # threads); FlashAttention-3 gives its three consumers 160 and the
 # producer the 32 left (hopper/flash_fwd_kernel_sm90.h).
 THREE_CONSUMER_REGISTERS = 160
+
+
+def _check_register_split(name: str, regs, n_consumers: int,
+                          least: int) -> None:
+  """ValueError unless ``regs`` per consumer thread is a multiple of 8 from
+  ``least`` that leaves the producer at least ``MIN_REGISTERS`` of the
+  launch allocation (``producer_registers``)."""
+  n_wg = n_consumers + 1
+  if (not isinstance(regs, int) or regs % 8 or regs < least
+      or producer_registers(regs, n_consumers) < MIN_REGISTERS):
+    raise ValueError(
+        f"{name}={regs!r}: it must be a multiple of 8 from {least} that"
+        f" leaves the producer at least {MIN_REGISTERS} of the launch"
+        f" allocation ({launch_registers(n_wg)} per thread of each of"
+        f" {n_wg} warpgroups), got {regs!r} with {n_consumers} consumers")
 
 
 def launch_registers(n_warpgroups: int) -> int:
