@@ -259,6 +259,13 @@ def test_mosaic_unpadded_lowers_at_any_length(shape, cfg):
          bwd_consumer_registers=240, bwd_early_dv=True,
          bwd_dkv_late_release=True, bwd_stages=3),
     dict(bwd_dkv_late_release=True, bwd_split_dkv=True, bwd_compute_wgs=1),
+    # FlashAttention-3's 80-query steps of the dK/dV kernel over the d128
+    # default (every operand in the 32-byte swizzle), and the split passes
+    # with three stages (over shared memory at head_dim 256).
+    dict(bwd_stats_in_acc=True, bwd_softmax_overlap=True,
+         bwd_consumer_registers=240, bwd_early_dv=True, bwd_dkv_block_q=80),
+    dict(bwd_dkv_block_q=80, bwd_split_dkv=True, bwd_compute_wgs=1,
+         bwd_stages=3),
 ], ["default", "p-in-smem", "one-wg", "deep", "split", "atomic-dq",
         "atomic-dq-p-in-smem-one-wg", "shared-dq", "dq-halves", "named",
         "named-shared-dq", "named-split", "regs240", "regs240-atomic-dq",
@@ -270,10 +277,10 @@ def test_mosaic_unpadded_lowers_at_any_length(shape, cfg):
         "stats-first-early-dv", "stats-first-bq128-atomic-dq",
         "stats-in-acc-bq128-atomic-dq", "early-dv-atomic-dq",
         "early-dv-shared-dq", "d128-default", "d128-dkv-late",
-        "dkv-late-split"],
+        "dkv-late-split", "d128-dkv-q80", "dkv-q80-split"],
     every_commit={"default", "atomic-dq", "split", "paired-dkv",
                   "paired-dq", "d128-default",
-                  "stats-in-acc-bq128-atomic-dq"}))
+                  "stats-in-acc-bq128-atomic-dq", "d128-dkv-q80"}))
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),

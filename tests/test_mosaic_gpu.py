@@ -239,6 +239,18 @@ INTERPRET_VARIANTS.update({
     "three_wgs+prefetch_q": (dict(compute_wgs=3, schedule_barrier=False,
                                   persistent=True, prefetch_q=True),
                              ["d64-persistent-2wg-causal", "d64-full"]),
+    # The dK/dV kernel in FlashAttention-3's 80-query steps (Q and dO in
+    # the 32-byte swizzle; the interpreter pads the queries to a multiple
+    # of 80 and of the dQ kernel's group): one and two consumers, GQA,
+    # causal diagonals and windows across 80-row steps, rows that see no
+    # key, the split passes; over the d128 default's step order.
+    "bwd_dkv_block_q_80": (dict(bwd_dkv_block_q=80), [
+        "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window", "d64-len1",
+        "d32-tiny-window-empty", "d64-split-dkv-2wg-window"]),
+    "bwd_dkv_block_q_80+early_dv": (
+        dict(bwd_dkv_block_q=80, bwd_softmax_overlap=True,
+             bwd_early_dv=True),
+        ["d128-full-6tiles", "d96-gqa-q200-k300"]),
 })
 
 
@@ -251,7 +263,7 @@ EXPERIMENTS = {"intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "split_kv_release", "pv_then_qk", "pv_then_qk+row_sum_in_pv",
                "bwd_dq_late_release", "bwd_dkv_late_release",
                "bwd_dkv_late_release+early_dv", "lean_epilogue",
-               "block_kv_80", "block_kv_176"}
+               "block_kv_80", "block_kv_176", "bwd_dkv_block_q_80"}
 
 
 def _variant_params():
@@ -511,6 +523,13 @@ GPU_CONFIGS = {
         **_D128_BWD, bwd_dkv_late_release=True, bwd_stages=3),
     "bwd-dkv-late-split": mosaic_gpu.MosaicConfig(
         bwd_dkv_late_release=True, bwd_split_dkv=True, bwd_compute_wgs=1),
+    # FlashAttention-3's 80-query steps of the dK/dV kernel (the last one
+    # zero-filled by TMA past the padded queries) over the d128 default,
+    # and the split passes.
+    "bwd-d128-dkv-q80": mosaic_gpu.MosaicConfig(
+        **_D128_BWD, bwd_dkv_block_q=80),
+    "bwd-dkv-q80-split": mosaic_gpu.MosaicConfig(
+        bwd_dkv_block_q=80, bwd_split_dkv=True, bwd_compute_wgs=1),
 }
 
 
@@ -620,9 +639,17 @@ def test_config_validation():
                      (dict(bwd_dkv_late_release=True, bwd_paired_dkv=True),
                       "bwd_paired_dkv=False"),
                      (dict(bwd_stats_first=True), "bwd_stats_in_acc=True"),
-                     (dict(bwd_early_dv=True), "bwd_softmax_overlap=True")]:
+                     (dict(bwd_early_dv=True), "bwd_softmax_overlap=True"),
+                     (dict(bwd_dkv_block_q=72), "bwd_dkv_block_q=72"),
+                     (dict(bwd_dkv_block_q=48), "bwd_dkv_block_q=48"),
+                     (dict(bwd_dkv_block_q=80, bwd_atomic_dq=True),
+                      "multiple of 64"),
+                     (dict(bwd_dkv_block_q=128, bwd_paired_dkv=True),
+                      "bwd_dkv_block_q=None")]:
     with pytest.raises(ValueError, match=match):
       mosaic_gpu.MosaicConfig(**bad)
+  assert mosaic_gpu.MosaicConfig(bwd_block_q=128).dkv_block_q == 128
+  assert mosaic_gpu.MosaicConfig(bwd_dkv_block_q=80).dkv_block_q == 80
   cfg = mosaic_gpu.default_config("NVIDIA H200", 128)
   assert cfg.smem_bytes(128) <= 227 * 1024
   assert mosaic_gpu.default_config("some future GPU", 256).block_q % 64 == 0
@@ -1046,6 +1073,11 @@ SEG_CASES = [
     ("packed-lengths-paired-dq", 256, 256, True, None,
      dict(docs=4, pad=7, q_len=[256, 130]),
      dataclasses.replace(TWO_WG, bwd_paired_dq=True)),
+    # 80-query steps of the dK/dV kernel: the segment ids padded to whole
+    # steps, each key group's range of 80-row steps.
+    ("packed-lengths-dkv-q80", 256, 256, False, None,
+     dict(docs=4, pad=7, q_len=[256, 130]),
+     dataclasses.replace(TWO_WG, bwd_dkv_block_q=80)),
 ]
 
 
@@ -1097,6 +1129,7 @@ GPU_SEG_OVERRIDES = {
     "packed-lengths-paired-dkv": dict(bwd_paired_dkv=True),
     "packed-lengths-paired-dq": dict(bwd_paired_dq=True),
     "packed-causal-3wg": dict(compute_wgs=3),
+    "packed-lengths-dkv-q80": dict(bwd_dkv_block_q=80),
 }
 
 

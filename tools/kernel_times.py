@@ -109,7 +109,8 @@ def main(argv=None) -> int:
     out, lse = fwd(q, k, v)
     # The backward's own preparation (what backend.backward does before
     # its kernels), then each pass on those operands.
-    prob = backend.backward_problem(q, k, mask, scale, cfg)
+    prob = backend.backward_problem(q, k, mask, scale, cfg,
+                                    interpret=bool(interpret))
     full = jax.jit(lambda q, k, v, out, lse, do: backend.backward(
         q, k, v, MaskArrays(), out, lse, do, jnp.zeros_like(lse), **kw))
     prep = jax.jit(lambda q, k, v, out, lse, do: backend.backward_operands(

@@ -218,7 +218,7 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
     _check_interpreter_threads(config)
   n = config.bwd_compute_wgs
   prob = backward_problem(q, k, mask, softmax_scale, config,
-                          logits_soft_cap, arrays)
+                          logits_soft_cap, arrays, interpret=bool(interpret))
   tensors = backward_operands(q, k, v, out, lse, dout, dlse, prob)
   seg_dq = seg_dkv = None
   if prob.has_segments:
@@ -227,8 +227,15 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
     seg_dq = (q_seg, kv_seg, _group_range(
         q_seg, q_group * config.bwd_block_q, kv_seg, config.bwd_block_kv))
     kv_group = 1 if config.bwd_paired_dkv else n  # key tiles per program
-    seg_dkv = (q_seg, kv_seg, _group_range(
-        kv_seg, kv_group * config.bwd_block_kv, q_seg, config.bwd_block_q))
+    # The dK/dV kernel's last step of dkv_block_q rows may run past q_pad
+    # (bwd_dkv_block_q): its segment ids, read by plain loads, are padded
+    # to whole steps.
+    q_seg_dkv = jnp.pad(
+        q_seg, ((0, 0), (0, round_up(prob.q_pad, config.dkv_block_q)
+                         - prob.q_pad)), constant_values=PAD_SEGMENT_ID)
+    seg_dkv = (q_seg_dkv, kv_seg, _group_range(
+        kv_seg, kv_group * config.bwd_block_kv, q_seg_dkv,
+        config.dkv_block_q))
   done = {name: run(*tensors) for name, run in backward_passes(
       prob, config, seg_dq, seg_dkv, _interpret_params(interpret))}
   if config.bwd_atomic_dq:
@@ -246,14 +253,21 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
 
 def backward_problem(q, k, mask: MaskSpec, softmax_scale: float,
                      config: MosaicConfig, logits_soft_cap=None,
-                     arrays: MaskArrays = NO_MASK_ARRAYS) -> fwd_lib.Problem:
+                     arrays: MaskArrays = NO_MASK_ARRAYS,
+                     interpret=False) -> fwd_lib.Problem:
   """The backward kernels' padded problem (tiles of ``bwd_*``)."""
   B, T, H, D = q.shape
   S, K = k.shape[1], k.shape[2]
   n = config.bwd_compute_wgs
+  q_tile = n * config.bwd_block_q  # the dQ kernel's query group
+  if interpret and q_tile % config.dkv_block_q:
+    # The interpreter's slices clamp at the end of an array where a TMA
+    # copy on the GPU zero-fills: the dK/dV kernel's steps of
+    # bwd_dkv_block_q rows must tile the padded queries there.
+    q_tile = math.lcm(q_tile, config.dkv_block_q)
   return fwd_lib.Problem(
       mask=mask, softmax_scale=float(softmax_scale), batch=B, num_heads=H,
-      num_kv_heads=K, q_pad=round_up(T, n * config.bwd_block_q),
+      num_kv_heads=K, q_pad=round_up(T, q_tile),
       kv_pad=round_up(S, n * config.bwd_block_kv),
       head_dim_padded=_head_dim_padded(D), logits_soft_cap=logits_soft_cap,
       has_segments=any(x is not None for x in arrays))

@@ -9,8 +9,9 @@ bitwise reproducible (the default except at head_dim 64 on the H200, and
 always with ``deterministic=True``):
 
 * dK/dV: each consumer holds ``bwd_block_kv`` rows of K and V and streams
-  the query tiles (Q, dO, log-sum-exp, delta) of every query head of its
-  key/value head's group, so GQA's group sum happens on chip::
+  the query tiles (``bwd_dkv_block_q`` rows of Q, dO, log-sum-exp and
+  delta) of every query head of its key/value head's group, so GQA's
+  group sum happens on chip::
 
       S^T = K Q^T            P^T  = exp2(S^T * scale * log2(e) - lse2)
       dP^T = V dO^T          dS^T = P^T * (dP^T - delta)
@@ -326,7 +327,7 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
   elif atomic_dq:
     ds_smem2 = a_smem2 if a_smem2 is not None else extra.pop(0)
     dq_smem2 = extra.pop(0)
-  bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
+  bq, bk, stages = cfg.dkv_block_q, cfg.bwd_block_kv, cfg.bwd_stages
   group_rows = cfg.bwd_compute_wgs * bk
   group_size = prob.num_heads // prob.num_kv_heads
   b = lax.axis_index("batch")
@@ -530,13 +531,19 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
     raise ValueError(f"dq_acc needs parts=('dk', 'dv'), got {parts}")
   dtype = q.dtype
   dp = prob.head_dim_padded
-  bq, bk, n = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_compute_wgs
+  bq, bk, n = cfg.dkv_block_q, cfg.bwd_block_kv, cfg.bwd_compute_wgs
   tiled = pipeline.TILED
+  # Q and dO are also the B operands of dK += dS^T Q and dV += P^T dO,
+  # whose contraction runs over their bq rows (bwd_dkv_block_q): the
+  # widest swizzle that divides bq (32 bytes at FlashAttention-3's 80).
+  # K and V take it too: Mosaic GPU's wgmma needs both shared-memory
+  # operands in one swizzle (S^T = K Q^T, dP^T = V dO^T).
+  over_q = pipeline.tiled_over(bq)
   scratch = [
-      plgpu.SMEM((n, bk, dp), dtype, **tiled),               # K per consumer
-      plgpu.SMEM((n, bk, dp), dtype, **tiled),               # V per consumer
-      plgpu.SMEM((cfg.bwd_stages, bq, dp), dtype, **tiled),  # Q ring
-      plgpu.SMEM((cfg.bwd_stages, bq, dp), dtype, **tiled),  # dO ring
+      plgpu.SMEM((n, bk, dp), dtype, **over_q),              # K per consumer
+      plgpu.SMEM((n, bk, dp), dtype, **over_q),              # V per consumer
+      plgpu.SMEM((cfg.bwd_stages, bq, dp), dtype, **over_q),  # Q ring
+      plgpu.SMEM((cfg.bwd_stages, bq, dp), dtype, **over_q),  # dO ring
       plgpu.SMEM((cfg.bwd_stages, bq), jnp.float32),         # lse2 ring
       plgpu.SMEM((cfg.bwd_stages, bq), jnp.float32),         # delta ring
       plgpu.Barrier(num_arrivals=1 + ("dk" in parts),
@@ -550,7 +557,7 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   if why:
     raise NotImplementedError(why)
   if cfg.p_in_smem or (atomic_dq and not shared_dq):  # P (and dS^T) staged
-    scratch.append(plgpu.SMEM((n, bk, bq), dtype, **tiled))
+    scratch.append(plgpu.SMEM((n, bk, bq), dtype, **over_q))
   if shared_dq:  # both consumers' dS^T, double-buffered; half-width dQ
     scratch += [plgpu.SMEM((2, n, bk, bq), dtype, **tiled),
                 plgpu.SMEM((n, bq, dp // 2), jnp.float32, **TILED_F32),

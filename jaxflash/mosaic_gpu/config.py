@@ -219,6 +219,22 @@ class MosaicConfig:
       each ``bwd_block_q`` query rows and streams ``bwd_block_kv`` keys.
       ``p_in_smem`` applies to them too (``P`` and ``dS`` are the
       register operands there).
+    bwd_dkv_block_q: the query rows per step of the dK/dV kernel (None:
+      ``bwd_block_q``), a multiple of 16 from 64 (of 64 with
+      ``bwd_atomic_dq``, whose ``dS K`` takes them as wgmma's M):
+      FlashAttention-3's 80 at head_dim 128 without a causal mask
+      (hopper/tile_size.h).  The query rows are that kernel's wgmma N
+      (``S^T = K Q^T``) and the contraction of ``dV += P^T dO`` and
+      ``dK += dS^T Q``, so any multiple of 16 serves; a width that is
+      not a multiple of 64 puts the Q and dO rings in the widest swizzle
+      that divides it (``pipeline.tiled_over``, as the forward's V).
+      The dQ kernel keeps ``bwd_block_q`` (its query rows are wgmma's
+      M).  The last step may run past the padded queries: the TMA copies
+      zero-fill Q, dO, the log-sum-exp and delta there (rows with ``dO =
+      0`` and ``Q = 0`` add nothing), the segment ids are padded to whole
+      steps, and the interpreter, whose slices clamp, pads the queries
+      to a multiple of both tiles.  Not with ``bwd_paired_dkv`` (not
+      written).
     bwd_stages: depth of the backward kernels' shared-memory rings.
     bwd_compute_wgs: consumer warpgroups of the backward kernels (1 or 2).
     bwd_split_dkv: compute dV and dK in two passes of the dK/dV kernel,
@@ -417,6 +433,7 @@ class MosaicConfig:
   unpadded_q: bool = False
   bwd_block_q: int = 64
   bwd_block_kv: int = 64
+  bwd_dkv_block_q: int | None = None
   bwd_stages: int = 2
   bwd_compute_wgs: int = 2
   bwd_split_dkv: bool = False
@@ -443,6 +460,20 @@ class MosaicConfig:
         or self.block_kv % 16):
       raise ValueError(f"block_kv={self.block_kv!r} must be a multiple of 16"
                        " from 64")
+    dkv_q = self.bwd_dkv_block_q
+    if dkv_q is not None:
+      if not isinstance(dkv_q, int) or dkv_q < 64 or dkv_q % 16:
+        raise ValueError(f"bwd_dkv_block_q={dkv_q!r} must be None or a"
+                         " multiple of 16 from 64")
+      if self.bwd_atomic_dq and dkv_q % 64:
+        raise ValueError(
+            f"bwd_dkv_block_q={dkv_q} with bwd_atomic_dq=True: the atomic"
+            " dQ's dS K takes the query rows as wgmma's M, a multiple of 64")
+      if self.bwd_paired_dkv:
+        raise ValueError(
+            f"bwd_dkv_block_q={dkv_q} with bwd_paired_dkv=True: the paired"
+            " dK/dV kernel streams bwd_block_q rows (it needs"
+            " bwd_dkv_block_q=None)")
     for name in ("stages", "bwd_stages"):
       val = getattr(self, name)
       if not isinstance(val, int) or val < 2:
@@ -505,6 +536,12 @@ class MosaicConfig:
           f" bwd_shared_dq={self.bwd_shared_dq}")
 
   @property
+  def dkv_block_q(self) -> int:
+    """Query rows per step of the dK/dV kernel
+    (:attr:`bwd_dkv_block_q`, else :attr:`bwd_block_q`)."""
+    return self.bwd_dkv_block_q or self.bwd_block_q
+
+  @property
   def prefetches_q(self) -> bool:
     """The forward runs :attr:`prefetch_q`'s form (it needs persistent)."""
     return self.persistent and self.prefetch_q
@@ -564,21 +601,23 @@ class MosaicConfig:
     """Shared memory of the larger of the two backward kernels."""
     bq, bk, n = self.bwd_block_q, self.bwd_block_kv, self.bwd_compute_wgs
     a_op = n * bq * bk * itemsize if self.p_in_smem else 0
-    # dK/dV: K, V held per consumer; Q, dO, lse, delta streamed.
+    # dK/dV: K, V held per consumer; Q, dO, lse, delta streamed (in steps
+    # of dkv_block_q rows).
+    sq = self.dkv_block_q
     dkv = (2 * n * bk * head_dim_padded * itemsize
-           + self.bwd_stages * (2 * bq * head_dim_padded * itemsize + 8 * bq)
-           + a_op)
+           + self.bwd_stages * (2 * sq * head_dim_padded * itemsize + 8 * sq)
+           + n * sq * bk * itemsize * self.p_in_smem)
     dkv_buffers = 6 + self.p_in_smem
     if self.bwd_shared_dq:
       # Both consumers' dS^T, double-buffered, and a float32 half-width
       # dQ tile per consumer.
-      dkv += 2 * n * bk * bq * itemsize + n * bq * head_dim_padded // 2 * 4
+      dkv += 2 * n * bk * sq * itemsize + n * sq * head_dim_padded // 2 * 4
       return dkv + _reserved(dkv_buffers + 3)
     if self.bwd_atomic_dq:
       # dS^T staged per consumer (the dQ matmul's transposed A operand)
       # unless P's buffer exists, and one float32 dQ tile per consumer.
-      dkv += (0 if self.p_in_smem else n * bq * bk * itemsize)
-      dkv += n * bq * head_dim_padded * 4
+      dkv += (0 if self.p_in_smem else n * sq * bk * itemsize)
+      dkv += n * sq * head_dim_padded * 4
       dkv_buffers += 1 + (not self.p_in_smem)
       return dkv + _reserved(dkv_buffers)
     if self.bwd_paired_dkv:
