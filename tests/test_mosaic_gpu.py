@@ -796,6 +796,10 @@ def test_default_config_rules():
       assert (cfg.block_kv == wide) == fa3, (d, causal, kv)
       assert cfg.unpadded_kv
   assert dflt(64, kv_len=16384).block_kv == 128 and dflt(64).unpadded_kv
+  # Q and O unpadded at head_dim 64 on the H200 (its three-consumer
+  # groups of 192 rows divide no power-of-two length).
+  assert dflt(64, kv_len=16384).unpadded_q and dflt(64).unpadded_q
+  assert not dflt(128).unpadded_q and not other(64).unpadded_q
   assert not other(128, kv_len=16384).unpadded_kv
   assert other(128, kv_len=16384).block_kv == 128
   # Unlisted devices: the persistent rule is the H200's alone; the split

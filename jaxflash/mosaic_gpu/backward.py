@@ -270,6 +270,25 @@ def _dk_and_shared_dq(ds, q_t, dk_acc, *, buf, wg, ds_smem2, ds_ready,
 
 # -- dK / dV ------------------------------------------------------------------
 
+# A TMA copy's shared-memory destination starts on a 128-byte boundary
+# (PTX cp.async.bulk.tensor): the float32 vectors of a ring take slots of a
+# multiple of 32 rows.  80 rows (bwd_dkv_block_q) in slots of 80 put the
+# second slot at byte 320: CUDA_ERROR_MISALIGNED_ADDRESS on the H200.
+VEC_SLOT_ROWS = 32
+
+
+def vec_slot_rows(rows: int) -> int:
+  """A float32 ring's slot length for ``rows`` rows (128-byte slots)."""
+  return -(-rows // VEC_SLOT_ROWS) * VEC_SLOT_ROWS
+
+
+def vec_slot(ring, slot, rows: int):
+  """The first ``rows`` entries of slot ``slot`` of a float32 ring."""
+  if ring.shape[-1] == rows:
+    return ring.at[slot]
+  return ring.at[slot, pl.ds(0, rows)]
+
+
 def _query_tile_loader(srcs, rings, ready, *, b, kh, group_size, n_tiles,
                        u_lo, bq):
   """The producer's ``load(step, slot)`` of both dK/dV kernels.
@@ -291,11 +310,11 @@ def _query_tile_loader(srcs, rings, ready, *, b, kh, group_size, n_tiles,
                             ready.at[slot])
     plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_ring.at[slot],
                             ready.at[slot])
-    plgpu.copy_gmem_to_smem(lse2_ref.at[b, h, rows], lse_ring.at[slot],
-                            ready.at[slot])
+    plgpu.copy_gmem_to_smem(lse2_ref.at[b, h, rows],
+                            vec_slot(lse_ring, slot, bq), ready.at[slot])
     if delta_ref is not None:
-      plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_ring.at[slot],
-                              ready.at[slot])
+      plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows],
+                              vec_slot(delta_ring, slot, bq), ready.at[slot])
 
   return load
 
@@ -370,14 +389,15 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
 
       # bwd_stats_in_acc: the accumulators start at -lse2 / (scale log2 e)
       # and -delta (None: that statistic is subtracted below).
-      s0, dp0 = (_stats_init(prob, lse_ring.at[slot],
-                             delta_ring.at[slot] if want_dk else None,
+      lse_t = vec_slot(lse_ring, slot, bq)
+      delta_t = vec_slot(delta_ring, slot, bq)
+      s0, dp0 = (_stats_init(prob, lse_t, delta_t if want_dk else None,
                              (bk, bq), row_axis=1)
                  if stats_in_acc else (None, None))
       lse2_of = lambda: (None if s0 is not None
-                         else plgpu.load(lse_ring.at[slot], layout=COL))
+                         else plgpu.load(lse_t, layout=COL))
       delta_of = lambda: (None if dp0 is not None
-                          else plgpu.load(delta_ring.at[slot], layout=COL))
+                          else plgpu.load(delta_t, layout=COL))
 
       def release_previous(in_flight: int):
         """bwd_dkv_late_release (``release``): the last step's dV and dK
@@ -544,8 +564,10 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
       plgpu.SMEM((n, bk, dp), dtype, **over_q),              # V per consumer
       plgpu.SMEM((cfg.bwd_stages, bq, dp), dtype, **over_q),  # Q ring
       plgpu.SMEM((cfg.bwd_stages, bq, dp), dtype, **over_q),  # dO ring
-      plgpu.SMEM((cfg.bwd_stages, bq), jnp.float32),         # lse2 ring
-      plgpu.SMEM((cfg.bwd_stages, bq), jnp.float32),         # delta ring
+      plgpu.SMEM((cfg.bwd_stages, vec_slot_rows(bq)),
+                 jnp.float32),                               # lse2 ring
+      plgpu.SMEM((cfg.bwd_stages, vec_slot_rows(bq)),
+                 jnp.float32),                               # delta ring
       plgpu.Barrier(num_arrivals=1 + ("dk" in parts),
                     num_barriers=n),                         # K (, V) loaded
       plgpu.Barrier(num_arrivals=3 + ("dk" in parts),

@@ -604,8 +604,9 @@ class MosaicConfig:
     # dK/dV: K, V held per consumer; Q, dO, lse, delta streamed (in steps
     # of dkv_block_q rows).
     sq = self.dkv_block_q
+    vec = -(-sq // 32) * 32  # float32 slots of 128 bytes (TMA alignment)
     dkv = (2 * n * bk * head_dim_padded * itemsize
-           + self.bwd_stages * (2 * sq * head_dim_padded * itemsize + 8 * sq)
+           + self.bwd_stages * (2 * sq * head_dim_padded * itemsize + 8 * vec)
            + n * sq * bk * itemsize * self.p_in_smem)
     dkv_buffers = 6 + self.p_in_smem
     if self.bwd_shared_dq:
