@@ -506,6 +506,10 @@ GPU_CONFIGS = {
     "named-kv80-unpadded-regs240": mosaic_gpu.MosaicConfig(
         named_barriers=True, block_kv=80, unpadded_kv=True,
         consumer_registers=240),
+    # ... and K and V refilled on their own release signals over it.
+    "named-kv80-unpadded-split-kv": mosaic_gpu.MosaicConfig(
+        named_barriers=True, block_kv=80, unpadded_kv=True,
+        split_kv_release=True),
     # Q and O unpadded too (TMA zero-fills Q, clips O's store): two
     # consumers, and the d64 default's three-consumer forms.
     "unpadded-q": mosaic_gpu.MosaicConfig(unpadded_kv=True, unpadded_q=True),
@@ -573,17 +577,20 @@ def test_gpu_long_three_consumers(causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split_kv", [False, True])
 @pytest.mark.parametrize("kv_len", [8195, 16384])
 @pytest.mark.parametrize("head_dim", [128, 256])
-def test_gpu_long_fa3_tiles(head_dim, kv_len):
+def test_gpu_long_fa3_tiles(head_dim, kv_len, split_kv):
   """Non-causal calls from 8192 keys at head_dim 128 and 256 with the
   H200's tuned config, on whichever Hopper card runs the test:
   FlashAttention-3's 176- and 80-key tiles with K and V unpadded
   (tuning.json's kv_rules), so the last tile runs past the keys (TMA
   zero-fills it; 8195 keys are first padded to 8 rows); GQA, gradients
-  too."""
+  too.  ``split_kv``: with ``split_kv_release`` over it."""
   config = mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=False,
                                      kv_len=kv_len)
+  if split_kv:
+    config = dataclasses.replace(config, split_kv_release=True)
   assert config.block_kv == {128: 176, 256: 80}[head_dim]
   assert config.unpadded_kv
   case = (f"long-{kv_len}-{head_dim}", 2048, kv_len, 4, 2, head_dim,
