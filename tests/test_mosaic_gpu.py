@@ -802,6 +802,8 @@ def test_default_config_rules():
       cfg = dflt(d, causal=causal, kv_len=kv)
       assert (cfg.block_kv == wide) == fa3, (d, causal, kv)
       assert cfg.unpadded_kv
+      # ... with K and V refilled on their own release signals at 256.
+      assert cfg.split_kv_release == (fa3 and d == 256), (d, causal, kv)
   assert dflt(64, kv_len=16384).block_kv == 128 and dflt(64).unpadded_kv
   # Q and O unpadded at head_dim 64 on the H200 (its three-consumer
   # groups of 192 rows divide no power-of-two length).

@@ -89,7 +89,8 @@ class MosaicConfig:
       consumers (tokamax's split, the producer 40), 160 with three.  240
       is FlashAttention-3's split for two (the producer 24); written for
       the head_dim 256 forward with 80-key tiles, where ptxas spills 32 /
-      60 bytes at 232 (not yet run on a GPU).  A multiple of 8 from the
+      60 bytes at 232 (24 / 52 at 240; on the H200 level with 232,
+      docs/benchmarks/h200-2026-12-03-s19.md).  A multiple of 8 from the
       launch allocation that leaves the producer at least 24
       (``producer_registers``); with two or three consumers only.
     p_in_smem: stage the probabilities ``P`` through shared memory for the
@@ -155,7 +156,9 @@ class MosaicConfig:
       kernel, instead of both once both are released.  With the ping-pong
       consumer 1's ``P V`` ends half a step after consumer 0's, so
       waiting for V as well issues the next K in the slot about a step
-      later than it could go (always on with ``intra_wg_overlap``).
+      later than it could go (always on with ``intra_wg_overlap``).  On
+      the H200 part of the head_dim 256 rule for non-causal calls from
+      8192 keys (with the 80-key tiles: +0.3 to +2.5% in three runs).
     prefetch_q: with ``persistent``, the producer loads the next work
       item's Q (one copy per consumer) as soon as both consumers finished
       their ``Q K^T`` of the current one, and the output leaves through
@@ -209,10 +212,11 @@ class MosaicConfig:
       the TMA store of O, instead of an XLA pad of Q and a slice of O.
       Those copies happen wherever ``compute_wgs * block_q`` does not
       divide the query length: with three consumers (192-row groups) at
-      every power-of-two length, about 1.5% of the head_dim 64 forward
-      at 16384 tokens (an estimate from the bytes).  The log-sum-exp
-      keeps its padded length.  GPU only (the interpreter's slices
-      clamp).  Not yet run on a GPU: neither tested nor timed there.
+      every power-of-two length.  The log-sum-exp keeps its padded
+      length.  GPU only (the interpreter's slices clamp).  The H200
+      default at head_dim 64: forward +1.6/+4.5/+7.4% non-causal at
+      16384/8192/4096 tokens, +3.3% causal at 16384 (one run,
+      docs/benchmarks/h200-2026-12-03-s19.md).
     bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
       64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
       key rows and streams ``bwd_block_q`` query rows; the dQ kernel gives
@@ -801,7 +805,8 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
   pay on every non-causal call and on causal calls from 4096 keys, the
   head_dim 64 forward's three consumers on non-causal calls from 4096
   keys and causal ones from 16384, and the forward's 176- and 80-key
-  tiles at head_dim 128 and 256 on non-causal calls from 8192 keys.
+  tiles at head_dim 128 and 256 on non-causal calls from 8192 keys
+  (with ``split_kv_release`` at 256).
   """
   table = _tuning()["devices"]
   entries = table.get(device_kind or "", table["default"])
