@@ -261,7 +261,8 @@ def test_mosaic_unpadded_lowers_at_any_length(shape, cfg):
     dict(bwd_dkv_late_release=True, bwd_split_dkv=True, bwd_compute_wgs=1),
     # FlashAttention-3's 80-query steps of the dK/dV kernel over the d128
     # default (every operand in the 32-byte swizzle), and the split passes
-    # with three stages (over shared memory at head_dim 256).
+    # with three stages (at head_dim 256 over shared memory, where the
+    # one-consumer dQ kernel is too).
     dict(bwd_stats_in_acc=True, bwd_softmax_overlap=True,
          bwd_consumer_registers=240, bwd_early_dv=True, bwd_dkv_block_q=80),
     dict(bwd_dkv_block_q=80, bwd_split_dkv=True, bwd_compute_wgs=1,

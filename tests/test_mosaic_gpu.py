@@ -586,11 +586,12 @@ def test_gpu_long_fa3_tiles(head_dim, kv_len, split_kv):
   FlashAttention-3's 176- and 80-key tiles with K and V unpadded
   (tuning.json's kv_rules), so the last tile runs past the keys (TMA
   zero-fills it; 8195 keys are first padded to 8 rows); GQA, gradients
-  too.  ``split_kv``: with ``split_kv_release`` over it."""
+  too; with ``split_kv_release`` set to ``split_kv`` (the rule sets it
+  at head_dim 256), so that both forms run at both head_dims."""
   config = mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=False,
                                      kv_len=kv_len)
-  if split_kv:
-    config = dataclasses.replace(config, split_kv_release=True)
+  assert config.split_kv_release == (head_dim == 256)
+  config = dataclasses.replace(config, split_kv_release=split_kv)
   assert config.block_kv == {128: 176, 256: 80}[head_dim]
   assert config.unpadded_kv
   case = (f"long-{kv_len}-{head_dim}", 2048, kv_len, 4, 2, head_dim,
@@ -649,6 +650,7 @@ def test_config_validation():
                      (dict(bwd_early_dv=True), "bwd_softmax_overlap=True"),
                      (dict(bwd_dkv_block_q=72), "bwd_dkv_block_q=72"),
                      (dict(bwd_dkv_block_q=48), "bwd_dkv_block_q=48"),
+                     (dict(bwd_dkv_block_q=272), "bwd_dkv_block_q=272"),
                      (dict(bwd_dkv_block_q=80, bwd_atomic_dq=True),
                       "multiple of 64"),
                      (dict(bwd_dkv_block_q=128, bwd_paired_dkv=True),
@@ -1086,8 +1088,10 @@ SEG_CASES = [
     ("packed-lengths-paired-dq", 256, 256, True, None,
      dict(docs=4, pad=7, q_len=[256, 130]),
      dataclasses.replace(TWO_WG, bwd_paired_dq=True)),
-    # 80-query steps of the dK/dV kernel: the segment ids padded to whole
-    # steps, each key group's range of 80-row steps.
+    # 80-query steps of the dK/dV kernel: each key group's range of
+    # 80-row steps (the interpreter pads the queries to 640, a multiple of
+    # both kernels' tiles; the GPU form, GPU_SEG_OVERRIDES, also pads the
+    # segment ids past q_pad to whole steps).
     ("packed-lengths-dkv-q80", 256, 256, False, None,
      dict(docs=4, pad=7, q_len=[256, 130]),
      dataclasses.replace(TWO_WG, bwd_dkv_block_q=80)),

@@ -581,7 +581,7 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   if cfg.p_in_smem or (atomic_dq and not shared_dq):  # P (and dS^T) staged
     scratch.append(plgpu.SMEM((n, bk, bq), dtype, **over_q))
   if shared_dq:  # both consumers' dS^T, double-buffered; half-width dQ
-    scratch += [plgpu.SMEM((2, n, bk, bq), dtype, **tiled),
+    scratch += [plgpu.SMEM((2, n, bk, bq), dtype, **over_q),
                 plgpu.SMEM((n, bq, dp // 2), jnp.float32, **TILED_F32),
                 plgpu.Barrier(num_arrivals=n, num_barriers=2)]
   elif atomic_dq:  # one float32 dS K tile per consumer

@@ -219,12 +219,13 @@ class MosaicConfig:
       docs/benchmarks/h200-2026-12-03-s19.md).
     bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
       64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
-      key rows and streams ``bwd_block_q`` query rows; the dQ kernel gives
+      key rows and streams ``bwd_block_q`` query rows (``bwd_dkv_block_q``
+      where set); the dQ kernel gives
       each ``bwd_block_q`` query rows and streams ``bwd_block_kv`` keys.
       ``p_in_smem`` applies to them too (``P`` and ``dS`` are the
       register operands there).
     bwd_dkv_block_q: the query rows per step of the dK/dV kernel (None:
-      ``bwd_block_q``), a multiple of 16 from 64 (of 64 with
+      ``bwd_block_q``), a multiple of 16 from 64 to 256 (of 64 with
       ``bwd_atomic_dq``, whose ``dS K`` takes them as wgmma's M):
       FlashAttention-3's 80 at head_dim 128 without a causal mask
       (hopper/tile_size.h).  The query rows are that kernel's wgmma N
@@ -466,9 +467,10 @@ class MosaicConfig:
                        " from 64")
     dkv_q = self.bwd_dkv_block_q
     if dkv_q is not None:
-      if not isinstance(dkv_q, int) or dkv_q < 64 or dkv_q % 16:
+      if (not isinstance(dkv_q, int) or dkv_q < 64 or dkv_q % 16
+          or dkv_q > 256):
         raise ValueError(f"bwd_dkv_block_q={dkv_q!r} must be None or a"
-                         " multiple of 16 from 64")
+                         " multiple of 16 from 64 to 256 (wgmma's N)")
       if self.bwd_atomic_dq and dkv_q % 64:
         raise ValueError(
             f"bwd_dkv_block_q={dkv_q} with bwd_atomic_dq=True: the atomic"
