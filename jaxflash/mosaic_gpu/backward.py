@@ -552,7 +552,6 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   dtype = q.dtype
   dp = prob.head_dim_padded
   bq, bk, n = cfg.dkv_block_q, cfg.bwd_block_kv, cfg.bwd_compute_wgs
-  tiled = pipeline.TILED
   # Q and dO are also the B operands of dK += dS^T Q and dV += P^T dO,
   # whose contraction runs over their bq rows (bwd_dkv_block_q): the
   # widest swizzle that divides bq (32 bytes at FlashAttention-3's 80).
