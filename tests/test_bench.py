@@ -204,3 +204,22 @@ def test_mosaic_variants_are_rows_of_the_same_run(tmp_path, monkeypatch):
   for bad in ["noname", "x:not_a_field=1", "x:bwd_stages=three",
               "x:bwd_stages=3;x:bwd_stages=4"]:
     assert bench_main.main(["--cpu-smoke", "--mosaic-variants", bad]) == 2
+
+
+@pytest.mark.parametrize("status,want", [
+    ("", "abc1234"), (" M jaxflash/op.py", "abc1234+dirty")])
+def test_commit_flags_a_tree_that_differs_from_head(monkeypatch, status,
+                                                    want):
+  """A tree copied with a stale .git (the GPU machine's) shows as +dirty;
+  JAXFLASH_COMMIT wins over git."""
+  import subprocess
+  out = {"rev-parse": "abc1234", "status": status}
+
+  def run(cmd, **kw):
+    return subprocess.CompletedProcess(cmd, 0, stdout=out[cmd[1]] + "\n")
+
+  monkeypatch.delenv("JAXFLASH_COMMIT", raising=False)
+  monkeypatch.setattr(core.subprocess, "run", run)
+  assert core.commit() == want
+  monkeypatch.setenv("JAXFLASH_COMMIT", "def5678")
+  assert core.commit() == "def5678"

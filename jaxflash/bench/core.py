@@ -183,15 +183,21 @@ def record(shape: Shape, impl: str, mode: str, *, ms=None, peak_bytes=None,
 
 
 def commit() -> str:
-  """The jaxflash tree's commit.  A copy of the tree (e.g. on a remote GPU
-  machine) may carry a stale .git: ``JAXFLASH_COMMIT`` names the commit the
-  tree is at and wins."""
+  """The jaxflash tree's commit, with ``+dirty`` where tracked files differ
+  from it.  A copy of the tree (e.g. on a remote GPU machine) may carry a
+  stale .git, which then shows as ``+dirty``: ``JAXFLASH_COMMIT`` names
+  the commit the tree is at and wins."""
   if os.environ.get("JAXFLASH_COMMIT"):
     return os.environ["JAXFLASH_COMMIT"]
+  here = os.path.dirname(os.path.abspath(__file__))
+
+  def git(*args):
+    return subprocess.run(["git", *args], cwd=here, capture_output=True,
+                          text=True, check=True).stdout.strip()
+
   try:
-    here = os.path.dirname(os.path.abspath(__file__))
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
-                          capture_output=True, text=True,
-                          check=True).stdout.strip() or "unknown"
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--untracked-files=no")
   except (OSError, subprocess.CalledProcessError):
     return "unknown"
+  return head + ("+dirty" if dirty else "")
