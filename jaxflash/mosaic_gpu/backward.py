@@ -68,7 +68,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflash.mosaic_gpu import pipeline
-from jaxflash.mosaic_gpu.config import MosaicConfig, split_dq_problem
+from jaxflash.mosaic_gpu.config import (
+  MosaicConfig,
+  split_dq_problem,
+  vec_slot_rows,
+)
 from jaxflash.mosaic_gpu.forward import Problem
 from jaxflash.triton.common import out_struct
 
@@ -270,16 +274,11 @@ def _dk_and_shared_dq(ds, q_t, dk_acc, *, buf, wg, ds_smem2, ds_ready,
 
 # -- dK / dV ------------------------------------------------------------------
 
-# A TMA copy's shared-memory destination starts on a 128-byte boundary
-# (PTX cp.async.bulk.tensor): the float32 vectors of a ring take slots of a
-# multiple of 32 rows.  80 rows (bwd_dkv_block_q) in slots of 80 put the
-# second slot at byte 320: CUDA_ERROR_MISALIGNED_ADDRESS on the H200.
-VEC_SLOT_ROWS = 32
-
-
-def vec_slot_rows(rows: int) -> int:
-  """A float32 ring's slot length for ``rows`` rows (128-byte slots)."""
-  return -(-rows // VEC_SLOT_ROWS) * VEC_SLOT_ROWS
+def vec_ring(stages: int, rows: int):
+  """A float32 ring (log-sum-exp or delta) of ``rows`` per slot, in
+  128-byte slots (``config.vec_slot_rows``: TMA's destination alignment);
+  :func:`vec_slot` reads a slot's first ``rows``."""
+  return plgpu.SMEM((stages, vec_slot_rows(rows)), jnp.float32)
 
 
 def vec_slot(ring, slot, rows: int):
@@ -563,10 +562,8 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
       plgpu.SMEM((n, bk, dp), dtype, **over_q),              # V per consumer
       plgpu.SMEM((cfg.bwd_stages, bq, dp), dtype, **over_q),  # Q ring
       plgpu.SMEM((cfg.bwd_stages, bq, dp), dtype, **over_q),  # dO ring
-      plgpu.SMEM((cfg.bwd_stages, vec_slot_rows(bq)),
-                 jnp.float32),                               # lse2 ring
-      plgpu.SMEM((cfg.bwd_stages, vec_slot_rows(bq)),
-                 jnp.float32),                               # delta ring
+      vec_ring(cfg.bwd_stages, bq),                          # lse2 ring
+      vec_ring(cfg.bwd_stages, bq),                          # delta ring
       plgpu.Barrier(num_arrivals=1 + ("dk" in parts),
                     num_barriers=n),                         # K (, V) loaded
       plgpu.Barrier(num_arrivals=3 + ("dk" in parts),
@@ -702,7 +699,8 @@ def _paired_dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       visible = _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
                            q_start=t * bq, n_q=bq, k_start=k_start, n_k=bk,
                            q_axis=1, held=k_idx)
-      p, th = _probs(s, plgpu.load(lse_ring.at[slot], layout=COL), visible,
+      p, th = _probs(s, plgpu.load(vec_slot(lse_ring, slot, bq),
+                                   layout=COL), visible,
                      prob=prob, row_axis=1)
       hand.at[slot][...] = (p if th is None
                             else p * (1.0 - th * th)).astype(dtype)
@@ -731,7 +729,7 @@ def _paired_dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       plgpu.barrier_wait(ready.at[slot])
 
       dp = _product_t(v_smem, do_ring.at[slot], (bk, bq))  # dP^T = V dO^T
-      delta = plgpu.load(delta_ring.at[slot], layout=COL)
+      delta = plgpu.load(vec_slot(delta_ring, slot, bq), layout=COL)
       plgpu.barrier_wait(hand_ready.at[slot])
       p = plgpu.load(hand.at[slot], layout=plgpu.Layout.WGMMA)
       ds = p.astype(jnp.float32) * (
@@ -768,7 +766,7 @@ def paired_dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   # K and V held, Q and dO streamed with lse2 and delta (4 copies a slot).
   scratch = _paired_scratch(
       bk, bq, dp, stages, dtype, ready_arrivals=4,
-      ring_extras=[plgpu.SMEM((stages, bq), jnp.float32)] * 2)
+      ring_extras=[vec_ring(stages, bq)] * 2)
   if cfg.p_in_smem:  # each consumer's A operand staged
     scratch.append(plgpu.SMEM((2, bk, bq), dtype, **pipeline.TILED))
   return pipeline.launch(

@@ -610,9 +610,9 @@ class MosaicConfig:
     # dK/dV: K, V held per consumer; Q, dO, lse, delta streamed (in steps
     # of dkv_block_q rows).
     sq = self.dkv_block_q
-    vec = -(-sq // 32) * 32  # float32 slots of 128 bytes (TMA alignment)
     dkv = (2 * n * bk * head_dim_padded * itemsize
-           + self.bwd_stages * (2 * sq * head_dim_padded * itemsize + 8 * vec)
+           + self.bwd_stages * (2 * sq * head_dim_padded * itemsize
+                                + 8 * vec_slot_rows(sq))
            + n * sq * bk * itemsize * self.p_in_smem)
     dkv_buffers = 6 + self.p_in_smem
     if self.bwd_shared_dq:
@@ -632,7 +632,7 @@ class MosaicConfig:
       # with p_in_smem, both consumers' staged A operands.
       dkv = (2 * bk * head_dim_padded * itemsize
              + self.bwd_stages * (2 * bq * head_dim_padded * itemsize
-                                  + 8 * bq + bk * bq * itemsize)
+                                  + 8 * vec_slot_rows(bq) + bk * bq * itemsize)
              + (2 * bq * bk * itemsize if self.p_in_smem else 0))
       dkv_buffers = 7 + self.p_in_smem
     # dQ: Q, dO held per consumer; K, V streamed.
@@ -720,6 +720,18 @@ def _reserved(n_buffers: int) -> int:
 
 # Hopper: 227 KiB of shared memory per block (sm90 opt-in maximum).
 SMEM_LIMIT = 227 * 1024
+
+# A TMA copy's shared-memory destination starts on a 128-byte boundary
+# (PTX cp.async.bulk.tensor), so the backward's float32 rings (log-sum-exp,
+# delta) take slots of a multiple of 32 rows: 80-row slots
+# (bwd_dkv_block_q) put the second one at byte 320, and the H200 raised
+# CUDA_ERROR_MISALIGNED_ADDRESS.
+VEC_SLOT_ROWS = 32
+
+
+def vec_slot_rows(rows: int) -> int:
+  """A float32 ring's slot length for ``rows`` rows (128-byte slots)."""
+  return -(-rows // VEC_SLOT_ROWS) * VEC_SLOT_ROWS
 
 # 32-bit registers of one CTA (sm90); setmaxnreg's range starts at 24.
 REGISTER_FILE = 65536
