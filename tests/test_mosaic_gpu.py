@@ -347,6 +347,16 @@ GPU_CONFIGS = {
     "overlap": mosaic_gpu.MosaicConfig(intra_wg_overlap=True),
     "overlap-kv128": mosaic_gpu.MosaicConfig(intra_wg_overlap=True,
                                              block_kv=128),
+    # The same with FlashAttention-3's named-barrier ping-pong (each turn
+    # issues both matmuls, then hands over).
+    "named-overlap": mosaic_gpu.MosaicConfig(intra_wg_overlap=True,
+                                             named_barriers=True),
+    "named-overlap-kv128": mosaic_gpu.MosaicConfig(
+        intra_wg_overlap=True, named_barriers=True, block_kv=128),
+    # FlashAttention-3's head_dim 256 form: 80-key tiles at 240 registers.
+    "named-overlap-kv80-regs240": mosaic_gpu.MosaicConfig(
+        intra_wg_overlap=True, named_barriers=True, block_kv=80,
+        unpadded_kv=True, consumer_registers=240),
     # Hardware named barriers for the ping-pong and the consumed signals
     # (inline PTX: no interpreter), with and without the early K wait.
     "named": mosaic_gpu.MosaicConfig(named_barriers=True),
@@ -610,8 +620,6 @@ def test_config_validation():
                      (dict(bwd_stages=1), "bwd_stages=1"),
                      (dict(intra_wg_overlap=True, persistent=True),
                       "persistent=False"),
-                     (dict(intra_wg_overlap=True, named_barriers=True),
-                      "named_barriers=True"),
                      (dict(intra_wg_overlap=True, early_k_wait=True),
                       "early_k_wait=True"),
                      (dict(named_barriers=True, stages=6), "stages=6"),
@@ -1138,7 +1146,6 @@ def test_segments_and_lengths_interpret(case):
 GPU_SEG_OVERRIDES = {
     "packed-causal-persistent": dict(persistent=True),
     "packed-causal-2wg-overlap": dict(intra_wg_overlap=True,
-                                      named_barriers=False,
                                       persistent=False),
     "packed-causal-2wg-dq-late": dict(bwd_dq_late_release=True),
     "packed-causal-2wg-pv-then-qk": dict(pv_then_qk=True),

@@ -31,8 +31,6 @@ _EXCLUSIVE_OPTIONS = (
     ("pv_then_qk", "intra_wg_overlap", "has its own step order"),
     ("pv_then_qk", "early_k_wait",
      "has its own step order (the next K is waited for in the turn)"),
-    ("named_barriers", "intra_wg_overlap",
-     "is not written for intra_wg_overlap's loop (its own barrier order)"),
     ("early_k_wait", "intra_wg_overlap",
      "is not written for intra_wg_overlap's loop (its own barrier order)"),
     ("bwd_atomic_dq", "bwd_split_dkv",
@@ -113,16 +111,20 @@ class MosaicConfig:
       (arXiv 2407.08608 §3.2): each consumer issues ``S_t = Q K_t^T`` and
       ``O += P_{t-1} V_{t-1}`` back to back and computes tile ``t``'s
       softmax while the ``P V`` wgmma runs; the producer reloads K and V
-      slots on separate barriers.  Not with ``persistent``.  An
-      experiment: 0.57-0.69x of the default on the H200 at head_dim 128
-      (no spills, no ptxas warning; cause not found).
+      slots on separate barriers.  The turns alternate between the two
+      consumers as FlashAttention-3's ping-pong: a consumer's turn issues
+      both matmuls and hands over at once, so the other's next pair
+      queues behind them.  Not with ``persistent``.  An experiment: the
+      first form (both consumers meeting twice a step, so issuing
+      together) ran 0.57-0.69x of the default on the H200 at head_dim
+      128.
     named_barriers: the forward's "slot consumed" signals and the
       ping-pong schedule on hardware named barriers (``bar.arrive`` /
       ``bar.sync``, as tokamax's sm90 kernel) instead of mbarriers: no
       phase tracking or try-wait loop.  Ids from 4 (Mosaic GPU's own
       barriers use the lower ones): two for the schedule, ``stages`` each
       for K and V, so ``stages <= 5``.  GPU only (inline PTX, which the
-      interpreter does not run); not with ``intra_wg_overlap``.
+      interpreter does not run).
     pv_then_qk: each consumer's turn on the tensor cores issues tile
       ``t``'s ``P V`` and tile ``t + 1``'s ``Q K^T`` back to back, then
       waits for both (FlashAttention-3's inter-warpgroup ping-pong,

@@ -309,12 +309,21 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       return carry
 
     def overlapped_loop(own, carry):
-      """``intra_wg_overlap`` (FlashAttention-3 §3.2, arXiv 2407.08608):
-      step ``t`` issues ``S_t = Q K_t^T`` and ``O += P_{t-1} V_{t-1}``
-      back to back and runs tile ``t``'s softmax while the ``P V`` wgmma
-      is in flight.  A prologue computes ``P`` of the first own tile, an
-      epilogue adds the last ``P V``; both run only when this consumer has
-      tiles (``lax.cond``).  Skip steps as in :func:`pipeline.tile_loop`.
+      """``intra_wg_overlap`` (FlashAttention-3 §3.2, arXiv 2407.08608,
+      hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp): in its turn on the tensor
+      cores a consumer issues ``S_t = Q K_t^T`` and ``O += P_{t-1}
+      V_{t-1}`` back to back, hands the turn to the other consumer, and
+      runs tile ``t``'s softmax while its ``P V`` is still in flight.  The
+      tensor cores then always hold the next turn's two matmuls queued
+      behind the current ones: no consumer waits for its ``P V`` before
+      the other may issue (the default loop's turn is ``P V`` and then,
+      after waiting for it, the next ``Q K^T``).  A prologue computes
+      ``P`` of the first own tile (its ``Q K^T`` turn alone), an epilogue
+      adds the last ``P V`` (a turn of ``P V`` alone); both run only when
+      this consumer has tiles (``lax.cond``).  The turns are the
+      ping-pong's ``turn_start`` / ``issued`` hooks, in the same
+      alternation as :meth:`_PingPong`'s other users, so the skip steps
+      around the own tiles interleave as in :func:`pipeline.tile_loop`.
       """
       acc, m, l = carry
       lo, full_lo, full_hi, hi = pipeline.computed_tiles(
@@ -327,9 +336,9 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
                                   wgmma_layout)
 
       def first(_):
+        # scores(): the turn is this Q K^T alone (ends with ping.issued).
         p, m1, alpha = probs(scores(slot_of(lo)), lo, m, masked=True)
         l1 = l * alpha + p.sum(axis=1)
-        ping.rendezvous()
         return p.astype(dtype), m1, l1
 
       def nothing(_):
@@ -341,20 +350,22 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       def step(t, carry, *, masked: bool):
         acc, m, l, p_prev = carry
         slot, prev = slot_of(t), slot_of(t - 1)
+        # Both operands' tiles are in before the turn starts, so that the
+        # turn is the two issues alone (V of t - 1 lands before K of t).
+        plgpu.barrier_wait(v_ready.at[prev])
         plgpu.barrier_wait(k_ready.at[slot])
 
         def issue(s_acc, o_acc):
+          ping.turn_start()
           plgpu.wgmma(s_acc, qo_smem, k_smem.at[slot].T)  # S_t
-          plgpu.barrier_wait(v_ready.at[prev])
           plgpu.wgmma(o_acc, p_operand(p_prev), v_smem.at[prev])  # P V
-          ping.rendezvous()  # both matmuls issued: the other's turn
+          ping.issued()  # the other consumer's turn
 
         def softmax(s_t, m, l):
           k_free.arrive(slot)
           p, m_next, alpha = probs(s_t, t, m, masked=masked)
           l = l * alpha + p.sum(axis=1)
-          ping.rendezvous()
-          return p.astype(dtype), m_next, l, alpha
+          return p, m_next, l, alpha
 
         if in_place:
           def body(refs):
@@ -365,21 +376,28 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
             p_ref[...], m_ref[...], l_ref[...], a_ref[...] = softmax(
                 s_t, m_ref[...], l_ref[...])
 
-          o, _, m, l, p16, alpha = pl.run_state(body)((
-              plgpu.ACC.init(acc), plgpu.ACC.init(zeros_s), m, l, p_prev,
+          o, _, m, l, p, alpha = pl.run_state(body)((
+              plgpu.ACC.init(acc), plgpu.ACC.init(zeros_s), m, l, zeros_s,
               m))
         else:  # interpretable form: a fresh P V accumulator
           def body(s_acc, o_acc):
             issue(s_acc, o_acc)
             return (*softmax(s_acc[...], m, l), o_acc[...])
 
-          p16, m, l, alpha, pv = pl.run_scoped(
+          p, m, l, alpha, pv = pl.run_scoped(
               body, plgpu.ACC((bq, bk), jnp.float32),
               plgpu.ACC((bq, prob.head_dim_padded), jnp.float32))
           o = acc + pv
         v_free.arrive(prev)
+        # P of this tile is rounded to 16 bits only now, after the wait for
+        # P_{t-1} V_{t-1} (as FlashAttention-3 converts after its
+        # warpgroup_wait<0>): that wgmma reads P_{t-1} from registers while
+        # it runs, and a conversion issued before the wait may be written
+        # into those same registers (the compiler sees P_{t-1} dead once
+        # the wgmma is issued).  ptxas then serialises the wgmmas (its
+        # C7513 note), which is what the first form of this loop did.
         acc = o * lax.broadcast_in_dim(alpha, o.shape, [0])
-        return acc, m, l, p16
+        return acc, m, l, p.astype(dtype)
 
       # Steps lo + 1 .. hi - 1.
       acc, m, l, p16 = _masked_ranges(jnp.minimum(lo + 1, hi), hi, full_lo,
@@ -388,6 +406,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       def last(acc):
         slot = slot_of(hi - 1)
         plgpu.barrier_wait(v_ready.at[slot])
+        ping.turn_start()  # a turn of the last P V alone
         acc = add_pv(acc, p16, slot)
         v_free.arrive(slot)
         return acc
@@ -671,10 +690,13 @@ class _PingPong:
     # One function object for every use, so that its traced body is shared.
     self._rendezvous = rendezvous
 
-  def rendezvous(self):
-    """Both consumers meet (``intra_wg_overlap``'s loop; mbarrier form)."""
-    if self.barrier is not None:
-      self._rendezvous()
+  def turn_start(self):
+    """Before this consumer's turn on the tensor cores that is not the
+    default loop's ``P V`` (``intra_wg_overlap``'s loop): the same
+    barrier operations as the default step's ``softmax_done`` and
+    ``before_pv``, so both loops keep one alternation."""
+    self.softmax_done()
+    self.before_pv()
 
   def issued(self):
     """After this consumer issued its ``Q K^T``."""
