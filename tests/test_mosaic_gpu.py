@@ -128,7 +128,8 @@ INTERPRET_VARIANTS = {
     "intra_wg_overlap": (dict(intra_wg_overlap=True), [
         "d64-full", "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window",
         "d64-len1", "d64-stages4-window-far", "d32-tiny-window-empty",
-        "d256-causal-q300-k100"]),
+        "d256-causal-q300-k100", "d64-persistent-2wg-causal",
+        "d128-persistent-window-q200-k300"]),
     # Each step waits for the next K inside its P V scope (and skip steps
     # at their end); skip steps on both sides, persistent items whose ring
     # runs on.
@@ -357,6 +358,10 @@ GPU_CONFIGS = {
     "named-overlap-kv80-regs240": mosaic_gpu.MosaicConfig(
         intra_wg_overlap=True, named_barriers=True, block_kv=80,
         unpadded_kv=True, consumer_registers=240),
+    # Persistent, the next item's Q prefetched (the short calls' form).
+    "named-overlap-persistent-prefetch-q": mosaic_gpu.MosaicConfig(
+        intra_wg_overlap=True, named_barriers=True, block_kv=128,
+        consumer_registers=240, persistent=True, prefetch_q=True),
     # Hardware named barriers for the ping-pong and the consumed signals
     # (inline PTX: no interpreter), with and without the early K wait.
     "named": mosaic_gpu.MosaicConfig(named_barriers=True),
@@ -609,6 +614,26 @@ def test_gpu_long_fa3_tiles(head_dim, kv_len, split_kv):
   _run(case, False, config)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_len", [1024, 8195])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu_long_overlap(head_dim, causal, kv_len):
+  """FlashAttention-3's intra-warpgroup overlap with its ping-pong on long
+  calls: the H200's tuned config for the call (persistent with the next
+  Q prefetched at 1024 keys non-causal, unpadded K and V past 8195 keys)
+  with ``intra_wg_overlap`` at 240 registers, two consumers and 128-key
+  tiles (64 at head_dim 256); GQA, gradients too."""
+  config = dataclasses.replace(
+      mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=causal,
+                                kv_len=kv_len),
+      intra_wg_overlap=True, consumer_registers=240, compute_wgs=2,
+      block_kv=64 if head_dim == 256 else 128)
+  case = (f"long-overlap-{kv_len}-{head_dim}", 2048, kv_len, 4, 2, head_dim,
+          jnp.bfloat16, causal, None, None)
+  _run(case, False, config)
+
+
 def test_config_validation():
   for bad, match in [(dict(block_q=32), "block_q=32"),
                      (dict(block_kv=100), "block_kv=100"),
@@ -618,8 +643,6 @@ def test_config_validation():
                      (dict(bwd_compute_wgs=3), "bwd_compute_wgs=3"),
                      (dict(bwd_block_q=32), "bwd_block_q=32"),
                      (dict(bwd_stages=1), "bwd_stages=1"),
-                     (dict(intra_wg_overlap=True, persistent=True),
-                      "persistent=False"),
                      (dict(intra_wg_overlap=True, early_k_wait=True),
                       "early_k_wait=True"),
                      (dict(named_barriers=True, stages=6), "stages=6"),

@@ -23,8 +23,6 @@ _EXCLUSIVE_OPTIONS = (
     ("no_auto_barriers", "p_in_smem",
      "drops the barrier that orders each step's write of P into shared"
      " memory after the other warps' wgmma reads of the last one"),
-    ("intra_wg_overlap", "persistent",
-     "is written for one work item per program"),
     ("late_rescale", "intra_wg_overlap",
      "moves the rescale of the default loop (intra_wg_overlap's loop"
      " rescales after P V)"),
@@ -114,7 +112,7 @@ class MosaicConfig:
       slots on separate barriers.  The turns alternate between the two
       consumers as FlashAttention-3's ping-pong: a consumer's turn issues
       both matmuls and hands over at once, so the other's next pair
-      queues behind them.  Not with ``persistent``.  An experiment: the
+      queues behind them.  An experiment: the
       first form (both consumers meeting twice a step, so issuing
       together) ran 0.57-0.69x of the default on the H200 at head_dim
       128.
