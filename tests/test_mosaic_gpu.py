@@ -598,14 +598,17 @@ def test_gpu_long_three_consumers(causal):
 def test_gpu_long_fa3_tiles(head_dim, kv_len, split_kv):
   """Non-causal calls from 8192 keys at head_dim 128 and 256 with the
   H200's tuned config, on whichever Hopper card runs the test:
-  FlashAttention-3's 176- and 80-key tiles with K and V unpadded
-  (tuning.json's kv_rules), so the last tile runs past the keys (TMA
-  zero-fills it; 8195 keys are first padded to 8 rows); GQA, gradients
-  too; with ``split_kv_release`` set to ``split_kv`` (the rule sets it
-  at head_dim 256), so that both forms run at both head_dims."""
+  FlashAttention-3's 176- and 80-key tiles with K and V unpadded (the
+  176-key tiles by tuning.json's kv_rules; the 80-key ones, a default
+  until the intra-warpgroup overlap beat them, set here), so the last
+  tile runs past the keys (TMA zero-fills it; 8195 keys are first padded
+  to 8 rows); GQA, gradients too; with ``split_kv_release`` set to
+  ``split_kv``, so that both forms run at both head_dims."""
   config = mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=False,
                                      kv_len=kv_len)
-  assert config.split_kv_release == (head_dim == 256)
+  if head_dim == 256:  # the 80-key tiles: no longer the tuned default there
+    config = dataclasses.replace(config, block_kv=80, intra_wg_overlap=False,
+                                 consumer_registers=None)
   config = dataclasses.replace(config, split_kv_release=split_kv)
   assert config.block_kv == {128: 176, 256: 80}[head_dim]
   assert config.unpadded_kv
@@ -825,18 +828,31 @@ def test_default_config_rules():
   assert dflt(128, kv_len=16384).compute_wgs == 2
   assert other(64, kv_len=16384).compute_wgs == 2
   assert other(64, kv_len=8192).bwd_block_q == 64
-  # kv_rules: FlashAttention-3's forward key tiles (176 at head_dim 128, 80
-  # at 256) on non-causal calls from 8192 keys (measured slower causal);
-  # K and V unpadded on the H200 at every head_dim.
-  for d, wide in ((128, 176), (256, 80)):
-    for causal, kv, fa3 in [(False, 4096, False), (False, 8191, False),
-                            (False, 8192, True), (False, 65536, True),
-                            (True, 16384, False), (False, None, False)]:
-      cfg = dflt(d, causal=causal, kv_len=kv)
-      assert (cfg.block_kv == wide) == fa3, (d, causal, kv)
-      assert cfg.unpadded_kv
-      # ... with K and V refilled on their own release signals at 256.
-      assert cfg.split_kv_release == (fa3 and d == 256), (d, causal, kv)
+  # kv_rules: FlashAttention-3's 176-key forward tiles at head_dim 128 on
+  # non-causal calls from 8192 keys (measured slower causal), without the
+  # intra-warpgroup overlap, which runs everywhere else at 128 (128-key
+  # tiles, 240 registers); K and V unpadded on the H200 at every head_dim.
+  for causal, kv, fa3 in [(False, 4096, False), (False, 8191, False),
+                          (False, 8192, True), (False, 65536, True),
+                          (True, 16384, False), (False, None, False)]:
+    cfg = dflt(128, causal=causal, kv_len=kv)
+    assert (cfg.block_kv == 176) == fa3, (causal, kv)
+    assert cfg.intra_wg_overlap != fa3, (causal, kv)
+    assert cfg.consumer_registers == (None if fa3 else 240), (causal, kv)
+    assert cfg.unpadded_kv and not cfg.split_kv_release
+  # head_dim 256: the overlap (64-key tiles, 240 registers) on causal calls
+  # and on non-causal ones from 1025 keys; up to 1024 the persistent grid
+  # without it (measured faster there); neither where the call is unknown.
+  for causal, kv, ov in [(False, 1024, False), (False, 1025, True),
+                         (False, 16384, True), (True, 1024, True),
+                         (True, 16384, True), (False, None, False),
+                         (True, None, False)]:
+    cfg = dflt(256, causal=causal, kv_len=kv)
+    assert cfg.intra_wg_overlap == ov, (causal, kv)
+    assert cfg.consumer_registers == (240 if ov else None), (causal, kv)
+    assert cfg.persistent == (not causal and kv == 1024), (causal, kv)
+    assert cfg.block_kv == 64 and cfg.unpadded_kv
+  assert not dflt(64, kv_len=16384).intra_wg_overlap
   assert dflt(64, kv_len=16384).block_kv == 128 and dflt(64).unpadded_kv
   # Q and O unpadded at head_dim 64 on the H200 (its three-consumer
   # groups of 192 rows divide no power-of-two length).
