@@ -1181,17 +1181,21 @@ def test_segments_and_lengths_interpret(case):
 
 
 # What the GPU form of a SEG_CASES entry changes in the tuned default
-# (the entries' own configs are interpreter configs).
+# (the entries' own configs are interpreter configs); options that exclude
+# the head_dim 128 default's intra_wg_overlap turn it off.
 GPU_SEG_OVERRIDES = {
     "packed-causal-persistent": dict(persistent=True),
     "packed-causal-2wg-overlap": dict(intra_wg_overlap=True,
                                       persistent=False),
     "packed-causal-2wg-dq-late": dict(bwd_dq_late_release=True),
-    "packed-causal-2wg-pv-then-qk": dict(pv_then_qk=True),
+    "packed-causal-2wg-pv-then-qk": dict(pv_then_qk=True,
+                                         intra_wg_overlap=False),
     "packed-causal-2wg-softmax-overlap": dict(bwd_softmax_overlap=True),
     "packed-lengths-paired-dkv": dict(bwd_paired_dkv=True),
     "packed-lengths-paired-dq": dict(bwd_paired_dq=True),
-    "packed-causal-3wg": dict(compute_wgs=3),
+    # (Three consumers share the registers 3 ways: not the 2-way 240.)
+    "packed-causal-3wg": dict(compute_wgs=3, intra_wg_overlap=False,
+                              consumer_registers=None),
     "packed-lengths-dkv-q80": dict(bwd_dkv_block_q=80),
 }
 
