@@ -65,10 +65,13 @@ class MosaicConfig:
       hopper/tile_size.h) store V, and ``P`` with ``p_in_smem``, with the
       widest swizzle that divides them (``pipeline.tiled_over``): 64
       bytes at multiples of 32, 32 bytes otherwise.  On the H200 the
-      wide tiles are the default for non-causal calls from 8192 keys
-      (tuning.json's ``kv_rules``; forward +4-6.5% there); shorter and
-      causal calls lose with them (176 keys at head_dim 128 causal
-      spills; docs/benchmarks/h200-2026-12-02-fa3-tiles.md).
+      176-key tiles are the head_dim 128 default for non-causal calls
+      from 8192 keys (tuning.json's ``kv_rules``; +4-6.5% over 128 keys
+      there, level with ``intra_wg_overlap``); shorter and causal calls
+      lose with them (176 keys at head_dim 128 causal spills;
+      docs/benchmarks/h200-2026-12-02-fa3-tiles.md).  The 80-key tiles
+      at 256 were the default there until ``intra_wg_overlap`` beat
+      them (docs/benchmarks/h200-2026-12-03-s20.md).
     stages: depth of the K/V shared-memory ring filled by TMA (>= 2).
     compute_wgs: consumer warpgroups per program (1, 2 or 3); a producer
       warpgroup issues the TMA copies (warp specialisation).  Two run
@@ -83,10 +86,11 @@ class MosaicConfig:
     consumer_registers: registers per thread of each forward consumer
       warpgroup (``setmaxnreg``), None for the default: 232 with two
       consumers (tokamax's split, the producer 40), 160 with three.  240
-      is FlashAttention-3's split for two (the producer 24); written for
-      the head_dim 256 forward with 80-key tiles, where ptxas spills 32 /
-      60 bytes at 232 (24 / 52 at 240; on the H200 level with 232,
-      docs/benchmarks/h200-2026-12-03-s19.md).  A multiple of 8 from the
+      is FlashAttention-3's split for two (the producer 24), the H200
+      default with ``intra_wg_overlap``: its two accumulators, the
+      float32 ``S`` and the 16-bit ``P`` of the step before fit there
+      without spills at head_dim 256 with 64-key tiles (40 bytes spilled
+      at 232) and at 128 with 128-key tiles.  A multiple of 8 from the
       launch allocation that leaves the producer at least 24
       (``producer_registers``); with two or three consumers only.
     p_in_smem: stage the probabilities ``P`` through shared memory for the
@@ -156,9 +160,9 @@ class MosaicConfig:
       kernel, instead of both once both are released.  With the ping-pong
       consumer 1's ``P V`` ends half a step after consumer 0's, so
       waiting for V as well issues the next K in the slot about a step
-      later than it could go (always on with ``intra_wg_overlap``).  On
-      the H200 part of the head_dim 256 rule for non-causal calls from
-      8192 keys (with the 80-key tiles: +0.3 to +2.5% in three runs).
+      later than it could go (always on with ``intra_wg_overlap``).  With
+      the 80-key tiles at head_dim 256 +0.3 to +2.5% in three runs on
+      the H200 (its rule there until ``intra_wg_overlap`` replaced it).
     prefetch_q: with ``persistent``, the producer loads the next work
       item's Q (one copy per consumer) as soon as both consumers finished
       their ``Q K^T`` of the current one, and the output leaves through
@@ -818,9 +822,11 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
   is not given): on the H200 the head_dim 64 backward's 128-query tiles
   pay on every non-causal call and on causal calls from 4096 keys, the
   head_dim 64 forward's three consumers on non-causal calls from 4096
-  keys and causal ones from 16384, and the forward's 176- and 80-key
-  tiles at head_dim 128 and 256 on non-causal calls from 8192 keys
-  (with ``split_kv_release`` at 256).
+  keys and causal ones from 16384, the forward's 176-key tiles at
+  head_dim 128 on non-causal calls from 8192 keys (without the
+  intra-warpgroup overlap, which the head_dim 128 entry sets for the
+  other calls), and the overlap at head_dim 256 on causal calls and on
+  non-causal ones from 1025 keys (the persistent grid without it below).
   """
   table = _tuning()["devices"]
   entries = table.get(device_kind or "", table["default"])
