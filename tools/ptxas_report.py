@@ -14,8 +14,10 @@ own), so that ptxas' verbose report of that case alone is what is read
 back.  Register counts and spills do not depend on the sequence length,
 so one small shape per case suffices; the cases run a few at a time.
 Kernels are told apart by order only (Mosaic GPU names them all
-``anonymous_mosaic_gpu_kernel``): forward, then the backward's dK/dV and
-dQ kernels; a warning ptxas prints before an entry's name is listed
+``anonymous_mosaic_gpu_kernel``): the forward first, then the backward's
+kernels in the order their reports were written (tools/ptxas_cpu.py,
+which needs no GPU, names each by its backward pass: dQ before dK/dV in
+the lowering); a warning ptxas prints before an entry's name is listed
 under ``?``.
 
 This is the evidence the benchmark cannot give: a variant that runs at
