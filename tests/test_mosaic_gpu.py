@@ -507,6 +507,13 @@ GPU_CONFIGS = {
         bwd_stats_first=True),
     "bwd-stats-in-acc-split": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_split_dkv=True, bwd_compute_wgs=1),
+    # Only the LSE folded into S^T's start: dP^T starts at zero, so no
+    # starting tile is built between the two wgmmas (ptxas' C7517 wait).
+    "bwd-d128-delta-in-regs": mosaic_gpu.MosaicConfig(
+        **_D128_BWD, bwd_delta_in_regs=True),
+    "bwd-bq128-atomic-delta-in-regs": mosaic_gpu.MosaicConfig(
+        bwd_stats_in_acc=True, bwd_block_q=128, bwd_atomic_dq=True,
+        bwd_delta_in_regs=True),
     # FlashAttention-3's forward tiles: 80 keys (its head_dim 256 tile)
     # and 176 (its head_dim 128 tile; over shared memory at 192 and 256,
     # skipped there), K and V padded by XLA or zero-filled by TMA.
@@ -681,6 +688,10 @@ def test_config_validation():
                      (dict(bwd_dkv_late_release=True, bwd_paired_dkv=True),
                       "bwd_paired_dkv=False"),
                      (dict(bwd_stats_first=True), "bwd_stats_in_acc=True"),
+                     (dict(bwd_delta_in_regs=True),
+                      "bwd_stats_in_acc=True"),
+                     (dict(bwd_stats_in_acc=True, bwd_delta_in_regs=True,
+                           bwd_stats_first=True), "bwd_stats_first=False"),
                      (dict(bwd_early_dv=True), "bwd_softmax_overlap=True"),
                      (dict(bwd_dkv_block_q=72), "bwd_dkv_block_q=72"),
                      (dict(bwd_dkv_block_q=48), "bwd_dkv_block_q=48"),

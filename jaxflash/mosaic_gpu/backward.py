@@ -390,7 +390,8 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
       # and -delta (None: that statistic is subtracted below).
       lse_t = vec_slot(lse_ring, slot, bq)
       delta_t = vec_slot(delta_ring, slot, bq)
-      s0, dp0 = (_stats_init(prob, lse_t, delta_t if want_dk else None,
+      fold_delta = want_dk and not cfg.bwd_delta_in_regs
+      s0, dp0 = (_stats_init(prob, lse_t, delta_t if fold_delta else None,
                              (bk, bq), row_axis=1)
                  if stats_in_acc else (None, None))
       lse2_of = lambda: (None if s0 is not None

@@ -31,6 +31,8 @@ _EXCLUSIVE_OPTIONS = (
      "has its own step order (the next K is waited for in the turn)"),
     ("early_k_wait", "intra_wg_overlap",
      "is not written for intra_wg_overlap's loop (its own barrier order)"),
+    ("bwd_delta_in_regs", "bwd_stats_first",
+     "leaves no dP^T starting value to store first"),
     ("bwd_atomic_dq", "bwd_split_dkv",
      "needs dK and dV in one pass of the dK/dV kernel (it reuses that"
      " pass's dS)"),
@@ -392,6 +394,16 @@ class MosaicConfig:
       d128 dK/dV kernel 3.35 against 3.27 ms, d64's 128-query form 6.60
       against 6.55; docs/benchmarks/h200-2026-12-02-early-dv.md), so not
       a default.  GPU only, as its parent.
+    bwd_delta_in_regs: with ``bwd_stats_in_acc``, fold only the
+      log-sum-exp into ``S^T``'s starting value; ``dP^T`` starts at zero
+      and ``delta`` is subtracted in registers as without the option.
+      The ``-delta`` starting tile is built between the two wgmmas, and
+      ptxas then waits for ``S^T``'s before issuing ``dP^T``'s (its C7517
+      note on the d128 and d64 dK/dV kernels: tools/ptxas_cpu.py); folded
+      before both instead (``bwd_stats_first``) it ran 2% slower.  With
+      this option ptxas reports neither the wait nor spills at head_dim
+      128 (CPU compile, 2026-12-03); not yet run on a GPU.  GPU only, as
+      its parent.
     bwd_dkv_late_release: the same for the dK/dV kernel (and its split
       passes): each step's last wgmma (``dK += dS^T Q``, or the pass's
       only accumulator's) is left in flight into the next step, whose
@@ -458,6 +470,7 @@ class MosaicConfig:
   bwd_softmax_overlap: bool = False
   bwd_stats_in_acc: bool = False
   bwd_stats_first: bool = False
+  bwd_delta_in_regs: bool = False
   bwd_early_dv: bool = False
 
   def __post_init__(self):
@@ -532,6 +545,7 @@ class MosaicConfig:
           f" bwd_atomic_dq={self.bwd_atomic_dq},"
           f" bwd_compute_wgs={self.bwd_compute_wgs}")
     for option, parent in (("bwd_stats_first", "bwd_stats_in_acc"),
+                           ("bwd_delta_in_regs", "bwd_stats_in_acc"),
                            ("bwd_early_dv", "bwd_softmax_overlap")):
       if getattr(self, option) and not getattr(self, parent):
         raise ValueError(f"{option}=True changes the order of"
