@@ -240,6 +240,10 @@ INTERPRET_VARIANTS.update({
     "three_wgs+prefetch_q": (dict(compute_wgs=3, schedule_barrier=False,
                                   persistent=True, prefetch_q=True),
                              ["d64-persistent-2wg-causal", "d64-full"]),
+    # The intra-warpgroup overlap in three consumers (no ping-pong).
+    "three_wgs+intra_wg_overlap": (dict(compute_wgs=3, schedule_barrier=False,
+                                        intra_wg_overlap=True),
+                                   ["d64-causal-2wg", "d96-gqa-q200-k300"]),
     # The dK/dV kernel in FlashAttention-3's 80-query steps (Q and dO in
     # the 32-byte swizzle; the interpreter pads the queries to a multiple
     # of 80 and of the dQ kernel's group): one and two consumers, GQA,
@@ -259,8 +263,8 @@ INTERPRET_VARIANTS.update({
 # their records): on every commit (`make test`) the first two cases of
 # each, the rest with the `slow` marker (`make test-all`).  The defaults'
 # options (bwd_paired_dkv, bwd_paired_dq, prefetch_q, bwd_softmax_overlap,
-# bwd_early_dv, three_wgs) run every case.
-EXPERIMENTS = {"intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
+# bwd_early_dv, three_wgs, intra_wg_overlap) run every case.
+EXPERIMENTS = {"three_wgs+intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "split_kv_release", "pv_then_qk", "pv_then_qk+row_sum_in_pv",
                "bwd_dq_late_release", "bwd_dkv_late_release",
                "bwd_dkv_late_release+early_dv", "lean_epilogue",
@@ -362,6 +366,11 @@ GPU_CONFIGS = {
     "named-overlap-persistent-prefetch-q": mosaic_gpu.MosaicConfig(
         intra_wg_overlap=True, named_barriers=True, block_kv=128,
         consumer_registers=240, persistent=True, prefetch_q=True),
+    # Three consumers with the overlap (the d64 long calls' candidate; 64
+    # keys: no spills at their 160 registers, 128 spill 72 bytes).
+    "named-three-wg-overlap-kv64": mosaic_gpu.MosaicConfig(
+        compute_wgs=3, intra_wg_overlap=True, named_barriers=True,
+        block_kv=64),
     # Hardware named barriers for the ping-pong and the consumed signals
     # (inline PTX: no interpreter), with and without the early K wait.
     "named": mosaic_gpu.MosaicConfig(named_barriers=True),
