@@ -135,6 +135,8 @@ def _mosaic_case(shape):
     dict(block_kv=96, p_in_smem=True, persistent=True),
     dict(named_barriers=True, block_kv=80, unpadded_kv=True,
          consumer_registers=240),
+    dict(named_barriers=True, block_kv=176, unpadded_kv=True,
+         intra_wg_overlap=True, consumer_registers=240, index_vectors=True),
 ], ["default", "p-in-smem", "one-wg", "deep", "wide", "persistent",
         "overlap", "overlap-wide", "named-overlap-wide", "named-early",
         "named-persistent",
@@ -144,7 +146,8 @@ def _mosaic_case(shape):
         "named-pv-then-qk", "named-pv-then-qk-persistent",
         "named-tokamax-order", "three-wg", "three-wg-prefetch-q",
         "named-kv80", "named-kv80-unpadded", "named-kv176-p-in-smem",
-        "kv96-p-in-smem-persistent", "named-kv80-unpadded-regs240"],
+        "kv96-p-in-smem-persistent", "named-kv80-unpadded-regs240",
+        "named-overlap-kv176-index-vectors"],
     every_commit={"default", "persistent", "named-persistent",
                   "named-prefetch-q", "three-wg", "three-wg-prefetch-q",
                   "named-kv80-unpadded"}))

@@ -231,6 +231,16 @@ INTERPRET_VARIANTS.update({
         "d128-window", "d256-causal-q300-k100", "d64-full"]),
     "block_kv_176": (dict(block_kv=176), [
         "d128-full-6tiles", "d128-window"]),
+    # The element mask from per-row and per-column index vectors: causal,
+    # windows (one far from the diagonal), GQA, rows that see no key, the
+    # wide tiles, with the overlap.
+    "index_vectors": (dict(index_vectors=True), [
+        "d64-causal-2wg", "d128-window", "d96-gqa-q200-k300",
+        "d32-tiny-window-empty", "d64-stages4-window-far",
+        "d256-causal-q300-k100"]),
+    "index_vectors+block_kv_176+intra_wg_overlap": (
+        dict(index_vectors=True, block_kv=176, intra_wg_overlap=True),
+        ["d128-window", "d128-full-6tiles"]),
     # Three consumers (no ping-pong): 192-row query groups, a group that
     # is mostly padding, skip steps of a causal diagonal, rows that see
     # no key, and the persistent grid with the producer's Q prefetch.
@@ -268,7 +278,9 @@ EXPERIMENTS = {"three_wgs+intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "split_kv_release", "pv_then_qk", "pv_then_qk+row_sum_in_pv",
                "bwd_dq_late_release", "bwd_dkv_late_release",
                "bwd_dkv_late_release+early_dv", "lean_epilogue",
-               "block_kv_80", "block_kv_176", "bwd_dkv_block_q_80"}
+               "block_kv_80", "block_kv_176", "bwd_dkv_block_q_80",
+               "index_vectors",
+               "index_vectors+block_kv_176+intra_wg_overlap"}
 
 
 def _variant_params():
@@ -531,6 +543,15 @@ GPU_CONFIGS = {
         named_barriers=True, block_kv=80, unpadded_kv=True),
     "named-kv176-unpadded": mosaic_gpu.MosaicConfig(
         named_barriers=True, block_kv=176, unpadded_kv=True),
+    # The mask's indices as vectors (no spills at 176 keys, causal too),
+    # and FlashAttention-3's head_dim 128 form with it: 176 keys, the
+    # overlap, 240 registers.
+    "named-kv176-unpadded-index-vectors": mosaic_gpu.MosaicConfig(
+        named_barriers=True, block_kv=176, unpadded_kv=True,
+        index_vectors=True),
+    "named-overlap-kv176-regs240-index-vectors": mosaic_gpu.MosaicConfig(
+        named_barriers=True, block_kv=176, unpadded_kv=True,
+        intra_wg_overlap=True, consumer_registers=240, index_vectors=True),
     "unpadded-kv": mosaic_gpu.MosaicConfig(unpadded_kv=True),
     # FlashAttention-3's register split (240 per consumer, the producer
     # 24) over the head_dim 256 default's 80-key form.

@@ -223,6 +223,15 @@ class MosaicConfig:
       default at head_dim 64: forward +1.6/+4.5/+7.4% non-causal at
       16384/8192/4096 tokens, +3.3% causal at 16384 (one run,
       docs/benchmarks/h200-2026-12-03-s19.md).
+    index_vectors: the forward's element mask compares a query index
+      per row and a key index per column, broadcast over the tile,
+      instead of two int32 iota tiles (one value per element each, 88
+      registers per thread at 176 keys, live beside ``S``, ``P`` and
+      ``O`` in the masked steps).  ptxas (tools/ptxas_cpu.py, 2026-12-03)
+      then reports no spills for the 176-key tiles at head_dim 128
+      (causal: 644 / 656 bytes before; non-causal 8 / 8) and 16 / 16
+      bytes with ``intra_wg_overlap`` at 240 registers (288 / 312
+      before).  Not yet run on a GPU.
     bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
       64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
       key rows and streams ``bwd_block_q`` query rows (``bwd_dkv_block_q``
@@ -452,6 +461,7 @@ class MosaicConfig:
   no_auto_barriers: bool = False
   unpadded_kv: bool = False
   unpadded_q: bool = False
+  index_vectors: bool = False
   bwd_block_q: int = 64
   bwd_block_kv: int = 64
   bwd_dkv_block_q: int | None = None
