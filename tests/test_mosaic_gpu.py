@@ -238,6 +238,16 @@ INTERPRET_VARIANTS.update({
         "d64-causal-2wg", "d128-window", "d96-gqa-q200-k300",
         "d32-tiny-window-empty", "d64-stages4-window-far",
         "d256-causal-q300-k100"]),
+    # ... in the backward kernels (the dK/dV and dQ kernels, split and
+    # paired forms).
+    "bwd_index_vectors": (dict(bwd_index_vectors=True), [
+        "d64-causal-2wg", "d128-window", "d96-gqa-q200-k300",
+        "d32-tiny-window-empty", "d256-split-dkv-gqa",
+        "d64-split-dkv-2wg-window"]),
+    "bwd_index_vectors+paired": (
+        dict(bwd_index_vectors=True, bwd_paired_dkv=True,
+             bwd_paired_dq=True, bwd_split_dkv=False),
+        ["d256-causal-q300-k100", "d128-window"]),
     "index_vectors+block_kv_176+intra_wg_overlap": (
         dict(index_vectors=True, block_kv=176, intra_wg_overlap=True),
         ["d128-window", "d128-full-6tiles"]),
@@ -280,7 +290,8 @@ EXPERIMENTS = {"three_wgs+intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "bwd_dkv_late_release+early_dv", "lean_epilogue",
                "block_kv_80", "block_kv_176", "bwd_dkv_block_q_80",
                "index_vectors",
-               "index_vectors+block_kv_176+intra_wg_overlap"}
+               "index_vectors+block_kv_176+intra_wg_overlap",
+               "bwd_index_vectors", "bwd_index_vectors+paired"}
 
 
 def _variant_params():
@@ -535,6 +546,15 @@ GPU_CONFIGS = {
     "bwd-bq128-atomic-delta-in-regs": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_block_q=128, bwd_atomic_dq=True,
         bwd_delta_in_regs=True),
+    # The backward masks' indices as vectors (fewer spills in the causal
+    # dK/dV kernels), alone and with the LSE-only fold.
+    "bwd-d128-index-vectors": mosaic_gpu.MosaicConfig(
+        **_D128_BWD, bwd_index_vectors=True),
+    "bwd-d128-delta-in-regs-index-vectors": mosaic_gpu.MosaicConfig(
+        **_D128_BWD, bwd_delta_in_regs=True, bwd_index_vectors=True),
+    "bwd-bq128-atomic-index-vectors": mosaic_gpu.MosaicConfig(
+        bwd_stats_in_acc=True, bwd_block_q=128, bwd_atomic_dq=True,
+        bwd_index_vectors=True),
     # FlashAttention-3's forward tiles: 80 keys (its head_dim 256 tile)
     # and 176 (its head_dim 128 tile; over shared memory at 192 and 256,
     # skipped there), K and V padded by XLA or zero-filled by TMA.

@@ -384,7 +384,8 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
 
       tile_mask = lambda: _tile_mask(
           masked, mask, (qseg_ref, kvseg_ref), b, q_start=t * bq, n_q=bq,
-          k_start=k_start, n_k=bk, q_axis=1)
+          k_start=k_start, n_k=bk, q_axis=1,
+          vectors=cfg.bwd_index_vectors)
 
       # bwd_stats_in_acc: the accumulators start at -lse2 / (scale log2 e)
       # and -delta (None: that statistic is subtracted below).
@@ -699,7 +700,8 @@ def _paired_dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       s = _product_t(k_smem, q_ring.at[slot], (bk, bq))  # S^T = K Q^T
       visible = _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
                            q_start=t * bq, n_q=bq, k_start=k_start, n_k=bk,
-                           q_axis=1, held=k_idx)
+                           q_axis=1, held=k_idx,
+                           vectors=cfg.bwd_index_vectors)
       p, th = _probs(s, plgpu.load(vec_slot(lse_ring, slot, bq),
                                    layout=COL), visible,
                      prob=prob, row_axis=1)
@@ -802,7 +804,7 @@ def _query_group(prob: Problem, range_ref, group_rows: int, bk: int):
 
 
 def _tile_mask(masked: bool, mask, seg_refs, b, *, q_start, n_q, k_start,
-               n_k, q_axis: int, held=None):
+               n_k, q_axis: int, held=None, vectors: bool = False):
   """The element mask of one tile of a backward kernel (queries from
   ``q_start`` along ``q_axis``, keys from ``k_start`` along the other), or
   None where ``masked`` is False.  The index tiles are built here, in the
@@ -810,12 +812,21 @@ def _tile_mask(masked: bool, mask, seg_refs, b, *, q_start, n_q, k_start,
   (32 registers per thread in a 64 x 64 tile; the causal d128 dK/dV
   kernel spilled 196 / 332 bytes with it, 128 / 184 without).  ``held``:
   the held side's index tile, built before the loop (the paired kernels,
-  as measured on the H200; not re-timed without it)."""
+  as measured on the H200; not re-timed without it).  ``vectors``
+  (``bwd_index_vectors``): each index built as one value per row or
+  column and broadcast over the tile instead of an iota tile."""
   if not masked:
     return None
   shape = (n_q, n_k) if q_axis == 0 else (n_k, n_q)
-  idx = lambda start, axis: start + plgpu.broadcasted_iota(
-      jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+
+  def idx(start, axis):
+    if not vectors:
+      return start + plgpu.broadcasted_iota(jnp.int32, shape, axis,
+                                            layout=plgpu.Layout.WGMMA)
+    vec = start + plgpu.broadcasted_iota(
+        jnp.int32, (shape[axis],), 0,
+        layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+    return lax.broadcast_in_dim(vec, shape, [axis])
   q_idx = held if held is not None and q_axis == 0 else idx(q_start, q_axis)
   k_idx = held if held is not None and q_axis == 1 else idx(k_start,
                                                               1 - q_axis)
@@ -878,7 +889,8 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       def probs(s):
         visible = _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
                              q_start=q_start, n_q=bq, k_start=t * bk,
-                             n_k=bk, q_axis=0)
+                             n_k=bk, q_axis=0,
+                             vectors=cfg.bwd_index_vectors)
         return _probs(s, lse2, visible, prob=prob, row_axis=0)
 
       def sdp(s_acc, dp_acc):
@@ -1034,7 +1046,8 @@ def _paired_dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       free.arrive(slot)  # K read; consumer 1 still holds the slot
       visible = _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
                            q_start=q_start, n_q=bq, k_start=t * bk, n_k=bk,
-                           q_axis=0, held=q_idx)
+                           q_axis=0, held=q_idx,
+                           vectors=cfg.bwd_index_vectors)
       p, th = _probs(s, lse2, visible, prob=prob, row_axis=0)
       hand.at[slot][...] = (p if th is None
                             else p * (1.0 - th * th)).astype(dtype)

@@ -413,6 +413,12 @@ class MosaicConfig:
       this option ptxas reports neither the wait nor spills at head_dim
       128 (CPU compile, 2026-12-03); not yet run on a GPU.  GPU only, as
       its parent.
+    bwd_index_vectors: ``index_vectors`` for the backward kernels' element
+      masks (the paired kernels' held side keeps its tile).  ptxas
+      (tools/ptxas_cpu.py, 2026-12-03), causal dK/dV kernels: head_dim
+      128 24 / 68 bytes of spills -> none (4 / 16 with
+      ``bwd_delta_in_regs``, 88 / 132 without this), head_dim 64's
+      atomic form 972 / 1060 -> 520 / 604.  Not yet run on a GPU.
     bwd_dkv_late_release: the same for the dK/dV kernel (and its split
       passes): each step's last wgmma (``dK += dS^T Q``, or the pass's
       only accumulator's) is left in flight into the next step, whose
@@ -481,6 +487,7 @@ class MosaicConfig:
   bwd_stats_in_acc: bool = False
   bwd_stats_first: bool = False
   bwd_delta_in_regs: bool = False
+  bwd_index_vectors: bool = False
   bwd_early_dv: bool = False
 
   def __post_init__(self):
