@@ -137,6 +137,8 @@ def _mosaic_case(shape):
          consumer_registers=240),
     dict(named_barriers=True, block_kv=176, unpadded_kv=True,
          intra_wg_overlap=True, consumer_registers=240, index_vectors=True),
+    dict(named_barriers=True, compute_wgs=3, intra_wg_overlap=True,
+         p_in_smem=True, block_kv=128, index_vectors=True),
 ], ["default", "p-in-smem", "one-wg", "deep", "wide", "persistent",
         "overlap", "overlap-wide", "named-overlap-wide", "named-early",
         "named-persistent",
@@ -147,7 +149,8 @@ def _mosaic_case(shape):
         "named-tokamax-order", "three-wg", "three-wg-prefetch-q",
         "named-kv80", "named-kv80-unpadded", "named-kv176-p-in-smem",
         "kv96-p-in-smem-persistent", "named-kv80-unpadded-regs240",
-        "named-overlap-kv176-index-vectors"],
+        "named-overlap-kv176-index-vectors",
+        "named-three-wg-overlap-p-in-smem"],
     every_commit={"default", "persistent", "named-persistent",
                   "named-prefetch-q", "three-wg", "three-wg-prefetch-q",
                   "named-kv80-unpadded"}))

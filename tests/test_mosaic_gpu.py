@@ -394,6 +394,15 @@ GPU_CONFIGS = {
     "named-three-wg-overlap-kv64": mosaic_gpu.MosaicConfig(
         compute_wgs=3, intra_wg_overlap=True, named_barriers=True,
         block_kv=64),
+    # P through shared memory, stored after the wait for the P V that read
+    # it last (FlashAttention-3's head_dim 64 form: 192-row groups, P V
+    # from shared memory), with two and three consumers.
+    "named-overlap-p-in-smem": mosaic_gpu.MosaicConfig(
+        intra_wg_overlap=True, named_barriers=True, p_in_smem=True,
+        block_kv=128),
+    "named-three-wg-overlap-p-in-smem": mosaic_gpu.MosaicConfig(
+        compute_wgs=3, intra_wg_overlap=True, named_barriers=True,
+        p_in_smem=True, block_kv=128, index_vectors=True),
     # Hardware named barriers for the ping-pong and the consumed signals
     # (inline PTX: no interpreter), with and without the early K wait.
     "named": mosaic_gpu.MosaicConfig(named_barriers=True),

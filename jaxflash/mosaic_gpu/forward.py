@@ -225,13 +225,15 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       plgpu.commit_smem()
       return p_src
 
-    def add_pv(acc, p16, slot, while_running=lambda: None, row_sum=None):
+    def add_pv(acc, p16, slot, while_running=lambda: None, row_sum=None,
+               p_src=None):
       """``O += P V`` with tile ``slot``'s V (waits for the wgmma);
       ``while_running()`` is issued after the wgmma, before that wait.
       ``row_sum=(l, p)`` (``row_sum_in_pv``, tokamax's order at head_dim
       > 128): also return ``l + rowsum(p)``, summed while the tensor
-      cores multiply."""
-      p_src = p_operand(p16)
+      cores multiply.  ``p_src``: ``P`` already in place (then ``p16``
+      is not used)."""
+      p_src = p_operand(p16) if p_src is None else p_src
 
       def issue(acc_ref):
         plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
@@ -346,13 +348,34 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       zeros_s = plgpu.layout_cast(jnp.full((bq, bk), 0.0, jnp.float32),
                                   wgmma_layout)
 
+      staged = p_smem2 is not None
+
+      def stash(p):
+        """``P`` (float32) made the next ``P V``'s A operand: 16-bit
+        registers carried to the next step or, with ``p_in_smem``, stored
+        now into this consumer's ``P`` buffer (the ``P V`` that read it
+        last has completed) and nothing carried but a placeholder, as
+        FlashAttention-3 stores ``P`` after its ``warpgroup_wait<0>``
+        when its ``P V`` reads shared memory (its head_dim 64 form)."""
+        p16 = p.astype(dtype)
+        if not staged:
+          return p16
+        p_smem2.at[wg][...] = p16
+        plgpu.commit_smem()
+        return jnp.int32(0)
+
+      def operand(carried):
+        return p_smem2.at[wg] if staged else carried
+
       def first(_):
         # scores(): the turn is this Q K^T alone (ends with ping.issued).
         p, m1, alpha = probs(scores(slot_of(lo)), lo, m, masked=True)
         l1 = l * alpha + p.sum(axis=1)
-        return p.astype(dtype), m1, l1
+        return stash(p), m1, l1
 
       def nothing(_):
+        if staged:
+          return jnp.int32(0), m, l
         return (plgpu.layout_cast(jnp.full((bq, bk), 0.0, dtype),
                                   wgmma_layout), m, l)
 
@@ -369,7 +392,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         def issue(s_acc, o_acc):
           ping.turn_start()
           plgpu.wgmma(s_acc, qo_smem, k_smem.at[slot].T)  # S_t
-          plgpu.wgmma(o_acc, p_operand(p_prev), v_smem.at[prev])  # P V
+          plgpu.wgmma(o_acc, operand(p_prev), v_smem.at[prev])  # P V
           ping.issued()  # the other consumer's turn
 
         def softmax(s_t, m, l):
@@ -408,7 +431,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         # the wgmma is issued).  ptxas then serialises the wgmmas (its
         # C7513 note), which is what the first form of this loop did.
         acc = o * lax.broadcast_in_dim(alpha, o.shape, [0])
-        return acc, m, l, p.astype(dtype)
+        return acc, m, l, stash(p)
 
       # Steps lo + 1 .. hi - 1.
       acc, m, l, p16 = _masked_ranges(jnp.minimum(lo + 1, hi), hi, full_lo,
@@ -418,7 +441,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         slot = slot_of(hi - 1)
         plgpu.barrier_wait(v_ready.at[slot])
         ping.turn_start()  # a turn of the last P V alone
-        acc = add_pv(acc, p16, slot)
+        acc = add_pv(acc, p16, slot, p_src=operand(p16))
         v_free.arrive(slot)
         return acc
 
