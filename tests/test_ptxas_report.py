@@ -70,3 +70,22 @@ def test_parse_notes_before_their_entry(monkeypatch):
   assert len(dkv["warnings"]) == 2 and "C7517" in dkv["warnings"][0]
   assert dq["entry"] == "dq" and dq["warnings"] == []
   assert dq["spill_stores"] == 0
+
+
+def test_ptxas_cpu_lowers_and_names_the_kernels(monkeypatch):
+  """tools/ptxas_cpu.py's first half, which needs neither the CUDA plugin
+  nor ptxas: the kernel modules of a call in lowering order, named by
+  pass (the forward, then the backward's dQ before its dK/dV)."""
+  monkeypatch.syspath_prepend(pathlib.Path(__file__).parents[1] / "tools")
+  import ptxas_cpu
+
+  spec = dict(head_dim=128, mode="fwd_bwd", causal=False, overrides="",
+              seq=256, kv_len_rule=8192, device_kind="NVIDIA H200")
+  cfg, modules, names = ptxas_cpu.lower(spec)
+  assert cfg.block_kv == 176 and not cfg.intra_wg_overlap
+  assert names == ["forward", "dq", "dkv"]
+  assert len(modules) == 3 and all(isinstance(m, bytes) for m in modules)
+  spec.update(mode="fwd", causal=True, overrides="index_vectors=1")
+  cfg, modules, names = ptxas_cpu.lower(spec)
+  assert cfg.intra_wg_overlap and cfg.index_vectors
+  assert names == ["forward"] and len(modules) == 1
