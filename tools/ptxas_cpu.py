@@ -360,25 +360,15 @@ def run_case(spec: dict, work: pathlib.Path, timeout: int) -> dict:
   cc = re.fullmatch(r"sm_(\d+)(\d)a?", spec["arch"])
   if cc:
     env["FAKE_CUDA_CC_MAJOR"], env["FAKE_CUDA_CC_MINOR"] = cc.groups()
-  row = dict(case=spec["case"])
-  try:
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)], env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=timeout, check=False)
-    text, rc = proc.stdout, proc.returncode
-  except subprocess.TimeoutExpired as e:
-    out = e.stdout or b""
-    text = out.decode() if isinstance(out, bytes) else out
-    rc = "timeout"
-  (d / "process.log").write_text(text)
-  row["rc"] = rc
+  from ptxas_report import child_error, run_child  # noqa: PLC0415
+
+  text, rc = run_child([sys.executable, __file__, "--child", json.dumps(spec)],
+                       env, timeout, d / "process.log")
+  row = dict(case=spec["case"], rc=rc)
   if (d / ROW_FILE).exists():
     row.update(json.loads((d / ROW_FILE).read_text()))
   else:
-    errs = re.findall(r"^\w*(?:Error|Exception)\b.*$", text, re.M)
-    row["error"] = (errs[-1] if errs else text.strip()[-300:])[:300]
-    row["kernels"] = []
+    row.update(error=child_error(text), kernels=[])
   return row
 
 

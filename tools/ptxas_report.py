@@ -122,6 +122,30 @@ def child(case: str) -> None:
   print("CONFIG", json.dumps(dataclasses.asdict(cfg)), flush=True)
 
 
+def run_child(argv: list[str], env: dict, timeout: int,
+              log: pathlib.Path) -> tuple[str, int | str]:
+  """A case's process: its output as one stream, in the order it was
+  written (ptxas' lines and warnings must stay with the entry they
+  follow), also kept in ``log``; and its return code, or "timeout"."""
+  try:
+    proc = subprocess.run(argv, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout, check=False)
+    text, rc = proc.stdout, proc.returncode
+  except subprocess.TimeoutExpired as e:
+    out = e.stdout or b""
+    text = out.decode() if isinstance(out, bytes) else out
+    rc = "timeout"
+  log.write_text(text)
+  return text, rc
+
+
+def child_error(text: str) -> str:
+  """The last exception line of a failed case's output (or its tail)."""
+  errs = re.findall(r"^\w*(?:Error|Exception)\b.*$", text, re.M)
+  return (errs[-1] if errs else text.strip()[-300:])[:300]
+
+
 def run_case(case: str, out: pathlib.Path, timeout: int) -> dict:
   name = re.sub(r"[^A-Za-z0-9_.=-]+", "_", case)
   dump = out / name
@@ -131,19 +155,8 @@ def run_case(case: str, out: pathlib.Path, timeout: int) -> dict:
   env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1",
              MOSAIC_GPU_DUMP_TO=str(dump),
              XLA_PYTHON_CLIENT_PREALLOCATE="false")
-  try:
-    # One stream, in the order the process wrote it (ptxas' lines and
-    # warnings must stay with the entry they follow).
-    proc = subprocess.run([sys.executable, __file__, "--child", case],
-                          env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout, check=False)
-    text, rc = proc.stdout, proc.returncode
-  except subprocess.TimeoutExpired as e:
-    out = e.stdout or b""
-    text = out.decode() if isinstance(out, bytes) else out
-    rc = "timeout"
-  (dump / "process.log").write_text(text)
+  text, rc = run_child([sys.executable, __file__, "--child", case], env,
+                       timeout, dump / "process.log")
   # The report goes to files under MOSAIC_GPU_DUMP_TO, or to the output:
   # read one of the two (the same report in both would count twice).
   # (Mosaic GPU writes one NAME.ptxas per kernel, beside its PTX and MLIR
@@ -159,8 +172,7 @@ def run_case(case: str, out: pathlib.Path, timeout: int) -> dict:
   cfg = re.search(r"^CONFIG (.*)$", text, re.M)
   row["config"] = json.loads(cfg.group(1)) if cfg else None
   if rc != 0:
-    errs = re.findall(r"^\w*(?:Error|Exception)\b.*$", text, re.M)
-    row["error"] = (errs[-1] if errs else text.strip()[-300:])[:300]
+    row["error"] = child_error(text)
   return row
 
 

@@ -690,8 +690,7 @@ def _paired_dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
     pipeline.split_registers(False, 2, cfg.bwd_consumer_registers)
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[0])
     plgpu.barrier_wait(kv_ready.at[0])
-    k_idx = k_start + plgpu.broadcasted_iota(
-        jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
+    k_idx = pipeline.index_tile(k_start, (bk, bq), 0)
 
     def compute(step, t, carry, *, masked, acc):
       slot = lax.rem(step, stages)
@@ -813,20 +812,12 @@ def _tile_mask(masked: bool, mask, seg_refs, b, *, q_start, n_q, k_start,
   kernel spilled 196 / 332 bytes with it, 128 / 184 without).  ``held``:
   the held side's index tile, built before the loop (the paired kernels,
   as measured on the H200; not re-timed without it).  ``vectors``
-  (``bwd_index_vectors``): each index built as one value per row or
-  column and broadcast over the tile instead of an iota tile."""
+  (``bwd_index_vectors``): see :func:`pipeline.index_tile`."""
   if not masked:
     return None
   shape = (n_q, n_k) if q_axis == 0 else (n_k, n_q)
-
-  def idx(start, axis):
-    if not vectors:
-      return start + plgpu.broadcasted_iota(jnp.int32, shape, axis,
-                                            layout=plgpu.Layout.WGMMA)
-    vec = start + plgpu.broadcasted_iota(
-        jnp.int32, (shape[axis],), 0,
-        layout=plgpu.Layout.WGMMA.reduce(1 - axis))
-    return lax.broadcast_in_dim(vec, shape, [axis])
+  idx = lambda start, axis: pipeline.index_tile(start, shape, axis,
+                                                vectors=vectors)
   q_idx = held if held is not None and q_axis == 0 else idx(q_start, q_axis)
   k_idx = held if held is not None and q_axis == 1 else idx(k_start,
                                                               1 - q_axis)
@@ -1034,8 +1025,7 @@ def _paired_dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   @pl.when(wg == 0)
   def _probs_consumer():
     lse2 = hold(q_ref, q_smem, 0, lse2_ref)
-    q_idx = q_start + plgpu.broadcasted_iota(
-        jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
+    q_idx = pipeline.index_tile(q_start, (bq, bk), 0)
 
     def compute(step, t, carry, *, masked, acc):
       del acc

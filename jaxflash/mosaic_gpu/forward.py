@@ -163,21 +163,10 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         s = jnp.tanh(s * (prob.softmax_scale / cap)) * (cap * LOG2E)
         scale = None
       if masked:
-        if cfg.index_vectors:
-          # One index per row and per column, broadcast over the tile: no
-          # int32 tile per index live beside S, P and O (ptxas, CPU
-          # compile: the 176-key tiles' spills go, 644 bytes causal).
-          q_vec = q_start + plgpu.broadcasted_iota(
-              jnp.int32, (bq,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
-          k_vec = t * bk + plgpu.broadcasted_iota(
-              jnp.int32, (bk,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
-          q_idx = lax.broadcast_in_dim(q_vec, (bq, bk), [0])
-          k_idx = lax.broadcast_in_dim(k_vec, (bq, bk), [1])
-        else:
-          q_idx = q_start + plgpu.broadcasted_iota(
-              jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
-          k_idx = t * bk + plgpu.broadcasted_iota(
-              jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
+        q_idx = pipeline.index_tile(q_start, (bq, bk), 0,
+                                    vectors=cfg.index_vectors)
+        k_idx = pipeline.index_tile(t * bk, (bq, bk), 1,
+                                    vectors=cfg.index_vectors)
         seg = {}
         if qseg_ref is not None:
           # Straight from GMEM into the row / column layouts of S

@@ -290,6 +290,23 @@ def late_release(free, *, lo, hi, u_lo, first_step, stages: int):
   return previous, last
 
 
+def index_tile(start, shape, axis: int, *, vectors: bool = False):
+  """``start`` plus each element's index along ``axis`` of a ``shape``
+  tile in the wgmma layout: the query or key index of an element mask.
+  ``vectors`` (``index_vectors`` / ``bwd_index_vectors``): built as one
+  value per row or column (the tile's row or column layout) and
+  broadcast over the tile, instead of an int32 iota tile of one value
+  per element that stays live beside the accumulators (ptxas: the
+  176-key forward tiles spilled 644 bytes causal with the tile, none
+  with the vector)."""
+  if not vectors:
+    return start + plgpu.broadcasted_iota(jnp.int32, shape, axis,
+                                          layout=plgpu.Layout.WGMMA)
+  vec = start + plgpu.broadcasted_iota(
+      jnp.int32, (shape[axis],), 0, layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+  return lax.broadcast_in_dim(vec, shape, [axis])
+
+
 def computed_tiles(u_lo, u_hi, own, element_mask_everywhere: bool):
   """``own = (lo, full_lo, full_hi, hi)`` clipped to the streamed tiles
   ``[u_lo, u_hi)``: the ranges :func:`tile_loop` computes (``[lo, hi)``,
