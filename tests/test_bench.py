@@ -206,6 +206,16 @@ def test_mosaic_variants_are_rows_of_the_same_run(tmp_path, monkeypatch):
     assert bench_main.main(["--cpu-smoke", "--mosaic-variants", bad]) == 2
 
 
+def test_variant_values_none_only_for_optional_fields():
+  """``none`` clears a field that may be None (the tuned
+  ``consumer_registers``) and is refused for the others."""
+  from jaxflash.mosaic_gpu.config import parse_overrides
+  assert parse_overrides("consumer_registers=none,persistent=1") == dict(
+      consumer_registers=None, persistent=True)
+  with pytest.raises(ValueError, match="block_kv=none"):
+    parse_overrides("block_kv=none")
+
+
 @pytest.mark.parametrize("status,want", [
     ("", "abc1234"), (" M jaxflash/op.py", "abc1234+dirty")])
 def test_commit_flags_a_tree_that_differs_from_head(monkeypatch, status,

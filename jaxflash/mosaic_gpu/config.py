@@ -700,7 +700,8 @@ def parse_overrides(text: str) -> dict:
   """``"bwd_atomic_dq=1,bwd_stages=3"`` -> ``{"bwd_atomic_dq": True,
   "bwd_stages": 3}``: MosaicConfig fields with integer values (0/1 for
   booleans), as the tuning tools and the benchmark take them.  Unknown
-  fields and non-integer values raise ValueError."""
+  fields and non-integer values raise ValueError; ``none`` sets a field
+  that may be ``None`` (``consumer_registers=none``)."""
   fields = {f.name: f for f in dataclasses.fields(MosaicConfig)}
   out = {}
   for item in filter(None, (i.strip() for i in text.split(","))):
@@ -709,6 +710,9 @@ def parse_overrides(text: str) -> dict:
     if field is None:
       raise ValueError(f"unknown MosaicConfig field {name.strip()!r} in"
                        f" {text!r}; fields: {sorted(fields)}")
+    if val.strip().lower() == "none" and "None" in str(field.type):
+      out[field.name] = None
+      continue
     try:
       num = int(val)
     except ValueError:
