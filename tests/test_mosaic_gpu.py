@@ -24,7 +24,7 @@ from jax.sharding import AxisType
 
 import jaxflash
 from jaxflash import masks, mosaic_gpu
-from jaxflash.mosaic_gpu.config import needed_smem_bytes
+from jaxflash.mosaic_gpu.config import head_dim_problem, needed_smem_bytes
 
 RACES = plgpu.InterpretGPUParams(detect_races=True)
 
@@ -231,25 +231,10 @@ INTERPRET_VARIANTS.update({
         "d128-window", "d256-causal-q300-k100", "d64-full"]),
     "block_kv_176": (dict(block_kv=176), [
         "d128-full-6tiles", "d128-window"]),
-    # The element mask from per-row and per-column index vectors: causal,
-    # windows (one far from the diagonal), GQA, rows that see no key, the
-    # wide tiles, with the overlap.
-    "index_vectors": (dict(index_vectors=True), [
-        "d64-causal-2wg", "d128-window", "d96-gqa-q200-k300",
-        "d32-tiny-window-empty", "d64-stages4-window-far",
-        "d256-causal-q300-k100"]),
-    # ... in the backward kernels (the dK/dV and dQ kernels, split and
-    # paired forms).
-    "bwd_index_vectors": (dict(bwd_index_vectors=True), [
-        "d64-causal-2wg", "d128-window", "d96-gqa-q200-k300",
-        "d32-tiny-window-empty", "d256-split-dkv-gqa",
-        "d64-split-dkv-2wg-window"]),
-    "bwd_index_vectors+paired": (
-        dict(bwd_index_vectors=True, bwd_paired_dkv=True,
-             bwd_paired_dq=True, bwd_split_dkv=False),
-        ["d256-causal-q300-k100", "d128-window"]),
-    "index_vectors+block_kv_176+intra_wg_overlap": (
-        dict(index_vectors=True, block_kv=176, intra_wg_overlap=True),
+    # The 176-key tiles with the intra-warpgroup overlap (FlashAttention-3's
+    # head_dim 128 forward form).
+    "block_kv_176+intra_wg_overlap": (
+        dict(block_kv=176, intra_wg_overlap=True),
         ["d128-window", "d128-full-6tiles"]),
     # Three consumers (no ping-pong): 192-row query groups, a group that
     # is mostly padding, skip steps of a causal diagonal, rows that see
@@ -289,9 +274,7 @@ EXPERIMENTS = {"three_wgs+intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "bwd_dq_late_release", "bwd_dkv_late_release",
                "bwd_dkv_late_release+early_dv", "lean_epilogue",
                "block_kv_80", "block_kv_176", "bwd_dkv_block_q_80",
-               "index_vectors",
-               "index_vectors+block_kv_176+intra_wg_overlap",
-               "bwd_index_vectors", "bwd_index_vectors+paired"}
+               "block_kv_176+intra_wg_overlap"}
 
 
 def _variant_params():
@@ -402,7 +385,7 @@ GPU_CONFIGS = {
         block_kv=128),
     "named-three-wg-overlap-p-in-smem": mosaic_gpu.MosaicConfig(
         compute_wgs=3, intra_wg_overlap=True, named_barriers=True,
-        p_in_smem=True, block_kv=128, index_vectors=True),
+        p_in_smem=True, block_kv=128),
     # Hardware named barriers for the ping-pong and the consumed signals
     # (inline PTX: no interpreter), with and without the early K wait.
     "named": mosaic_gpu.MosaicConfig(named_barriers=True),
@@ -555,15 +538,6 @@ GPU_CONFIGS = {
     "bwd-bq128-atomic-delta-in-regs": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_block_q=128, bwd_atomic_dq=True,
         bwd_delta_in_regs=True),
-    # The backward masks' indices as vectors (fewer spills in the causal
-    # dK/dV kernels), alone and with the LSE-only fold.
-    "bwd-d128-index-vectors": mosaic_gpu.MosaicConfig(
-        **_D128_BWD, bwd_index_vectors=True),
-    "bwd-d128-delta-in-regs-index-vectors": mosaic_gpu.MosaicConfig(
-        **_D128_BWD, bwd_delta_in_regs=True, bwd_index_vectors=True),
-    "bwd-bq128-atomic-index-vectors": mosaic_gpu.MosaicConfig(
-        bwd_stats_in_acc=True, bwd_block_q=128, bwd_atomic_dq=True,
-        bwd_index_vectors=True),
     # FlashAttention-3's forward tiles: 80 keys (its head_dim 256 tile)
     # and 176 (its head_dim 128 tile; over shared memory at 192 and 256,
     # skipped there), K and V padded by XLA or zero-filled by TMA.
@@ -572,15 +546,11 @@ GPU_CONFIGS = {
         named_barriers=True, block_kv=80, unpadded_kv=True),
     "named-kv176-unpadded": mosaic_gpu.MosaicConfig(
         named_barriers=True, block_kv=176, unpadded_kv=True),
-    # The mask's indices as vectors (no spills at 176 keys, causal too),
-    # and FlashAttention-3's head_dim 128 form with it: 176 keys, the
-    # overlap, 240 registers.
-    "named-kv176-unpadded-index-vectors": mosaic_gpu.MosaicConfig(
+    # FlashAttention-3's head_dim 128 form: 176 keys, the overlap, 240
+    # registers.
+    "named-overlap-kv176-regs240": mosaic_gpu.MosaicConfig(
         named_barriers=True, block_kv=176, unpadded_kv=True,
-        index_vectors=True),
-    "named-overlap-kv176-regs240-index-vectors": mosaic_gpu.MosaicConfig(
-        named_barriers=True, block_kv=176, unpadded_kv=True,
-        intra_wg_overlap=True, consumer_registers=240, index_vectors=True),
+        intra_wg_overlap=True, consumer_registers=240),
     "unpadded-kv": mosaic_gpu.MosaicConfig(unpadded_kv=True),
     # FlashAttention-3's register split (240 per consumer, the producer
     # 24) over the head_dim 256 default's 80-key form.
@@ -624,10 +594,9 @@ GPU_CONFIGS = {
 def test_gpu(case, cfg):
   config = GPU_CONFIGS[cfg]
   dp = -(-case[5] // 64) * 64
-  if config is not None and (config.bwd_shared_dq
-                             or config.bwd_dq_halves) and dp != 128:
-    pytest.skip("bwd_shared_dq / bwd_dq_halves serve padded head_dim 128"
-                " only (refused elsewhere: test_shared_dq_validation)")
+  why = config is not None and head_dim_problem(config, dp)
+  if why:  # refused with this reason: test_head_dim_validation
+    pytest.skip(why)
   if config is not None:
     need = needed_smem_bytes(config, dp)
     if need > 227 * 1024:
@@ -989,6 +958,19 @@ def test_stats_in_acc_needs_a_gpu():
     jaxflash.flash_attention(
         q, q, q, implementation="mosaic_gpu", interpret=True,
         config=dataclasses.replace(ONE_WG, bwd_stats_in_acc=True))
+
+
+def test_head_dim_validation():
+  """Three consumers stop at padded head_dim 192 (registers): refused
+  with the reason at 256, so implementation=None falls back."""
+  three = mosaic_gpu.MosaicConfig(compute_wgs=3, block_kv=64)
+  q = jnp.ones((1, 64, 2, 256), jnp.bfloat16)
+  with pytest.raises(NotImplementedError,
+                     match="compute_wgs=3 serves padded head_dim up to 192"
+                           ", got 256"):
+    jaxflash.flash_attention(q, q, q, implementation="mosaic_gpu",
+                             interpret=True, config=three)
+  assert head_dim_problem(three, 192) is None
 
 
 def test_shared_dq_validation():

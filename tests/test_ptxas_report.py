@@ -85,7 +85,7 @@ def test_ptxas_cpu_lowers_and_names_the_kernels(monkeypatch):
   assert cfg.block_kv == 176 and not cfg.intra_wg_overlap
   assert names == ["forward", "dq", "dkv"]
   assert len(modules) == 3 and all(isinstance(m, bytes) for m in modules)
-  spec.update(mode="fwd", causal=True, overrides="index_vectors=1")
+  spec.update(mode="fwd", causal=True, overrides="consumer_registers=232")
   cfg, modules, names = ptxas_cpu.lower(spec)
-  assert cfg.intra_wg_overlap and cfg.index_vectors
+  assert cfg.intra_wg_overlap and cfg.consumer_registers == 232
   assert names == ["forward"] and len(modules) == 1

@@ -35,8 +35,8 @@ from jaxflash.mosaic_gpu.config import (
   SMEM_LIMIT,
   MosaicConfig,
   default_config,
+  head_dim_problem,
   needed_smem_bytes,
-  split_dq_problem,
 )
 from jaxflash.triton import backend as triton_backend
 from jaxflash.triton.common import pad_axis, round_up, softmax_delta
@@ -407,7 +407,7 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
       raise NotImplementedError(
           f"{config} needs {need} bytes of shared memory at head_dim {dp}"
           f" (limit {SMEM_LIMIT})")
-  why = config and split_dq_problem(config, dp)
+  why = config and head_dim_problem(config, dp)
   if why:
     raise NotImplementedError(why)
   if interpret:

@@ -384,8 +384,7 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
 
       tile_mask = lambda: _tile_mask(
           masked, mask, (qseg_ref, kvseg_ref), b, q_start=t * bq, n_q=bq,
-          k_start=k_start, n_k=bk, q_axis=1,
-          vectors=cfg.bwd_index_vectors)
+          k_start=k_start, n_k=bk, q_axis=1)
 
       # bwd_stats_in_acc: the accumulators start at -lse2 / (scale log2 e)
       # and -delta (None: that statistic is subtracted below).
@@ -690,7 +689,7 @@ def _paired_dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
     pipeline.split_registers(False, 2, cfg.bwd_consumer_registers)
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[0])
     plgpu.barrier_wait(kv_ready.at[0])
-    k_idx = pipeline.index_tile(k_start, (bk, bq), 0)
+    k_idx = pipeline.index_tile(k_start, (bk, bq), 0, vectors=False)
 
     def compute(step, t, carry, *, masked, acc):
       slot = lax.rem(step, stages)
@@ -699,8 +698,7 @@ def _paired_dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       s = _product_t(k_smem, q_ring.at[slot], (bk, bq))  # S^T = K Q^T
       visible = _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
                            q_start=t * bq, n_q=bq, k_start=k_start, n_k=bk,
-                           q_axis=1, held=k_idx,
-                           vectors=cfg.bwd_index_vectors)
+                           q_axis=1, held=k_idx)
       p, th = _probs(s, plgpu.load(vec_slot(lse_ring, slot, bq),
                                    layout=COL), visible,
                      prob=prob, row_axis=1)
@@ -803,7 +801,7 @@ def _query_group(prob: Problem, range_ref, group_rows: int, bk: int):
 
 
 def _tile_mask(masked: bool, mask, seg_refs, b, *, q_start, n_q, k_start,
-               n_k, q_axis: int, held=None, vectors: bool = False):
+               n_k, q_axis: int, held=None):
   """The element mask of one tile of a backward kernel (queries from
   ``q_start`` along ``q_axis``, keys from ``k_start`` along the other), or
   None where ``masked`` is False.  The index tiles are built here, in the
@@ -811,13 +809,12 @@ def _tile_mask(masked: bool, mask, seg_refs, b, *, q_start, n_q, k_start,
   (32 registers per thread in a 64 x 64 tile; the causal d128 dK/dV
   kernel spilled 196 / 332 bytes with it, 128 / 184 without).  ``held``:
   the held side's index tile, built before the loop (the paired kernels,
-  as measured on the H200; not re-timed without it).  ``vectors``
-  (``bwd_index_vectors``): see :func:`pipeline.index_tile`."""
+  as measured on the H200; not re-timed without it).  The others are
+  row / column vectors (:func:`pipeline.index_tile`)."""
   if not masked:
     return None
   shape = (n_q, n_k) if q_axis == 0 else (n_k, n_q)
-  idx = lambda start, axis: pipeline.index_tile(start, shape, axis,
-                                                vectors=vectors)
+  idx = lambda start, axis: pipeline.index_tile(start, shape, axis)
   q_idx = held if held is not None and q_axis == 0 else idx(q_start, q_axis)
   k_idx = held if held is not None and q_axis == 1 else idx(k_start,
                                                               1 - q_axis)
@@ -880,8 +877,7 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       def probs(s):
         visible = _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
                              q_start=q_start, n_q=bq, k_start=t * bk,
-                             n_k=bk, q_axis=0,
-                             vectors=cfg.bwd_index_vectors)
+                             n_k=bk, q_axis=0)
         return _probs(s, lse2, visible, prob=prob, row_axis=0)
 
       def sdp(s_acc, dp_acc):
@@ -1025,7 +1021,7 @@ def _paired_dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   @pl.when(wg == 0)
   def _probs_consumer():
     lse2 = hold(q_ref, q_smem, 0, lse2_ref)
-    q_idx = pipeline.index_tile(q_start, (bq, bk), 0)
+    q_idx = pipeline.index_tile(q_start, (bq, bk), 0, vectors=False)
 
     def compute(step, t, carry, *, masked, acc):
       del acc
@@ -1036,8 +1032,7 @@ def _paired_dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       free.arrive(slot)  # K read; consumer 1 still holds the slot
       visible = _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
                            q_start=q_start, n_q=bq, k_start=t * bk, n_k=bk,
-                           q_axis=0, held=q_idx,
-                           vectors=cfg.bwd_index_vectors)
+                           q_axis=0, held=q_idx)
       p, th = _probs(s, lse2, visible, prob=prob, row_axis=0)
       hand.at[slot][...] = (p if th is None
                             else p * (1.0 - th * th)).astype(dtype)

@@ -223,15 +223,6 @@ class MosaicConfig:
       default at head_dim 64: forward +1.6/+4.5/+7.4% non-causal at
       16384/8192/4096 tokens, +3.3% causal at 16384 (one run,
       docs/benchmarks/h200-2026-12-03-s19.md).
-    index_vectors: the forward's element mask compares a query index
-      per row and a key index per column, broadcast over the tile,
-      instead of two int32 iota tiles (one value per element each, 88
-      registers per thread at 176 keys, live beside ``S``, ``P`` and
-      ``O`` in the masked steps).  ptxas (tools/ptxas_cpu.py, 2026-12-03)
-      then reports no spills for the 176-key tiles at head_dim 128
-      (causal: 644 / 656 bytes before; non-causal 8 / 8) and 16 / 16
-      bytes with ``intra_wg_overlap`` at 240 registers (288 / 312
-      before).  Not yet run on a GPU.
     bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
       64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
       key rows and streams ``bwd_block_q`` query rows (``bwd_dkv_block_q``
@@ -411,14 +402,10 @@ class MosaicConfig:
       note on the d128 and d64 dK/dV kernels: tools/ptxas_cpu.py); folded
       before both instead (``bwd_stats_first``) it ran 2% slower.  With
       this option ptxas reports neither the wait nor spills at head_dim
-      128 (CPU compile, 2026-12-03); not yet run on a GPU.  GPU only, as
-      its parent.
-    bwd_index_vectors: ``index_vectors`` for the backward kernels' element
-      masks (the paired kernels' held side keeps its tile).  ptxas
-      (tools/ptxas_cpu.py, 2026-12-03), causal dK/dV kernels: head_dim
-      128 24 / 68 bytes of spills -> none (4 / 16 with
-      ``bwd_delta_in_regs``, 88 / 132 without this), head_dim 64's
-      atomic form 972 / 1060 -> 520 / 604.  Not yet run on a GPU.
+      128 (CPU compile), yet on the H200 the dK/dV kernel ran 8% slower
+      (d128 s8192 non-causal: 3.39 against 3.13 ms, ``kernel_times``,
+      docs/benchmarks/h200-2026-12-03-s21.md), so not a default.  GPU
+      only, as its parent.
     bwd_dkv_late_release: the same for the dK/dV kernel (and its split
       passes): each step's last wgmma (``dK += dS^T Q``, or the pass's
       only accumulator's) is left in flight into the next step, whose
@@ -467,7 +454,6 @@ class MosaicConfig:
   no_auto_barriers: bool = False
   unpadded_kv: bool = False
   unpadded_q: bool = False
-  index_vectors: bool = False
   bwd_block_q: int = 64
   bwd_block_kv: int = 64
   bwd_dkv_block_q: int | None = None
@@ -487,7 +473,6 @@ class MosaicConfig:
   bwd_stats_in_acc: bool = False
   bwd_stats_first: bool = False
   bwd_delta_in_regs: bool = False
-  bwd_index_vectors: bool = False
   bwd_early_dv: bool = False
 
   def __post_init__(self):
@@ -693,6 +678,31 @@ def split_dq_problem(config: "MosaicConfig", head_dim_padded: int
     return ("bwd_shared_dq / bwd_dq_halves split dQ into two halves of whole"
             " 64-column swizzled tiles: they need a padded head_dim that is"
             f" a multiple of 128, got {head_dim_padded}")
+  return None
+
+
+# Three consumers hold their output accumulators (block_q x head_dim
+# float32 each) inside the four-warpgroup launch allocation
+# (launch_registers(4) = 128 per thread): at padded head_dim 256 that
+# accumulator alone is 128 registers, and ptxas refused the forward
+# (C7602: "Try to compile with register target of 158 or higher", H200,
+# 2026-12-03); 192 compiled and passed its GPU tests.
+MAX_THREE_WG_HEAD_DIM = 192
+
+
+def head_dim_problem(config: "MosaicConfig", head_dim_padded: int
+                     ) -> str | None:
+  """Why this config cannot serve this padded head_dim, None when it can
+  (shared memory aside: :func:`needed_smem_bytes`)."""
+  why = split_dq_problem(config, head_dim_padded)
+  if why:
+    return why
+  if config.compute_wgs == 3 and head_dim_padded > MAX_THREE_WG_HEAD_DIM:
+    return (f"compute_wgs=3 serves padded head_dim up to"
+            f" {MAX_THREE_WG_HEAD_DIM}, got {head_dim_padded}: three"
+            f" consumers' {config.block_q} x {head_dim_padded} float32"
+            " output accumulators do not fit the launch's"
+            f" {launch_registers(4)} registers per thread")
   return None
 
 

@@ -163,10 +163,8 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         s = jnp.tanh(s * (prob.softmax_scale / cap)) * (cap * LOG2E)
         scale = None
       if masked:
-        q_idx = pipeline.index_tile(q_start, (bq, bk), 0,
-                                    vectors=cfg.index_vectors)
-        k_idx = pipeline.index_tile(t * bk, (bq, bk), 1,
-                                    vectors=cfg.index_vectors)
+        q_idx = pipeline.index_tile(q_start, (bq, bk), 0)
+        k_idx = pipeline.index_tile(t * bk, (bq, bk), 1)
         seg = {}
         if qseg_ref is not None:
           # Straight from GMEM into the row / column layouts of S

@@ -290,15 +290,20 @@ def late_release(free, *, lo, hi, u_lo, first_step, stages: int):
   return previous, last
 
 
-def index_tile(start, shape, axis: int, *, vectors: bool = False):
+def index_tile(start, shape, axis: int, *, vectors: bool = True):
   """``start`` plus each element's index along ``axis`` of a ``shape``
   tile in the wgmma layout: the query or key index of an element mask.
-  ``vectors`` (``index_vectors`` / ``bwd_index_vectors``): built as one
-  value per row or column (the tile's row or column layout) and
-  broadcast over the tile, instead of an int32 iota tile of one value
-  per element that stays live beside the accumulators (ptxas: the
-  176-key forward tiles spilled 644 bytes causal with the tile, none
-  with the vector)."""
+
+  Built as one value per row or column (the tile's row or column layout)
+  and broadcast over the tile where it is used, so no int32 tile of one
+  value per element stays live beside the accumulators.  ptxas
+  (tools/ptxas_cpu.py): the 176-key forward tiles at head_dim 128 spilled
+  644 bytes causal with the tile, none with the vector; the causal d128
+  dK/dV kernel 24 / 68 bytes -> none.  On the H200 the vectors ran level
+  to +4% in the forward (d128, 2048-16384 keys) and level to +1.4%
+  forward+backward (docs/benchmarks/h200-2026-12-03-s21.md).
+  ``vectors=False``: the iota tile itself, for the paired backward
+  kernels' held side (built once before the loop, as measured there)."""
   if not vectors:
     return start + plgpu.broadcasted_iota(jnp.int32, shape, axis,
                                           layout=plgpu.Layout.WGMMA)
