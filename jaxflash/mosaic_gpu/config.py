@@ -84,7 +84,9 @@ class MosaicConfig:
       tile for a third more query rows.  Meant for head_dim 64: 160
       registers hold a 64 x 128 float32 ``S`` and a 64 x 64 ``O``; larger
       ``O`` tiles or 192-key tiles spill (876 bytes measured at
-      ``block_kv=192``, head_dim 64).
+      ``block_kv=192``, head_dim 64).  Refused above padded head_dim
+      192 (:data:`MAX_THREE_WG_HEAD_DIM`: ptxas cannot fit the 64 x 256
+      accumulator).
     consumer_registers: registers per thread of each forward consumer
       warpgroup (``setmaxnreg``), None for the default: 232 with two
       consumers (tokamax's split, the producer 40), 160 with three.  240
