@@ -596,12 +596,7 @@ def test_gpu(case, cfg):
   dp = -(-case[5] // 64) * 64
   why = config is not None and head_dim_problem(config, dp)
   if why:  # refused with this reason: test_head_dim_validation
-    pytest.skip(why)
-  if config is not None:
-    need = needed_smem_bytes(config, dp)
-    if need > 227 * 1024:
-      pytest.skip(f"{cfg} needs {need} bytes of shared memory at head_dim"
-                  f" {dp} (limit 227 KiB): not a valid config")
+    pytest.skip(f"{cfg}: {why}")
   _run(case, False, config)
 
 

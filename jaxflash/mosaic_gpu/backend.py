@@ -32,11 +32,9 @@ from jaxflash.mosaic_gpu import forward as fwd_lib
 from jaxflash.mosaic_gpu.config import (
   INTERPRET_CONFIG,
   MAX_BWD_HEAD_DIM,
-  SMEM_LIMIT,
   MosaicConfig,
   default_config,
   head_dim_problem,
-  needed_smem_bytes,
 )
 from jaxflash.triton import backend as triton_backend
 from jaxflash.triton.common import pad_axis, round_up, softmax_delta
@@ -401,12 +399,6 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
         f"mosaic_gpu backend supports bfloat16 and float16, got {q.dtype}")
   del arrays  # segment ids and lengths are served
   dp = _head_dim_padded(q.shape[3])
-  if config is not None:
-    need = needed_smem_bytes(config, dp)
-    if need > SMEM_LIMIT:
-      raise NotImplementedError(
-          f"{config} needs {need} bytes of shared memory at head_dim {dp}"
-          f" (limit {SMEM_LIMIT})")
   why = config and head_dim_problem(config, dp)
   if why:
     raise NotImplementedError(why)

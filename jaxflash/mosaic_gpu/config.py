@@ -694,8 +694,14 @@ MAX_THREE_WG_HEAD_DIM = 192
 
 def head_dim_problem(config: "MosaicConfig", head_dim_padded: int
                      ) -> str | None:
-  """Why this config cannot serve this padded head_dim, None when it can
-  (shared memory aside: :func:`needed_smem_bytes`)."""
+  """Why this config cannot serve this padded head_dim (shared memory,
+  the dQ split, three consumers' registers), None when it can: the one
+  check of the backend (``NotImplementedError``), of the tuned defaults
+  and of the GPU tests' config list."""
+  need = needed_smem_bytes(config, head_dim_padded)
+  if need > SMEM_LIMIT:
+    return (f"{config} needs {need} bytes of shared memory at head_dim"
+            f" {head_dim_padded} (limit {SMEM_LIMIT})")
   why = split_dq_problem(config, head_dim_padded)
   if why:
     return why
@@ -893,9 +899,7 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
     if isinstance(value, dict):  # per causal setting, off where not given
       fields[name] = bool(value.get(setting, False))
   cfg = MosaicConfig(**fields)
-  need = needed_smem_bytes(cfg, head_dim_padded)
-  if need > SMEM_LIMIT:
-    raise ValueError(
-        f"tuned config {cfg} needs {need} bytes of shared memory at"
-        f" head_dim {head_dim_padded} (> {SMEM_LIMIT})")
+  why = head_dim_problem(cfg, head_dim_padded)
+  if why:
+    raise ValueError(f"tuned config for head_dim {head_dim_padded}: {why}")
   return cfg
