@@ -601,7 +601,7 @@ def test_gpu(case, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seq", [1024, 4096])
+@pytest.mark.parametrize("seq", [1024, 2000, 4096])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_gpu_long(seq, causal, head_dim):
@@ -637,8 +637,10 @@ def test_gpu_long_fa3_tiles(head_dim, kv_len, split_kv):
   config = mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=False,
                                      kv_len=kv_len)
   if head_dim == 256:  # the 80-key tiles: no longer the tuned default there
+    # (on the plain grid: the persistent one's output slots leave no room
+    # for 80-key tiles, config.head_dim_problem)
     config = dataclasses.replace(config, block_kv=80, intra_wg_overlap=False,
-                                 consumer_registers=None)
+                                 consumer_registers=None, persistent=False)
   config = dataclasses.replace(config, split_kv_release=split_kv)
   assert config.block_kv == {128: 176, 256: 80}[head_dim]
   assert config.unpadded_kv
@@ -807,16 +809,18 @@ def test_split_registers_refuses_more_than_the_launch_allocation():
 
 
 def test_default_config_rules():
-  """tuning.json's rules: the persistent forward on short non-causal calls
-  only, the d256 backward's paired kernels, the d128 folded statistics,
-  and the d64 128-query backward tiles (``kv_rules``)."""
+  """tuning.json's rules: the persistent forward on non-causal calls
+  only (short ones at head_dim 128), the d256 backward's paired kernels,
+  the d128 folded statistics, and the d64 128-query backward tiles
+  (``kv_rules``)."""
   dflt = functools.partial(mosaic_gpu.default_config, "NVIDIA H200")
   other = functools.partial(mosaic_gpu.default_config, "some future GPU")
   assert dflt(128, causal=False, kv_len=1024).persistent
   assert dflt(128, causal=False, kv_len=4096).persistent
   assert not dflt(128, causal=False, kv_len=8192).persistent
   assert dflt(64, causal=False, kv_len=16384).prefetch_q
-  assert not dflt(256, causal=False, kv_len=4096).prefetch_q
+  assert dflt(256, causal=False, kv_len=4096).prefetches_q
+  assert not dflt(256, causal=True, kv_len=4096).prefetches_q
   # prefetch_q is per causal setting: off on the d64 causal persistent call.
   assert dflt(64, causal=True, kv_len=1024).persistent
   assert not dflt(64, causal=True, kv_len=1024).prefetch_q
@@ -877,14 +881,20 @@ def test_default_config_rules():
   # head_dim 256: the overlap (64-key tiles, 240 registers) on causal calls
   # and on non-causal ones from 1025 keys; up to 1024 the persistent grid
   # without it (measured faster there); neither where the call is unknown.
-  for causal, kv, ov in [(False, 1024, False), (False, 1025, True),
-                         (False, 16384, True), (True, 1024, True),
-                         (True, 16384, True), (False, None, False),
-                         (True, None, False)]:
+  # Non-causal: the persistent grid with the next Q prefetched up to 1024
+  # keys and from 2049, the plain grid with the lean epilogue between.
+  for causal, kv, ov, pers, lean in [
+      (False, 1024, False, True, False), (False, 1025, True, False, True),
+      (False, 2048, True, False, True), (False, 2049, True, True, False),
+      (False, 16384, True, True, False), (True, 1024, True, False, False),
+      (True, 16384, True, False, False), (False, None, False, False, False),
+      (True, None, False, False, False)]:
     cfg = dflt(256, causal=causal, kv_len=kv)
     assert cfg.intra_wg_overlap == ov, (causal, kv)
     assert cfg.consumer_registers == (240 if ov else None), (causal, kv)
-    assert cfg.persistent == (not causal and kv == 1024), (causal, kv)
+    assert cfg.persistent == pers, (causal, kv)
+    assert cfg.prefetches_q == pers and cfg.lean_epilogue == lean, (causal,
+                                                                    kv)
     assert cfg.block_kv == 64 and cfg.unpadded_kv
   assert not dflt(64, kv_len=16384).intra_wg_overlap
   assert dflt(64, kv_len=16384).block_kv == 128 and dflt(64).unpadded_kv

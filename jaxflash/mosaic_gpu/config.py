@@ -110,9 +110,11 @@ class MosaicConfig:
       tokamax's non-causal default; without ``prefetch_q`` the next Q
       load still waits for the output's copy out of shared memory).  The
       tuned defaults turn it on for non-causal calls with up to 4096 keys
-      (16384 at head_dim 64; ``persistent_max_kv`` in tuning.json): +3-6%
-      there on the H200, slower at head_dim 256 with 16384 keys and on
-      causal calls at head_dim >= 128.
+      at head_dim 128 and 16384 at 64 (``persistent_max_kv`` in
+      tuning.json; +3-6% there on the H200), and at head_dim 256 for
+      non-causal calls up to 1024 keys and from 2049 (with ``prefetch_q``:
+      +2-6% there, 2026-12-03); it is slower on causal calls at head_dim
+      >= 128.
     intra_wg_overlap: FlashAttention-3's intra-warpgroup overlap
       (arXiv 2407.08608 §3.2): each consumer issues ``S_t = Q K_t^T`` and
       ``O += P_{t-1} V_{t-1}`` back to back and computes tile ``t``'s
@@ -188,8 +190,11 @@ class MosaicConfig:
       global memory (kernel completion publishes them).  At head_dim 256
       the slots fit only without the reduction scratch (as
       ``prefetch_q``).  Written to time the head_dim 256 gap to
-      tokamax; not a default: no faster on the H200
-      (docs/benchmarks/h200-2026-12-01-lean-epilogue.md).
+      tokamax: no faster on the H200 at 8192 and 16384 keys
+      (docs/benchmarks/h200-2026-12-01-lean-epilogue.md), but +2-5% on
+      the plain grid at head_dim 256 with 2048 non-causal keys in three
+      runs, where it is the H200 default (1025-2048 keys;
+      docs/benchmarks/h200-2026-12-03-s22.md).
     no_auto_barriers: compile the forward with Pallas'
       ``unsafe_no_auto_barriers`` (as tokamax's sm90 kernel): no
       warpgroup barrier around each shared-memory store and before each
@@ -879,7 +884,9 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
   head_dim 128 on non-causal calls from 8192 keys (without the
   intra-warpgroup overlap, which the head_dim 128 entry sets for the
   other calls), and the overlap at head_dim 256 on causal calls and on
-  non-causal ones from 1025 keys (the persistent grid without it below).
+  non-causal ones from 1025 keys (the persistent grid without it below),
+  and at head_dim 256 the lean epilogue on non-causal calls of 1025-2048
+  keys, the persistent grid with ``prefetch_q`` from 2049.
   """
   table = _tuning()["devices"]
   entries = table.get(device_kind or "", table["default"])
