@@ -372,6 +372,15 @@ GPU_CONFIGS = {
     "named-overlap-persistent-prefetch-q": mosaic_gpu.MosaicConfig(
         intra_wg_overlap=True, named_barriers=True, block_kv=128,
         consumer_registers=240, persistent=True, prefetch_q=True),
+    # The head_dim 256 non-causal defaults' two forms at every head_dim:
+    # 64-key tiles at 240 registers, persistent with the next Q
+    # prefetched, or on the plain grid with the lean epilogue.
+    "named-overlap-persistent-prefetch-q-kv64": mosaic_gpu.MosaicConfig(
+        intra_wg_overlap=True, named_barriers=True, block_kv=64,
+        consumer_registers=240, persistent=True, prefetch_q=True),
+    "named-overlap-lean-epilogue-kv64": mosaic_gpu.MosaicConfig(
+        intra_wg_overlap=True, named_barriers=True, block_kv=64,
+        consumer_registers=240, lean_epilogue=True),
     # Three consumers with the overlap (the d64 long calls' candidate; 64
     # keys: no spills at their 160 registers, 128 spill 72 bytes).
     "named-three-wg-overlap-kv64": mosaic_gpu.MosaicConfig(
