@@ -222,6 +222,17 @@ INTERPRET_VARIANTS.update({
     # Any grid (the cases' own): the reciprocal normalisation and the
     # read-only last wait.
     "lean_epilogue": (dict(lean_epilogue=True), _CHUNKED_OUT_CASES),
+    # The H200's head_dim 256 non-causal defaults: the intra-warpgroup
+    # overlap on the persistent grid with the next item's Q prefetched,
+    # and on the plain grid with the lean epilogue (one and two
+    # consumers, causal skip steps, windows, GQA).
+    "intra_wg_overlap+prefetch_q": (
+        dict(intra_wg_overlap=True, persistent=True, prefetch_q=True),
+        ["d64-persistent-2wg-causal", "d128-persistent-window-q200-k300",
+         "d256-causal-q300-k100", "d96-gqa-q200-k300"]),
+    "intra_wg_overlap+lean_epilogue": (
+        dict(intra_wg_overlap=True, lean_epilogue=True),
+        ["d256-causal-q300-k100", "d64-causal-2wg", "d128-window"]),
     # Key tiles that are not a multiple of 64 (FlashAttention-3's 80 and
     # 176; V and the staged P in the 32-byte swizzle): a last tile cut by
     # the key length, causal diagonals and windows across 80-key tiles,
@@ -267,12 +278,13 @@ INTERPRET_VARIANTS.update({
 # Options that are not a tuned default anywhere (experiments kept for
 # their records): on every commit (`make test`) the first two cases of
 # each, the rest with the `slow` marker (`make test-all`).  The defaults'
-# options (bwd_paired_dkv, bwd_paired_dq, prefetch_q, bwd_softmax_overlap,
-# bwd_early_dv, three_wgs, intra_wg_overlap) run every case.
+# options (bwd_paired_dkv, bwd_paired_dq, prefetch_q, lean_epilogue,
+# bwd_softmax_overlap, bwd_early_dv, three_wgs, intra_wg_overlap) run
+# every case.
 EXPERIMENTS = {"three_wgs+intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "split_kv_release", "pv_then_qk", "pv_then_qk+row_sum_in_pv",
                "bwd_dq_late_release", "bwd_dkv_late_release",
-               "bwd_dkv_late_release+early_dv", "lean_epilogue",
+               "bwd_dkv_late_release+early_dv",
                "block_kv_80", "block_kv_176", "bwd_dkv_block_q_80",
                "block_kv_176+intra_wg_overlap"}
 
