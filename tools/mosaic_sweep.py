@@ -24,7 +24,11 @@ import jax.numpy as jnp
 
 import jaxflash
 from jaxflash.bench import core
-from jaxflash.mosaic_gpu.config import needed_smem_bytes, parse_overrides
+from jaxflash.mosaic_gpu.config import (
+  SMEM_LIMIT,
+  head_dim_problem,
+  parse_overrides,
+)
 
 
 def candidates(head_dim, full=False):
@@ -36,24 +40,24 @@ def candidates(head_dim, full=False):
     cfg = jaxflash.MosaicConfig(block_q=64, block_kv=bkv, stages=stages,
                                 compute_wgs=wgs, p_in_smem=p_smem,
                                 schedule_barrier=wgs == 2)
-    if cfg.smem_bytes(head_dim) <= 227 * 1024:
+    if cfg.smem_bytes(head_dim) <= SMEM_LIMIT:  # (the forward alone)
       yield cfg
 
 
 def bwd_candidates(head_dim):
   """Backward tiles on top of the tuned forward: dK and dV in one pass
-  (padded head_dim <= 128) over ring depth, or split into two passes."""
-  fwd = jaxflash.mosaic_gpu.default_config("NVIDIA H200", head_dim)
+  (padded head_dim <= 128) over ring depth, or split into two passes
+  (above 128: the split form against the tuned paired kernels)."""
   variants = [dict(bwd_stages=2), dict(bwd_stages=3),
               dict(bwd_split_dkv=True), dict(bwd_split_dkv=True,
                                              bwd_block_kv=128)]
   if head_dim > 128:
-    variants = [dict(bwd_split_dkv=True, bwd_compute_wgs=1),
-                dict(bwd_split_dkv=True, bwd_compute_wgs=1, bwd_stages=3)]
-  for kw in variants:
-    cfg = dataclasses.replace(fwd, **kw)
-    if needed_smem_bytes(cfg, head_dim) <= 227 * 1024:
-      yield cfg
+    split = dict(bwd_paired_dkv=False, bwd_split_dkv=True,
+                 bwd_compute_wgs=1)
+    variants = [split, dict(split, bwd_stages=3)]
+  configs = variant_configs(head_dim, variants, causal=False, kv_len=None)
+  next(configs)  # the tuned default itself (main() times it as None)
+  yield from configs
 
 
 def parse_variants(text):
@@ -67,7 +71,8 @@ def parse_variants(text):
 
 def variant_configs(head_dim, variants, *, causal, kv_len):
   """The tuned default of this call, then that default with each
-  variant's overrides (those over shared memory or refused are skipped)."""
+  variant's overrides (those refused, or that cannot serve the head_dim,
+  are skipped with the reason)."""
   base = jaxflash.mosaic_gpu.default_config("NVIDIA H200", head_dim,
                                             causal=causal, kv_len=kv_len)
   yield base
@@ -77,8 +82,11 @@ def variant_configs(head_dim, variants, *, causal, kv_len):
     except ValueError as e:
       print(f"skip {kw}: {e}", flush=True)
       continue
-    if needed_smem_bytes(cfg, head_dim) <= 227 * 1024:
-      yield cfg
+    why = head_dim_problem(cfg, head_dim)
+    if why:
+      print(f"skip {kw}: {why}", flush=True)
+      continue
+    yield cfg
 
 
 def main():
