@@ -837,7 +837,8 @@ def test_default_config_rules():
   dflt = functools.partial(mosaic_gpu.default_config, "NVIDIA H200")
   other = functools.partial(mosaic_gpu.default_config, "some future GPU")
   assert dflt(128, causal=False, kv_len=1024).persistent
-  assert dflt(128, causal=False, kv_len=4096).persistent
+  assert not dflt(128, causal=False, kv_len=1025).persistent
+  assert not dflt(128, causal=False, kv_len=4096).persistent
   assert not dflt(128, causal=False, kv_len=8192).persistent
   assert dflt(64, causal=False, kv_len=16384).prefetch_q
   assert dflt(256, causal=False, kv_len=4096).prefetches_q
@@ -897,6 +898,9 @@ def test_default_config_rules():
     cfg = dflt(128, causal=causal, kv_len=kv)
     assert (cfg.block_kv == 176) == fa3, (causal, kv)
     assert cfg.intra_wg_overlap != fa3, (causal, kv)
+    # The lean epilogue on the overlapped non-causal calls (below 8192).
+    assert cfg.lean_epilogue == (not causal and kv is not None
+                                 and not fa3), (causal, kv)
     assert cfg.consumer_registers == (None if fa3 else 240), (causal, kv)
     assert cfg.unpadded_kv and not cfg.split_kv_release
   # head_dim 256: the overlap (64-key tiles, 240 registers) on causal calls
@@ -904,11 +908,12 @@ def test_default_config_rules():
   # without it (measured faster there); neither where the call is unknown.
   # Non-causal: the persistent grid with the next Q prefetched up to 1024
   # keys and from 2049, the plain grid with the lean epilogue between.
+  # Causal: the lean epilogue at every length.
   for causal, kv, ov, pers, lean in [
       (False, 1024, False, True, False), (False, 1025, True, False, True),
       (False, 2048, True, False, True), (False, 2049, True, True, False),
-      (False, 16384, True, True, False), (True, 1024, True, False, False),
-      (True, 16384, True, False, False), (False, None, False, False, False),
+      (False, 16384, True, True, False), (True, 1024, True, False, True),
+      (True, 16384, True, False, True), (False, None, False, False, False),
       (True, None, False, False, False)]:
     cfg = dflt(256, causal=causal, kv_len=kv)
     assert cfg.intra_wg_overlap == ov, (causal, kv)
