@@ -109,9 +109,11 @@ class MosaicConfig:
       them, so one item's epilogue overlaps the next one's K/V loads (as
       tokamax's non-causal default; without ``prefetch_q`` the next Q
       load still waits for the output's copy out of shared memory).  The
-      tuned defaults turn it on for non-causal calls with up to 4096 keys
+      tuned defaults turn it on for non-causal calls with up to 1024 keys
       at head_dim 128 and 16384 at 64 (``persistent_max_kv`` in
-      tuning.json; +3-6% there on the H200), and at head_dim 256 for
+      tuning.json; +3-6% there on the H200; at head_dim 128 from 1025
+      keys the plain grid with ``lean_epilogue`` is faster), and at
+      head_dim 256 for
       non-causal calls up to 1024 keys and from 2049 (with ``prefetch_q``:
       +2-6% there, 2026-12-03); it is slower on causal calls at head_dim
       >= 128.
@@ -194,7 +196,14 @@ class MosaicConfig:
       (docs/benchmarks/h200-2026-12-01-lean-epilogue.md), but +2-5% on
       the plain grid at head_dim 256 with 2048 non-causal keys in three
       runs, where it is the H200 default (1025-2048 keys;
-      docs/benchmarks/h200-2026-12-03-s22.md).
+      docs/benchmarks/h200-2026-12-03-s22.md).  With the overlap
+      (``intra_wg_overlap``) it is also the H200 default on causal
+      calls at head_dim 256 (+3.5-6.5% at 1024-8192 keys, level at
+      16384) and on non-causal calls below 8192 keys at 128 (+0.5-1% at
+      2048, +2-3.5% at 1024 and 4096; docs/benchmarks/h200-2026-12-03-s23.md).
+      From 8192 keys at 128 the default's 176-key tiles leave no room
+      for its output slots (247,808 bytes of shared memory against
+      232,448; ``head_dim_problem`` refuses it).
     no_auto_barriers: compile the forward with Pallas'
       ``unsafe_no_auto_barriers`` (as tokamax's sm90 kernel): no
       warpgroup barrier around each shared-memory store and before each
@@ -886,7 +895,9 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
   other calls), and the overlap at head_dim 256 on causal calls and on
   non-causal ones from 1025 keys (the persistent grid without it below),
   and at head_dim 256 the lean epilogue on non-causal calls of 1025-2048
-  keys, the persistent grid with ``prefetch_q`` from 2049.
+  keys, the persistent grid with ``prefetch_q`` from 2049; the lean
+  epilogue on every causal call at 256 and on non-causal calls below
+  8192 keys at 128.
   """
   table = _tuning()["devices"]
   entries = table.get(device_kind or "", table["default"])
