@@ -26,7 +26,11 @@ backward's kernels run in the order XLA schedules them, not necessarily
 forward, dK/dV, dQ, so the dK/dV kernel was ``--launch-skip 4``.  Tell
 them apart by a first run with ``--section LaunchStats`` (shared memory
 per block, and the dK/dV kernel's longer duration).  ``--overrides``
-takes MosaicConfig fields over the tuned default.  ncu is
+takes MosaicConfig fields over the tuned default.  ``--impl cudnn``
+runs ``jax.nn.dot_product_attention(implementation="cudnn")``, the
+benchmark's cuDNN row; its kernels are not matched by the ``K`` above:
+list the launches' names first (ncu without ``-k``, ``--section
+LaunchStats``) and pick them with ``-k regex:...``.  ncu is
 /usr/local/cuda/bin/ncu on the H200 machine, counters enabled; it fixes
 the clock (about 1.35 GHz), so compare its durations only with each
 other.
@@ -41,7 +45,7 @@ import jax.numpy as jnp
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--impl", choices=("ours", "tok"), default="ours")
+  ap.add_argument("--impl", choices=("ours", "tok", "cudnn"), default="ours")
   ap.add_argument("--mode", choices=("fwd", "bwd"), default="fwd")
   ap.add_argument("--head-dim", type=int, default=256)
   ap.add_argument("--seq", type=int, default=8192)
@@ -71,13 +75,18 @@ def main(argv=None):
       return jaxflash.flash_attention(q, k, v, causal=bool(args.causal),
                                       implementation="mosaic_gpu",
                                       config=config)
-  else:
+  elif args.impl == "tok":
     import tokamax
 
     def attn(q, k, v):
       return tokamax.dot_product_attention(q, k, v,
                                            is_causal=bool(args.causal),
                                            implementation="mosaic")
+  else:  # cuDNN's fused attention, as the benchmark's cudnn row calls it
+
+    def attn(q, k, v):
+      return jax.nn.dot_product_attention(q, k, v, is_causal=bool(args.causal),
+                                          implementation="cudnn")
   if args.mode == "fwd":
     f = jax.jit(attn)
   else:

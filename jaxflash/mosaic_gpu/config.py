@@ -199,8 +199,9 @@ class MosaicConfig:
       docs/benchmarks/h200-2026-12-03-s22.md).  With the overlap
       (``intra_wg_overlap``) it is also the H200 default on causal
       calls at head_dim 256 (+3.5-6.5% at 1024-8192 keys, level at
-      16384) and on non-causal calls below 8192 keys at 128 (+0.5-1% at
-      2048, +2-3.5% at 1024 and 4096; docs/benchmarks/h200-2026-12-03-s23.md).
+      16384) and on non-causal calls below 8192 keys at 128 (+0.5-2% at
+      2048, +2-3.3% at 4096, level at 1024 over two sessions' runs;
+      docs/benchmarks/h200-2026-12-03-s23.md).
       From 8192 keys at 128 the default's 176-key tiles leave no room
       for its output slots (247,808 bytes of shared memory against
       232,448; ``head_dim_problem`` refuses it).
