@@ -113,10 +113,9 @@ class MosaicConfig:
       at head_dim 128 and 16384 at 64 (``persistent_max_kv`` in
       tuning.json; +3-6% there on the H200; at head_dim 128 from 1025
       keys the plain grid with ``lean_epilogue`` is faster), and at
-      head_dim 256 for
-      non-causal calls up to 1024 keys and from 2049 (with ``prefetch_q``:
-      +2-6% there, 2026-12-03); it is slower on causal calls at head_dim
-      >= 128.
+      head_dim 256 for non-causal calls up to 1024 keys and from 2049
+      (with ``prefetch_q``: +2-6% there, 2026-12-03); it is slower on
+      causal calls at head_dim >= 128.
     intra_wg_overlap: FlashAttention-3's intra-warpgroup overlap
       (arXiv 2407.08608 §3.2): each consumer issues ``S_t = Q K_t^T`` and
       ``O += P_{t-1} V_{t-1}`` back to back and computes tile ``t``'s
