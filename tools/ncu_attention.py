@@ -34,6 +34,11 @@ LaunchStats``) and pick them with ``-k regex:...``.  ncu is
 /usr/local/cuda/bin/ncu on the H200 machine, counters enabled; it fixes
 the clock (about 1.35 GHz), so compare its durations only with each
 other.
+
+``--shapes "64:1024:0,128:2048:1,..."`` (head_dim:seq:causal) runs one
+call per shape in one process, each once, so that a single ncu run
+(``-k`` without ``--launch-skip``) profiles every shape; the report
+holds the launches in the order given (``ncu_stalls.py --kernel i``).
 """
 
 import argparse
@@ -54,12 +59,23 @@ def main(argv=None):
   ap.add_argument("--width", type=int, default=2048)
   ap.add_argument("--overrides", default="",
                   help="MosaicConfig fields, 'field=value,...'")
+  ap.add_argument("--shapes", default="",
+                  help="head_dim:seq:causal,... run once each, in order")
   args = ap.parse_args(argv)
+  if args.shapes:
+    for shape in args.shapes.split(","):
+      d, s, c = (int(x) for x in shape.split(":"))
+      print(f"shape {shape}", flush=True)
+      run(args, d, s, c, calls=1)
+  else:
+    run(args, args.head_dim, args.seq, args.causal, calls=2)
 
-  batch = max(1, args.tokens // args.seq)
-  heads = max(1, args.width // args.head_dim)
+
+def run(args, head_dim, seq, causal, calls):
+  batch = max(1, args.tokens // seq)
+  heads = max(1, args.width // head_dim)
   keys = jax.random.split(jax.random.key(0), 3)
-  q, k, v = [jax.random.normal(key, (batch, args.seq, heads, args.head_dim),
+  q, k, v = [jax.random.normal(key, (batch, seq, heads, head_dim),
                                jnp.bfloat16) for key in keys]
   if args.impl == "ours":
     import jaxflash
@@ -67,12 +83,12 @@ def main(argv=None):
     from jaxflash.mosaic_gpu.config import parse_overrides
     config = dataclasses.replace(
         mosaic_gpu.default_config(jax.devices()[0].device_kind,
-                                  args.head_dim, causal=bool(args.causal),
-                                  kv_len=args.seq),
+                                  head_dim, causal=bool(causal),
+                                  kv_len=seq),
         **parse_overrides(args.overrides))
 
     def attn(q, k, v):
-      return jaxflash.flash_attention(q, k, v, causal=bool(args.causal),
+      return jaxflash.flash_attention(q, k, v, causal=bool(causal),
                                       implementation="mosaic_gpu",
                                       config=config)
   elif args.impl == "tok":
@@ -80,12 +96,12 @@ def main(argv=None):
 
     def attn(q, k, v):
       return tokamax.dot_product_attention(q, k, v,
-                                           is_causal=bool(args.causal),
+                                           is_causal=bool(causal),
                                            implementation="mosaic")
   else:  # cuDNN's fused attention, as the benchmark's cudnn row calls it
 
     def attn(q, k, v):
-      return jax.nn.dot_product_attention(q, k, v, is_causal=bool(args.causal),
+      return jax.nn.dot_product_attention(q, k, v, is_causal=bool(causal),
                                           implementation="cudnn")
   if args.mode == "fwd":
     f = jax.jit(attn)
@@ -94,7 +110,7 @@ def main(argv=None):
         lambda q, k, v: attn(q, k, v).astype(jnp.float32).sum(),
         argnums=(0, 1, 2)))
   jax.block_until_ready((q, k, v))
-  for _ in range(2):
+  for _ in range(calls):
     jax.block_until_ready(f(q, k, v))
 
 
