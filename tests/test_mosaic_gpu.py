@@ -894,13 +894,14 @@ def test_default_config_rules():
   # tiles, 240 registers); K and V unpadded on the H200 at every head_dim.
   for causal, kv, fa3 in [(False, 4096, False), (False, 8191, False),
                           (False, 8192, True), (False, 65536, True),
-                          (True, 16384, False), (False, None, False)]:
+                          (True, 1024, False), (True, 16384, False),
+                          (False, None, False), (True, None, False)]:
     cfg = dflt(128, causal=causal, kv_len=kv)
     assert (cfg.block_kv == 176) == fa3, (causal, kv)
     assert cfg.intra_wg_overlap != fa3, (causal, kv)
-    # The lean epilogue on the overlapped non-causal calls (below 8192).
-    assert cfg.lean_epilogue == (not causal and kv is not None
-                                 and not fa3), (causal, kv)
+    # The lean epilogue on every overlapped call of known length (below
+    # 8192 keys non-causal; at every length causal).
+    assert cfg.lean_epilogue == (kv is not None and not fa3), (causal, kv)
     assert cfg.consumer_registers == (None if fa3 else 240), (causal, kv)
     assert cfg.unpadded_kv and not cfg.split_kv_release
   # head_dim 256: the overlap (64-key tiles, 240 registers) on causal calls

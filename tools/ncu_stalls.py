@@ -20,6 +20,25 @@ import re
 
 SKELETON = re.compile(r"HGMMA|DEPBAR|WARPGROUP|BAR\.|SYNCS|BRA")
 
+# Instruction classes for the kernel-wide summary, first match wins.  A
+# spin on an mbarrier is a SYNCS.PHASECHK try-wait and the branch that
+# retries it, so branches count with the mbarrier waits.
+CLASSES = (
+    ("wgmma wait", re.compile(r"WARPGROUP\.DEPBAR")),
+    ("wgmma issue", re.compile(r"HGMMA|WARPGROUP\.ARRIVE")),
+    ("mbarrier wait", re.compile(r"SYNCS\.PHASECHK|\bBRA\b")),
+    ("mbarrier arrive/expect", re.compile(r"SYNCS\.")),
+    ("named barrier", re.compile(r"\bBAR\.")),
+    ("TMA", re.compile(r"UTMA|UBLKCP")),
+    ("exp2 (MUFU)", re.compile(r"MUFU")),
+    ("fence", re.compile(r"FENCE|MEMBAR")),
+    ("float math", re.compile(
+        r"^\s*(@!?U?P\w+\s+)?(F[A-Z0-9]+|HADD2|HMUL2|HFMA2)\b")),
+    ("shared/global memory", re.compile(
+        r"\b(LD|ST|LDS|STS|LDSM|STSM|LDG|STG|RED|ATOM)\b")),
+    ("uniform/integer/other", re.compile(r".")),
+)
+
 
 def load(path, kernel=0):
   """The header and rows of the ``kernel``-th kernel in the page (a report
@@ -55,6 +74,17 @@ def main(argv=None):
              if h.startswith("stall_") and "Not Issued" not in h]
   total = sum(int(r[samples] or 0) for r in rows) or 1
   print(f"{len(rows)} instructions, {total} stall samples")
+  by_reason = {h[6:]: sum(int(r[h] or 0) for r in rows) for h in reasons}
+  print("by reason: " + ", ".join(
+      f"{k} {100 * v / total:.1f}%" for k, v in sorted(
+          by_reason.items(), key=lambda kv: -kv[1])[:8] if v))
+  by_class = {}
+  for r in rows:
+    name = next(n for n, pat in CLASSES if pat.search(r["Source"]))
+    by_class[name] = by_class.get(name, 0) + int(r[samples] or 0)
+  print("by instruction class: " + ", ".join(
+      f"{k} {100 * v / total:.1f}%" for k, v in sorted(
+          by_class.items(), key=lambda kv: -kv[1]) if v))
   print(f"\ntop {args.top} by stall samples:")
   for i in sorted(range(len(rows)), key=lambda i: -int(rows[i][samples] or 0)
                   )[:args.top]:
