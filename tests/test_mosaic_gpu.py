@@ -230,6 +230,12 @@ INTERPRET_VARIANTS.update({
         dict(intra_wg_overlap=True, persistent=True, prefetch_q=True),
         ["d64-persistent-2wg-causal", "d128-persistent-window-q200-k300",
          "d256-causal-q300-k100", "d96-gqa-q200-k300"]),
+    # The same with "done with Q" signalled before the last P V turn.
+    "intra_wg_overlap+prefetch_q+early_q_release": (
+        dict(intra_wg_overlap=True, persistent=True, prefetch_q=True,
+             early_q_release=True),
+        ["d64-persistent-2wg-causal", "d128-persistent-window-q200-k300",
+         "d256-causal-q300-k100"]),
     "intra_wg_overlap+lean_epilogue": (
         dict(intra_wg_overlap=True, lean_epilogue=True),
         ["d256-causal-q300-k100", "d64-causal-2wg", "d128-window"]),
@@ -384,6 +390,12 @@ GPU_CONFIGS = {
     "named-overlap-persistent-prefetch-q": mosaic_gpu.MosaicConfig(
         intra_wg_overlap=True, named_barriers=True, block_kv=128,
         consumer_registers=240, persistent=True, prefetch_q=True),
+    # The same, "done with Q" before the last P V and Q loaded first
+    # (early_q_release, not yet run on a GPU).
+    "named-overlap-persistent-early-q": mosaic_gpu.MosaicConfig(
+        intra_wg_overlap=True, named_barriers=True, block_kv=128,
+        consumer_registers=240, persistent=True, prefetch_q=True,
+        early_q_release=True, lean_epilogue=True),
     # The head_dim 256 non-causal defaults' two forms at every head_dim:
     # 64-key tiles at 240 registers, persistent with the next Q
     # prefetched, or on the plain grid with the lean epilogue.
@@ -739,6 +751,7 @@ def test_config_validation():
                      (dict(bwd_stats_in_acc=True, bwd_delta_in_regs=True,
                            bwd_stats_first=True), "bwd_stats_first=False"),
                      (dict(bwd_early_dv=True), "bwd_softmax_overlap=True"),
+                     (dict(early_q_release=True), "intra_wg_overlap=True"),
                      (dict(bwd_dkv_block_q=72), "bwd_dkv_block_q=72"),
                      (dict(bwd_dkv_block_q=48), "bwd_dkv_block_q=48"),
                      (dict(bwd_dkv_block_q=272), "bwd_dkv_block_q=272"),

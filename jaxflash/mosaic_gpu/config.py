@@ -181,6 +181,15 @@ class MosaicConfig:
       then reserves no cross-warp reduction scratch (its reductions are
       along the rows of wgmma tiles, within a warp), which keeps head_dim
       256 inside shared memory.
+    early_q_release: with ``intra_wg_overlap`` and ``prefetch_q`` on the
+      persistent grid, a consumer signals "done with Q" as soon as its
+      last ``Q K^T`` has been read back, before the last tile's ``P V``
+      turn, instead of after it.  The producer can then start the next
+      item's Q load that turn earlier.  Written because ncu measured the
+      item-start waits at 4.3-6.4% of the stall samples in the short
+      non-causal forwards, against tokamax's 0.8-1.7%
+      (docs/benchmarks/h200-2026-12-03-s24.md); not yet timed.  Without
+      ``prefetch_q`` on a persistent call it does nothing.
     lean_epilogue: the forward's epilogue as tokamax's sm90 kernel's:
       normalise with one reciprocal per row and a multiply per element
       (instead of a divide per element), store the output in 64-column
@@ -466,6 +475,7 @@ class MosaicConfig:
   row_sum_in_pv: bool = False
   split_kv_release: bool = False
   prefetch_q: bool = False
+  early_q_release: bool = False
   lean_epilogue: bool = False
   no_auto_barriers: bool = False
   unpadded_kv: bool = False
@@ -564,7 +574,8 @@ class MosaicConfig:
           f" bwd_compute_wgs={self.bwd_compute_wgs}")
     for option, parent in (("bwd_stats_first", "bwd_stats_in_acc"),
                            ("bwd_delta_in_regs", "bwd_stats_in_acc"),
-                           ("bwd_early_dv", "bwd_softmax_overlap")):
+                           ("bwd_early_dv", "bwd_softmax_overlap"),
+                           ("early_q_release", "intra_wg_overlap")):
       if getattr(self, option) and not getattr(self, parent):
         raise ValueError(f"{option}=True changes the order of"
                          f" {parent}=True: it needs {parent}=True (got"

@@ -84,6 +84,9 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
   prefetch = cfg.prefetches_q
   o_smem2 = extra.pop(0) if cfg.out_slots else None
   q_free = extra.pop(0) if prefetch else None
+  # early_q_release: "done with Q" from the overlapped loop, before the
+  # last P V turn (config.MosaicConfig.early_q_release).
+  early_q_release = prefetch and cfg.early_q_release and cfg.intra_wg_overlap
   bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
   # Named, the consumed signals take the ids after the schedule's two
   # (4 + 2 + [0, 2 * stages): config.MAX_NAMED_STAGES), above Mosaic GPU's
@@ -432,6 +435,11 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         v_free.arrive(slot)
         return acc
 
+      if early_q_release:
+        # Every own S (the last one included) has been read back: Q is
+        # not read again in this item, so its buffer may be refilled
+        # while the last P V runs.
+        plgpu.barrier_arrive(q_free)
       acc = lax.cond(lo < hi, last, lambda acc: acc, acc)
       run(hi, u_hi, lambda t, c: skip(first_step + t - u_lo, c), ())
       return acc, m, l
@@ -537,7 +545,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
           compute=compute, skip=skip,
           element_mask_everywhere=range_ref is not None, carry=(acc, m, l))
     ping.finish()
-    if prefetch:
+    if prefetch and not early_q_release:
       # This consumer's last Q K^T completed: Q's buffer may be refilled.
       plgpu.barrier_arrive(q_free)
 
@@ -625,7 +633,11 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       # consumers are done with the previous one: first the K/V tiles
       # whose slots free up before that (they are freed during the
       # previous item's last steps), then Q, then the rest.
-      head = jnp.where(item == 0, 0, jnp.minimum(n_steps, stages))
+      # early_q_release: "done with Q" comes once the last S is read back,
+      # before the last P V frees the last V slot, so Q goes first (with
+      # the previous order its load would still wait for that slot).
+      head = (0 if early_q_release else
+              jnp.where(item == 0, 0, jnp.minimum(n_steps, stages)))
       pipeline.produce_continuing(first_step, head, stages, loads)
       pl.when(item > 0)(lambda: plgpu.barrier_wait(q_free))
       for w in range(cfg.compute_wgs):
