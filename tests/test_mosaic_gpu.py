@@ -292,7 +292,8 @@ EXPERIMENTS = {"three_wgs+intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "bwd_dq_late_release", "bwd_dkv_late_release",
                "bwd_dkv_late_release+early_dv",
                "block_kv_80", "block_kv_176", "bwd_dkv_block_q_80",
-               "block_kv_176+intra_wg_overlap"}
+               "block_kv_176+intra_wg_overlap",
+               "intra_wg_overlap+prefetch_q+early_q_release"}
 
 
 def _variant_params():
