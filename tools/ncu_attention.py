@@ -31,9 +31,11 @@ runs ``jax.nn.dot_product_attention(implementation="cudnn")``, the
 benchmark's cuDNN row; its kernels are not matched by the ``K`` above:
 list the launches' names first (ncu without ``-k``, ``--section
 LaunchStats``) and pick them with ``-k regex:...``.  ncu is
-/usr/local/cuda/bin/ncu on the H200 machine, counters enabled; it fixes
-the clock (about 1.35 GHz), so compare its durations only with each
-other.
+/usr/local/cuda/bin/ncu on the H200 machine, counters enabled.  By
+default it fixes the clock (about 1.35 GHz); with ``--clock-control
+none`` (the device notes' advice, used from 2026-12-03) the SM ran at
+1.76 GHz.  Either way it flushes the caches before each kernel, so
+compare its durations only with each other.
 
 ``--shapes "64:1024:0,128:2048:1,..."`` (head_dim:seq:causal) runs one
 call per shape in one process, each once, so that a single ncu run

@@ -2,7 +2,7 @@
 
     ncu -i rep.ncu-rep --page source --csv --print-source sass > rep.csv
     python3 tools/ncu_stalls.py rep.csv [--kernel K] [--top 20] \
-        [--range LO:HI]
+        [--range LO:HI] [--item-execs N]
 
 Prints the instructions with the most warp-stall samples (share of the
 kernel's samples and the two largest stall reasons), then the kernel's
@@ -12,6 +12,11 @@ synchronisation skeleton: every wgmma (``HGMMA``), wgmma wait
 shows what a warpgroup waits on between two tensor-core turns.  Indices
 are rows of the source page (``--range`` limits the skeleton to them);
 ``--kernel`` picks one launch of a report that profiled several.
+First come the kernel's totals by stall reason and by instruction class
+(``CLASSES``).  ``--item-execs N`` also splits the mbarrier waits by how
+often each ran: at most N executions (a wait once per warp per work item,
+Q and the first tiles, when N is about warps x items) against more (the
+K/V ring's, once per warp per key step).
 """
 
 import argparse
@@ -65,6 +70,8 @@ def main(argv=None):
                   help="which launch of a multi-launch report (0-based)")
   ap.add_argument("--top", type=int, default=20)
   ap.add_argument("--range", default=None, help="LO:HI rows for the skeleton")
+  ap.add_argument("--item-execs", type=int, default=None,
+                  help="split the mbarrier waits at this execution count")
   ap.add_argument("--min-share", type=float, default=0.4,
                   help="also list any instruction above this %% of samples")
   args = ap.parse_args(argv)
@@ -78,13 +85,20 @@ def main(argv=None):
   print("by reason: " + ", ".join(
       f"{k} {100 * v / total:.1f}%" for k, v in sorted(
           by_reason.items(), key=lambda kv: -kv[1])[:8] if v))
-  by_class = {}
+  by_class, by_execs = {}, [0, 0]
   for r in rows:
     name = next(n for n, pat in CLASSES if pat.search(r["Source"]))
     by_class[name] = by_class.get(name, 0) + int(r[samples] or 0)
+    if name == "mbarrier wait" and args.item_execs is not None:
+      ran = int(r["Instructions Executed"] or 0)
+      by_execs[ran > args.item_execs] += int(r[samples] or 0)
   print("by instruction class: " + ", ".join(
       f"{k} {100 * v / total:.1f}%" for k, v in sorted(
           by_class.items(), key=lambda kv: -kv[1]) if v))
+  if args.item_execs is not None:
+    print(f"mbarrier waits run at most {args.item_execs} times (item start)"
+          f" {100 * by_execs[0] / total:.1f}%, more often (key steps)"
+          f" {100 * by_execs[1] / total:.1f}%")
   print(f"\ntop {args.top} by stall samples:")
   for i in sorted(range(len(rows)), key=lambda i: -int(rows[i][samples] or 0)
                   )[:args.top]:

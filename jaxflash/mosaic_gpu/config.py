@@ -184,10 +184,11 @@ class MosaicConfig:
     early_q_release: with ``intra_wg_overlap`` and ``prefetch_q`` on the
       persistent grid, a consumer signals "done with Q" as soon as its
       last ``Q K^T`` has been read back, before the last tile's ``P V``
-      turn, instead of after it.  The producer can then start the next
-      item's Q load that turn earlier.  Written because ncu measured the
-      item-start waits at 4.3-6.4% of the stall samples in the short
-      non-causal forwards, against tokamax's 0.8-1.7%
+      turn, instead of after it, and the producer loads the next item's
+      Q before that item's first K/V tiles (before, Q also waited for the
+      last V slot, freed only by the last ``P V``).  Written because ncu
+      measured the item-start waits at 4.3-6.4% of the stall samples in
+      the short non-causal forwards, against tokamax's 0.8-1.7%
       (docs/benchmarks/h200-2026-12-03-s24.md); not yet timed.  Without
       ``prefetch_q`` on a persistent call it does nothing.
     lean_epilogue: the forward's epilogue as tokamax's sm90 kernel's:

@@ -84,9 +84,9 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
   prefetch = cfg.prefetches_q
   o_smem2 = extra.pop(0) if cfg.out_slots else None
   q_free = extra.pop(0) if prefetch else None
-  # early_q_release: "done with Q" from the overlapped loop, before the
-  # last P V turn (config.MosaicConfig.early_q_release).
-  early_q_release = prefetch and cfg.early_q_release and cfg.intra_wg_overlap
+  # early_q_release (which needs intra_wg_overlap): "done with Q" from the
+  # overlapped loop, before the last P V turn, and Q loaded first.
+  early_q_release = prefetch and cfg.early_q_release
   bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
   # Named, the consumed signals take the ids after the schedule's two
   # (4 + 2 + [0, 2 * stages): config.MAX_NAMED_STAGES), above Mosaic GPU's
