@@ -845,13 +845,13 @@ def test_split_registers_refuses_more_than_the_launch_allocation():
 
 def test_default_config_rules():
   """tuning.json's rules: the persistent forward on non-causal calls
-  only (short ones at head_dim 128), the d256 backward's paired kernels,
+  only (up to 2048 keys at head_dim 128), the d256 backward's paired kernels,
   the d128 folded statistics, and the d64 128-query backward tiles
   (``kv_rules``)."""
   dflt = functools.partial(mosaic_gpu.default_config, "NVIDIA H200")
   other = functools.partial(mosaic_gpu.default_config, "some future GPU")
-  assert dflt(128, causal=False, kv_len=1024).persistent
-  assert not dflt(128, causal=False, kv_len=1025).persistent
+  assert dflt(128, causal=False, kv_len=2048).persistent
+  assert not dflt(128, causal=False, kv_len=2049).persistent
   assert not dflt(128, causal=False, kv_len=4096).persistent
   assert not dflt(128, causal=False, kv_len=8192).persistent
   assert dflt(64, causal=False, kv_len=16384).prefetch_q
@@ -918,6 +918,11 @@ def test_default_config_rules():
     assert cfg.lean_epilogue == (kv is not None and not fa3), (causal, kv)
     assert cfg.consumer_registers == (None if fa3 else 240), (causal, kv)
     assert cfg.unpadded_kv and not cfg.split_kv_release
+    # early_q_release on every overlapped non-causal call (it acts on the
+    # persistent ones, up to 2048 keys).
+    assert cfg.early_q_release == (kv is not None and not fa3
+                                   and not causal), (causal, kv)
+  assert dflt(128, causal=False, kv_len=2048).prefetches_q
   # head_dim 256: the overlap (64-key tiles, 240 registers) on causal calls
   # and on non-causal ones from 1025 keys; up to 1024 the persistent grid
   # without it (measured faster there); neither where the call is unknown.
@@ -936,6 +941,8 @@ def test_default_config_rules():
     assert cfg.persistent == pers, (causal, kv)
     assert cfg.prefetches_q == pers and cfg.lean_epilogue == lean, (causal,
                                                                     kv)
+    # early_q_release where the persistent grid runs the overlap.
+    assert cfg.early_q_release == (pers and ov), (causal, kv)
     assert cfg.block_kv == 64 and cfg.unpadded_kv
   assert not dflt(64, kv_len=16384).intra_wg_overlap
   assert dflt(64, kv_len=16384).block_kv == 128 and dflt(64).unpadded_kv
