@@ -673,8 +673,11 @@ def test_gpu_long_fa3_tiles(head_dim, kv_len, split_kv):
   if head_dim == 256:  # the 80-key tiles: no longer the tuned default there
     # (on the plain grid: the persistent one's output slots leave no room
     # for 80-key tiles, config.head_dim_problem)
+    # (early_q_release, which the overlap's persistent calls carry,
+    # belongs to the overlapped loop)
     config = dataclasses.replace(config, block_kv=80, intra_wg_overlap=False,
-                                 consumer_registers=None, persistent=False)
+                                 consumer_registers=None, persistent=False,
+                                 early_q_release=False)
   config = dataclasses.replace(config, split_kv_release=split_kv)
   assert config.block_kv == {128: 176, 256: 80}[head_dim]
   assert config.unpadded_kv
