@@ -155,6 +155,25 @@ def test_interleaved_timing_reports_failures():
   assert got["ok"] > 0 and isinstance(got["bad"], ZeroDivisionError)
 
 
+def test_interleaved_timing_rotates_the_order():
+  """Each round starts one call later, so no call always goes first."""
+  seen = []
+
+  def call(name):
+    def fn(x):
+      seen.append(name)
+      return x
+    return fn, (jnp.ones(1),)
+
+  calls = {n: call(n) for n in "abc"}
+  got = core.time_interleaved(calls, samples=3, min_sample_s=0.0)
+  assert set(got) == set("abc") and all(t > 0 for t in got.values())
+  # Two warm-up calls each (compile, then one timed for the repetitions),
+  # then three rounds of one call each.
+  assert seen[:6] == list("aabbcc")
+  assert seen[6:] == list("abcbcacab")
+
+
 def test_cpu_smoke_end_to_end(tmp_path, capsys):
   if jax.default_backend() == "gpu":
     pytest.skip("CPU path")

@@ -128,8 +128,14 @@ def time_interleaved(calls: dict, *, min_sample_s: float = 0.02,
                      samples: int = 7) -> dict:
   """Median seconds per call of each ``name -> (fn, args)``, sampled in
   rounds (one sample of every call per round) so that clock and thermal
-  drift during a run touch every implementation alike.  A call that raises
-  maps to the exception instead of a time."""
+  drift during a run touch every implementation alike.  Each round starts
+  one call later than the one before (round ``r`` runs the calls from the
+  ``r``-th on, wrapping round), so that no call always takes the same
+  place in a round.  With the old fixed order, on the H200 (2026-12-04,
+  docs/benchmarks/h200-2026-12-04-s25.md), the same kernel timed first
+  in every round read 0.2-1.8% slower than a copy of it timed later in
+  seven of nine pairs, level in one, 2.4% faster in one.  A call that
+  raises maps to the exception instead of a time."""
   reps, out = {}, {}
   for name, (fn, args) in calls.items():
     try:
@@ -141,8 +147,9 @@ def time_interleaved(calls: dict, *, min_sample_s: float = 0.02,
     except Exception as e:  # noqa: BLE001 - reported as a row
       out[name] = e
   times = {name: [] for name in reps}
-  for _ in range(samples):
-    for name in list(times):
+  for r in range(samples):
+    order = list(times)
+    for name in order[r % len(order):] + order[:r % len(order)]:
       fn, args = calls[name]
       try:
         t = time.perf_counter()
