@@ -189,8 +189,12 @@ class MosaicConfig:
       last V slot, freed only by the last ``P V``).  Written because ncu
       measured the item-start waits at 4.3-6.4% of the stall samples in
       the short non-causal forwards, against tokamax's 0.8-1.7%
-      (docs/benchmarks/h200-2026-12-03-s24.md); not yet timed.  Without
-      ``prefetch_q`` on a persistent call it does nothing.
+      (docs/benchmarks/h200-2026-12-03-s24.md).  On the H200: +2.2% at
+      head_dim 128 with 1024 keys, level at 128 with 2048 and at 256
+      with 4096, and that share unchanged
+      (docs/benchmarks/h200-2026-12-04-s25.md); the default on those
+      calls.  Without ``prefetch_q`` on a persistent call it does
+      nothing.
     lean_epilogue: the forward's epilogue as tokamax's sm90 kernel's:
       normalise with one reciprocal per row and a multiply per element
       (instead of a divide per element), store the output in 64-column
