@@ -285,15 +285,14 @@ INTERPRET_VARIANTS.update({
 # their records): on every commit (`make test`) the first two cases of
 # each, the rest with the `slow` marker (`make test-all`).  The defaults'
 # options (bwd_paired_dkv, bwd_paired_dq, prefetch_q, lean_epilogue,
-# bwd_softmax_overlap, bwd_early_dv, three_wgs, intra_wg_overlap) run
-# every case.
+# bwd_softmax_overlap, bwd_early_dv, three_wgs, intra_wg_overlap,
+# early_q_release) run every case.
 EXPERIMENTS = {"three_wgs+intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "split_kv_release", "pv_then_qk", "pv_then_qk+row_sum_in_pv",
                "bwd_dq_late_release", "bwd_dkv_late_release",
                "bwd_dkv_late_release+early_dv",
                "block_kv_80", "block_kv_176", "bwd_dkv_block_q_80",
-               "block_kv_176+intra_wg_overlap",
-               "intra_wg_overlap+prefetch_q+early_q_release"}
+               "block_kv_176+intra_wg_overlap"}
 
 
 def _variant_params():
