@@ -236,6 +236,18 @@ INTERPRET_VARIANTS.update({
              early_q_release=True),
         ["d64-persistent-2wg-causal", "d128-persistent-window-q200-k300",
          "d256-causal-q300-k100"]),
+    # Pairs of query groups per unit on the causal persistent grid (the
+    # p-th longest, then the p-th shortest): an odd group count's middle
+    # group alone (d256, 5 groups), GQA, two consumers, the Q prefetch
+    # and the overlap.
+    "persistent_pairs": (
+        dict(persistent=True, persistent_pairs=True),
+        ["d256-causal-q300-k100", "d64-persistent-2wg-causal",
+         "d96-gqa-q200-k300"]),
+    "persistent_pairs+intra_wg_overlap+prefetch_q": (
+        dict(persistent=True, persistent_pairs=True, intra_wg_overlap=True,
+             prefetch_q=True),
+        ["d256-causal-q300-k100", "d64-persistent-2wg-causal"]),
     "intra_wg_overlap+lean_epilogue": (
         dict(intra_wg_overlap=True, lean_epilogue=True),
         ["d256-causal-q300-k100", "d64-causal-2wg", "d128-window"]),
@@ -292,7 +304,8 @@ EXPERIMENTS = {"three_wgs+intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "bwd_dq_late_release", "bwd_dkv_late_release",
                "bwd_dkv_late_release+early_dv",
                "block_kv_80", "block_kv_176", "bwd_dkv_block_q_80",
-               "block_kv_176+intra_wg_overlap"}
+               "block_kv_176+intra_wg_overlap", "persistent_pairs",
+               "persistent_pairs+intra_wg_overlap+prefetch_q"}
 
 
 def _variant_params():
@@ -396,6 +409,12 @@ GPU_CONFIGS = {
         intra_wg_overlap=True, named_barriers=True, block_kv=128,
         consumer_registers=240, persistent=True, prefetch_q=True,
         early_q_release=True, lean_epilogue=True),
+    # The head_dim 128 causal default on the persistent grid dealing out
+    # pairs of query groups (persistent_pairs, not yet run on a GPU).
+    "named-overlap-persistent-pairs": mosaic_gpu.MosaicConfig(
+        intra_wg_overlap=True, named_barriers=True, block_kv=128,
+        consumer_registers=240, persistent=True, persistent_pairs=True,
+        lean_epilogue=True),
     # The head_dim 256 non-causal defaults' two forms at every head_dim:
     # 64-key tiles at 240 registers, persistent with the next Q
     # prefetched, or on the plain grid with the lean epilogue.

@@ -170,6 +170,19 @@ class MosaicConfig:
       later than it could go (always on with ``intra_wg_overlap``).  With
       the 80-key tiles at head_dim 256 +0.3 to +2.5% in three runs on
       the H200 (its rule there until ``intra_wg_overlap`` replaced it).
+    persistent_pairs: on a causal call on the persistent grid, a work
+      unit is two query groups of one (batch, head): the ``p``-th
+      longest and the ``p``-th shortest (``G`` groups: group ``p`` and
+      ``G - 1 - p`` counted from the longest), one after the other, so
+      that every unit streams ``G + 1`` key tiles and the static round
+      robin over units is balanced.  Over single items it is not: by
+      ``tools/persistent_balance.py`` the round robin's makespan is
+      1.15-1.72x the ideal on the benchmark grid's causal calls at
+      head_dim 128/256 with 1024-4096 keys, the pairs' 1.03x (the plain
+      grid's hardware order 1.00-1.10x).  The pairing is the one zigzag
+      context parallelism uses to balance causal work across devices.
+      Not yet run on a GPU.
+      Without ``persistent`` or off causal calls it does nothing.
     prefetch_q: with ``persistent``, the producer loads the next work
       item's Q (one copy per consumer) as soon as both consumers finished
       their ``Q K^T`` of the current one, and the output leaves through
@@ -480,6 +493,7 @@ class MosaicConfig:
   row_sum_in_pv: bool = False
   split_kv_release: bool = False
   prefetch_q: bool = False
+  persistent_pairs: bool = False
   early_q_release: bool = False
   lean_epilogue: bool = False
   no_auto_barriers: bool = False

@@ -105,6 +105,8 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
                    named=cfg.named_barriers, persistent=persistent)
   mask = prob.mask
   n_groups = prob.q_pad // group_rows
+  pairs = _paired(cfg, prob)
+  n_units_per_bh = (n_groups + 1) // 2 if pairs else n_groups
 
   def item_ranges(b, group):
     """A work item's first query row and the key tiles it streams."""
@@ -655,20 +657,37 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     """Persistent grid: program ``sm`` takes work items ``sm, sm +
     n_programs, ...`` (heads fastest, then query groups, then batch), the
     ring's step count running on across them: ``run(item, b, h,
-    group_start, u_lo, u_hi, first_step)``.  Returns the total steps and
-    the program's item count."""
+    group_start, u_lo, u_hi, first_step)``.  With ``persistent_pairs`` on
+    a causal call the units dealt out are pairs of query groups (the
+    ``p``-th longest, then the ``p``-th shortest: equal work per unit);
+    the second of a pair is skipped where it is the first (an odd group
+    count's middle group).  Returns the total steps and the program's
+    item count (loop iterations, skipped ones included)."""
     sm = lax.axis_index("sm")
-    total = prob.num_heads * n_groups * prob.batch
-    n_items = lax.div(total - sm + n_programs - 1, n_programs)
+    units = prob.num_heads * n_units_per_bh * prob.batch
+    n_items = lax.div(units - sm + n_programs - 1, n_programs)
+    if pairs:
+      n_items = 2 * n_items
 
     def body(i, first_step):
-      w = sm + i * n_programs
+      w = sm + (lax.div(i, 2) if pairs else i) * n_programs
       h = lax.rem(w, prob.num_heads)
       rest = lax.div(w, prob.num_heads)
-      b = lax.div(rest, n_groups)
-      group_start, u_lo, u_hi = item_ranges(b, lax.rem(rest, n_groups))
-      run(i, b, h, group_start, u_lo, u_hi, first_step)
-      return first_step + (u_hi - u_lo)
+      b = lax.div(rest, n_units_per_bh)
+      u = lax.rem(rest, n_units_per_bh)
+      if not pairs:
+        group_start, u_lo, u_hi = item_ranges(b, u)
+        run(i, b, h, group_start, u_lo, u_hi, first_step)
+        return first_step + (u_hi - u_lo)
+      # item_ranges counts causal groups from the longest: rank u, then
+      # rank n_groups - 1 - u.
+      second = lax.rem(i, 2) == 1
+      rank = jnp.where(second, n_groups - 1 - u, u)
+      live = jnp.logical_not(second) | (n_groups - 1 - u != u)
+      group_start, u_lo, u_hi = item_ranges(b, rank)
+      pl.when(live)(
+          lambda: run(i, b, h, group_start, u_lo, u_hi, first_step))
+      return first_step + jnp.where(live, u_hi - u_lo, 0)
 
     return lax.fori_loop(0, n_items, body, jnp.int32(0)), n_items
 
@@ -693,6 +712,12 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         pl.when(n_items > 0)(lambda: plgpu.barrier_wait(q_free))
     else:
       produce(b, h, u_lo, n_steps, 0)
+
+
+def _paired(cfg: MosaicConfig, prob: Problem) -> bool:
+  """Whether the persistent grid deals out pairs of query groups
+  (:attr:`MosaicConfig.persistent_pairs`, causal calls only)."""
+  return cfg.persistent and cfg.persistent_pairs and prob.mask.causal
 
 
 class _PingPong:
@@ -856,7 +881,8 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
     # One program per SM; interpreted runs use 2 so that each program
     # loops over several work items.
     n_sm = 2 if interpret else _sm_count()
-    n_programs = min(n_sm, prob.num_heads * n_groups * prob.batch)
+    units = (n_groups + 1) // 2 if _paired(cfg, prob) else n_groups
+    n_programs = min(n_sm, prob.num_heads * units * prob.batch)
     grid, grid_names = (n_programs,), ("sm",)
   kernel = functools.partial(_kernel, prob=prob, cfg=cfg, dtype=dtype,
                              in_place=not interpret, n_programs=n_programs)
