@@ -155,6 +155,14 @@ def test_interleaved_timing_reports_failures():
   assert got["ok"] > 0 and isinstance(got["bad"], ZeroDivisionError)
 
 
+def test_interleaved_timing_with_no_call_left():
+  """No call, or none that survives its warm-up: no times, no crash."""
+  assert core.time_interleaved({}, samples=3, min_sample_s=0.0) == {}
+  got = core.time_interleaved({"bad": (lambda x: 1 / 0, (jnp.ones(1),))},
+                              samples=3, min_sample_s=0.0)
+  assert isinstance(got["bad"], ZeroDivisionError)
+
+
 def test_interleaved_timing_rotates_the_order():
   """Each round starts one call later, so no call always goes first."""
   seen = []

@@ -133,8 +133,8 @@ def time_interleaved(calls: dict, *, min_sample_s: float = 0.02,
   ``r``-th on, wrapping round), so that no call always takes the same
   place in a round.  With the old fixed order, on the H200 (2026-12-04,
   docs/benchmarks/h200-2026-12-04-s25.md), the same kernel timed first
-  in every round read 0.2-1.8% slower than a copy of it timed later in
-  seven of nine pairs, level in one, 2.4% faster in one.  A call that
+  in every round read slower than a copy of it timed later in 9 of 12
+  pairs (by 0.3-1.8%), level in two, 2.4% faster in one.  A call that
   raises maps to the exception instead of a time."""
   reps, out = {}, {}
   for name, (fn, args) in calls.items():
@@ -149,6 +149,8 @@ def time_interleaved(calls: dict, *, min_sample_s: float = 0.02,
   times = {name: [] for name in reps}
   for r in range(samples):
     order = list(times)
+    if not order:  # every call failed (in warm-up or an earlier round)
+      break
     for name in order[r % len(order):] + order[:r % len(order)]:
       fn, args = calls[name]
       try:

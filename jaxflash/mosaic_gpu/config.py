@@ -109,10 +109,11 @@ class MosaicConfig:
       them, so one item's epilogue overlaps the next one's K/V loads (as
       tokamax's non-causal default; without ``prefetch_q`` the next Q
       load still waits for the output's copy out of shared memory).  The
-      tuned defaults turn it on for non-causal calls with up to 1024 keys
+      tuned defaults turn it on for non-causal calls with up to 2048 keys
       at head_dim 128 and 16384 at 64 (``persistent_max_kv`` in
-      tuning.json; +3-6% there on the H200; at head_dim 128 from 1025
-      keys the plain grid with ``lean_epilogue`` is faster), and at
+      tuning.json; +3-6% there on the H200; at head_dim 128 with
+      ``early_q_release``, without which the plain grid with
+      ``lean_epilogue`` was faster from 1025 keys), and at
       head_dim 256 for non-causal calls up to 1024 keys and from 2049
       (with ``prefetch_q``: +2-6% there, 2026-12-03); it is slower on
       causal calls at head_dim >= 128.
@@ -174,9 +175,10 @@ class MosaicConfig:
       unit is two query groups of one (batch, head): the ``p``-th
       longest and the ``p``-th shortest (``G`` groups: group ``p`` and
       ``G - 1 - p`` counted from the longest), one after the other, so
-      that every unit streams ``G + 1`` key tiles and the static round
-      robin over units is balanced.  Over single items it is not: by
-      ``tools/persistent_balance.py`` the round robin's makespan is
+      that on a square causal call every unit has about the same work
+      and the static round robin over units is balanced.  Over single
+      items it is not: by ``tools/persistent_balance.py`` the round
+      robin's makespan is
       1.15-1.72x the ideal on the benchmark grid's causal calls at
       head_dim 128/256 with 1024-4096 keys, the pairs' 1.03x (the plain
       grid's hardware order 1.00-1.10x).  The pairing is the one zigzag
@@ -927,7 +929,9 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
   and at head_dim 256 the lean epilogue on non-causal calls of 1025-2048
   keys, the persistent grid with ``prefetch_q`` from 2049; the lean
   epilogue on every causal call at 256 and on non-causal calls below
-  8192 keys at 128.
+  8192 keys at 128; ``early_q_release`` on non-causal calls at head_dim
+  128 below 8192 keys and at 256 from 2049 (it acts only on the
+  persistent ones: at 128 up to 2048 keys; elsewhere a no-op).
   """
   table = _tuning()["devices"]
   entries = table.get(device_kind or "", table["default"])
