@@ -178,13 +178,12 @@ class MosaicConfig:
       that on a square causal call every unit has about the same work
       and the static round robin over units is balanced.  Over single
       items it is not: by ``tools/persistent_balance.py`` the round
-      robin's makespan is
-      1.15-1.72x the ideal on the benchmark grid's causal calls at
-      head_dim 128/256 with 1024-4096 keys, the pairs' 1.03x (the plain
-      grid's hardware order 1.00-1.10x).  The pairing is the one zigzag
-      context parallelism uses to balance causal work across devices.
-      Not yet run on a GPU.
-      Without ``persistent`` or off causal calls it does nothing.
+      robin's makespan is 1.15-1.72x the ideal on the benchmark grid's
+      causal calls at head_dim 128/256 with 1024-4096 keys, the pairs'
+      1.03x (the plain grid's hardware order 1.00-1.10x).  The pairing is
+      the one zigzag context parallelism uses to balance causal work
+      across devices.  Not yet run on a GPU.  Without ``persistent`` or
+      off causal calls it does nothing.
     prefetch_q: with ``persistent``, the producer loads the next work
       item's Q (one copy per consumer) as soon as both consumers finished
       their ``Q K^T`` of the current one, and the output leaves through

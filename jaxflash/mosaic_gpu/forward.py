@@ -106,7 +106,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
   mask = prob.mask
   n_groups = prob.q_pad // group_rows
   pairs = _paired(cfg, prob)
-  n_units_per_bh = (n_groups + 1) // 2 if pairs else n_groups
+  n_units_per_bh = _units_per_bh(cfg, prob, n_groups)
 
   def item_ranges(b, group):
     """A work item's first query row and the key tiles it streams."""
@@ -720,6 +720,13 @@ def _paired(cfg: MosaicConfig, prob: Problem) -> bool:
   return cfg.persistent and cfg.persistent_pairs and prob.mask.causal
 
 
+def _units_per_bh(cfg: MosaicConfig, prob: Problem, n_groups: int) -> int:
+  """Work units per (batch, head) on the persistent grid: its query
+  groups, or with :func:`_paired` pairs of them (an odd count's middle
+  group alone)."""
+  return (n_groups + 1) // 2 if _paired(cfg, prob) else n_groups
+
+
 class _PingPong:
   """The two consumers' alternation (FlashAttention-3's ping-pong,
   arXiv 2407.08608 §3.1): a consumer's ``P V`` waits until the other has
@@ -881,8 +888,8 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
     # One program per SM; interpreted runs use 2 so that each program
     # loops over several work items.
     n_sm = 2 if interpret else _sm_count()
-    units = (n_groups + 1) // 2 if _paired(cfg, prob) else n_groups
-    n_programs = min(n_sm, prob.num_heads * units * prob.batch)
+    n_programs = min(n_sm, prob.num_heads * prob.batch
+                     * _units_per_bh(cfg, prob, n_groups))
     grid, grid_names = (n_programs,), ("sm",)
   kernel = functools.partial(_kernel, prob=prob, cfg=cfg, dtype=dtype,
                              in_place=not interpret, n_programs=n_programs)
