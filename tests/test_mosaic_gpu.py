@@ -248,6 +248,12 @@ INTERPRET_VARIANTS.update({
         dict(persistent=True, persistent_pairs=True, intra_wg_overlap=True,
              prefetch_q=True),
         ["d256-causal-q300-k100", "d64-persistent-2wg-causal"]),
+    # Work items ordered query groups fastest: the plain grid's launch
+    # order (GQA, two batches) and the persistent round robin's.
+    "groups_fastest": (
+        dict(groups_fastest=True),
+        ["d96-gqa-q200-k300", "d64-persistent-2wg-causal",
+         "d128-persistent-window-q200-k300", "d64-causal-2wg"]),
     "intra_wg_overlap+lean_epilogue": (
         dict(intra_wg_overlap=True, lean_epilogue=True),
         ["d256-causal-q300-k100", "d64-causal-2wg", "d128-window"]),
@@ -305,7 +311,8 @@ EXPERIMENTS = {"three_wgs+intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "bwd_dkv_late_release+early_dv",
                "block_kv_80", "block_kv_176", "bwd_dkv_block_q_80",
                "block_kv_176+intra_wg_overlap", "persistent_pairs",
-               "persistent_pairs+intra_wg_overlap+prefetch_q"}
+               "persistent_pairs+intra_wg_overlap+prefetch_q",
+               "groups_fastest"}
 
 
 def _variant_params():
@@ -410,11 +417,22 @@ GPU_CONFIGS = {
         consumer_registers=240, persistent=True, prefetch_q=True,
         early_q_release=True, lean_epilogue=True),
     # The head_dim 128 causal default on the persistent grid dealing out
-    # pairs of query groups (persistent_pairs, not yet run on a GPU).
+    # pairs of query groups (persistent_pairs).
     "named-overlap-persistent-pairs": mosaic_gpu.MosaicConfig(
         intra_wg_overlap=True, named_barriers=True, block_kv=128,
         consumer_registers=240, persistent=True, persistent_pairs=True,
         lean_epilogue=True),
+    # The head_dim 256 non-causal defaults' two forms with the work
+    # items ordered query groups fastest (groups_fastest).
+    "named-overlap-lean-epilogue-kv64-groups-fastest":
+        mosaic_gpu.MosaicConfig(
+            intra_wg_overlap=True, named_barriers=True, block_kv=64,
+            consumer_registers=240, lean_epilogue=True, groups_fastest=True),
+    "named-overlap-persistent-early-q-kv64-groups-fastest":
+        mosaic_gpu.MosaicConfig(
+            intra_wg_overlap=True, named_barriers=True, block_kv=64,
+            consumer_registers=240, persistent=True, prefetch_q=True,
+            early_q_release=True, groups_fastest=True),
     # The head_dim 256 non-causal defaults' two forms at every head_dim:
     # 64-key tiles at 240 registers, persistent with the next Q
     # prefetched, or on the plain grid with the lean epilogue.

@@ -184,6 +184,17 @@ class MosaicConfig:
       the one zigzag context parallelism uses to balance causal work
       across devices.  Not yet run on a GPU.  Without ``persistent`` or
       off causal calls it does nothing.
+    groups_fastest: the forward's work items are ordered query groups
+      fastest (then heads, then batch), as tokamax's sm90 kernel orders
+      its grid, instead of heads fastest: on the plain grid the launch
+      grid's order, on the persistent grid the round robin's.  The
+      programs that run at the same time then share fewer (batch, head)
+      K/V streams.  Written because ncu measured 45% more L2 and 19% more
+      DRAM throughput than tokamax's kernel in the head_dim 256
+      non-causal forward with 2048 keys at about the same cycle count
+      (docs/benchmarks/h200-2026-12-04-s26.md).  On causal calls heads
+      fastest keeps the plain grid's longest-first order across heads,
+      so the option is meant for non-causal ones.
     prefetch_q: with ``persistent``, the producer loads the next work
       item's Q (one copy per consumer) as soon as both consumers finished
       their ``Q K^T`` of the current one, and the output leaves through
@@ -495,6 +506,7 @@ class MosaicConfig:
   split_kv_release: bool = False
   prefetch_q: bool = False
   persistent_pairs: bool = False
+  groups_fastest: bool = False
   early_q_release: bool = False
   lean_epilogue: bool = False
   no_auto_barriers: bool = False

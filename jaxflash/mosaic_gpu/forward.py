@@ -655,7 +655,8 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
 
   def for_each_item(run):
     """Persistent grid: program ``sm`` takes work items ``sm, sm +
-    n_programs, ...`` (heads fastest, then query groups, then batch), the
+    n_programs, ...`` (heads fastest, then query groups, then batch; with
+    ``groups_fastest`` query groups, then heads), the
     ring's step count running on across them: ``run(item, b, h,
     group_start, u_lo, u_hi, first_step)``.  With ``persistent_pairs`` on
     a causal call the units dealt out are pairs of query groups (the
@@ -671,10 +672,16 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
 
     def body(i, first_step):
       w = sm + (lax.div(i, 2) if pairs else i) * n_programs
-      h = lax.rem(w, prob.num_heads)
-      rest = lax.div(w, prob.num_heads)
-      b = lax.div(rest, n_units_per_bh)
-      u = lax.rem(rest, n_units_per_bh)
+      if cfg.groups_fastest:
+        u = lax.rem(w, n_units_per_bh)
+        rest = lax.div(w, n_units_per_bh)
+        h = lax.rem(rest, prob.num_heads)
+        b = lax.div(rest, prob.num_heads)
+      else:
+        h = lax.rem(w, prob.num_heads)
+        rest = lax.div(w, prob.num_heads)
+        b = lax.div(rest, n_units_per_bh)
+        u = lax.rem(rest, n_units_per_bh)
       if not pairs:
         group_start, u_lo, u_hi = item_ranges(b, u)
         run(i, b, h, group_start, u_lo, u_hi, first_step)
@@ -884,6 +891,9 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
   n_programs = None
   grid = (prob.num_heads, n_groups, prob.batch)
   grid_names = ("heads", "q_seq", "batch")
+  if cfg.groups_fastest:
+    grid, grid_names = (n_groups, prob.num_heads, prob.batch), (
+        "q_seq", "heads", "batch")
   if cfg.persistent:
     # One program per SM; interpreted runs use 2 so that each program
     # loops over several work items.
