@@ -163,23 +163,34 @@ def test_interleaved_timing_with_no_call_left():
   assert isinstance(got["bad"], ZeroDivisionError)
 
 
-def test_interleaved_timing_rotates_the_order():
-  """Each round starts one call later, so no call always goes first."""
-  seen = []
+def test_interleaved_timing_shuffles_the_order():
+  """Each round runs every surviving call once, in a seeded shuffle: no
+  call keeps its place or its predecessor, and a seed repeats its order."""
+  def run(seed):
+    seen = []
 
-  def call(name):
-    def fn(x):
-      seen.append(name)
-      return x
-    return fn, (jnp.ones(1),)
+    def call(name):
+      def fn(x):
+        seen.append(name)
+        return x
+      return fn, (jnp.ones(1),)
 
-  calls = {n: call(n) for n in "abc"}
-  got = core.time_interleaved(calls, samples=3, min_sample_s=0.0)
-  assert set(got) == set("abc") and all(t > 0 for t in got.values())
-  # Two warm-up calls each (compile, then one timed for the repetitions),
-  # then three rounds of one call each.
-  assert seen[:6] == list("aabbcc")
-  assert seen[6:] == list("abcbcacab")
+    calls = {n: call(n) for n in "abcd"}
+    got = core.time_interleaved(calls, samples=8, min_sample_s=0.0,
+                                seed=seed)
+    assert set(got) == set("abcd") and all(t > 0 for t in got.values())
+    # Two warm-up calls each (compile, then one timed for the
+    # repetitions), then eight rounds of one call each.
+    assert seen[:8] == list("aabbccdd")
+    rounds = [seen[8 + 4 * r:12 + 4 * r] for r in range(8)]
+    assert all(sorted(r) == list("abcd") for r in rounds)
+    return rounds
+
+  rounds = run(0)
+  assert run(0) == rounds
+  assert len({r[0] for r in rounds}) > 1  # not always the same first
+  preds = {(r[i - 1], r[i]) for r in rounds for i in range(1, 4)}
+  assert any(p[1] == "b" and p[0] != "a" for p in preds)
 
 
 def test_cpu_smoke_end_to_end(tmp_path, capsys):

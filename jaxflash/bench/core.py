@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import statistics
 import subprocess
 import time
@@ -125,16 +126,18 @@ def time_fn(fn: Callable, *args, min_sample_s: float = 0.02,
 
 
 def time_interleaved(calls: dict, *, min_sample_s: float = 0.02,
-                     samples: int = 7) -> dict:
+                     samples: int = 7, seed: int = 0) -> dict:
   """Median seconds per call of each ``name -> (fn, args)``, sampled in
   rounds (one sample of every call per round) so that clock and thermal
-  drift during a run touch every implementation alike.  Each round starts
-  one call later than the one before (round ``r`` runs the calls from the
-  ``r``-th on, wrapping round), so that no call always takes the same
-  place in a round.  With the old fixed order, on the H200 (2026-12-04,
-  docs/benchmarks/h200-2026-12-04-s25.md), the same kernel timed first
-  in every round read slower than a copy of it timed later in 9 of 12
-  pairs (by 0.3-1.8%), level in two, 2.4% faster in one.  A call that
+  drift during a run touch every implementation alike.  Each round runs
+  the calls in a fresh order (a shuffle seeded by ``seed``), so that no
+  call always takes the same place in a round or always follows the same
+  call.  On the H200 the place mattered: with a fixed order the same
+  kernel timed first in every round read slower than a copy of it timed
+  later in 9 of 12 pairs (by 0.3-1.8%; docs/benchmarks/
+  h200-2026-12-04-s25.md), and with each round starting one call later
+  (which keeps every call's predecessor) two copies of one kernel read
+  2.8% and 3.4% apart in two runs (h200-2026-12-04-s26.md).  A call that
   raises maps to the exception instead of a time."""
   reps, out = {}, {}
   for name, (fn, args) in calls.items():
@@ -147,11 +150,13 @@ def time_interleaved(calls: dict, *, min_sample_s: float = 0.02,
     except Exception as e:  # noqa: BLE001 - reported as a row
       out[name] = e
   times = {name: [] for name in reps}
-  for r in range(samples):
+  rng = random.Random(seed)
+  for _ in range(samples):
     order = list(times)
     if not order:  # every call failed (in warm-up or an earlier round)
       break
-    for name in order[r % len(order):] + order[:r % len(order)]:
+    rng.shuffle(order)
+    for name in order:
       fn, args = calls[name]
       try:
         t = time.perf_counter()
