@@ -901,7 +901,9 @@ def test_default_config_rules():
   assert not dflt(64, causal=True, kv_len=1024).prefetch_q
   assert not dflt(128, causal=True, kv_len=1024).persistent
   assert not dflt(128).persistent  # no call to judge: the plain grid
-  assert dflt(64, causal=True, kv_len=1024).persistent
+  # d64 causal: persistent up to 4096 keys (+7.5% at 2048, +2% at 4096).
+  assert dflt(64, causal=True, kv_len=4096).persistent
+  assert not dflt(64, causal=True, kv_len=4097).persistent
   d256 = dflt(256, causal=True, kv_len=8192)
   assert d256.bwd_paired_dkv and d256.bwd_compute_wgs == 1
   assert d256.bwd_paired_dq and not dflt(128).bwd_paired_dq

@@ -115,8 +115,9 @@ class MosaicConfig:
       ``early_q_release``, without which the plain grid with
       ``lean_epilogue`` was faster from 1025 keys), and at
       head_dim 256 for non-causal calls up to 1024 keys and from 2049
-      (with ``prefetch_q``: +2-6% there, 2026-12-03); it is slower on
-      causal calls at head_dim >= 128.
+      (with ``prefetch_q``: +2-6% there, 2026-12-03), and for causal
+      calls up to 4096 keys at head_dim 64 (+7.5% at 2048 keys, +2% at
+      4096, 2026-12-04); it is slower on causal calls at head_dim >= 128.
     intra_wg_overlap: FlashAttention-3's intra-warpgroup overlap
       (arXiv 2407.08608 §3.2): each consumer issues ``S_t = Q K_t^T`` and
       ``O += P_{t-1} V_{t-1}`` back to back and computes tile ``t``'s
