@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--out", default="docs/benchmarks")
   p.add_argument("--name", default=None, help="file stem of the outputs")
   p.add_argument("--samples", type=int, default=7)
+  p.add_argument("--seed", type=int, default=0,
+                 help="seed of the rounds' shuffled call order (give"
+                      " replicated runs different seeds)")
   p.add_argument("--cpu-smoke", action="store_true",
                  help="tiny CPU run (reference, interpret-mode kernels):"
                       " a smoke test, not a performance figure")
@@ -139,7 +142,8 @@ def _message(e: Exception) -> str:
 
 
 def run_shape(shape: core.Shape, names, modes, *, interpret: bool,
-              samples: int, progress=None, makers=None) -> list[dict]:
+              samples: int, progress=None, makers=None,
+              seed: int = 0) -> list[dict]:
   """Every implementation and mode at one shape: built and checked one by
   one, then timed together in interleaved rounds."""
   arrays = _inputs(shape)
@@ -160,7 +164,7 @@ def run_shape(shape: core.Shape, names, modes, *, interpret: bool,
         calls[name, mode], errs[name, mode] = res[:2], res[2:]
     if progress is not None:
       progress.update(len(modes))
-  times = core.time_interleaved(calls, samples=samples)
+  times = core.time_interleaved(calls, samples=samples, seed=seed)
   for key, secs in times.items():
     name, mode = key
     if isinstance(secs, Exception):
@@ -221,7 +225,8 @@ def main(argv=None) -> int:
   meta = dict(jax_version=jax.__version__, device_kind=dev.device_kind,
               device_count=jax.device_count(), commit=core.commit(),
               date=datetime.date.today().isoformat(),
-              flop_formula=core.FLOP_FORMULA)
+              flop_formula=core.FLOP_FORMULA, samples=args.samples,
+              seed=args.seed)
   if args.cpu_smoke:
     meta["note"] = ("CPU smoke run: kernels in Pallas interpret mode. NOT a"
                     " performance figure.")
@@ -236,7 +241,8 @@ def main(argv=None) -> int:
              file=sys.stderr)
   for shape in shapes:
     rows = run_shape(shape, names, modes, interpret=interpret,
-                     samples=args.samples, progress=bar, makers=makers)
+                     samples=args.samples, progress=bar, makers=makers,
+                     seed=args.seed)
     for row in rows:  # one line per row as it lands: a cut run still reports
       bar.write(report.row_line(row), file=sys.stderr)
     results += rows
