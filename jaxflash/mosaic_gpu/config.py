@@ -183,8 +183,13 @@ class MosaicConfig:
       causal calls at head_dim 128/256 with 1024-4096 keys, the pairs'
       1.03x (the plain grid's hardware order 1.00-1.10x).  The pairing is
       the one zigzag context parallelism uses to balance causal work
-      across devices.  Not yet run on a GPU.  Without ``persistent`` or
-      off causal calls it does nothing.
+      across devices.  On the H200 (2026-12-04, one run, rotated
+      rounds) it made the causal persistent grid 26-69% faster at
+      head_dim 128/256, but against the default plain grid it was +3.5%,
+      +0.6%, -2.6% at head_dim 128 with 1024/2048/4096 keys and -1.6 to
+      -5% at 256 (the d128 1024-key gain, +2-4% again in a second run,
+      is within that run's order bias): not a default.  Without
+      ``persistent`` or off causal calls it does nothing.
     groups_fastest: the forward's work items are ordered query groups
       fastest (then heads, then batch), as tokamax's sm90 kernel orders
       its grid, instead of heads fastest: on the plain grid the launch
@@ -193,9 +198,12 @@ class MosaicConfig:
       K/V streams.  Written because ncu measured 45% more L2 and 19% more
       DRAM throughput than tokamax's kernel in the head_dim 256
       non-causal forward with 2048 keys at about the same cycle count
-      (docs/benchmarks/h200-2026-12-04-s26.md).  On causal calls heads
-      fastest keeps the plain grid's longest-first order across heads,
-      so the option is meant for non-causal ones.
+      (docs/benchmarks/h200-2026-12-04-s26.md).  Timed level on the H200
+      (non-causal, head_dim 64/128/256 with 8192 and 16384 keys and 256
+      with 2048, two copies against a copy of the default in shuffled
+      rounds: within 1%): not a default.  On causal calls heads fastest
+      keeps the plain grid's longest-first order across heads, so the
+      option is meant for non-causal ones.
     prefetch_q: with ``persistent``, the producer loads the next work
       item's Q (one copy per consumer) as soon as both consumers finished
       their ``Q K^T`` of the current one, and the output leaves through
