@@ -248,6 +248,13 @@ INTERPRET_VARIANTS.update({
         dict(persistent=True, persistent_pairs=True, intra_wg_overlap=True,
              prefetch_q=True),
         ["d256-causal-q300-k100", "d64-persistent-2wg-causal"]),
+    # A quarter of each unmasked step's exponentials from the polynomial
+    # (exp2_poly_cols): full tiles, a key length that cuts the last tile,
+    # causal diagonals (masked steps keep exp2), GQA, the persistent grid.
+    "exp2_poly_cols": (
+        dict(exp2_poly_cols=16),
+        ["d64-full", "d128-full-6tiles", "d96-gqa-q200-k300",
+         "d64-persistent-2wg-causal"]),
     # Work items ordered query groups fastest: the plain grid's launch
     # order (GQA, two batches) and the persistent round robin's.
     "groups_fastest": (
@@ -312,7 +319,7 @@ EXPERIMENTS = {"three_wgs+intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "block_kv_80", "block_kv_176", "bwd_dkv_block_q_80",
                "block_kv_176+intra_wg_overlap", "persistent_pairs",
                "persistent_pairs+intra_wg_overlap+prefetch_q",
-               "groups_fastest"}
+               "groups_fastest", "exp2_poly_cols"}
 
 
 def _variant_params():
@@ -422,6 +429,14 @@ GPU_CONFIGS = {
         intra_wg_overlap=True, named_barriers=True, block_kv=128,
         consumer_registers=240, persistent=True, persistent_pairs=True,
         lean_epilogue=True),
+    # The head_dim 64 forward's tiles with a quarter of the unmasked
+    # steps' exponentials from the polynomial (exp2_poly_cols), on the
+    # plain and the persistent grid.
+    "named-kv128-exp2-poly": mosaic_gpu.MosaicConfig(
+        named_barriers=True, block_kv=128, exp2_poly_cols=32),
+    "named-kv128-persistent-exp2-poly": mosaic_gpu.MosaicConfig(
+        named_barriers=True, block_kv=128, persistent=True, prefetch_q=True,
+        exp2_poly_cols=32),
     # The head_dim 256 non-causal defaults' two forms with the work
     # items ordered query groups fastest (groups_fastest).
     "named-overlap-lean-epilogue-kv64-groups-fastest":
@@ -1493,3 +1508,27 @@ def test_interpreter_refused_inside_multi_device_shard_map():
   with pytest.raises(NotImplementedError, match="over 2 devices"):
     sharded(2)
   np.testing.assert_array_equal(sharded(1), attend(q, q, q))
+
+
+def test_exp2_poly_accuracy():
+  """The software exponential within 7.6e-5 relative of 2^x on [-125, 0]
+  (jit-compiled with a run-time rounding constant, as the kernel calls
+  it), 2^-125 below, and the config's column count validated."""
+  from jaxflash.mosaic_gpu import forward
+  x = jnp.concatenate([jnp.linspace(-130.0, 0.0, 100_001, dtype=jnp.float32),
+                       jnp.array([-1e30, -125.5, -125.0, -0.5, 0.0])])
+
+  @jax.jit
+  def poly(x, zero):
+    magic = jnp.where(zero == jnp.inf, 0.0, forward._ROUND_MAGIC)
+    return forward.exp2_poly(x, magic)
+
+  got = np.asarray(poly(x, jnp.zeros_like(x)), np.float64)
+  want = np.exp2(np.asarray(x, np.float64))
+  inside = np.asarray(x) >= -125.0
+  assert np.abs(got[inside] / want[inside] - 1).max() < 7.6e-5
+  np.testing.assert_allclose(got[~inside], 2.0 ** -125, rtol=1e-4)
+  for bad in (-8, 4, 64, 128):
+    with pytest.raises(ValueError, match="exp2_poly_cols"):
+      mosaic_gpu.MosaicConfig(block_kv=64, exp2_poly_cols=bad)
+  assert mosaic_gpu.MosaicConfig(block_kv=128, exp2_poly_cols=64)

@@ -204,6 +204,17 @@ class MosaicConfig:
       rounds: within 1%): not a default.  On causal calls heads fastest
       keeps the plain grid's longest-first order across heads, so the
       option is meant for non-causal ones.
+    exp2_poly_cols: in the forward's steps where no score is masked,
+      the first this many key columns of each ``S`` tile take ``2^x``
+      from a cubic polynomial on the FMA and integer pipes
+      (:func:`jaxflash.mosaic_gpu.forward.exp2_poly`; FlashAttention-4's
+      software exponential, arXiv 2603.05451) instead of the MUFU unit's
+      ``ex2``, the rest from ``ex2``.  At head_dim 64 two consumers ask
+      the MUFU unit for 64 x block_kv exponentials per step each, about as
+      many cycles as the step's two matmuls take on the tensor cores; the
+      polynomial trades each of those exponentials for nine FMA/ALU
+      instructions.  0 (off), or a multiple of 8 below ``block_kv``.  Not
+      yet run on a GPU.
     prefetch_q: with ``persistent``, the producer loads the next work
       item's Q (one copy per consumer) as soon as both consumers finished
       their ``Q K^T`` of the current one, and the output leaves through
@@ -516,6 +527,7 @@ class MosaicConfig:
   prefetch_q: bool = False
   persistent_pairs: bool = False
   groups_fastest: bool = False
+  exp2_poly_cols: int = 0
   early_q_release: bool = False
   lean_epilogue: bool = False
   no_auto_barriers: bool = False
@@ -566,6 +578,12 @@ class MosaicConfig:
             f"bwd_dkv_block_q={dkv_q} with bwd_paired_dkv=True: the paired"
             " dK/dV kernel streams bwd_block_q rows (it needs"
             " bwd_dkv_block_q=None)")
+    cols = self.exp2_poly_cols
+    if (not isinstance(cols, int) or cols < 0 or cols % 8
+        or (cols and cols >= self.block_kv)):
+      raise ValueError(
+          f"exp2_poly_cols={cols!r} must be 0 or a multiple of 8 below"
+          f" block_kv={self.block_kv}")
     for name in ("stages", "bwd_stages"):
       val = getattr(self, name)
       if not isinstance(val, int) or val < 2:

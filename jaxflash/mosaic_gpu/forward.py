@@ -44,6 +44,47 @@ from jaxflash.mosaic_gpu.config import MosaicConfig
 from jaxflash.triton.common import out_struct
 
 LOG2E = math.log2(math.e)
+
+# 2^f on f in [-1/2, 1/2], degree 3, fitted for least maximum relative
+# error (7.5e-5 in float32 Horner: below half an ulp of the bfloat16 and
+# float16 P that the P V matmul takes).
+_EXP2_POLY = (0.9999281167984009, 0.6932609677314758, 0.24261033535003662,
+              0.05517134442925453)
+# 1.5 * 2^23: x + this rounds x to an integer held in the low mantissa bits.
+_ROUND_MAGIC = 12582912.0
+
+
+def exp2_poly(x, magic):
+  """``2^x`` for finite ``x <= 0`` on the FMA and integer pipes, none of it
+  on the MUFU unit that ``exp2`` uses (FlashAttention-4's software
+  exponential, arXiv 2603.05451, with Cody and Waite's range reduction):
+  ``x = j + f`` with ``j = round(x)`` and ``f`` in [-1/2, 1/2], ``2^f``
+  by the polynomial above, and ``2^j`` added into the exponent bits.
+  Nine instructions against one, so only a share of a tile's columns
+  take it (:attr:`MosaicConfig.exp2_poly_cols`), to relieve the MUFU unit
+  where it is as busy as the tensor cores.
+
+  ``magic`` must equal ``_ROUND_MAGIC`` (broadcastable to ``x``) but be
+  computed at run time: XLA's simplifier, which compiles the interpreted
+  kernel on the CPU, cancels ``(x + M) - M`` to ``x`` for a literal
+  ``M`` (Mosaic GPU emits the two adds as written: its float ops carry
+  only the ``contract`` fast-math flag).
+
+  ``x`` is clamped at -125 so that the exponent stays in range: below, the
+  result is ``2^-125`` (about 2.4e-38) instead of smaller, against a row
+  maximum of 1.  Not for ``-inf`` (masked scores): those need exactly 0,
+  so masked steps keep ``exp2``."""
+  x = jnp.maximum(x, -125.0)
+  t = x + magic
+  f = x - (t - magic)
+  c0, c1, c2, c3 = _EXP2_POLY
+  p = ((c3 * f + c2) * f + c1) * f + c0
+  # The low 9 bits of round(x) are t's low mantissa bits; shifted into the
+  # exponent field they add round(x) to p's exponent (mod 2^32).
+  bits = (lax.bitcast_convert_type(p, jnp.int32)
+          + lax.shift_left(lax.bitcast_convert_type(t, jnp.int32),
+                           jnp.int32(23)))
+  return lax.bitcast_convert_type(bits, jnp.float32)
 LN2 = math.log(2.0)
 
 
@@ -190,7 +231,18 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       m_use = jnp.where(m_next == -jnp.inf, 0.0, m_next) if masked else m_next
       alpha = jnp.exp2(m - m_use)
       m_b = lax.broadcast_in_dim(m_use, s.shape, [0])
-      p = jnp.exp2(s - m_b if scale is None else s * scale - m_b)
+      x = s - m_b if scale is None else s * scale - m_b
+      cols = cfg.exp2_poly_cols
+      if cols and not masked:  # every score finite: a share off the MUFU
+        # The rounding constant from a row value (m_use is never +inf):
+        # see exp2_poly.
+        magic = jnp.where(m_use == jnp.inf, 0.0, _ROUND_MAGIC)
+        p = jnp.concatenate(
+            [exp2_poly(x[:, :cols],
+                       lax.broadcast_in_dim(magic, (x.shape[0], cols), [0])),
+             jnp.exp2(x[:, cols:])], axis=1)
+      else:
+        p = jnp.exp2(x)
       return p, m_next, alpha
 
     def scores(slot, *, waited=False):
