@@ -163,34 +163,59 @@ def test_interleaved_timing_with_no_call_left():
   assert isinstance(got["bad"], ZeroDivisionError)
 
 
-def test_interleaved_timing_shuffles_the_order():
-  """Each round runs every surviving call once, in a seeded shuffle: no
-  call keeps its place or its predecessor, and a seed repeats its order."""
-  def run(seed):
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_williams_orders_balance_places_and_predecessors(n):
+  rows = core.williams_orders(n)
+  assert len(rows) == (n if n % 2 == 0 else 2 * n)
+  assert all(sorted(r) == list(range(n)) for r in rows)
+  per = len(rows) // n  # rounds per (call, place)
+  for place in range(n):
+    assert sorted(r[place] for r in rows) == sorted(list(range(n)) * per)
+  pairs = [(r[i - 1], r[i]) for r in rows for i in range(1, n)]
+  want = len(pairs) // max(1, n * (n - 1))
+  for a in range(n):
+    for b in range(n):
+      if a != b:
+        assert pairs.count((a, b)) == want
+
+
+def test_interleaved_timing_orders_rounds_by_the_design():
+  """Every surviving call once per round, in the design's orders over a
+  seeded shuffle: over 8 rounds of 4 calls every call takes every place
+  twice; a seed repeats its orders, another seed changes them."""
+  def run(seed, fail=None):
     seen = []
 
     def call(name):
       def fn(x):
         seen.append(name)
+        if name == fail and len(seen) > 12:
+          raise RuntimeError("gone")
         return x
       return fn, (jnp.ones(1),)
 
     calls = {n: call(n) for n in "abcd"}
     got = core.time_interleaved(calls, samples=8, min_sample_s=0.0,
                                 seed=seed)
-    assert set(got) == set("abcd") and all(t > 0 for t in got.values())
     # Two warm-up calls each (compile, then one timed for the
-    # repetitions), then eight rounds of one call each.
+    # repetitions), then the rounds.
     assert seen[:8] == list("aabbccdd")
-    rounds = [seen[8 + 4 * r:12 + 4 * r] for r in range(8)]
-    assert all(sorted(r) == list("abcd") for r in rounds)
-    return rounds
+    return got, seen[8:]
 
-  rounds = run(0)
-  assert run(0) == rounds
-  assert len({r[0] for r in rounds}) > 1  # not always the same first
-  preds = {(r[i - 1], r[i]) for r in rounds for i in range(1, 4)}
-  assert any(p[1] == "b" and p[0] != "a" for p in preds)
+  got, seen = run(0)
+  assert set(got) == set("abcd") and all(t > 0 for t in got.values())
+  rounds = [seen[4 * r:4 * r + 4] for r in range(8)]
+  assert all(sorted(r) == list("abcd") for r in rounds)
+  for place in range(4):
+    assert sorted(r[place] for r in rounds) == sorted("abcd" * 2)
+  assert run(0)[1] == seen
+  assert run("1:shape")[1] != seen
+  # A call that fails leaves the rounds to the other three.
+  got, seen = run(0, fail="c")
+  assert isinstance(got["c"], RuntimeError)
+  assert set(got) == set("abcd") and all(
+      got[n] > 0 for n in "abd")
+  assert seen.count("a") == seen.count("b") == seen.count("d") == 8
 
 
 def test_cpu_smoke_end_to_end(tmp_path, capsys):

@@ -55,8 +55,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--name", default=None, help="file stem of the outputs")
   p.add_argument("--samples", type=int, default=7)
   p.add_argument("--seed", type=int, default=0,
-                 help="seed of the rounds' shuffled call order (give"
-                      " replicated runs different seeds)")
+                 help="seed of the rounds' call orders, with each shape's"
+                      " own (give replicated runs different seeds)")
   p.add_argument("--cpu-smoke", action="store_true",
                  help="tiny CPU run (reference, interpret-mode kernels):"
                       " a smoke test, not a performance figure")
@@ -164,7 +164,10 @@ def run_shape(shape: core.Shape, names, modes, *, interpret: bool,
         calls[name, mode], errs[name, mode] = res[:2], res[2:]
     if progress is not None:
       progress.update(len(modes))
-  times = core.time_interleaved(calls, samples=samples, seed=seed)
+  # One seed per shape (from the run's and the shape's), so that shapes
+  # with as many calls do not all get the same assignment of places.
+  times = core.time_interleaved(calls, samples=samples,
+                                seed=f"{seed}:{shape}")
   for key, secs in times.items():
     name, mode = key
     if isinstance(secs, Exception):

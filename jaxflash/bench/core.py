@@ -125,20 +125,43 @@ def time_fn(fn: Callable, *args, min_sample_s: float = 0.02,
   return statistics.median(times)
 
 
+def williams_orders(n: int) -> list[list[int]]:
+  """Round orders of ``n`` calls (lists of their indices) from a Williams
+  design: over its rounds every call takes every place in a round equally
+  often and follows every other call equally often.  ``n`` rounds for an
+  even ``n``, ``2 n`` (the rows and their mirrors) for an odd one."""
+  if n <= 0:
+    return []
+  first, lo, hi = [0], 1, n - 1
+  while len(first) < n:
+    first.append(lo)
+    lo += 1
+    if len(first) < n:
+      first.append(hi)
+      hi -= 1
+  rows = [[(i + r) % n for i in first] for r in range(n)]
+  if n % 2:
+    rows += [row[::-1] for row in rows]
+  return rows
+
+
 def time_interleaved(calls: dict, *, min_sample_s: float = 0.02,
-                     samples: int = 7, seed: int = 0) -> dict:
+                     samples: int = 7, seed: int | str = 0) -> dict:
   """Median seconds per call of each ``name -> (fn, args)``, sampled in
   rounds (one sample of every call per round) so that clock and thermal
-  drift during a run touch every implementation alike.  Each round runs
-  the calls in a fresh order (a shuffle seeded by ``seed``), so that no
-  call always takes the same place in a round or always follows the same
-  call.  On the H200 the place mattered: with a fixed order the same
-  kernel timed first in every round read slower than a copy of it timed
-  later in 9 of 12 pairs (by 0.3-1.8%; docs/benchmarks/
-  h200-2026-12-04-s25.md), and with each round starting one call later
-  (which keeps every call's predecessor) two copies of one kernel read
-  2.8% and 3.4% apart in two runs (h200-2026-12-04-s26.md).  A call that
-  raises maps to the exception instead of a time."""
+  drift during a run touch every implementation alike.  The rounds'
+  orders follow a Williams design (:func:`williams_orders`) over the
+  calls in an order shuffled by ``seed``: with ``samples`` a multiple of
+  the design's length every call takes every place and follows every
+  other call equally often, and a different seed (the benchmark derives
+  one per shape) gives a different assignment.  On the H200 the order
+  mattered: with a fixed order the same kernel timed first in every
+  round read slower than a copy of it timed later in 9 of 12 pairs (by
+  0.3-1.8%; docs/benchmarks/h200-2026-12-04-s25.md), and with each round
+  starting one call later (which keeps every call's predecessor) two
+  copies of one kernel read 2.8% and 3.4% apart in two runs
+  (h200-2026-12-04-s26.md).  A call that raises maps to the exception
+  instead of a time (the design then continues over the others)."""
   reps, out = {}, {}
   for name, (fn, args) in calls.items():
     try:
@@ -150,13 +173,14 @@ def time_interleaved(calls: dict, *, min_sample_s: float = 0.02,
     except Exception as e:  # noqa: BLE001 - reported as a row
       out[name] = e
   times = {name: [] for name in reps}
-  rng = random.Random(seed)
-  for _ in range(samples):
-    order = list(times)
-    if not order:  # every call failed (in warm-up or an earlier round)
+  base = list(times)
+  random.Random(seed).shuffle(base)
+  for r in range(samples):
+    live = [name for name in base if name in times]
+    if not live:  # every call failed (in warm-up or an earlier round)
       break
-    rng.shuffle(order)
-    for name in order:
+    rows = williams_orders(len(live))
+    for name in (live[i] for i in rows[r % len(rows)]):
       fn, args = calls[name]
       try:
         t = time.perf_counter()

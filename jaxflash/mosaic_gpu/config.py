@@ -181,31 +181,36 @@ class MosaicConfig:
       items it is not: by ``tools/persistent_balance.py`` the round
       robin's makespan is 1.15-1.72x the ideal on the benchmark grid's
       causal calls at head_dim 128/256 with 1024-4096 keys, the pairs'
-      1.03x (the plain grid's hardware order 1.00-1.10x).  The pairing is
+      1.03x (the plain grid's launch order under the hardware's
+      scheduler 1.00-1.03x).  The pairing is
       the one zigzag context parallelism uses to balance causal work
       across devices.  On the H200 (2026-12-04, one run, rotated
-      rounds) it made the causal persistent grid 26-69% faster at
+      rounds) it made the causal persistent grid 14-69% faster at
       head_dim 128/256, but against the default plain grid it was +3.5%,
       +0.6%, -2.6% at head_dim 128 with 1024/2048/4096 keys and -1.6 to
       -5% at 256 (the d128 1024-key gain, +2-4% again in a second run,
-      is within that run's order bias): not a default.  Without
+      is within that run's order bias), and at head_dim 64 slower than
+      the persistent grid without it: not a default.  Without
       ``persistent`` or off causal calls it does nothing.
     groups_fastest: the forward's work items are ordered query groups
-      fastest (then heads, then batch), as tokamax's sm90 kernel orders
-      its grid, instead of heads fastest: on the plain grid the launch
-      grid's order, on the persistent grid the round robin's.  The
-      programs that run at the same time then share fewer (batch, head)
-      K/V streams.  Written because ncu measured 45% more L2 and 19% more
-      DRAM throughput than tokamax's kernel in the head_dim 256
+      fastest, then heads, then batch, as tokamax's sm90 kernel orders
+      its grid.  By default the plain grid launches batch fastest, then
+      query groups (longest first on causal calls), then heads, and the
+      persistent grid's round robin takes heads fastest, then query
+      groups, then batch.  Written because ncu measured 44% more L2 and
+      19% more DRAM throughput than tokamax's kernel in the head_dim 256
       non-causal forward with 2048 keys at about the same cycle count
-      (docs/benchmarks/h200-2026-12-04-s26.md).  Timed level on the H200
-      (non-causal, head_dim 64/128/256 with 8192 and 16384 keys and 256
-      with 2048, two copies against a copy of the default in shuffled
-      rounds: within 1%): not a default.  On causal calls heads fastest
-      keeps the plain grid's longest-first order across heads, so the
-      option is meant for non-causal ones.
-    exp2_poly_cols: in the forward's steps where no score is masked,
-      the first this many key columns of each ``S`` tile take ``2^x``
+      (docs/benchmarks/h200-2026-12-04-s26.md).  On the persistent grid
+      timed level on the H200 (non-causal, head_dim 64/256 with 8192 and
+      16384 keys, two copies against a copy of the default in shuffled
+      rounds: within 2%, the copies up to 1.4% apart): not a default.
+      Its plain-grid form was corrected after that run (it had launched
+      query groups slowest), so its plain-grid timings are not of this
+      order.  On causal calls it interleaves long and short groups in
+      the launch order, so it is meant for non-causal ones.
+    exp2_poly_cols: in the forward's steps that take no mask (not the
+      overlapped loop's first and last tiles, and no step with segment
+      ids), the first this many key columns of each ``S`` tile take ``2^x``
       from a cubic polynomial on the FMA and integer pipes
       (:func:`jaxflash.mosaic_gpu.forward.exp2_poly`; FlashAttention-4's
       software exponential, arXiv 2603.05451) instead of the MUFU unit's

@@ -44,6 +44,7 @@ from jaxflash.mosaic_gpu.config import MosaicConfig
 from jaxflash.triton.common import out_struct
 
 LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 
 # 2^f on f in [-1/2, 1/2], degree 3, fitted for least maximum relative
 # error (7.5e-5 in float32 Horner: below half an ulp of the bfloat16 and
@@ -85,7 +86,6 @@ def exp2_poly(x, magic):
           + lax.shift_left(lax.bitcast_convert_type(t, jnp.int32),
                            jnp.int32(23)))
   return lax.bitcast_convert_type(bits, jnp.float32)
-LN2 = math.log(2.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -941,11 +941,15 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
                          jnp.float32, q, k, v)]
   n_groups = prob.q_pad // (cfg.compute_wgs * bq)
   n_programs = None
+  # Mosaic GPU launches the last grid axis fastest (blockIdx.x; Pallas
+  # reverses the grid for CUDA): batch, then query groups (the longest
+  # causal group first), then heads; with groups_fastest query groups,
+  # then heads, then batch (tokamax's order).
   grid = (prob.num_heads, n_groups, prob.batch)
   grid_names = ("heads", "q_seq", "batch")
   if cfg.groups_fastest:
-    grid, grid_names = (n_groups, prob.num_heads, prob.batch), (
-        "q_seq", "heads", "batch")
+    grid, grid_names = (prob.batch, prob.num_heads, n_groups), (
+        "batch", "heads", "q_seq")
   if cfg.persistent:
     # One program per SM; interpreted runs use 2 so that each program
     # loops over several work items.
