@@ -914,7 +914,12 @@ def test_default_config_rules():
   # prefetch_q is per causal setting: off on the d64 causal persistent call.
   assert dflt(64, causal=True, kv_len=1024).persistent
   assert not dflt(64, causal=True, kv_len=1024).prefetch_q
-  assert not dflt(128, causal=True, kv_len=1024).persistent
+  # d128 causal: persistent with query-block pairs up to 1024 keys (+3.5-4%
+  # over the plain grid in two s27 replicates); the plain grid above.
+  d128c = dflt(128, causal=True, kv_len=1024)
+  assert d128c.persistent and d128c.persistent_pairs
+  assert not dflt(128, causal=True, kv_len=1025).persistent
+  assert not dflt(128, causal=False, kv_len=1024).persistent_pairs
   assert not dflt(128).persistent  # no call to judge: the plain grid
   # d64 causal: persistent up to 4096 keys (+7.5% at 2048, +2% at 4096).
   assert dflt(64, causal=True, kv_len=4096).persistent

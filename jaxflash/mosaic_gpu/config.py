@@ -956,7 +956,9 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
   for calls with at most that many keys (per causal setting): measured on
   the H200, it pays where the key loop is short and the prologue and
   epilogue it overlaps are a large share of a program, and loses on
-  causal calls at head_dim >= 128 (their longest-first order is lost).
+  causal calls at head_dim >= 128 (their longest-first order is lost)
+  except with ``persistent_pairs``, which restores it: the H200 head_dim
+  128 entry runs causal calls of up to 1024 keys persistent with pairs.
 
   An entry's ``kv_rules`` (a list of ``{"causal": bool, "min_kv": int,
   "fields": {...}}``) replace those fields for calls of that causal
