@@ -117,7 +117,9 @@ class MosaicConfig:
       head_dim 256 for non-causal calls up to 1024 keys and from 2049
       (with ``prefetch_q``: +2-6% there, 2026-12-03), and for causal
       calls up to 4096 keys at head_dim 64 (+7.5% at 2048 keys, +2% at
-      4096, 2026-12-04); it is slower on causal calls at head_dim >= 128.
+      4096, 2026-12-04) and, with ``persistent_pairs``, up to 1024 keys
+      at head_dim 128; without the pairs it is slower on causal calls at
+      head_dim >= 128.
     intra_wg_overlap: FlashAttention-3's intra-warpgroup overlap
       (arXiv 2407.08608 §3.2): each consumer issues ``S_t = Q K_t^T`` and
       ``O += P_{t-1} V_{t-1}`` back to back and computes tile ``t``'s
@@ -152,7 +154,11 @@ class MosaicConfig:
     late_rescale: rescale the output accumulator by the step's ``alpha``
       after the ping-pong barrier, just before ``P V`` (where tokamax's
       compiled kernel does it, ncu 2026-12-01), instead of before the
-      barrier with the rest of the softmax.  Not yet run on a GPU; the
+      barrier with the rest of the softmax.  Run on the H200 only within
+      tokamax's loop order (with ``early_k_wait`` and ``row_sum_in_pv``,
+      gpu config ``named-tokamax-order``): -1 to +3% on the plain grid,
+      -8 to -10% on the persistent one (2026-12-01, docs/perf-notes.md);
+      not a default.  The
       interpretable form (no in-place accumulation) always rescales
       there.
     early_k_wait: each forward step waits for the next step's K inside
@@ -188,10 +194,12 @@ class MosaicConfig:
       rounds) it made the causal persistent grid 14-69% faster at
       head_dim 128/256, but against the default plain grid it was +3.5%,
       +0.6%, -2.6% at head_dim 128 with 1024/2048/4096 keys and -1.6 to
-      -5% at 256 (the d128 1024-key gain, +2-4% again in a second run,
-      is within that run's order bias), and at head_dim 64 slower than
-      the persistent grid without it: not a default.  Without
-      ``persistent`` or off causal calls it does nothing.
+      -5% at 256, and at head_dim 64 slower than the persistent grid
+      without it.  At head_dim 128 with 1024 keys it ran +3.5-4% over the
+      plain grid again in two more runs (2026-12-04, s27), and level at
+      2048: the H200 default on causal calls of at most 1024 keys at
+      head_dim 128 (tuning.json).  Without ``persistent`` or off causal
+      calls it does nothing.
     groups_fastest: the forward's work items are ordered query groups
       fastest, then heads, then batch, as tokamax's sm90 kernel orders
       its grid.  By default the plain grid launches batch fastest, then
@@ -218,8 +226,12 @@ class MosaicConfig:
       the MUFU unit for 64 x block_kv exponentials per step each, about as
       many cycles as the step's two matmuls take on the tensor cores; the
       polynomial trades each of those exponentials for nine FMA/ALU
-      instructions.  0 (off), or a multiple of 8 below ``block_kv``.  Not
-      yet run on a GPU.
+      instructions.  0 (off), or a multiple of 8 below ``block_kv``.  On
+      the H200 (2026-12-04, s27) it lost 1-16% at head_dim 64 (16-48
+      columns, 1024-16384 keys) and was level at best at 128; ncu had the
+      MUFU pipe at 44% of its peak at head_dim 64 with 1024 keys (the
+      tensor pipe 43%), so no pipe limits that step, and the polynomial
+      adds issue slots: not a default.
     prefetch_q: with ``persistent``, the producer loads the next work
       item's Q (one copy per consumer) as soon as both consumers finished
       their ``Q K^T`` of the current one, and the output leaves through
