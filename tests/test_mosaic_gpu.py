@@ -248,6 +248,12 @@ INTERPRET_VARIANTS.update({
         dict(persistent=True, persistent_pairs=True, intra_wg_overlap=True,
              prefetch_q=True),
         ["d256-causal-q300-k100", "d64-persistent-2wg-causal"]),
+    # The H200 head_dim 128 causal default of up to 1024 keys: the pairs
+    # with the overlap and the lean epilogue (no Q prefetch on causal calls).
+    "persistent_pairs+intra_wg_overlap+lean_epilogue": (
+        dict(persistent=True, persistent_pairs=True, intra_wg_overlap=True,
+             lean_epilogue=True),
+        ["d64-persistent-2wg-causal", "d96-gqa-q200-k300"]),
     # A quarter of each unmasked step's exponentials from the polynomial
     # (exp2_poly_cols): full tiles, a key length that cuts the last tile,
     # causal diagonals (masked steps keep exp2), GQA, the persistent grid.
@@ -311,14 +317,13 @@ INTERPRET_VARIANTS.update({
 # each, the rest with the `slow` marker (`make test-all`).  The defaults'
 # options (bwd_paired_dkv, bwd_paired_dq, prefetch_q, lean_epilogue,
 # bwd_softmax_overlap, bwd_early_dv, three_wgs, intra_wg_overlap,
-# early_q_release) run every case.
+# early_q_release, persistent_pairs) run every case.
 EXPERIMENTS = {"three_wgs+intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "split_kv_release", "pv_then_qk", "pv_then_qk+row_sum_in_pv",
                "bwd_dq_late_release", "bwd_dkv_late_release",
                "bwd_dkv_late_release+early_dv",
                "block_kv_80", "block_kv_176", "bwd_dkv_block_q_80",
-               "block_kv_176+intra_wg_overlap", "persistent_pairs",
-               "persistent_pairs+intra_wg_overlap+prefetch_q",
+               "block_kv_176+intra_wg_overlap",
                "groups_fastest", "exp2_poly_cols"}
 
 
@@ -423,8 +428,14 @@ GPU_CONFIGS = {
         intra_wg_overlap=True, named_barriers=True, block_kv=128,
         consumer_registers=240, persistent=True, prefetch_q=True,
         early_q_release=True, lean_epilogue=True),
-    # The head_dim 128 causal default on the persistent grid dealing out
-    # pairs of query groups (persistent_pairs).
+    # The head_dim 256 non-causal form of 2049+ keys with the lean
+    # epilogue (the candidate of docs/perf-notes.md "Next" 1).
+    "named-overlap-persistent-early-q-lean-kv64": mosaic_gpu.MosaicConfig(
+        intra_wg_overlap=True, named_barriers=True, block_kv=64,
+        consumer_registers=240, persistent=True, prefetch_q=True,
+        early_q_release=True, lean_epilogue=True),
+    # The head_dim 128 causal default of up to 1024 keys: the persistent
+    # grid dealing out pairs of query groups (persistent_pairs).
     "named-overlap-persistent-pairs": mosaic_gpu.MosaicConfig(
         intra_wg_overlap=True, named_barriers=True, block_kv=128,
         consumer_registers=240, persistent=True, persistent_pairs=True,
