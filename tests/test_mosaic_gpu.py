@@ -267,6 +267,13 @@ INTERPRET_VARIANTS.update({
         dict(groups_fastest=True),
         ["d96-gqa-q200-k300", "d64-persistent-2wg-causal",
          "d128-persistent-window-q200-k300", "d64-causal-2wg"]),
+    # Work items ordered query groups slowest (a global longest-first
+    # order on causal calls): the plain grid and the persistent round
+    # robin, causal; GQA with two batches.
+    "groups_slowest": (
+        dict(groups_slowest=True),
+        ["d64-causal-2wg", "d64-persistent-2wg-causal",
+         "d96-gqa-q200-k300"]),
     "intra_wg_overlap+lean_epilogue": (
         dict(intra_wg_overlap=True, lean_epilogue=True),
         ["d256-causal-q300-k100", "d64-causal-2wg", "d128-window"]),
@@ -324,7 +331,7 @@ EXPERIMENTS = {"three_wgs+intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "bwd_dkv_late_release+early_dv",
                "block_kv_80", "block_kv_176", "bwd_dkv_block_q_80",
                "block_kv_176+intra_wg_overlap",
-               "groups_fastest", "exp2_poly_cols"}
+               "groups_fastest", "groups_slowest", "exp2_poly_cols"}
 
 
 def _variant_params():
@@ -459,6 +466,15 @@ GPU_CONFIGS = {
             intra_wg_overlap=True, named_barriers=True, block_kv=64,
             consumer_registers=240, persistent=True, prefetch_q=True,
             early_q_release=True, groups_fastest=True),
+    # The head_dim 128 and 256 causal plain-grid defaults with the work
+    # items ordered query groups slowest (groups_slowest).
+    "named-overlap-lean-epilogue-groups-slowest": mosaic_gpu.MosaicConfig(
+        intra_wg_overlap=True, named_barriers=True, block_kv=128,
+        consumer_registers=240, lean_epilogue=True, groups_slowest=True),
+    "named-overlap-lean-epilogue-kv64-groups-slowest":
+        mosaic_gpu.MosaicConfig(
+            intra_wg_overlap=True, named_barriers=True, block_kv=64,
+            consumer_registers=240, lean_epilogue=True, groups_slowest=True),
     # The head_dim 256 non-causal defaults' two forms at every head_dim:
     # 64-key tiles at 240 registers, persistent with the next Q
     # prefetched, or on the plain grid with the lean epilogue.
@@ -801,6 +817,8 @@ def test_config_validation():
                       "intra_wg_overlap=False"),
                      (dict(late_rescale=True, intra_wg_overlap=True),
                       "intra_wg_overlap=False"),
+                     (dict(groups_slowest=True, groups_fastest=True),
+                      "groups_fastest=False"),
                      (dict(bwd_dq_late_release=True, bwd_atomic_dq=True),
                       "bwd_atomic_dq=False"),
                      (dict(bwd_paired_dkv=True, bwd_split_dkv=True),

@@ -17,7 +17,11 @@ SMs) of three schedules:
   first, then heads), to the SM that frees first (the hardware's block
   scheduler on the plain grid);
 * ``pairs``: query groups ``g`` and ``G-1-g`` of one (batch, head) as one
-  unit of equal cost, units dealt round robin.
+  unit of equal cost, units dealt round robin;
+* ``slowest``: greedy, in the plain grid's launch order with
+  ``groups_slowest`` (batch fastest, then heads, then query groups
+  longest first: every (batch, head)'s longest group before any second
+  longest).
 
 A model, not a measurement: it ignores L2 reuse and that items differ in
 per-tile time (masked diagonal tiles).
@@ -37,6 +41,12 @@ def items(batch, heads, groups):
 def launch_order(batch, heads, groups):
   """The plain grid's items as the hardware launches them."""
   return [groups - g for _ in range(heads) for g in range(groups)
+          for _ in range(batch)]
+
+
+def slowest_order(batch, heads, groups):
+  """The plain grid's items as launched with ``groups_slowest``."""
+  return [groups - g for g in range(groups) for _ in range(heads)
           for _ in range(batch)]
 
 
@@ -71,17 +81,19 @@ def main(argv=None) -> int:
   ap.add_argument("--overhead", type=float, default=0.5)
   args = ap.parse_args(argv)
   n, ov = args.sms, args.overhead
-  print("head_dim  seq    items  round robin  greedy  pairs")
+  print("head_dim  seq    items  round robin  greedy  pairs  slowest")
   for d in (64, 128, 256):
     for s in (1024, 2048, 4096, 8192, 16384):
       b, h, g = 16384 // s, 2048 // d, s // 128
       costs = [c + ov for c in items(b, h, g)]
       launched = [c + ov for c in launch_order(b, h, g)]
+      slow = [c + ov for c in slowest_order(b, h, g)]
       ideal = sum(costs) / n
       print(f"{d:<9} {s:<6} {len(costs):<6} "
             f"{round_robin(costs, n) / ideal:<12.3f} "
             f"{greedy(launched, n) / ideal:<7.3f} "
-            f"{pairs(b, h, g, n, ov) / ideal:.3f}")
+            f"{pairs(b, h, g, n, ov) / ideal:<6.3f} "
+            f"{greedy(slow, n) / ideal:.3f}")
   return 0
 
 

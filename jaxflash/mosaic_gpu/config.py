@@ -27,6 +27,7 @@ _EXCLUSIVE_OPTIONS = (
      "moves the rescale of the default loop (intra_wg_overlap's loop"
      " rescales after P V)"),
     ("pv_then_qk", "intra_wg_overlap", "has its own step order"),
+    ("groups_slowest", "groups_fastest", "is the other work-item order"),
     ("pv_then_qk", "early_k_wait",
      "has its own step order (the next K is waited for in the turn)"),
     ("early_k_wait", "intra_wg_overlap",
@@ -213,9 +214,22 @@ class MosaicConfig:
       16384 keys, two copies against a copy of the default in shuffled
       rounds: within 2%, the copies up to 1.4% apart): not a default.
       Its plain-grid form was corrected after that run (it had launched
-      query groups slowest), so its plain-grid timings are not of this
-      order.  On causal calls it interleaves long and short groups in
-      the launch order, so it is meant for non-causal ones.
+      query groups slowest); corrected, level at head_dim 256 non-causal
+      with 2048-8192 keys (2026-12-04, s27).  On causal calls it
+      interleaves long and short groups in the launch order, so it is
+      meant for non-causal ones.
+    groups_slowest: the forward's work items are ordered query groups
+      slowest (the longest causal group of every (batch, head) first,
+      then the next longest of each, ...), then heads, then batch
+      fastest: a global longest-first order on causal calls, where the
+      default launches each head's groups longest first but one head
+      after another.  ``tools/persistent_balance.py`` models the plain
+      grid's makespan under the hardware's scheduler at 1.005x the ideal
+      with it against 1.018x (head_dim 128, 1024 keys) and 1.031x
+      (head_dim 256, 1024 keys) in the default order (it ignores L2
+      reuse, which the default's head-by-head order favours).  On the
+      persistent grid the round robin takes the same order.  Not yet
+      run on a GPU; not with ``groups_fastest``.
     exp2_poly_cols: in the forward's steps that take no mask (not the
       overlapped loop's first and last tiles, and no step with segment
       ids), the first this many key columns of each ``S`` tile take ``2^x``
@@ -544,6 +558,7 @@ class MosaicConfig:
   prefetch_q: bool = False
   persistent_pairs: bool = False
   groups_fastest: bool = False
+  groups_slowest: bool = False
   exp2_poly_cols: int = 0
   early_q_release: bool = False
   lean_epilogue: bool = False

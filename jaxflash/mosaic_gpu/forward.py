@@ -708,7 +708,8 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
   def for_each_item(run):
     """Persistent grid: program ``sm`` takes work items ``sm, sm +
     n_programs, ...`` (heads fastest, then query groups, then batch; with
-    ``groups_fastest`` query groups, then heads), the
+    ``groups_fastest`` query groups, then heads; with ``groups_slowest``
+    heads, then batch, then query groups), the
     ring's step count running on across them: ``run(item, b, h,
     group_start, u_lo, u_hi, first_step)``.  With ``persistent_pairs`` on
     a causal call the units dealt out are pairs of query groups (the
@@ -729,6 +730,11 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         rest = lax.div(w, n_units_per_bh)
         h = lax.rem(rest, prob.num_heads)
         b = lax.div(rest, prob.num_heads)
+      elif cfg.groups_slowest:
+        h = lax.rem(w, prob.num_heads)
+        rest = lax.div(w, prob.num_heads)
+        b = lax.rem(rest, prob.batch)
+        u = lax.div(rest, prob.batch)
       else:
         h = lax.rem(w, prob.num_heads)
         rest = lax.div(w, prob.num_heads)
@@ -944,12 +950,17 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
   # Mosaic GPU launches the last grid axis fastest (blockIdx.x; Pallas
   # reverses the grid for CUDA): batch, then query groups (the longest
   # causal group first), then heads; with groups_fastest query groups,
-  # then heads, then batch (tokamax's order).
+  # then heads, then batch (tokamax's order); with groups_slowest batch,
+  # then heads, then query groups (every (batch, head)'s longest causal
+  # group before any second longest: a global longest-first order).
   grid = (prob.num_heads, n_groups, prob.batch)
   grid_names = ("heads", "q_seq", "batch")
   if cfg.groups_fastest:
     grid, grid_names = (prob.batch, prob.num_heads, n_groups), (
         "batch", "heads", "q_seq")
+  elif cfg.groups_slowest:
+    grid, grid_names = (n_groups, prob.num_heads, prob.batch), (
+        "q_seq", "heads", "batch")
   if cfg.persistent:
     # One program per SM; interpreted runs use 2 so that each program
     # loops over several work items.
