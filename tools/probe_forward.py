@@ -1,7 +1,7 @@
 """Probe the Hopper forward against tokamax (and cuDNN) outside the bench grid.
 
     PYTHONPATH=. python3 tools/probe_forward.py items [--head-dim 256]
-    PYTHONPATH=. python3 tools/probe_forward.py clocks [--head-dim 256]
+    PYTHONPATH=. python3 tools/probe_forward.py clocks [--seq 8192]
 
 ``items``: jaxflash's and tokamax's forward (non-causal, both with their
 tuned defaults) timed in interleaved rounds at one head_dim over several
@@ -10,11 +10,12 @@ one head) runs from about two waves of the 132 SMs to sixteen: is the gap
 a cost per call, per item, or does it grow with the number of waves?
 
 ``clocks``: each implementation run back to back for a few seconds at
-batch 2, seq 8192, 2048 channels, while ``nvidia-smi`` samples the SM
-clock, board power and throttle reasons every 50 ms; once on random
-inputs and once on zeros (which draw far less power).  Says whether an
-implementation is power-bound (same power, lower clock) or needs more
-cycles for the same work (time x clock).
+``--seq`` keys (default 8192; batch 16384 / seq), 2048 channels, while
+``nvidia-smi`` samples the SM clock, board power and throttle reasons
+every 50 ms; once on random inputs and once on zeros (which draw far
+less power).  Says whether an implementation is power-bound (same
+power, lower clock) or needs more cycles for the same work (time x
+clock: the ``Mcyc`` column, per call).
 """
 
 from __future__ import annotations
@@ -91,28 +92,34 @@ def _sampled_run(name, fn, args, seconds=3.0):
   rows = rows[len(rows) // 4:]  # the steady part
   med = lambda i: statistics.median(float(r[i]) for r in rows)
   print(f"{name:28s} {per_call * 1e3:7.3f} ms  clock {med(0):6.0f} MHz"
+        f"  {per_call * med(0):7.3f} Mcyc"
         f"  power {med(1):6.1f} W  temp {med(2):4.0f}"
         f"  throttle {sorted({r[3] for r in rows})}", flush=True)
   time.sleep(1.0)
 
 
-def clocks(head_dim: int) -> None:
+def clocks(head_dim: int, seq: int = 8192) -> None:
   impls = _impls()
   heads = 2048 // head_dim
   for zeros in (False, True):
-    args = _inputs(2, 8192, heads, head_dim, zeros=zeros)
+    args = _inputs(max(1, 16384 // seq), seq, heads, head_dim, zeros=zeros)
     for _ in range(2):
       for name, fn in impls.items():
-        _sampled_run(f"d{head_dim} {'zeros' if zeros else 'normal'} {name}",
-                     fn, args)
+        _sampled_run(f"d{head_dim} s{seq} {'zeros' if zeros else 'normal'}"
+                     f" {name}", fn, args)
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("probe", choices=["items", "clocks"])
   ap.add_argument("--head-dim", type=int, default=256)
+  ap.add_argument("--seq", type=int, default=8192,
+                  help="clocks: keys per call (batch 16384 / seq)")
   args = ap.parse_args(argv)
-  (items if args.probe == "items" else clocks)(args.head_dim)
+  if args.probe == "items":
+    items(args.head_dim)
+  else:
+    clocks(args.head_dim, args.seq)
   return 0
 
 
