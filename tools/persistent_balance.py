@@ -7,7 +7,7 @@ the key tiles it streams (128 keys each: ``G - g`` for the ``g``-th
 longest of ``G`` groups on a causal call) plus ``--overhead`` tiles for
 its start and epilogue.  For the benchmark grid's causal shapes (16,384
 tokens, width 2048) it prints the makespan over the ideal (total cost /
-SMs) of three schedules:
+SMs) of four schedules:
 
 * ``round robin``: the persistent grid's static order (program ``sm``
   takes items ``sm, sm + n, ...``; heads fastest, then query groups
