@@ -274,6 +274,18 @@ INTERPRET_VARIANTS.update({
         dict(groups_slowest=True),
         ["d64-causal-2wg", "d64-persistent-2wg-causal",
          "d96-gqa-q200-k300"]),
+    # Two-CTA clusters sharing each K/V tile by TMA multicast, with the
+    # rings' free signals as cluster barriers: one and two consumers, a
+    # last key tile cut by the key length (17 keys), MQA; on the
+    # persistent grid (two clusters, each looping over pairs of query
+    # groups), with the next Q prefetched.  Causal, windowed and odd
+    # group counts run without clusters (d64-causal-2wg: the fallback).
+    "kv_multicast": (
+        dict(kv_multicast=True),
+        ["d64-full", "d128-mqa-2wg", "d192-q113-k17", "d64-causal-2wg"]),
+    "kv_multicast+persistent": (
+        dict(kv_multicast=True, persistent=True, prefetch_q=True),
+        ["d64-full", "d128-mqa-2wg"]),
     "intra_wg_overlap+lean_epilogue": (
         dict(intra_wg_overlap=True, lean_epilogue=True),
         ["d256-causal-q300-k100", "d64-causal-2wg", "d128-window"]),
@@ -331,7 +343,8 @@ EXPERIMENTS = {"three_wgs+intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "bwd_dkv_late_release+early_dv",
                "block_kv_80", "block_kv_176", "bwd_dkv_block_q_80",
                "block_kv_176+intra_wg_overlap",
-               "groups_fastest", "groups_slowest", "exp2_poly_cols"}
+               "groups_fastest", "groups_slowest", "exp2_poly_cols",
+               "kv_multicast", "kv_multicast+persistent"}
 
 
 def _variant_params():
@@ -466,6 +479,16 @@ GPU_CONFIGS = {
             intra_wg_overlap=True, named_barriers=True, block_kv=64,
             consumer_registers=240, persistent=True, prefetch_q=True,
             early_q_release=True, groups_fastest=True),
+    # The head_dim 256 non-causal defaults' two forms in two-CTA clusters
+    # sharing each K/V tile by TMA multicast (kv_multicast).
+    "named-overlap-lean-epilogue-kv64-multicast": mosaic_gpu.MosaicConfig(
+        intra_wg_overlap=True, named_barriers=True, block_kv=64,
+        consumer_registers=240, lean_epilogue=True, kv_multicast=True),
+    "named-overlap-persistent-early-q-kv64-multicast":
+        mosaic_gpu.MosaicConfig(
+            intra_wg_overlap=True, named_barriers=True, block_kv=64,
+            consumer_registers=240, persistent=True, prefetch_q=True,
+            early_q_release=True, kv_multicast=True),
     # The head_dim 128 and 256 causal plain-grid defaults with the work
     # items ordered query groups slowest (groups_slowest).
     "named-overlap-lean-epilogue-groups-slowest": mosaic_gpu.MosaicConfig(
@@ -781,6 +804,31 @@ def test_gpu_long_overlap(head_dim, causal, kv_len):
       block_kv=64 if head_dim == 256 else 128)
   case = (f"long-overlap-{kv_len}-{head_dim}", 2048, kv_len, 4, 2, head_dim,
           jnp.bfloat16, causal, None, None)
+  _run(case, False, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("kv_len", [2048, 8195])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu_long_multicast(head_dim, kv_len, persistent):
+  """Two-CTA clusters sharing each K/V tile by TMA multicast
+  (``kv_multicast``) over the H200's tuned non-causal config, on the
+  plain and the persistent grid: 16 query groups per (batch, head), each
+  CTA's half of a tile landing in both CTAs; at 8195 keys with K and V
+  unpadded, so TMA zero-fills the last tile's halves past the keys; GQA,
+  gradients too.  (At head_dim 64 from 4096 keys the three consumers'
+  192-row groups are 11, an odd count: those calls run without clusters;
+  the 176-key tiles at head_dim 128 do not fit the persistent grid.)"""
+  config = dataclasses.replace(
+      mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=False,
+                                kv_len=kv_len),
+      kv_multicast=True, persistent=persistent)
+  why = head_dim_problem(config, head_dim)
+  if why:
+    pytest.skip(f"kv_multicast, persistent={persistent}: {why}")
+  case = (f"long-multicast-{kv_len}-{head_dim}", 2048, kv_len, 4, 2,
+          head_dim, jnp.bfloat16, False, None, None)
   _run(case, False, config)
 
 

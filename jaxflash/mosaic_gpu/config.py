@@ -230,6 +230,27 @@ class MosaicConfig:
       reuse, which the default's head-by-head order favours).  On the
       persistent grid the round robin takes the same order.  Not yet
       run on a GPU; not with ``groups_fastest``.
+    kv_multicast: the forward runs in clusters of two CTAs, the two
+      query groups of a cluster (adjacent ones of one (batch, head))
+      sharing each K/V tile: each CTA's producer issues half of the tile
+      by TMA multicast into both CTAs' shared memory (FlashAttention-3's
+      and CUTLASS' cluster multicast), so each tile crosses from L2 once
+      per two query groups instead of once per group, and the rings'
+      "free" signals are cluster barriers (mbarriers arrived on in both
+      CTAs; named barriers cannot span CTAs, so with ``named_barriers``
+      only the ping-pong stays on them).  On the plain grid the grid has
+      half the query-group programs; on the persistent grid a cluster
+      takes a pair of query groups per work unit (half the programs, one
+      per two SMs).  Both CTAs of a cluster must stream the same key
+      tiles, so it applies only to calls whose key range is the same for
+      every query group (no causal mask, local window or segment ids)
+      and whose query-group count is even; elsewhere the kernel runs
+      without clusters.  Written because ncu measured, at head_dim 256
+      non-causal with 2048 keys, 1.43x tokamax's L2 lookups in
+      jaxflash's forward, while the H200 runs it under its power cap
+      at a lower clock than tokamax's and cuDNN's
+      (docs/benchmarks/h200-2026-12-04-s28.md).  Not interpretable
+      (the interpreter runs no multicast copies): GPU tests only.
     exp2_poly_cols: in the forward's steps that take no mask (not the
       overlapped loop's first and last tiles, and no step with segment
       ids), the first this many key columns of each ``S`` tile take ``2^x``
@@ -559,6 +580,7 @@ class MosaicConfig:
   persistent_pairs: bool = False
   groups_fastest: bool = False
   groups_slowest: bool = False
+  kv_multicast: bool = False
   exp2_poly_cols: int = 0
   early_q_release: bool = False
   lean_epilogue: bool = False

@@ -133,11 +133,23 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
   # (4 + 2 + [0, 2 * stages): config.MAX_NAMED_STAGES), above Mosaic GPU's
   # warpgroup barriers (1 + warpgroup index: at most 4, three consumers).
   first = pipeline.FIRST_NAMED_BARRIER + 2
-  k_free = pipeline.ring_free(k_free, cfg.named_barriers, cfg.compute_wgs,
-                              first)
-  v_free = pipeline.ring_free(v_free, cfg.named_barriers, cfg.compute_wgs,
-                              first + stages)
   group_rows = cfg.compute_wgs * bq
+  n_groups = prob.q_pad // group_rows
+  # kv_multicast: two CTAs per cluster, one query group each, share the
+  # K/V ring; its "free" signals are then cluster mbarriers.
+  cluster = _cluster_size(cfg, prob, n_groups)
+  exit_barrier = extra.pop() if cluster > 1 else None
+  named_rings = cfg.named_barriers and cluster == 1
+  k_free = pipeline.ring_free(k_free, named_rings, cfg.compute_wgs, first)
+  v_free = pipeline.ring_free(v_free, named_rings, cfg.compute_wgs,
+                              first + stages)
+
+  def cluster_group(unit):
+    """The query group of this CTA in program (or work unit) ``unit``:
+    with clusters, CTA ``c`` of unit ``p`` takes group ``2p + c``."""
+    if cluster == 1:
+      return unit
+    return unit * cluster + lax.axis_index("cluster")
   if not persistent:  # one program per (head, query group, batch)
     b = lax.axis_index("batch")
     h = lax.axis_index("heads")
@@ -145,7 +157,6 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
   ping = _PingPong(extra[-1] if _use_schedule(cfg) else None, wg,
                    named=cfg.named_barriers, persistent=persistent)
   mask = prob.mask
-  n_groups = prob.q_pad // group_rows
   pairs = _paired(cfg, prob)
   n_units_per_bh = _units_per_bh(cfg, prob, n_groups)
 
@@ -163,7 +174,8 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     return group_start, u_lo, u_hi
 
   if not persistent:
-    group_start, u_lo, u_hi = item_ranges(b, lax.axis_index("q_seq"))
+    group_start, u_lo, u_hi = item_ranges(
+        b, cluster_group(lax.axis_index("q_seq")))
     n_steps = u_hi - u_lo
 
   def consume(b, h, group_start, u_lo, u_hi, first_step):
@@ -658,7 +670,11 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       return (b, pl.ds((u_lo + step) * bk, bk), kv_head)
 
     def copy(ref, smem, ready, src, slot):
-      plgpu.copy_gmem_to_smem(ref.at[src], smem.at[slot], ready.at[slot])
+      # kv_multicast: each CTA of the cluster issues half of the tile into
+      # both CTAs' slot; each CTA's ready barrier expects the whole tile.
+      plgpu.copy_gmem_to_smem(
+          ref.at[src], smem.at[slot], ready.at[slot],
+          collective_axes="cluster" if cluster > 1 else None)
 
     def load(step, slot):  # K and V together
       src = rows(step)
@@ -741,7 +757,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         b = lax.div(rest, n_units_per_bh)
         u = lax.rem(rest, n_units_per_bh)
       if not pairs:
-        group_start, u_lo, u_hi = item_ranges(b, u)
+        group_start, u_lo, u_hi = item_ranges(b, cluster_group(u))
         run(i, b, h, group_start, u_lo, u_hi, first_step)
         return first_step + (u_hi - u_lo)
       # item_ranges counts causal groups from the longest: rank u, then
@@ -777,6 +793,14 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         pl.when(n_items > 0)(lambda: plgpu.barrier_wait(q_free))
     else:
       produce(b, h, u_lo, n_steps, 0)
+    if exit_barrier is not None:
+      # Neither CTA of a cluster exits before the other's producer has
+      # drained its ring: by then every multicast copy into either CTA
+      # has landed and every cluster arrival on either CTA's barriers
+      # has been observed (CUTLASS ends its multicast kernels with a
+      # cluster sync for the same reason).
+      plgpu.barrier_arrive(exit_barrier)
+      plgpu.barrier_wait(exit_barrier)
 
 
 def _paired(cfg: MosaicConfig, prob: Problem) -> bool:
@@ -785,11 +809,25 @@ def _paired(cfg: MosaicConfig, prob: Problem) -> bool:
   return cfg.persistent and cfg.persistent_pairs and prob.mask.causal
 
 
+def _cluster_size(cfg: MosaicConfig, prob: Problem, n_groups: int) -> int:
+  """CTAs per cluster: 2 with :attr:`MosaicConfig.kv_multicast` where
+  both query groups of a cluster stream the same key tiles (no causal
+  mask, window or segment ids: every group's key range is the whole
+  sequence) and the groups pair up; 1 otherwise."""
+  mask = prob.mask
+  uniform = (not mask.causal and mask.window_left is None
+             and mask.window_right is None and not prob.has_segments)
+  return 2 if cfg.kv_multicast and uniform and n_groups % 2 == 0 else 1
+
+
 def _units_per_bh(cfg: MosaicConfig, prob: Problem, n_groups: int) -> int:
   """Work units per (batch, head) on the persistent grid: its query
   groups, or with :func:`_paired` pairs of them (an odd count's middle
-  group alone)."""
-  return (n_groups + 1) // 2 if _paired(cfg, prob) else n_groups
+  group alone), or with :func:`_cluster_size` 2 pairs of adjacent ones
+  (one per CTA of a cluster)."""
+  if _paired(cfg, prob):
+    return (n_groups + 1) // 2
+  return n_groups // _cluster_size(cfg, prob, n_groups)
 
 
 class _PingPong:
@@ -916,6 +954,12 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
   dp = prob.head_dim_padded
   bq, bk = cfg.block_q, cfg.block_kv
   tiled = pipeline.TILED
+  n_groups = prob.q_pad // (cfg.compute_wgs * bq)
+  cluster = _cluster_size(cfg, prob, n_groups)
+  # kv_multicast: a slot is free once the consumers of both CTAs of the
+  # cluster released it (each arrival lands in both CTAs' barrier).
+  free_barrier = (plgpu.Barrier if cluster == 1 else functools.partial(
+      plgpu.ClusterBarrier, collective_axes=("cluster",)))
   scratch = [
       plgpu.SMEM((cfg.compute_wgs, bq, dp), dtype, **tiled),
       plgpu.SMEM((cfg.stages, bk, dp), dtype, **tiled),
@@ -926,10 +970,10 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
       plgpu.Barrier(num_barriers=cfg.stages),             # k_ready (TMA)
       plgpu.Barrier(num_barriers=cfg.stages),             # v_ready (TMA)
       plgpu.Barrier(num_barriers=cfg.compute_wgs),        # q_ready (TMA)
-      plgpu.Barrier(num_arrivals=cfg.compute_wgs,
-                    num_barriers=cfg.stages),             # k_free
-      plgpu.Barrier(num_arrivals=cfg.compute_wgs,
-                    num_barriers=cfg.stages),             # v_free
+      free_barrier(num_arrivals=cfg.compute_wgs,
+                   num_barriers=cfg.stages),              # k_free
+      free_barrier(num_arrivals=cfg.compute_wgs,
+                   num_barriers=cfg.stages),              # v_free
   ]
   if cfg.p_in_smem:
     scratch.append(plgpu.SMEM((cfg.compute_wgs, bq, bk), dtype,
@@ -942,10 +986,11 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
     scratch.append(plgpu.Barrier(num_arrivals=cfg.compute_wgs))  # q_free
   if _use_schedule(cfg):
     scratch.append(plgpu.Barrier(num_arrivals=cfg.compute_wgs))
+  if cluster > 1:  # the producers' rendezvous before the cluster exits
+    scratch.append(plgpu.ClusterBarrier(collective_axes=("cluster",)))
   out_type = [out_struct(q.shape, dtype, q, k, v),
               out_struct((prob.batch, prob.num_heads, prob.q_pad),
                          jnp.float32, q, k, v)]
-  n_groups = prob.q_pad // (cfg.compute_wgs * bq)
   n_programs = None
   # Mosaic GPU launches the last grid axis fastest (blockIdx.x; Pallas
   # reverses the grid for CUDA): batch, then query groups (the longest
@@ -953,18 +998,21 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
   # then heads, then batch (tokamax's order); with groups_slowest batch,
   # then heads, then query groups (every (batch, head)'s longest causal
   # group before any second longest: a global longest-first order).
-  grid = (prob.num_heads, n_groups, prob.batch)
+  # kv_multicast: the grid counts clusters, whose two CTAs take adjacent
+  # query groups ("q_seq" program p: groups 2p and 2p + 1).
+  n_programs_q = n_groups // cluster
+  grid = (prob.num_heads, n_programs_q, prob.batch)
   grid_names = ("heads", "q_seq", "batch")
   if cfg.groups_fastest:
-    grid, grid_names = (prob.batch, prob.num_heads, n_groups), (
+    grid, grid_names = (prob.batch, prob.num_heads, n_programs_q), (
         "batch", "heads", "q_seq")
   elif cfg.groups_slowest:
-    grid, grid_names = (n_groups, prob.num_heads, prob.batch), (
+    grid, grid_names = (n_programs_q, prob.num_heads, prob.batch), (
         "q_seq", "heads", "batch")
   if cfg.persistent:
-    # One program per SM; interpreted runs use 2 so that each program
-    # loops over several work items.
-    n_sm = 2 if interpret else _sm_count()
+    # One program per SM (per cluster of SMs); interpreted runs use 2 so
+    # that each program loops over several work items.
+    n_sm = 2 if interpret else _sm_count() // cluster
     n_programs = min(n_sm, prob.num_heads * prob.batch
                      * _units_per_bh(cfg, prob, n_groups))
     grid, grid_names = (n_programs,), ("sm",)
@@ -975,5 +1023,5 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
       grid_names=grid_names, consumers=cfg.compute_wgs,
       interpret=interpret,
       reduction_scratch_bytes=cfg.fwd_reduction_scratch(dp),
-      no_auto_barriers=cfg.no_auto_barriers,
+      no_auto_barriers=cfg.no_auto_barriers, cluster=cluster,
   )(q, k, v, *(segments or ()))
