@@ -249,8 +249,17 @@ class MosaicConfig:
       non-causal with 2048 keys, 1.43x tokamax's L2 lookups in
       jaxflash's forward, while the H200 runs it under its power cap
       at a lower clock than tokamax's and cuDNN's
-      (docs/benchmarks/h200-2026-12-04-s28.md).  Not interpretable
-      (the interpreter runs no multicast copies): GPU tests only.
+      (docs/benchmarks/h200-2026-12-04-s28.md).  Measured there against
+      the default (three runs): +1.4 to +4% at head_dim 128 with 1024
+      keys on the persistent grid (the H200 default there), level at
+      2048, and slower elsewhere: -5% at head_dim 64, -1% at 256 on the
+      plain grid, -2 to -3% at 128 on the plain grid from 4096 keys, -10
+      to -12% at 256 on the persistent grid from 4096 keys (the two
+      CTAs run in lockstep: one's stall holds the other's ring).  The
+      interpreter runs it (cluster indexing, the persistent grid's pairs
+      of groups), but not its cross-CTA synchronisation: with the
+      cluster barriers replaced by per-CTA ones it still passes (s28),
+      so that part is covered by the ``gpu`` tests only.
     exp2_poly_cols: in the forward's steps that take no mask (not the
       overlapped loop's first and last tiles, and no step with segment
       ids), the first this many key columns of each ``S`` tile take ``2^x``
@@ -1025,7 +1034,8 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
   epilogue on every causal call at 256 and on non-causal calls below
   8192 keys at 128; ``early_q_release`` on non-causal calls at head_dim
   128 below 8192 keys and at 256 from 2049 (it acts only on the
-  persistent ones: at 128 up to 2048 keys; elsewhere a no-op).
+  persistent ones: at 128 up to 2048 keys; elsewhere a no-op); and
+  ``kv_multicast`` on non-causal calls of at most 1024 keys at 128.
   """
   table = _tuning()["devices"]
   entries = table.get(device_kind or "", table["default"])
