@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 tools/probe_forward.py items [--head-dim 256]
     PYTHONPATH=. python3 tools/probe_forward.py clocks [--seq 8192]
+        [--overrides "kv_multicast=1"]
 
 ``items``: jaxflash's and tokamax's forward (non-causal, both with their
 tuned defaults) timed in interleaved rounds at one head_dim over several
@@ -15,7 +16,9 @@ a cost per call, per item, or does it grow with the number of waves?
 every 50 ms; once on random inputs and once on zeros (which draw far
 less power).  Says whether an implementation is power-bound (same
 power, lower clock) or needs more cycles for the same work (time x
-clock: the ``Mcyc`` column, per call).
+clock: the ``Mcyc`` column, per call).  ``--overrides`` (MosaicConfig
+fields over the tuned default for the call) adds a ``jaxflash[...]``
+row with them.
 """
 
 from __future__ import annotations
@@ -41,14 +44,28 @@ def _inputs(batch, seq, heads, head_dim, zeros=False):
   return [jax.random.normal(k, shape, jnp.bfloat16) for k in keys]
 
 
-def _impls():
+def _impls(overrides: str = "", head_dim: int = 256, seq: int = 8192):
+  import dataclasses
+
   import jax
   import tokamax
 
   import jaxflash
+  from jaxflash import mosaic_gpu
+  from jaxflash.mosaic_gpu.config import parse_overrides
+  variant = {}
+  if overrides:
+    config = dataclasses.replace(
+        mosaic_gpu.default_config(jax.devices()[0].device_kind, head_dim,
+                                  causal=False, kv_len=seq),
+        **parse_overrides(overrides))
+    variant[f"jaxflash[{overrides}]"] = jax.jit(
+        lambda q, k, v: jaxflash.flash_attention(
+            q, k, v, implementation="mosaic_gpu", config=config))
   return {
       "jaxflash": jax.jit(lambda q, k, v: jaxflash.flash_attention(
           q, k, v, implementation="mosaic_gpu")),
+      **variant,
       "tokamax": jax.jit(lambda q, k, v: tokamax.dot_product_attention(
           q, k, v, implementation="mosaic")),
       "cudnn": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
@@ -98,8 +115,8 @@ def _sampled_run(name, fn, args, seconds=3.0):
   time.sleep(1.0)
 
 
-def clocks(head_dim: int, seq: int = 8192) -> None:
-  impls = _impls()
+def clocks(head_dim: int, seq: int = 8192, overrides: str = "") -> None:
+  impls = _impls(overrides, head_dim, seq)
   heads = 2048 // head_dim
   for zeros in (False, True):
     args = _inputs(max(1, 16384 // seq), seq, heads, head_dim, zeros=zeros)
@@ -115,11 +132,14 @@ def main(argv=None) -> int:
   ap.add_argument("--head-dim", type=int, default=256)
   ap.add_argument("--seq", type=int, default=8192,
                   help="clocks: keys per call (batch 16384 / seq)")
+  ap.add_argument("--overrides", default="",
+                  help="clocks: also jaxflash with these MosaicConfig"
+                       " fields over the tuned default (field=value,...)")
   args = ap.parse_args(argv)
   if args.probe == "items":
     items(args.head_dim)
   else:
-    clocks(args.head_dim, args.seq)
+    clocks(args.head_dim, args.seq, args.overrides)
   return 0
 
 
