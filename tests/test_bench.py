@@ -239,6 +239,29 @@ def test_cpu_smoke_end_to_end(tmp_path, capsys):
   assert bench_main.main(["--impls", "nope", "--cpu-smoke"]) == 2
 
 
+def test_sample_seconds_reaches_the_timer(tmp_path, monkeypatch):
+  """--sample-seconds is each sample's least duration (longer samples:
+  the sustained-load regime), passed to the timer and kept in the JSON;
+  a negative one exits 2."""
+  if jax.default_backend() == "gpu":
+    pytest.skip("CPU path")
+  seen = []
+  timer = core.time_interleaved
+
+  def spy(calls, **kw):
+    seen.append(kw["min_sample_s"])
+    return timer(calls, **kw)
+
+  monkeypatch.setattr(core, "time_interleaved", spy)
+  rc = bench_main.main(["--cpu-smoke", "--out", str(tmp_path), "--name", "t",
+                        "--impls", "xla", "--mode", "fwd", "--causal", "off",
+                        "--samples", "1", "--sample-seconds", "0.001"])
+  assert rc == 0 and seen and set(seen) == {0.001}
+  meta, _ = report.read_json(str(tmp_path / "t.json"))
+  assert meta["sample_seconds"] == 0.001
+  assert bench_main.main(["--cpu-smoke", "--sample-seconds", "-1"]) == 2
+
+
 def test_mosaic_variants_are_rows_of_the_same_run(tmp_path, monkeypatch):
   """--mosaic-variants adds one row per named config override, timed with
   the others (here the interpretable config, on CPU); bad specs exit 2."""

@@ -54,6 +54,13 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--out", default="docs/benchmarks")
   p.add_argument("--name", default=None, help="file stem of the outputs")
   p.add_argument("--samples", type=int, default=7)
+  p.add_argument("--sample-seconds", type=float, default=0.02,
+                 help="least time of one sample (back-to-back calls of"
+                      " one implementation). The default's short bursts"
+                      " leave the H200 below its sustained power cap;"
+                      " samples of a second or more approach the"
+                      " sustained regime of training (see"
+                      " docs/benchmarks/README.md)")
   p.add_argument("--seed", type=int, default=0,
                  help="seed of the rounds' call orders, with each shape's"
                       " own (give replicated runs different seeds)")
@@ -143,7 +150,7 @@ def _message(e: Exception) -> str:
 
 def run_shape(shape: core.Shape, names, modes, *, interpret: bool,
               samples: int, progress=None, makers=None,
-              seed: int = 0) -> list[dict]:
+              seed: int = 0, sample_seconds: float = 0.02) -> list[dict]:
   """Every implementation and mode at one shape: built and checked one by
   one, then timed together in interleaved rounds."""
   arrays = _inputs(shape)
@@ -167,6 +174,7 @@ def run_shape(shape: core.Shape, names, modes, *, interpret: bool,
   # One seed per shape (from the run's and the shape's), so that shapes
   # with as many calls do not all get the same assignment of places.
   times = core.time_interleaved(calls, samples=samples,
+                                min_sample_s=sample_seconds,
                                 seed=f"{seed}:{shape}")
   for key, secs in times.items():
     name, mode = key
@@ -182,6 +190,10 @@ def run_shape(shape: core.Shape, names, modes, *, interpret: bool,
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
+  if not args.sample_seconds >= 0:
+    print(f"error: --sample-seconds={args.sample_seconds} must be >= 0",
+          file=sys.stderr)
+    return 2
   try:
     if args.cpu_smoke:
       shapes = core.grid(head_dims=[32], seqs=[64, 128],
@@ -229,7 +241,7 @@ def main(argv=None) -> int:
               device_count=jax.device_count(), commit=core.commit(),
               date=datetime.date.today().isoformat(),
               flop_formula=core.FLOP_FORMULA, samples=args.samples,
-              seed=args.seed)
+              seed=args.seed, sample_seconds=args.sample_seconds)
   if args.cpu_smoke:
     meta["note"] = ("CPU smoke run: kernels in Pallas interpret mode. NOT a"
                     " performance figure.")
@@ -245,7 +257,7 @@ def main(argv=None) -> int:
   for shape in shapes:
     rows = run_shape(shape, names, modes, interpret=interpret,
                      samples=args.samples, progress=bar, makers=makers,
-                     seed=args.seed)
+                     seed=args.seed, sample_seconds=args.sample_seconds)
     for row in rows:  # one line per row as it lands: a cut run still reports
       bar.write(report.row_line(row), file=sys.stderr)
     results += rows
