@@ -228,8 +228,10 @@ class MosaicConfig:
       with it against 1.018x (head_dim 128, 1024 keys) and 1.031x
       (head_dim 256, 1024 keys) in the default order (it ignores L2
       reuse, which the default's head-by-head order favours).  On the
-      persistent grid the round robin takes the same order.  Not yet
-      run on a GPU; not with ``groups_fastest``.
+      persistent grid the round robin takes the same order.  On the
+      H200 0.83-0.99x of the default on causal calls at head_dim
+      128/256 with 1024-4096 keys (s28: the resident programs then
+      share no K/V in L2): not a default.  Not with ``groups_fastest``.
     kv_multicast: the forward runs in clusters of two CTAs, the two
       query groups of a cluster (adjacent ones of one (batch, head))
       sharing each K/V tile: each CTA's producer issues half of the tile
@@ -244,18 +246,25 @@ class MosaicConfig:
       per two SMs).  Both CTAs of a cluster must stream the same key
       tiles, so it applies only to calls whose key range is the same for
       every query group (no causal mask, local window or segment ids)
-      and whose query-group count is even; elsewhere the kernel runs
-      without clusters.  Written because ncu measured, at head_dim 256
+      and whose query-group count is even, with one consumer or the
+      two-consumer ping-pong (a cluster barrier takes one arrival per
+      warpgroup, so nothing else keeps a skipping consumer's warps
+      together); elsewhere the kernel runs without clusters.  Written
+      because ncu measured, at head_dim 256
       non-causal with 2048 keys, 1.43x tokamax's L2 lookups in
       jaxflash's forward, while the H200 runs it under its power cap
       at a lower clock than tokamax's and cuDNN's
       (docs/benchmarks/h200-2026-12-04-s28.md).  Measured there against
-      the default (three runs): +1.4 to +4% at head_dim 128 with 1024
+      the default (four runs): +1.2 to +4% at head_dim 128 with 1024
       keys on the persistent grid (the H200 default there), level at
       2048, and slower elsewhere: -5% at head_dim 64, -1% at 256 on the
       plain grid, -2 to -3% at 128 on the plain grid from 4096 keys, -10
-      to -12% at 256 on the persistent grid from 4096 keys (the two
-      CTAs run in lockstep: one's stall holds the other's ring).  The
+      to -12% at 256 on the persistent grid from 4096 keys (not
+      isolated: the two CTAs run in lockstep, and 66 clusters may not
+      all fit at once).  Under sustained load (3 s back to back, at the
+      power cap) it ran 2.4% faster than the default at head_dim 256
+      with 2048 keys on the plain grid, drawing tokamax's power (s28
+      §6), where the benchmark's rounds had it level.  The
       interpreter runs it (cluster indexing, the persistent grid's pairs
       of groups), but not its cross-CTA synchronisation: with the
       cluster barriers replaced by per-CTA ones it still passes (s28),

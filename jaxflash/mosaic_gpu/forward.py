@@ -725,8 +725,9 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     """Persistent grid: program ``sm`` takes work items ``sm, sm +
     n_programs, ...`` (heads fastest, then query groups, then batch; with
     ``groups_fastest`` query groups, then heads; with ``groups_slowest``
-    heads, then batch, then query groups), the
-    ring's step count running on across them: ``run(item, b, h,
+    heads, then batch, then query groups; with clusters
+    (``kv_multicast``) a unit is a pair of adjacent query groups, one
+    per CTA), the ring's step count running on across them: ``run(item, b, h,
     group_start, u_lo, u_hi, first_step)``.  With ``persistent_pairs`` on
     a causal call the units dealt out are pairs of query groups (the
     ``p``-th longest, then the ``p``-th shortest: equal work per unit);
@@ -795,10 +796,11 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       produce(b, h, u_lo, n_steps, 0)
     if exit_barrier is not None:
       # Neither CTA of a cluster exits before the other's producer has
-      # drained its ring: by then every multicast copy into either CTA
-      # has landed and every cluster arrival on either CTA's barriers
-      # has been observed (CUTLASS ends its multicast kernels with a
-      # cluster sync for the same reason).
+      # drained its ring.  A guard, not a necessity: each drain already
+      # observes every arrival on its own CTA's barriers, and every copy
+      # into a CTA was waited for by its consumers (CUTLASS's producer
+      # tail does the same).  One barrier per CTA; the form the GPU
+      # tests ran.
       plgpu.barrier_arrive(exit_barrier)
       plgpu.barrier_wait(exit_barrier)
 
@@ -813,11 +815,21 @@ def _cluster_size(cfg: MosaicConfig, prob: Problem, n_groups: int) -> int:
   """CTAs per cluster: 2 with :attr:`MosaicConfig.kv_multicast` where
   both query groups of a cluster stream the same key tiles (no causal
   mask, window or segment ids: every group's key range is the whole
-  sequence) and the groups pair up; 1 otherwise."""
+  sequence) and the groups pair up; 1 otherwise.
+
+  Also 1 with two or three consumers and no ping-pong schedule.  A
+  cluster barrier takes one arrival per warpgroup, from its first warp
+  (Mosaic GPU's collective arrive), where a CTA-local mbarrier takes
+  every thread's.  So a consumer that only acknowledges a step (no
+  warpgroup-wide wgmma keeps its warps together) could release the slot
+  before its other warps have waited for it.  With the ping-pong every
+  step passes a two-warpgroup barrier; one consumer never skips."""
   mask = prob.mask
   uniform = (not mask.causal and mask.window_left is None
              and mask.window_right is None and not prob.has_segments)
-  return 2 if cfg.kv_multicast and uniform and n_groups % 2 == 0 else 1
+  in_step = cfg.compute_wgs == 1 or _use_schedule(cfg)
+  return (2 if cfg.kv_multicast and uniform and in_step
+          and n_groups % 2 == 0 else 1)
 
 
 def _units_per_bh(cfg: MosaicConfig, prob: Problem, n_groups: int) -> int:
