@@ -45,23 +45,21 @@ def _inputs(batch, seq, heads, head_dim, zeros=False):
 
 
 def _impls(overrides: str = "", head_dim: int = 256, seq: int = 8192):
-  import dataclasses
-
   import jax
   import tokamax
 
   import jaxflash
-  from jaxflash import mosaic_gpu
+  from jaxflash.bench import core, impls
   from jaxflash.mosaic_gpu.config import parse_overrides
   variant = {}
-  if overrides:
-    config = dataclasses.replace(
-        mosaic_gpu.default_config(jax.devices()[0].device_kind, head_dim,
-                                  causal=False, kv_len=seq),
-        **parse_overrides(overrides))
+  if overrides:  # the benchmark's --mosaic-variants row at this shape
+    heads = 2048 // head_dim
+    shape = core.Shape(batch=max(1, 16384 // seq), seq_q=seq, seq_k=seq,
+                       heads=heads, kv_heads=heads, head_dim=head_dim,
+                       causal=False)
+    make = impls.mosaic_variant(parse_overrides(overrides))
     variant[f"jaxflash[{overrides}]"] = jax.jit(
-        lambda q, k, v: jaxflash.flash_attention(
-            q, k, v, implementation="mosaic_gpu", config=config))
+        make(shape, {}, False))
   return {
       "jaxflash": jax.jit(lambda q, k, v: jaxflash.flash_attention(
           q, k, v, implementation="mosaic_gpu")),
