@@ -771,13 +771,14 @@ def test_gpu_long_fa3_tiles(head_dim, kv_len, split_kv):
   config = mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=False,
                                      kv_len=kv_len)
   if head_dim == 256:  # the 80-key tiles: no longer the tuned default there
-    # (on the plain grid: the persistent one's output slots leave no room
-    # for 80-key tiles, config.head_dim_problem)
-    # (early_q_release, which the overlap's persistent calls carry,
-    # belongs to the overlapped loop)
+    # (on the plain grid without output slots: the persistent grid's and
+    # the lean epilogue's leave no room for 80-key tiles,
+    # config.head_dim_problem; without the default's two-CTA clusters, as
+    # when this form was the default)
     config = dataclasses.replace(config, block_kv=80, intra_wg_overlap=False,
                                  consumer_registers=None, persistent=False,
-                                 early_q_release=False)
+                                 early_q_release=False, lean_epilogue=False,
+                                 kv_multicast=False)
   config = dataclasses.replace(config, split_kv_release=split_kv)
   assert config.block_kv == {128: 176, 256: 80}[head_dim]
   assert config.unpadded_kv
