@@ -748,8 +748,9 @@ def test_gpu_long(seq, causal, head_dim):
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_long_three_consumers(causal):
   """16384 keys at head_dim 64 (MQA): on the H200 the tuned default runs
-  three consumers there, causal or not (tuning.json's kv_rules), the
-  non-causal call on the persistent grid; gradients too."""
+  three consumers there, causal or not (tuning.json's kv_rules), both
+  on the plain grid (the non-causal one persistent until s29); gradients
+  too."""
   case = ("long-16384-64-mqa", 16384, 16384, 2, 1, 64, jnp.bfloat16, causal,
           None, None)
   _run(case, False, None)

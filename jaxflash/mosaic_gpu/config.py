@@ -111,12 +111,15 @@ class MosaicConfig:
       tokamax's non-causal default; without ``prefetch_q`` the next Q
       load still waits for the output's copy out of shared memory).  The
       tuned defaults turn it on for non-causal calls with up to 2048 keys
-      at head_dim 128 and 16384 at 64 (``persistent_max_kv`` in
-      tuning.json; +3-6% there on the H200; at head_dim 128 with
-      ``early_q_release``, without which the plain grid with
-      ``lean_epilogue`` was faster from 1025 keys), and at
-      head_dim 256 for non-causal calls up to 1024 keys and from 2049
-      (with ``prefetch_q``: +2-6% there, 2026-12-03), and for causal
+      at head_dim 128 and at 64 (``persistent_max_kv`` in tuning.json;
+      +3-6% there on the H200; at head_dim 128 with ``early_q_release``,
+      without which the plain grid with ``lean_epilogue`` was faster
+      from 1025 keys; at 64 it was the default up to 16384 keys until
+      sustained-load timing had the plain grid 3-5% faster from 4096,
+      2026-12-04 s29), and at head_dim 256 for non-causal calls up to
+      1024 keys (with ``prefetch_q``; from 2049 keys too until s29,
+      where it ran 6% behind ``kv_multicast``'s plain grid under
+      sustained load), and for causal
       calls up to 4096 keys at head_dim 64 (+7.5% at 2048 keys, +2% at
       4096, 2026-12-04) and, with ``persistent_pairs``, up to 1024 keys
       at head_dim 128; without the pairs it is slower on causal calls at
@@ -259,12 +262,15 @@ class MosaicConfig:
       keys on the persistent grid (the H200 default there), level at
       2048, and slower elsewhere: -5% at head_dim 64, -1% at 256 on the
       plain grid, -2 to -3% at 128 on the plain grid from 4096 keys, -10
-      to -12% at 256 on the persistent grid from 4096 keys (not
-      isolated: the two CTAs run in lockstep, and 66 clusters may not
-      all fit at once).  Under sustained load (3 s back to back, at the
-      power cap) it ran 2.4% faster than the default at head_dim 256
-      with 2048 keys on the plain grid, drawing tokamax's power (s28
-      §6), where the benchmark's rounds had it level.  The
+      to -12% at 256 on the persistent grid from 4096 keys (not the
+      cluster count: 56-66 clusters ran alike, s29 §2; lockstep between
+      the two CTAs is not isolated).  Under sustained load (0.5-3 s
+      back to back, at the power cap) it ran 2.4% faster than the
+      default at head_dim 256 with 2048 keys on the plain grid, drawing
+      tokamax's power (s28 §6), and on the plain grid 5-8% faster than
+      the persistent default from 2048 to 16384 keys (s29), where the
+      benchmark's 20 ms rounds had it level or up to 4% slower: the H200
+      default at 256 for non-causal calls from 1025 keys since s29.  The
       interpreter runs it (cluster indexing, the persistent grid's pairs
       of groups), but not its cross-CTA synchronisation: with the
       cluster barriers replaced by per-CTA ones it still passes (s28),
@@ -323,8 +329,9 @@ class MosaicConfig:
       tokamax: no faster on the H200 at 8192 and 16384 keys
       (docs/benchmarks/h200-2026-12-01-lean-epilogue.md), but +2-5% on
       the plain grid at head_dim 256 with 2048 non-causal keys in three
-      runs, where it is the H200 default (1025-2048 keys;
-      docs/benchmarks/h200-2026-12-03-s22.md).  With the overlap
+      runs, where it became the H200 default (1025-2048 keys;
+      docs/benchmarks/h200-2026-12-03-s22.md; from 1025 keys with
+      ``kv_multicast`` since s29).  With the overlap
       (``intra_wg_overlap``) it is also the H200 default on causal
       calls at head_dim 256 (+3.5-6.5% at 1024-8192 keys, level at
       16384) and on non-causal calls below 8192 keys at 128 (+0.5-2% at
@@ -1038,13 +1045,15 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
   intra-warpgroup overlap, which the head_dim 128 entry sets for the
   other calls), and the overlap at head_dim 256 on causal calls and on
   non-causal ones from 1025 keys (the persistent grid without it below),
-  and at head_dim 256 the lean epilogue on non-causal calls of 1025-2048
-  keys, the persistent grid with ``prefetch_q`` from 2049; the lean
-  epilogue on every causal call at 256 and on non-causal calls below
-  8192 keys at 128; ``early_q_release`` on non-causal calls at head_dim
-  128 below 8192 keys and at 256 from 2049 (it acts only on the
-  persistent ones: at 128 up to 2048 keys; elsewhere a no-op); and
+  and at head_dim 256 the lean epilogue and ``kv_multicast`` on
+  non-causal calls from 1025 keys (the plain grid); the lean epilogue on
+  every causal call at 256 and on non-causal calls below 8192 keys at
+  128; ``early_q_release`` on non-causal calls at head_dim 128 below
+  8192 keys (it acts only on the persistent ones, up to 2048 keys); and
   ``kv_multicast`` on non-causal calls of at most 1024 keys at 128.
+  Where the benchmark's 20 ms samples and sustained load (0.5-1 s
+  samples, the card at its power cap) disagree, the rules follow
+  sustained load (docs/benchmarks/h200-2026-12-04-s29.md).
   """
   table = _tuning()["devices"]
   entries = table.get(device_kind or "", table["default"])
