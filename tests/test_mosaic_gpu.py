@@ -328,6 +328,17 @@ INTERPRET_VARIANTS.update({
         dict(bwd_dkv_block_q=80, bwd_softmax_overlap=True,
              bwd_early_dv=True),
         ["d128-full-6tiles", "d96-gqa-q200-k300"]),
+    # FlashAttention-4's conditional rescaling (the reference max moves
+    # only past 2^8): causal diagonals, GQA, windows, rows that see no key,
+    # the persistent grid; with the intra-warpgroup overlap (the head_dim
+    # 128/256 defaults' loop).  The interpreter multiplies by alpha = 1
+    # where the GPU skips (test_rescale_threshold_* below).
+    "rescale_threshold": (dict(rescale_threshold=8), [
+        "d64-causal-2wg", "d32-tiny-window-empty", "d96-gqa-q200-k300",
+        "d64-persistent-2wg-causal"]),
+    "rescale_threshold+intra_wg_overlap": (
+        dict(rescale_threshold=8, intra_wg_overlap=True),
+        ["d128-window", "d256-causal-q300-k100", "d64-full"]),
 })
 
 
@@ -343,7 +354,8 @@ EXPERIMENTS = {"three_wgs+intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "bwd_dkv_late_release+early_dv",
                "block_kv_80", "block_kv_176", "bwd_dkv_block_q_80",
                "block_kv_176+intra_wg_overlap",
-               "groups_fastest", "groups_slowest", "exp2_poly_cols"}
+               "groups_fastest", "groups_slowest", "exp2_poly_cols",
+               "rescale_threshold", "rescale_threshold+intra_wg_overlap"}
 
 
 def _variant_params():
@@ -361,6 +373,75 @@ def test_interpret_variant(variant, name):
   case = next(c for c in CASES if c[0] == name)
   config = dataclasses.replace(case[-1], **INTERPRET_VARIANTS[variant][0])
   _run(case, RACES, config)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_rescale_threshold_where_the_row_max_jumps(overlap):
+  """``rescale_threshold``: keys whose scale grows along the sequence (each
+  row's max creeps up by less than 2^8 from tile to tile: the reference
+  stays and P runs above 1) and one key per head whose score jumps far
+  past it in the fourth tile (the reference moves and O is rescaled):
+  outputs, LSE and gradients by the numerics rule, causal and not."""
+  t, h, d = 320, 2, 64
+  q, k, v, do, dlse = numerics.random_inputs(
+      jax.random.key(29), batch=1, q_len=t, kv_len=t, heads=h, kv_heads=h,
+      head_dim=d, dtype=jnp.bfloat16)
+  ramp = jnp.linspace(0.2, 3.0, t)[None, :, None, None]
+  k = (k.astype(jnp.float32) * ramp).at[:, 200].set(
+      20.0 * q[:, 250].astype(jnp.float32)).astype(jnp.bfloat16)
+  for causal in (False, True):
+    config = dataclasses.replace(TWO_WG, rescale_threshold=8,
+                                 intra_wg_overlap=overlap)
+    spec = masks.MaskSpec(t, t, causal, None, None, None)
+
+    def fn(q, k, v, config=config, spec=spec):
+      return mosaic_gpu.attention(q, k, v, mask=spec, softmax_scale=d ** -0.5,
+                                  config=config, interpret=RACES)
+
+    got = numerics.outputs_and_grads(fn, q, k, v, do, dlse)
+    numerics.check_rule(got, q, k, v, do, dlse, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu_rescale_threshold_where_the_row_max_jumps(head_dim):
+  """The same inputs as test_rescale_threshold_where_the_row_max_jumps on
+  the GPU, where each thread skips O's rescale while its rows' reference
+  stays: the H200's tuned config for the call with the threshold,
+  2048 keys, causal and not."""
+  t, h = 2048, 4
+  q, k, v, do, dlse = numerics.random_inputs(
+      jax.random.key(29), batch=1, q_len=t, kv_len=t, heads=h, kv_heads=h,
+      head_dim=head_dim, dtype=jnp.bfloat16)
+  ramp = jnp.linspace(0.2, 3.0, t)[None, :, None, None]
+  k = (k.astype(jnp.float32) * ramp).at[:, 1500].set(
+      20.0 * q[:, 1700].astype(jnp.float32)).astype(jnp.bfloat16)
+  for causal in (False, True):
+    config = dataclasses.replace(
+        mosaic_gpu.default_config("NVIDIA H200", -(-head_dim // 64) * 64,
+                                  causal=causal, kv_len=t),
+        rescale_threshold=8)
+    spec = masks.MaskSpec(t, t, causal, None, None, None)
+
+    def fn(q, k, v, config=config, spec=spec):
+      return mosaic_gpu.attention(q, k, v, mask=spec,
+                                  softmax_scale=head_dim ** -0.5,
+                                  config=config, interpret=False)
+
+    got = numerics.outputs_and_grads(fn, q, k, v, do, dlse)
+    numerics.check_rule(got, q, k, v, do, dlse, causal=causal)
+
+
+def test_rescale_threshold_is_checked():
+  """Out of range, or with the polynomial exp2 (which takes exponents
+  <= 0): ValueError naming the values."""
+  with pytest.raises(ValueError, match="rescale_threshold=9"):
+    mosaic_gpu.MosaicConfig(rescale_threshold=9)
+  with pytest.raises(ValueError, match="rescale_threshold=-1"):
+    mosaic_gpu.MosaicConfig(rescale_threshold=-1)
+  with pytest.raises(ValueError, match="exp2_poly_cols=16"):
+    mosaic_gpu.MosaicConfig(rescale_threshold=8, exp2_poly_cols=16)
+  assert mosaic_gpu.MosaicConfig(rescale_threshold=8).rescale_threshold == 8
 
 
 def test_forward_smem_rules():
@@ -480,6 +561,22 @@ GPU_CONFIGS = {
             early_q_release=True, groups_fastest=True),
     # The head_dim 256 non-causal defaults' two forms in two-CTA clusters
     # sharing each K/V tile by TMA multicast (kv_multicast).
+    # FlashAttention-4's conditional rescaling, with each thread's branch
+    # around O's rescale (GPU only): the head_dim 256 non-causal default's
+    # form, the head_dim 128 short non-causal one, and three consumers
+    # (the head_dim 64 long form; the non-overlapped loop's rescale).
+    "named-overlap-lean-epilogue-kv64-multicast-rescale":
+        mosaic_gpu.MosaicConfig(
+            intra_wg_overlap=True, named_barriers=True, block_kv=64,
+            consumer_registers=240, lean_epilogue=True, kv_multicast=True,
+            rescale_threshold=8),
+    "named-overlap-persistent-early-q-rescale": mosaic_gpu.MosaicConfig(
+        intra_wg_overlap=True, named_barriers=True, block_kv=128,
+        consumer_registers=240, persistent=True, prefetch_q=True,
+        early_q_release=True, lean_epilogue=True, rescale_threshold=8),
+    "named-three-wg-rescale": mosaic_gpu.MosaicConfig(
+        named_barriers=True, compute_wgs=3, block_kv=128,
+        rescale_threshold=8),
     "named-overlap-lean-epilogue-kv64-multicast": mosaic_gpu.MosaicConfig(
         intra_wg_overlap=True, named_barriers=True, block_kv=64,
         consumer_registers=240, lean_epilogue=True, kv_multicast=True),

@@ -55,6 +55,10 @@ _EXCLUSIVE_OPTIONS = (
 )
 
 
+# rescale_threshold's ceiling: P runs up to 2^threshold, exact in float16
+# (and bfloat16) and far from float16's 65504; FlashAttention-4 uses 8.
+MAX_RESCALE_THRESHOLD = 8
+
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
   """Tiles and pipeline of the Hopper forward kernel; frozen (static).
@@ -302,6 +306,27 @@ class MosaicConfig:
       then reserves no cross-warp reduction scratch (its reductions are
       along the rows of wgmma tiles, within a warp), which keeps head_dim
       256 inside shared memory.
+    rescale_threshold: FlashAttention-4's conditional rescaling (arXiv
+      2603.05451): each row's reference max in the forward's online
+      softmax, against which ``P``, the row sum and ``O`` are kept, moves
+      only when the row's max exceeds it by more than
+      ``2^rescale_threshold`` (an integer, in powers of two; 0: every
+      step, the exact FlashAttention-2 update).  ``P`` then runs up to
+      ``2^threshold`` (exact in float32 and in ``P``'s 16-bit format,
+      hence at most 8) and the final ``O / l`` and the LSE are the same
+      for any reference.  Where the reference stays, ``alpha`` is 1 and
+      on the GPU each thread skips its rescale of ``O`` (a branch,
+      :func:`jaxflash.mosaic_gpu.forward.rescale_rows`): one FMUL per
+      accumulator element, the step's largest instruction class (130
+      FMULs per thread per step at head_dim 256, against 34
+      exponentials; PTX of the compiled loop and ncu's opcode counts,
+      s28).  Written (s29) because the H200 forward is power-bound under
+      sustained load and cuDNN's d256 forward executes 24% fewer
+      instructions than ours; not yet timed.  The interpreter runs the
+      threshold with the unconditional multiply (bit-identical: a
+      multiply by 1), so only the branch is covered by the ``gpu`` tests
+      alone.  Not with ``exp2_poly_cols`` (the polynomial takes
+      exponents <= 0).
     early_q_release: with ``intra_wg_overlap`` and ``prefetch_q`` on the
       persistent grid, a consumer signals "done with Q" as soon as its
       last ``Q K^T`` has been read back, before the last tile's ``P V``
@@ -607,6 +632,7 @@ class MosaicConfig:
   groups_slowest: bool = False
   kv_multicast: bool = False
   exp2_poly_cols: int = 0
+  rescale_threshold: int = 0
   early_q_release: bool = False
   lean_epilogue: bool = False
   no_auto_barriers: bool = False
@@ -663,6 +689,17 @@ class MosaicConfig:
       raise ValueError(
           f"exp2_poly_cols={cols!r} must be 0 or a multiple of 8 below"
           f" block_kv={self.block_kv}")
+    thr = self.rescale_threshold
+    if not isinstance(thr, int) or not 0 <= thr <= MAX_RESCALE_THRESHOLD:
+      raise ValueError(
+          f"rescale_threshold={thr!r} must be an integer from 0 (off) to"
+          f" {MAX_RESCALE_THRESHOLD} (P up to 2^threshold must stay exact"
+          " in float16)")
+    if thr and cols:
+      raise ValueError(
+          f"rescale_threshold={thr} with exp2_poly_cols={cols}: the"
+          " polynomial takes exponents <= 0, and under the threshold they"
+          " run up to the threshold")
     for name in ("stages", "bwd_stages"):
       val = getattr(self, name)
       if not isinstance(val, int) or val < 2:

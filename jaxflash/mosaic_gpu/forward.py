@@ -36,7 +36,11 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.experimental.mosaic import gpu as mgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, scf, vector
 
 from jaxflash.masks import MaskSpec
 from jaxflash.mosaic_gpu import pipeline
@@ -86,6 +90,52 @@ def exp2_poly(x, magic):
           + lax.shift_left(lax.bitcast_convert_type(t, jnp.int32),
                            jnp.int32(23)))
   return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def rescale_rows(acc, alpha, *, skip_unmoved: bool):
+  """``acc * alpha`` row by row (``alpha`` in the row layout of the wgmma
+  accumulator ``acc``): the online softmax's rescale of ``O``.
+
+  With ``skip_unmoved`` (on the GPU, with
+  :attr:`MosaicConfig.rescale_threshold`) each thread multiplies its
+  share of ``acc`` only where ``alpha`` is not exactly 1 in one of the
+  rows it holds, a branch per thread (inline Mosaic GPU: Pallas has no
+  per-thread scalar).  Under the threshold a row's reference max rarely
+  moves after its first tiles, so ``alpha`` is 1 in nearly every step
+  and the branch skips the step's largest instruction class: one FMUL
+  per accumulator element, 128 per thread per step at head_dim 256 and
+  64 at 128 against 32 or 64 exponentials (the compiled loop's PTX;
+  ncu's top opcode class at d256, s28/s29).  Multiplying by exactly 1
+  changes no value, so both forms give bit-identical results; the
+  interpreter runs the multiply."""
+  if not skip_unmoved:
+    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)),
+      return_type=plgpu.ShapeDtypeStruct(acc.shape, acc.dtype,
+                                         layout=plgpu.Layout.WGMMA))
+  def rescale_where_moved(_, acc, alpha):
+    one = arith.constant(ir.F32Type.get(), 1.0)
+    moved = None  # this thread's rows: is any alpha != 1?
+    for reg in alpha.registers.flat:
+      n = reg.type.shape[0] if isinstance(reg.type, ir.VectorType) else 0
+      for x in ([vector.extract(reg, [], [i]) for i in range(n)] or [reg]):
+        ne = arith.cmpf(arith.CmpFPredicate.UNE, x, one)
+        moved = ne if moved is None else arith.ori(moved, ne)
+    regs = acc.registers
+    branch = scf.IfOp(moved, [r.type for r in regs.flat], has_else=True)
+    with ir.InsertionPoint(branch.then_block):
+      scaled = acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout)
+      scf.yield_(list(scaled.registers.flat))
+    with ir.InsertionPoint(branch.else_block):
+      scf.yield_(list(regs.flat))
+    out = np.empty(regs.shape, dtype=object)
+    out.flat[:] = list(branch.results)
+    return mgpu.FragmentedArray(_registers=out, _layout=acc.layout,
+                                _is_signed=acc.is_signed)
+
+  return rescale_where_moved(acc, alpha)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +256,9 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         pl.when(nxt < end_step)(
             lambda: plgpu.barrier_wait(k_ready.at[lax.rem(nxt, stages)]))
 
+    rescale = functools.partial(
+        rescale_rows, skip_unmoved=bool(cfg.rescale_threshold) and in_place)
+
     def probs(s, t, m, *, masked: bool):
       """Tile ``t``'s online-softmax step from the raw ``S``: ``P`` (float32,
       base 2, against the new running max), the new max and the factor
@@ -238,10 +291,21 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         s = jnp.where(mask.visible(q_idx, k_idx, **seg), s, -jnp.inf)
       row_max = s.max(axis=1)
       m_next = jnp.maximum(m, row_max if scale is None else row_max * scale)
+      if cfg.rescale_threshold:
+        # FlashAttention-4's conditional rescaling (arXiv 2603.05451): the
+        # row's reference max (against which P, the row sum and O are
+        # kept) moves only when the row's max grows past it by more than
+        # 2^threshold, else P runs up to 2^threshold, exact in float32 and
+        # in P's 16-bit format.  The final O / l and the LSE (m +
+        # log2 l) are the same for any reference.  A row that has seen no
+        # key moves at once (anything > -inf); -inf stays -inf.
+        m_next = jnp.where(m_next > m + cfg.rescale_threshold, m_next, m)
       # While a row has seen no key, m = -inf: subtract 0 instead so that
       # exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
       m_use = jnp.where(m_next == -jnp.inf, 0.0, m_next) if masked else m_next
       alpha = jnp.exp2(m - m_use)
+      if cfg.rescale_threshold:  # exactly 1 where the reference stayed
+        alpha = jnp.where(m_next == m, 1.0, alpha)
       m_b = lax.broadcast_in_dim(m_use, s.shape, [0])
       x = s - m_b if scale is None else s * scale - m_b
       cols = cfg.exp2_poly_cols
@@ -332,7 +396,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       p16 = p.astype(dtype)
       rescale_early = in_place and not cfg.late_rescale
       if rescale_early:
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        acc = rescale(acc, alpha)
       # As JAX's attention_mgpu: at head_dim <= 128, finishing the row sum
       # and pinning the softmax results before the barriers lets the
       # compiler schedule them ahead of the wait (measured faster there).
@@ -347,7 +411,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       if not early_sum and not sum_in_pv:
         l = l + p.sum(axis=1)
       if not rescale_early:
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        acc = rescale(acc, alpha)
       return acc, m_next, l, p16, (p if sum_in_pv else None)
 
     def compute(step, t, carry, *, masked: bool):
@@ -486,7 +550,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         # into those same registers (the compiler sees P_{t-1} dead once
         # the wgmma is issued).  ptxas then serialises the wgmmas (its
         # C7513 note), which is what the first form of this loop did.
-        acc = o * lax.broadcast_in_dim(alpha, o.shape, [0])
+        acc = rescale(o, alpha)
         return acc, m, l, stash(p)
 
       # Steps lo + 1 .. hi - 1.
