@@ -375,6 +375,33 @@ def test_interpret_variant(variant, name):
   _run(case, RACES, config)
 
 
+def _max_jump_inputs(t, h, d, jump_key, jump_query):
+  """Random inputs whose keys grow along the sequence (each row's max
+  creeps up by less than 2^8 from tile to tile) and whose key
+  ``jump_key`` scores 20 x |q|^2 against query ``jump_query`` (a jump
+  that overflows float32 if the reference max never moves)."""
+  q, k, v, do, dlse = numerics.random_inputs(
+      jax.random.key(29), batch=1, q_len=t, kv_len=t, heads=h, kv_heads=h,
+      head_dim=d, dtype=jnp.bfloat16)
+  ramp = jnp.linspace(0.2, 3.0, t)[None, :, None, None]
+  k = (k.astype(jnp.float32) * ramp).at[:, jump_key].set(
+      20.0 * q[:, jump_query].astype(jnp.float32)).astype(jnp.bfloat16)
+  return q, k, v, do, dlse
+
+
+def _check_max_jump(config, args, causal, interpret):
+  q = args[0]
+  t, d = q.shape[1], q.shape[3]
+  spec = masks.MaskSpec(t, t, causal, None, None, None)
+
+  def fn(q, k, v):
+    return mosaic_gpu.attention(q, k, v, mask=spec, softmax_scale=d ** -0.5,
+                                config=config, interpret=interpret)
+
+  got = numerics.outputs_and_grads(fn, *args)
+  numerics.check_rule(got, *args, causal=causal)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_rescale_threshold_where_the_row_max_jumps(overlap):
   """``rescale_threshold``: keys whose scale grows along the sequence (each
@@ -382,24 +409,11 @@ def test_rescale_threshold_where_the_row_max_jumps(overlap):
   stays and P runs above 1) and one key per head whose score jumps far
   past it in the fourth tile (the reference moves and O is rescaled):
   outputs, LSE and gradients by the numerics rule, causal and not."""
-  t, h, d = 320, 2, 64
-  q, k, v, do, dlse = numerics.random_inputs(
-      jax.random.key(29), batch=1, q_len=t, kv_len=t, heads=h, kv_heads=h,
-      head_dim=d, dtype=jnp.bfloat16)
-  ramp = jnp.linspace(0.2, 3.0, t)[None, :, None, None]
-  k = (k.astype(jnp.float32) * ramp).at[:, 200].set(
-      20.0 * q[:, 250].astype(jnp.float32)).astype(jnp.bfloat16)
+  args = _max_jump_inputs(320, 2, 64, jump_key=200, jump_query=250)
+  config = dataclasses.replace(TWO_WG, rescale_threshold=8,
+                               intra_wg_overlap=overlap)
   for causal in (False, True):
-    config = dataclasses.replace(TWO_WG, rescale_threshold=8,
-                                 intra_wg_overlap=overlap)
-    spec = masks.MaskSpec(t, t, causal, None, None, None)
-
-    def fn(q, k, v, config=config, spec=spec):
-      return mosaic_gpu.attention(q, k, v, mask=spec, softmax_scale=d ** -0.5,
-                                  config=config, interpret=RACES)
-
-    got = numerics.outputs_and_grads(fn, q, k, v, do, dlse)
-    numerics.check_rule(got, q, k, v, do, dlse, causal=causal)
+    _check_max_jump(config, args, causal, RACES)
 
 
 @pytest.mark.gpu
@@ -409,27 +423,14 @@ def test_gpu_rescale_threshold_where_the_row_max_jumps(head_dim):
   the GPU, where each thread skips O's rescale while its rows' reference
   stays: the H200's tuned config for the call with the threshold,
   2048 keys, causal and not."""
-  t, h = 2048, 4
-  q, k, v, do, dlse = numerics.random_inputs(
-      jax.random.key(29), batch=1, q_len=t, kv_len=t, heads=h, kv_heads=h,
-      head_dim=head_dim, dtype=jnp.bfloat16)
-  ramp = jnp.linspace(0.2, 3.0, t)[None, :, None, None]
-  k = (k.astype(jnp.float32) * ramp).at[:, 1500].set(
-      20.0 * q[:, 1700].astype(jnp.float32)).astype(jnp.bfloat16)
+  t = 2048
+  args = _max_jump_inputs(t, 4, head_dim, jump_key=1500, jump_query=1700)
   for causal in (False, True):
     config = dataclasses.replace(
         mosaic_gpu.default_config("NVIDIA H200", -(-head_dim // 64) * 64,
                                   causal=causal, kv_len=t),
         rescale_threshold=8)
-    spec = masks.MaskSpec(t, t, causal, None, None, None)
-
-    def fn(q, k, v, config=config, spec=spec):
-      return mosaic_gpu.attention(q, k, v, mask=spec,
-                                  softmax_scale=head_dim ** -0.5,
-                                  config=config, interpret=False)
-
-    got = numerics.outputs_and_grads(fn, q, k, v, do, dlse)
-    numerics.check_rule(got, q, k, v, do, dlse, causal=causal)
+    _check_max_jump(config, args, causal, False)
 
 
 def test_rescale_threshold_is_checked():
