@@ -89,3 +89,37 @@ def test_ptxas_cpu_lowers_and_names_the_kernels(monkeypatch):
   cfg, modules, names = ptxas_cpu.lower(spec)
   assert cfg.intra_wg_overlap and cfg.consumer_registers == 232
   assert names == ["forward"] and len(modules) == 1
+
+
+# A two-launch ncu source page (--page source --csv --print-source sass),
+# cut to the columns tools/ncu_stalls.py reads.
+_HEADER = ('"Address","Source","Instructions Executed",'
+           '"Warp Stall Sampling (All Samples)","stall_wait"')
+SOURCE_PAGE = "\n".join([
+    '"Kernel Name","first"', _HEADER,
+    '"0","@P0 FMUL R1, R1, R2","100","5","5"',
+    '"1","FMUL.FTZ R3, R3, R2","50","1","1"',
+    '"2","MUFU.EX2 R4, R4","40","2","2"',
+    '"3","@!UP1 BRA 0x10","7","0","0"',
+    '"Kernel Name","second"', _HEADER,
+    '"0","FFMA R1, R1, R2, R3","9","1","1"', ""])
+
+
+def test_ncu_stalls_counts_opcodes_per_kernel(monkeypatch, tmp_path, capsys):
+  """--opcodes sums each opcode's executions over its SASS lines
+  (predicates and modifiers dropped), per launch, and --per divides."""
+  monkeypatch.syspath_prepend(pathlib.Path(__file__).parents[1] / "tools")
+  import ncu_stalls
+
+  page = tmp_path / "page.csv"
+  page.write_text(SOURCE_PAGE)
+  _, rows = ncu_stalls.load(page, 0)
+  assert ncu_stalls.opcode_counts(rows) == {"FMUL": 150, "MUFU": 40,
+                                            "BRA": 7}
+  _, rows = ncu_stalls.load(page, 1)
+  assert ncu_stalls.opcode_counts(rows) == {"FFMA": 9}
+  ncu_stalls.main([str(page), "--opcodes", "2", "--per", "10"])
+  out = capsys.readouterr().out.splitlines()
+  assert out[0] == "197 warp-level instructions executed, 19.7 per 10"
+  assert out[1].split()[:2] == ["FMUL", "15.0"]
+  assert out[2].split()[:2] == ["MUFU", "4.0"]

@@ -17,6 +17,13 @@ First come the kernel's totals by stall reason and by instruction class
 often each ran: at most N executions (a wait once per warp per work item,
 Q and the first tiles, when N is about warps x items) against more (the
 K/V ring's, once per warp per key step).
+
+``--opcodes N`` prints instead the N opcodes that ran most (warp-level
+instructions executed, summed over the SASS lines of each opcode
+mnemonic, modifiers dropped: ``FMUL``, ``MUFU``, ...), with ``--per D``
+dividing the counts by D (e.g. the warp-steps of the call, to compare
+kernels of different tilings per unit of work).  It names what
+``sass__inst_executed_per_opcode`` counts without names.
 """
 
 import argparse
@@ -63,6 +70,21 @@ def load(path, kernel=0):
                   if len(r) == len(header)]
 
 
+OPCODE = re.compile(r"^\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def opcode_counts(rows) -> dict[str, int]:
+  """Warp-level instructions executed per opcode mnemonic (the first
+  word of each SASS line after its predicate, modifiers dropped)."""
+  out: dict[str, int] = {}
+  for r in rows:
+    m = OPCODE.match(r["Source"])
+    ran = int(r["Instructions Executed"] or 0)
+    if m and ran:
+      out[m.group(1)] = out.get(m.group(1), 0) + ran
+  return out
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("csv")
@@ -74,8 +96,21 @@ def main(argv=None):
                   help="split the mbarrier waits at this execution count")
   ap.add_argument("--min-share", type=float, default=0.4,
                   help="also list any instruction above this %% of samples")
+  ap.add_argument("--opcodes", type=int, default=None,
+                  help="print the N opcodes executed most, and stop")
+  ap.add_argument("--per", type=float, default=1.0,
+                  help="with --opcodes: divide the counts by this")
   args = ap.parse_args(argv)
   header, rows = load(args.csv, args.kernel)
+  if args.opcodes is not None:
+    counts = opcode_counts(rows)
+    total = sum(counts.values()) or 1
+    print(f"{total} warp-level instructions executed"
+          + (f", {total / args.per:.1f} per {args.per:g}" if args.per != 1
+             else ""))
+    for op, n in sorted(counts.items(), key=lambda kv: -kv[1])[:args.opcodes]:
+      print(f"{op:12s} {n / args.per:14.1f} {100 * n / total:5.1f}%")
+    return
   samples = "Warp Stall Sampling (All Samples)"
   reasons = [h for h in header
              if h.startswith("stall_") and "Not Issued" not in h]
