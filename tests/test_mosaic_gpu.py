@@ -400,6 +400,7 @@ def _check_max_jump(config, args, causal, interpret):
 
   got = numerics.outputs_and_grads(fn, *args)
   numerics.check_rule(got, *args, causal=causal)
+  return got[0]
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -413,23 +414,42 @@ def test_rescale_threshold_where_the_row_max_jumps(overlap):
   config = dataclasses.replace(TWO_WG, rescale_threshold=8,
                                intra_wg_overlap=overlap)
   for causal in (False, True):
-    _check_max_jump(config, args, causal, RACES)
+    out = _check_max_jump(config, args, causal, RACES)
+  # The threshold is in force: P against a stale reference rounds
+  # differently from the exact update's (not a silent no-op).
+  exact = _check_max_jump(dataclasses.replace(config, rescale_threshold=0),
+                          args, True, RACES)
+  assert not np.array_equal(np.asarray(out), np.asarray(exact))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_gpu_rescale_threshold_where_the_row_max_jumps(head_dim):
-  """The same inputs as test_rescale_threshold_where_the_row_max_jumps on
-  the GPU, where each thread skips O's rescale while its rows' reference
-  stays: the H200's tuned config for the call with the threshold,
-  2048 keys, causal and not."""
+@pytest.mark.parametrize("head_dim,form", [
+    (64, "tuned"), (128, "tuned"), (256, "tuned"), (64, "three-wg"),
+    (128, "plain-loop"), (96, "pv-then-qk")])
+def test_gpu_rescale_threshold_where_the_row_max_jumps(head_dim, form):
+  """The same kind of inputs as test_rescale_threshold_where_the_row_max_jumps
+  on the GPU, where each warp skips O's rescale while its rows' reference
+  stays (and multiplies a non-zero O where it moves): 2048 keys, causal
+  and not, with the H200's tuned config for the call and the threshold
+  (``tuned``), or over it three consumers, the plain loop with
+  ``late_rescale``, or ``pv_then_qk``."""
   t = 2048
   args = _max_jump_inputs(t, 4, head_dim, jump_key=1500, jump_query=1700)
+  plain = dict(intra_wg_overlap=False, early_q_release=False,
+               consumer_registers=None, persistent=False,
+               persistent_pairs=False, kv_multicast=False)
   for causal in (False, True):
     config = dataclasses.replace(
         mosaic_gpu.default_config("NVIDIA H200", -(-head_dim // 64) * 64,
                                   causal=causal, kv_len=t),
         rescale_threshold=8)
+    config = dataclasses.replace(config, **{
+        "tuned": {},
+        "three-wg": dict(compute_wgs=3, schedule_barrier=False,
+                         persistent=False, consumer_registers=None),
+        "plain-loop": dict(plain, late_rescale=True),
+        "pv-then-qk": dict(plain, pv_then_qk=True),
+    }[form])
     _check_max_jump(config, args, causal, False)
 
 
@@ -560,12 +580,12 @@ GPU_CONFIGS = {
             intra_wg_overlap=True, named_barriers=True, block_kv=64,
             consumer_registers=240, persistent=True, prefetch_q=True,
             early_q_release=True, groups_fastest=True),
-    # The head_dim 256 non-causal defaults' two forms in two-CTA clusters
-    # sharing each K/V tile by TMA multicast (kv_multicast).
-    # FlashAttention-4's conditional rescaling, with each thread's branch
+    # FlashAttention-4's conditional rescaling, with each warp's branch
     # around O's rescale (GPU only): the head_dim 256 non-causal default's
     # form, the head_dim 128 short non-causal one, and three consumers
     # (the head_dim 64 long form; the non-overlapped loop's rescale).
+    # On CASES' random inputs a reference moves only at a row's first
+    # tile (O still zero); test_gpu_rescale_threshold_* moves it later.
     "named-overlap-lean-epilogue-kv64-multicast-rescale":
         mosaic_gpu.MosaicConfig(
             intra_wg_overlap=True, named_barriers=True, block_kv=64,
@@ -578,6 +598,8 @@ GPU_CONFIGS = {
     "named-three-wg-rescale": mosaic_gpu.MosaicConfig(
         named_barriers=True, compute_wgs=3, block_kv=128,
         rescale_threshold=8),
+    # The head_dim 256 non-causal defaults' two forms in two-CTA clusters
+    # sharing each K/V tile by TMA multicast (kv_multicast).
     "named-overlap-lean-epilogue-kv64-multicast": mosaic_gpu.MosaicConfig(
         intra_wg_overlap=True, named_barriers=True, block_kv=64,
         consumer_registers=240, lean_epilogue=True, kv_multicast=True),

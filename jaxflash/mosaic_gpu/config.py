@@ -315,7 +315,7 @@ class MosaicConfig:
       ``2^threshold`` (exact in float32 and in ``P``'s 16-bit format,
       hence at most 8) and the final ``O / l`` and the LSE are the same
       for any reference.  Where the reference stays, ``alpha`` is 1 and
-      on the GPU each thread skips its rescale of ``O`` (a branch,
+      on the GPU each warp skips its rescale of ``O`` (a branch,
       :func:`jaxflash.mosaic_gpu.forward.rescale_rows`): one FMUL per
       accumulator element, the step's largest instruction class (130
       FMULs per thread per step at head_dim 256, against 34

@@ -40,7 +40,7 @@ import numpy as np
 from jax import lax
 from jax.experimental.mosaic import gpu as mgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, scf, vector
+from jaxlib.mlir.dialects import arith, nvvm, scf, vector
 
 from jaxflash.masks import MaskSpec
 from jaxflash.mosaic_gpu import pipeline
@@ -99,9 +99,10 @@ def rescale_rows(acc, alpha, *, skip_unmoved: bool):
   With ``skip_unmoved`` (on the GPU, with
   :attr:`MosaicConfig.rescale_threshold`) each thread multiplies its
   share of ``acc`` only where ``alpha`` is not exactly 1 in one of the
-  rows it holds, a branch per thread (inline Mosaic GPU: Pallas has no
-  per-thread scalar).  Under the threshold a row's reference max rarely
-  moves after its first tiles, so ``alpha`` is 1 in nearly every step
+  rows its warp holds, a branch per warp (``vote.any`` over the lanes'
+  rows; inline Mosaic GPU: Pallas has no per-thread or per-warp
+  scalar).  Under the threshold a row's reference max rarely moves
+  after its first tiles, so ``alpha`` is 1 in nearly every step
   and the branch skips the step's largest instruction class: one FMUL
   per accumulator element, 128 per thread per step at head_dim 256 and
   64 at 128 against 32 or 64 exponentials (the compiled loop's PTX;
@@ -123,6 +124,12 @@ def rescale_rows(acc, alpha, *, skip_unmoved: bool):
       for x in ([vector.extract(reg, [], [i]) for i in range(n)] or [reg]):
         ne = arith.cmpf(arith.CmpFPredicate.UNE, x, one)
         moved = ne if moved is None else arith.ori(moved, ne)
+    # One decision per warp (vote.any): a warp runs the multiplies
+    # whenever one of its lanes needs them anyway, and the branch then
+    # never splits a warp ahead of the next step's .sync.aligned wgmma.
+    moved = nvvm.vote_sync(
+        arith.constant(ir.IntegerType.get_signless(32), 0xFFFFFFFF),
+        moved, "any")
     regs = acc.registers
     branch = scf.IfOp(moved, [r.type for r in regs.flat], has_else=True)
     with ir.InsertionPoint(branch.then_block):
