@@ -477,8 +477,9 @@ def test_forward_smem_rules():
   assert plain.smem_bytes(256) == mosaic_gpu.MosaicConfig().smem_bytes(256)
   assert cfg.out_chunks(192) == (3, 2) and cfg.out_chunks(64) == (1, 1)
   # The reduction scratch is dropped only where the buffers need its room
-  # (and always with prefetch_q): the tuned defaults keep it, but for
-  # FlashAttention-3's 80-key tile at head_dim 256 (231,424 B without).
+  # (and always with prefetch_q): the tuned defaults keep it, but on the
+  # persistent grid with prefetch_q and at head_dim 256 with the lean
+  # epilogue's output slots (the non-causal default from 1025 keys).
   assert cfg.fwd_reduction_scratch(64) == 0
   wide = mosaic_gpu.MosaicConfig(block_kv=192)
   assert wide.fwd_reduction_scratch(128) == 0
@@ -487,8 +488,9 @@ def test_forward_smem_rules():
   for d in (64, 128, 256):
     for kv in (1024, 4096, 16384):
       dflt = mosaic_gpu.default_config("NVIDIA H200", d, kv_len=kv)
-      dropped = dflt.prefetches_q or dflt.block_kv == 80
-      assert dflt.fwd_reduction_scratch(d) == (0 if dropped else None)
+      dropped = dflt.prefetches_q or (d == 256 and dflt.lean_epilogue)
+      assert dflt.fwd_reduction_scratch(d) == (0 if dropped else None), (
+          d, kv)
 
 
 def test_gpu_only_options_are_refused_in_the_interpreter():
