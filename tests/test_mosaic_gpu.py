@@ -507,6 +507,18 @@ def test_gpu_only_options_are_refused_in_the_interpreter():
 _D128_BWD = dict(bwd_stats_in_acc=True, bwd_softmax_overlap=True,
                  bwd_consumer_registers=240, bwd_early_dv=True)
 
+# The head_dim 256 non-causal forward's two forms (64-key tiles, the
+# overlap at 240 registers): the plain grid with the lean epilogue (the
+# H200 default from 1025 keys, with kv_multicast) and the persistent grid
+# with the next Q prefetched and loaded early (the default from 2049 keys
+# until s29); several GPU_CONFIGS are one option over them.
+_D256_PLAIN = mosaic_gpu.MosaicConfig(
+    intra_wg_overlap=True, named_barriers=True, block_kv=64,
+    consumer_registers=240, lean_epilogue=True)
+_D256_PERSISTENT = mosaic_gpu.MosaicConfig(
+    intra_wg_overlap=True, named_barriers=True, block_kv=64,
+    consumer_registers=240, persistent=True, prefetch_q=True,
+    early_q_release=True)
 GPU_CONFIGS = {
     "default": None,
     "p-in-smem": mosaic_gpu.MosaicConfig(p_in_smem=True),
@@ -573,15 +585,10 @@ GPU_CONFIGS = {
         exp2_poly_cols=32),
     # The head_dim 256 non-causal defaults' two forms with the work
     # items ordered query groups fastest (groups_fastest).
-    "named-overlap-lean-epilogue-kv64-groups-fastest":
-        mosaic_gpu.MosaicConfig(
-            intra_wg_overlap=True, named_barriers=True, block_kv=64,
-            consumer_registers=240, lean_epilogue=True, groups_fastest=True),
+    "named-overlap-lean-epilogue-kv64-groups-fastest": dataclasses.replace(
+        _D256_PLAIN, groups_fastest=True),
     "named-overlap-persistent-early-q-kv64-groups-fastest":
-        mosaic_gpu.MosaicConfig(
-            intra_wg_overlap=True, named_barriers=True, block_kv=64,
-            consumer_registers=240, persistent=True, prefetch_q=True,
-            early_q_release=True, groups_fastest=True),
+        dataclasses.replace(_D256_PERSISTENT, groups_fastest=True),
     # FlashAttention-4's conditional rescaling, with each warp's branch
     # around O's rescale (GPU only): the head_dim 256 non-causal default's
     # form, the head_dim 128 short non-causal one, and three consumers
@@ -589,10 +596,8 @@ GPU_CONFIGS = {
     # On CASES' random inputs a reference moves only at a row's first
     # tile (O still zero); test_gpu_rescale_threshold_* moves it later.
     "named-overlap-lean-epilogue-kv64-multicast-rescale":
-        mosaic_gpu.MosaicConfig(
-            intra_wg_overlap=True, named_barriers=True, block_kv=64,
-            consumer_registers=240, lean_epilogue=True, kv_multicast=True,
-            rescale_threshold=8),
+        dataclasses.replace(_D256_PLAIN, kv_multicast=True,
+                            rescale_threshold=8),
     "named-overlap-persistent-early-q-rescale": mosaic_gpu.MosaicConfig(
         intra_wg_overlap=True, named_barriers=True, block_kv=128,
         consumer_registers=240, persistent=True, prefetch_q=True,
@@ -602,32 +607,24 @@ GPU_CONFIGS = {
         rescale_threshold=8),
     # The head_dim 256 non-causal defaults' two forms in two-CTA clusters
     # sharing each K/V tile by TMA multicast (kv_multicast).
-    "named-overlap-lean-epilogue-kv64-multicast": mosaic_gpu.MosaicConfig(
-        intra_wg_overlap=True, named_barriers=True, block_kv=64,
-        consumer_registers=240, lean_epilogue=True, kv_multicast=True),
-    "named-overlap-persistent-early-q-kv64-multicast":
-        mosaic_gpu.MosaicConfig(
-            intra_wg_overlap=True, named_barriers=True, block_kv=64,
-            consumer_registers=240, persistent=True, prefetch_q=True,
-            early_q_release=True, kv_multicast=True),
+    "named-overlap-lean-epilogue-kv64-multicast": dataclasses.replace(
+        _D256_PLAIN, kv_multicast=True),
+    "named-overlap-persistent-early-q-kv64-multicast": dataclasses.replace(
+        _D256_PERSISTENT, kv_multicast=True),
     # The head_dim 128 and 256 causal plain-grid defaults with the work
     # items ordered query groups slowest (groups_slowest).
     "named-overlap-lean-epilogue-groups-slowest": mosaic_gpu.MosaicConfig(
         intra_wg_overlap=True, named_barriers=True, block_kv=128,
         consumer_registers=240, lean_epilogue=True, groups_slowest=True),
-    "named-overlap-lean-epilogue-kv64-groups-slowest":
-        mosaic_gpu.MosaicConfig(
-            intra_wg_overlap=True, named_barriers=True, block_kv=64,
-            consumer_registers=240, lean_epilogue=True, groups_slowest=True),
+    "named-overlap-lean-epilogue-kv64-groups-slowest": dataclasses.replace(
+        _D256_PLAIN, groups_slowest=True),
     # The head_dim 256 non-causal defaults' two forms at every head_dim:
     # 64-key tiles at 240 registers, persistent with the next Q
     # prefetched, or on the plain grid with the lean epilogue.
     "named-overlap-persistent-prefetch-q-kv64": mosaic_gpu.MosaicConfig(
         intra_wg_overlap=True, named_barriers=True, block_kv=64,
         consumer_registers=240, persistent=True, prefetch_q=True),
-    "named-overlap-lean-epilogue-kv64": mosaic_gpu.MosaicConfig(
-        intra_wg_overlap=True, named_barriers=True, block_kv=64,
-        consumer_registers=240, lean_epilogue=True),
+    "named-overlap-lean-epilogue-kv64": _D256_PLAIN,
     # Three consumers with the overlap (the d64 long calls' candidate; 64
     # keys: no spills at their 160 registers, 128 spill 72 bytes).
     "named-three-wg-overlap-kv64": mosaic_gpu.MosaicConfig(

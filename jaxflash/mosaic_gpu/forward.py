@@ -167,7 +167,7 @@ class Problem:
 
 
 def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
-            n_programs: int | None):
+            n_programs: int | None, cluster: int):
   if prob.has_segments:
     q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, range_ref, *refs = refs
   else:
@@ -192,9 +192,9 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
   first = pipeline.FIRST_NAMED_BARRIER + 2
   group_rows = cfg.compute_wgs * bq
   n_groups = prob.q_pad // group_rows
-  # kv_multicast: two CTAs per cluster, one query group each, share the
-  # K/V ring; its "free" signals are then cluster mbarriers.
-  cluster = _cluster_size(cfg, prob, n_groups)
+  # kv_multicast: two CTAs per cluster (``cluster``, from
+  # _cluster_size), one query group each, share the K/V ring; its "free"
+  # signals are then cluster mbarriers.
   exit_barrier = extra.pop() if cluster > 1 else None
   named_rings = cfg.named_barriers and cluster == 1
   k_free = pipeline.ring_free(k_free, named_rings, cfg.compute_wgs, first)
@@ -1100,7 +1100,8 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
                      * _units_per_bh(cfg, prob, n_groups))
     grid, grid_names = (n_programs,), ("sm",)
   kernel = functools.partial(_kernel, prob=prob, cfg=cfg, dtype=dtype,
-                             in_place=not interpret, n_programs=n_programs)
+                             in_place=not interpret, n_programs=n_programs,
+                             cluster=cluster)
   return pipeline.launch(
       kernel, out_type=out_type, scratch=scratch, grid=grid,
       grid_names=grid_names, consumers=cfg.compute_wgs,
