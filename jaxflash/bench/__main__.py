@@ -58,9 +58,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="least time of one sample (back-to-back calls of"
                       " one implementation). The default's short bursts"
                       " leave the H200 below its sustained power cap;"
-                      " samples of a second or more approach the"
-                      " sustained regime of training (see"
-                      " docs/benchmarks/README.md)")
+                      " 0.5 s or more reproduce the sustained regime of"
+                      " training, which can rank kernels differently"
+                      " (docs/benchmarks/README.md)")
   p.add_argument("--seed", type=int, default=0,
                  help="seed of the rounds' call orders, with each shape's"
                       " own (give replicated runs different seeds)")
