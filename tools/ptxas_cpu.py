@@ -5,7 +5,7 @@ as tools/ptxas_report.py gives them on the GPU machine.
     PYTHONPATH=. python3 tools/ptxas_cpu.py HEAD_DIM {fwd|fwd_bwd}
         [OVERRIDES] [--causal] [--seq 2048] [--kv-len-rule 8192]
         [--device-kind "NVIDIA H200"] [--arch sm_90a] [--keep DIR]
-        [--out DIR]
+        [--out DIR] [--loops]
     PYTHONPATH=. python3 tools/ptxas_cpu.py --cases \
 "128:fwd:0:;128:fwd:1:block_kv=176,intra_wg_overlap=0"
 
@@ -56,7 +56,10 @@ Setup is cached in ${JAXFLASH_PTX_CACHE:-~/.cache/jaxflash-ptx}: whl/
 (the wheel), site/ (unzipped; replaced when jax's version changes) and
 fakecuda/.  Needs pip (once), gcc (once) and ptxas; no GPU, no CUDA
 driver.  --out DIR writes the rows to DIR/ptxas_cpu.json; --keep DIR
-keeps each case's PTX and cubins in DIR/CASE/.
+keeps each case's PTX and cubins in DIR/CASE/.  --loops adds each
+kernel's tile loops from its SASS (tools/sass_loops.py: instructions per
+trip, and with the largest inner forward branch taken), printed under
+the kernel's row and kept, with their opcode counts, in the JSON.
 """
 
 import argparse
@@ -323,6 +326,10 @@ def child(spec: dict) -> None:
              rc=rc, warnings=[w for e in entries for w in e["warnings"]],
              ptxas_lines=[ln.rstrip() for ln in text.splitlines()
                           if ln.strip() and "Compile time" not in ln])
+    cubin = paths[i].with_suffix(".cubin")
+    if spec.get("loops") and rc == 0 and cubin.exists():
+      from sass_loops import loops, read_sass, tile_loops  # noqa: PLC0415
+      k["loops"] = [l.as_row() for l in tile_loops(loops(read_sass(cubin)))]
     kernels.append(k)
   base = MosaicConfig()
   (out / ROW_FILE).write_text(json.dumps(dict(
@@ -344,7 +351,7 @@ def case_spec(case: str, a) -> dict:
   return dict(case=case, head_dim=int(d), mode=mode,
               causal=bool(int(causal or 0)), overrides=overrides,
               seq=a.seq, kv_len_rule=a.kv_len_rule,
-              device_kind=a.device_kind, arch=a.arch)
+              device_kind=a.device_kind, arch=a.arch, loops=a.loops)
 
 
 def run_case(spec: dict, work: pathlib.Path, timeout: int) -> dict:
@@ -394,6 +401,11 @@ def report(rows: list[dict]) -> None:
             f"{len(notes):>3}{rc}")
       for w in notes:
         print(f"    {short(w)[:160]}")
+      if k.get("loops"):
+        print("    tile loops (instructions per trip; with the branch"
+              " taken): " + ", ".join(
+                  f"{l['count']}" + (f" ({l['taken']})" if l["skip"] else "")
+                  for l in k["loops"]))
     changed = ", ".join(f"{f}={v}" for f, v in row["config_changed"].items())
     s = row["seconds"]
     print(textwrap.fill(changed, 78, initial_indent="    config (fields off"
@@ -420,6 +432,8 @@ def main():
   ap.add_argument("--arch", default="sm_90a")
   ap.add_argument("--keep", help="keep each case's PTX and cubins here")
   ap.add_argument("--out", help="write ptxas_cpu.json here")
+  ap.add_argument("--loops", action="store_true",
+                  help="tile loops' instruction counts (tools/sass_loops.py)")
   ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
   ap.add_argument("--timeout", type=int, default=600)
   a = ap.parse_args()
