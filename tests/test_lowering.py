@@ -139,6 +139,19 @@ def _mosaic_case(shape):
          intra_wg_overlap=True, consumer_registers=240),
     dict(named_barriers=True, compute_wgs=3, intra_wg_overlap=True,
          p_in_smem=True, block_kv=128),
+    # rescale_threshold: on the GPU, O's rescale behind a per-warp branch
+    # (inline Mosaic GPU, which the interpreter does not run, so these
+    # lowerings are its only CPU check): the plain loop (with and without
+    # late_rescale), the overlapped loop, three consumers, and the head_dim
+    # 256 non-causal default's form (lean epilogue, K/V multicast).
+    dict(named_barriers=True, rescale_threshold=8),
+    dict(named_barriers=True, late_rescale=True, rescale_threshold=8),
+    dict(named_barriers=True, intra_wg_overlap=True, block_kv=128,
+         rescale_threshold=8),
+    dict(named_barriers=True, compute_wgs=3, block_kv=128,
+         rescale_threshold=8),
+    dict(named_barriers=True, intra_wg_overlap=True, lean_epilogue=True,
+         kv_multicast=True, consumer_registers=240, rescale_threshold=8),
 ], ["default", "p-in-smem", "one-wg", "deep", "wide", "persistent",
         "overlap", "overlap-wide", "named-overlap-wide", "named-early",
         "named-persistent",
@@ -150,7 +163,9 @@ def _mosaic_case(shape):
         "named-kv80", "named-kv80-unpadded", "named-kv176-p-in-smem",
         "kv96-p-in-smem-persistent", "named-kv80-unpadded-regs240",
         "named-overlap-kv176-regs240",
-        "named-three-wg-overlap-p-in-smem"],
+        "named-three-wg-overlap-p-in-smem", "named-rescale",
+        "named-late-rescale-threshold", "named-overlap-rescale",
+        "three-wg-rescale", "named-overlap-lean-multicast-rescale"],
     every_commit={"default", "persistent", "named-persistent",
                   "named-prefetch-q", "three-wg", "three-wg-prefetch-q",
                   "named-kv80-unpadded"}))
