@@ -6,31 +6,31 @@ whose retry block sits after the code, and an outer loop)."""
 import pathlib
 
 SASS = """\
-        /*0000*/                   S2R R14, SR_TID.X ;          /* 0x0 */
+        /*0000*/      S2R R14, SR_TID.X ;          /* 0x0 */
 .L_x_1:
-        /*0010*/                   IADD3 R1, R1, 0x1, RZ ;      /* 0x0 */
+        /*0010*/      IADD3 R1, R1, 0x1, RZ ;      /* 0x0 */
 .L_x_2:
-        /*0020*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P3, [UR7], R152 ;
-        /*0030*/              @!P3 BRA `(.L_x_9) ;
+        /*0020*/      SYNCS.PHASECHK.TRANS64.TRYWAIT P3, [UR7], R152 ;
+        /*0030*/      @!P3 BRA `(.L_x_9) ;
 .L_x_3:
-        /*0040*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;
-        /*0050*/                   FMNMX.NAN R5, R6, R7, !PT ;
-        /*0060*/                   MUFU.EX2 R5, R5 ;
-        /*0070*/                   VOTE.ANY P2, P2 ;
-        /*0080*/              @!P2 BRA `(.L_x_4) ;
-        /*0090*/                   FMUL R24, R24, R5 ;
-        /*00a0*/                   FMUL R25, R25, R5 ;
-        /*00b0*/                   FMUL R26, R26, R5 ;
+        /*0040*/      HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*0050*/      FMNMX.NAN R5, R6, R7, !PT ;
+        /*0060*/      MUFU.EX2 R5, R5 ;
+        /*0070*/      VOTE.ANY P2, P2 ;
+        /*0080*/      @!P2 BRA `(.L_x_4) ;
+        /*0090*/      FMUL R24, R24, R5 ;
+        /*00a0*/      FMUL R25, R25, R5 ;
+        /*00b0*/      FMUL R26, R26, R5 ;
 .L_x_4:
-        /*00c0*/                   HGMMA.64x256x16.F32.BF16 R24, R184, gdesc[UR8], R24 ;
-        /*00d0*/               @P1 BRA `(.L_x_2) ;
-        /*00e0*/               @P0 BRA `(.L_x_1) ;
-        /*00f0*/                   EXIT ;
+        /*00c0*/      HGMMA.64x256x16.F32.BF16 R24, R184, gdesc[UR8], R24 ;
+        /*00d0*/      @P1 BRA `(.L_x_2) ;
+        /*00e0*/      @P0 BRA `(.L_x_1) ;
+        /*00f0*/      EXIT ;
 .L_x_9:
-        /*0100*/                   NANOSLEEP.SYNCS 0x0 ;
-        /*0110*/                   SYNCS.PHASECHK.TRANS64 P3, [UR7], R152 ;
-        /*0120*/              @!P3 BRA `(.L_x_9) ;
-        /*0130*/                   BRA `(.L_x_3) ;
+        /*0100*/      NANOSLEEP.SYNCS 0x0 ;
+        /*0110*/      SYNCS.PHASECHK.TRANS64 P3, [UR7], R152 ;
+        /*0120*/      @!P3 BRA `(.L_x_9) ;
+        /*0130*/      BRA `(.L_x_3) ;
 """
 
 

@@ -45,7 +45,8 @@ import sys
 
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _LABEL = re.compile(r"^\s*(\.L_\w+):")
-_BRANCH = re.compile(r"\bBRA(?:\.\w+)*\s+(?:!?U?P[T0-9]+,\s*)?(?:`\()?(\.L_\w+)")
+_BRANCH = re.compile(  # BRA[.U] [!P2, ]`(.L_x_1)
+    r"\bBRA(?:\.\w+)*\s+(?:!?U?P[T0-9]+,\s*)?(?:`\()?(\.L_\w+)")
 _PRED = re.compile(r"^@!?U?P[T0-9]+\s+")
 
 
