@@ -152,6 +152,20 @@ def _mosaic_case(shape):
          rescale_threshold=8),
     dict(named_barriers=True, intra_wg_overlap=True, lean_epilogue=True,
          kv_multicast=True, consumer_registers=240, rescale_threshold=8),
+    # deferred_row_sum (inline Mosaic GPU too): every loop form that sums
+    # P's rows, and with the threshold.
+    dict(named_barriers=True, deferred_row_sum=True),
+    dict(named_barriers=True, row_sum_in_pv=True, deferred_row_sum=True),
+    dict(named_barriers=True, pv_then_qk=True, row_sum_in_pv=True,
+         deferred_row_sum=True),
+    dict(named_barriers=True, intra_wg_overlap=True, block_kv=128,
+         consumer_registers=240, persistent=True, prefetch_q=True,
+         early_q_release=True, deferred_row_sum=True),
+    dict(named_barriers=True, compute_wgs=3, block_kv=128,
+         deferred_row_sum=True),
+    dict(named_barriers=True, intra_wg_overlap=True, lean_epilogue=True,
+         kv_multicast=True, consumer_registers=240, rescale_threshold=8,
+         deferred_row_sum=True),
 ], ["default", "p-in-smem", "one-wg", "deep", "wide", "persistent",
         "overlap", "overlap-wide", "named-overlap-wide", "named-early",
         "named-persistent",
@@ -165,7 +179,12 @@ def _mosaic_case(shape):
         "named-overlap-kv176-regs240",
         "named-three-wg-overlap-p-in-smem", "named-rescale",
         "named-late-rescale-threshold", "named-overlap-rescale",
-        "three-wg-rescale", "named-overlap-lean-multicast-rescale"],
+        "three-wg-rescale", "named-overlap-lean-multicast-rescale",
+        "named-deferred-sum", "named-row-sum-in-pv-deferred-sum",
+        "named-pv-then-qk-row-sum-in-pv-deferred-sum",
+        "named-overlap-persistent-early-q-deferred-sum",
+        "three-wg-deferred-sum",
+        "named-overlap-lean-multicast-rescale-deferred-sum"],
     every_commit={"default", "persistent", "named-persistent",
                   "named-prefetch-q", "three-wg", "three-wg-prefetch-q",
                   "named-kv80-unpadded"}))
@@ -439,3 +458,53 @@ def test_ring_layers_share_their_kernels():
   # Forward per relation (causal, full), and their backward kernels.
   assert 2 <= one <= 8, one
   assert kernels(3) == one
+
+
+def _forward_kernel_ops(head_dim, causal, **fields):
+  """The Mosaic GPU kernel module of the H200 forward for head_dim /
+  causal with ``fields`` over its tuned config, lowered for CUDA on this
+  machine and printed (the module travels as bytecode in the custom
+  call; jax keeps it in ``KNOWN_KERNELS`` while lowering)."""
+  import dataclasses
+
+  from jax._src.interpreters import mlir as jax_mlir
+  from jax.experimental.mosaic.gpu import core as mgpu_core
+  from jax.experimental.mosaic.gpu import dialect as mgpu_dialect
+  from jaxlib.mlir import ir
+
+  from jaxflash import mosaic_gpu
+  t = 1024
+  config = dataclasses.replace(
+      mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=causal,
+                                kv_len=4096), **fields)
+  spec = MaskSpec(t, t, causal, None, None, None)
+  x = jax.ShapeDtypeStruct((1, t, 2, head_dim), jnp.bfloat16)
+  mgpu_core.KNOWN_KERNELS.clear()
+  jax.jit(lambda q, k, v: mosaic_gpu.attention(
+      q, k, v, mask=spec, softmax_scale=0.1, config=config)[0]).trace(
+          x, x, x).lower(lowering_platforms=("cuda",))
+  (module,) = mgpu_core.KNOWN_KERNELS.values()
+  ctx = jax_mlir.make_ir_context()
+  mgpu_dialect.register_dialect(ctx)
+  ctx.allow_unregistered_dialects = True  # stable_mosaic_gpu's wrapper
+  with ctx:
+    return str(ir.Module.parse(module))
+
+
+@pytest.mark.parametrize("head_dim,causal", [(256, False), (128, True)])
+def test_gpu_only_forward_options_reach_the_kernel(head_dim, causal):
+  """The forward options that only the GPU runs (inline Mosaic GPU, which
+  the interpreter does not execute) change the kernel the GPU gets:
+  ``rescale_threshold`` adds the per-warp vote of its rescale branch,
+  ``deferred_row_sum`` removes shuffles from the loop (its final
+  butterflies add fewer than the per-step sums drop).  A flag that
+  silently stopped reaching the kernel would pass every interpreter test
+  and the GPU's numerics."""
+  shfl = "nvvm.shfl.sync"
+  vote = "nvvm.vote.sync"
+  base = _forward_kernel_ops(head_dim, causal)
+  rescale = _forward_kernel_ops(head_dim, causal, rescale_threshold=8)
+  deferred = _forward_kernel_ops(head_dim, causal, deferred_row_sum=True)
+  assert vote not in base and vote in rescale
+  assert rescale.count(shfl) == base.count(shfl)
+  assert 0 < deferred.count(shfl) < base.count(shfl)

@@ -422,6 +422,30 @@ def test_rescale_threshold_where_the_row_max_jumps(overlap):
   assert not np.array_equal(np.asarray(out), np.asarray(exact))
 
 
+def _gpu_form(head_dim, form, causal, t, **fields):
+  """The H200's tuned config for a call with ``fields`` over it
+  (``tuned``), or over that three consumers, the plain loop with
+  ``late_rescale``, ``pv_then_qk``, or the plain loop summing each
+  ``P``'s rows while its ``P V`` runs (``row-sum-in-pv``, head_dim >
+  128; also with ``pv_then_qk``)."""
+  plain = dict(intra_wg_overlap=False, early_q_release=False,
+               consumer_registers=None, persistent=False,
+               persistent_pairs=False, kv_multicast=False)
+  config = dataclasses.replace(
+      mosaic_gpu.default_config("NVIDIA H200", -(-head_dim // 64) * 64,
+                                causal=causal, kv_len=t), **fields)
+  return dataclasses.replace(config, **{
+      "tuned": {},
+      "three-wg": dict(compute_wgs=3, schedule_barrier=False,
+                       persistent=False, consumer_registers=None),
+      "plain-loop": dict(plain, late_rescale=True),
+      "pv-then-qk": dict(plain, pv_then_qk=True),
+      "row-sum-in-pv": dict(plain, row_sum_in_pv=True),
+      "pv-then-qk-row-sum-in-pv": dict(plain, pv_then_qk=True,
+                                       row_sum_in_pv=True),
+  }[form])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim,form", [
     (64, "tuned"), (128, "tuned"), (256, "tuned"), (64, "three-wg"),
@@ -430,27 +454,38 @@ def test_gpu_rescale_threshold_where_the_row_max_jumps(head_dim, form):
   """The same kind of inputs as test_rescale_threshold_where_the_row_max_jumps
   on the GPU, where each warp skips O's rescale while its rows' reference
   stays (and multiplies a non-zero O where it moves): 2048 keys, causal
-  and not, with the H200's tuned config for the call and the threshold
-  (``tuned``), or over it three consumers, the plain loop with
-  ``late_rescale``, or ``pv_then_qk``."""
+  and not, in the forms of :func:`_gpu_form`."""
   t = 2048
   args = _max_jump_inputs(t, 4, head_dim, jump_key=1500, jump_query=1700)
-  plain = dict(intra_wg_overlap=False, early_q_release=False,
-               consumer_registers=None, persistent=False,
-               persistent_pairs=False, kv_multicast=False)
   for causal in (False, True):
-    config = dataclasses.replace(
-        mosaic_gpu.default_config("NVIDIA H200", -(-head_dim // 64) * 64,
-                                  causal=causal, kv_len=t),
-        rescale_threshold=8)
-    config = dataclasses.replace(config, **{
-        "tuned": {},
-        "three-wg": dict(compute_wgs=3, schedule_barrier=False,
-                         persistent=False, consumer_registers=None),
-        "plain-loop": dict(plain, late_rescale=True),
-        "pv-then-qk": dict(plain, pv_then_qk=True),
-    }[form])
-    _check_max_jump(config, args, causal, False)
+    _check_max_jump(_gpu_form(head_dim, form, causal, t,
+                              rescale_threshold=8), args, causal, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,form,threshold", [
+    (64, "tuned", 0), (128, "tuned", 0), (256, "tuned", 0),
+    (128, "tuned", 8), (256, "tuned", 8), (64, "three-wg", 8),
+    (128, "plain-loop", 0), (96, "pv-then-qk", 8),
+    (256, "row-sum-in-pv", 0), (256, "pv-then-qk-row-sum-in-pv", 8),
+    (256, "plain-loop", 8)])
+def test_gpu_deferred_row_sum(head_dim, form, threshold):
+  """``deferred_row_sum`` (each lane's share of ``l`` added across the
+  row's lanes once, after the tile loop; GPU only) in every loop form
+  that sums ``P``'s rows, alone and under ``rescale_threshold``, on the
+  max-jump inputs (``P`` up to 2^8 under the threshold): 2048 keys,
+  causal and not.  12 heads make 192 work items, more than the H200's
+  132 SMs, so the persistent forms (the tuned non-causal ones at
+  head_dim 64 and 128) run several items per program.  A partial sum
+  lost or counted twice moves O / l by a share of the row, far outside
+  the numerics rule."""
+  t = 2048
+  args = _max_jump_inputs(t, 12, head_dim, jump_key=1500, jump_query=1700)
+  for causal in (False, True):
+    _check_max_jump(_gpu_form(head_dim, form, causal, t,
+                              deferred_row_sum=True,
+                              rescale_threshold=threshold),
+                    args, causal, False)
 
 
 def test_rescale_threshold_is_checked():
@@ -605,6 +640,16 @@ GPU_CONFIGS = {
     "named-three-wg-rescale": mosaic_gpu.MosaicConfig(
         named_barriers=True, compute_wgs=3, block_kv=128,
         rescale_threshold=8),
+    # The row sum kept per lane and added across each row's lanes after
+    # the tile loop (deferred_row_sum, GPU only), with the threshold: the
+    # head_dim 256 non-causal default's form and three consumers (rows
+    # that see no key keep l = 0 in every lane).
+    "named-overlap-lean-epilogue-kv64-multicast-rescale-deferred-sum":
+        dataclasses.replace(_D256_PLAIN, kv_multicast=True,
+                            rescale_threshold=8, deferred_row_sum=True),
+    "named-three-wg-deferred-sum": mosaic_gpu.MosaicConfig(
+        named_barriers=True, compute_wgs=3, block_kv=128,
+        deferred_row_sum=True),
     # The head_dim 256 non-causal defaults' two forms in two-CTA clusters
     # sharing each K/V tile by TMA multicast (kv_multicast).
     "named-overlap-lean-epilogue-kv64-multicast": dataclasses.replace(

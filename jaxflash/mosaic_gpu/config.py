@@ -327,6 +327,16 @@ class MosaicConfig:
       multiply by 1), so only the branch is covered by the ``gpu`` tests
       alone.  Not with ``exp2_poly_cols`` (the polynomial takes
       exponents <= 0).
+    deferred_row_sum: the online softmax's row sum ``l`` kept per thread,
+      over the thread's own columns of each row, and added across the 4
+      lanes that share a row once after the tile loop instead of every
+      step (FlashAttention-3's order: hopper/softmax.h sums without the
+      warp reduction per step and runs ``quad_allreduce_`` in
+      ``finalize``; :func:`jaxflash.mosaic_gpu.forward.row_sum`).  Saves
+      2 shuffles and 2 adds per row and step (4 + 4 per thread; the main
+      loop's count in ``tools/sass_loops.py``).  Inline Mosaic GPU: the
+      interpreter runs the per-step sum, so only the ``gpu`` tests cover
+      it.  Written in s30 without a GPU; not yet run.
     early_q_release: with ``intra_wg_overlap`` and ``prefetch_q`` on the
       persistent grid, a consumer signals "done with Q" as soon as its
       last ``Q K^T`` has been read back, before the last tile's ``P V``
@@ -633,6 +643,7 @@ class MosaicConfig:
   kv_multicast: bool = False
   exp2_poly_cols: int = 0
   rescale_threshold: int = 0
+  deferred_row_sum: bool = False
   early_q_release: bool = False
   lean_epilogue: bool = False
   no_auto_barriers: bool = False

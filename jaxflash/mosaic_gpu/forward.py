@@ -39,6 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, nvvm, scf, vector
 
@@ -143,6 +145,98 @@ def rescale_rows(acc, alpha, *, skip_unmoved: bool):
                                 _is_signed=acc.is_signed)
 
   return rescale_where_moved(acc, alpha)
+
+
+def _thread_row_sums(p):
+  """Each thread's sum of its own elements of every row of ``p`` (a
+  Mosaic GPU ``FragmentedArray`` in the wgmma layout), in the row layout
+  but not yet added across the lanes that share a row.  Mirrors the
+  in-thread part of ``FragmentedArray.reduce`` (pairwise, for
+  instruction-level parallelism) and stops before its lane shuffles."""
+  layout = p.layout
+  axis = 1 - (len(p.shape) - len(layout.base_tile_shape))  # tiled axis
+  reduced = layout.tiling.tile_dimension(axis)
+  if any(reduced[d] for d in layout.partitioned_warp_dims):
+    raise NotImplementedError(f"rows of {layout} span warps")
+  regs = p.registers
+  red_shape = tuple(d if r else 1 for r, d in zip(reduced, regs.shape))
+  out_shape = tuple(1 if r else d for r, d in zip(reduced, regs.shape))
+  out = np.empty(out_shape, dtype=object)
+
+  def tree_sum(xs):
+    while len(xs) > 1:
+      xs = [arith.addf(a, b) for a, b in zip(xs[::2], xs[1::2])] + (
+          [xs[-1]] if len(xs) % 2 else [])
+    return xs[0]
+
+  for idx in np.ndindex(out_shape):
+    acc = tree_sum([regs[tuple(i + j for i, j in zip(idx, r))]
+                    for r in np.ndindex(red_shape)])
+    if reduced[layout.vector_dim]:
+      vec = ir.VectorType(acc.type)
+      acc = vector.broadcast(
+          ir.VectorType.get((1,), vec.element_type),
+          tree_sum([vector.extract(acc, dynamic_position=[],
+                                   static_position=ir.DenseI64ArrayAttr.get(
+                                       [i])) for i in range(vec.shape[0])]))
+    out[idx] = acc
+  out_layout = layout.reduce((axis,))
+  return mgpu.FragmentedArray(
+      _registers=out.reshape(out_layout.registers_shape((p.shape[0],))),
+      _layout=out_layout, _is_signed=None)
+
+
+def row_sum(p, *, deferred: bool):
+  """``p.sum(axis=1)`` for the online softmax's ``l``.
+
+  With ``deferred`` (on the GPU, :attr:`MosaicConfig.deferred_row_sum`)
+  each thread returns the sum of its own columns of each row only, and
+  the lanes that share a row (4 in the wgmma layout) hold different
+  partial sums until :func:`finish_row_sum` adds them once, after the
+  tile loop: FlashAttention-3's order (hopper/softmax.h: ``reduce_sum``
+  with ``warp_reduce=false`` per step, ``quad_allreduce_`` at the end).
+  That saves two shuffles and two adds per row and step.  In between,
+  ``l`` meets only elementwise operations (``l * alpha + rowsum``, with
+  ``alpha`` equal across those lanes), so each lane's partial stays the
+  sum of its own columns' terms.  Inline Mosaic GPU, which the
+  interpreter does not run: there, the plain sum."""
+  if not deferred:
+    return p.sum(axis=1)
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA,),
+      return_type=plgpu.ShapeDtypeStruct((p.shape[0],), p.dtype,
+                                         layout=plgpu.Layout.WGMMA.reduce(1)))
+  def thread_sums(_, p):
+    return _thread_row_sums(p)
+
+  return thread_sums(p)
+
+
+def finish_row_sum(l, *, deferred: bool):
+  """``l`` made whole after :func:`row_sum` with ``deferred``: the partial
+  sums of the lanes that share a row, added by two butterfly shuffles
+  over the lane bits that the row layout replicates."""
+  if not deferred:
+    return l
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA.reduce(1),),
+      return_type=plgpu.ShapeDtypeStruct(l.shape, l.dtype,
+                                         layout=plgpu.Layout.WGMMA.reduce(1)))
+  def quad_sum(_, l):
+    last = l.layout.lane_dims[-1]  # the minor lane dim: lanes 4i .. 4i + 3
+    if not isinstance(last, mgpu_fa.Replicated) or last.times != 4:
+      raise NotImplementedError(f"row layout {l.layout}")
+    regs = np.empty(l.registers.shape, dtype=object)
+    for idx, r in np.ndenumerate(l.registers):
+      for stride in (1, 2):
+        r = arith.addf(r, mgpu_utils.shfl_bfly(r, stride))
+      regs[idx] = r
+    return mgpu.FragmentedArray(_registers=regs, _layout=l.layout,
+                                _is_signed=None)
+
+  return quad_sum(l)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +359,8 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
 
     rescale = functools.partial(
         rescale_rows, skip_unmoved=bool(cfg.rescale_threshold) and in_place)
+    deferred_sum = cfg.deferred_row_sum and in_place
+    rsum = functools.partial(row_sum, deferred=deferred_sum)
 
     def probs(s, t, m, *, masked: bool):
       """Tile ``t``'s online-softmax step from the raw ``S``: ``P`` (float32,
@@ -365,7 +461,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       def issue(acc_ref):
         plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
         l_next = None if row_sum is None else (
-            row_sum[0] + row_sum[1].sum(axis=1))
+            row_sum[0] + rsum(row_sum[1]))
         while_running()
         return l_next
 
@@ -409,14 +505,14 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       # compiler schedule them ahead of the wait (measured faster there).
       early_sum = prob.head_dim_padded <= 128
       if early_sum:
-        l = l + p.sum(axis=1)
+        l = l + rsum(p)
         acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
       ping.softmax_done()
       plgpu.barrier_wait(v_ready.at[slot])
       ping.before_pv()  # tensor cores free
       sum_in_pv = not early_sum and cfg.row_sum_in_pv
       if not early_sum and not sum_in_pv:
-        l = l + p.sum(axis=1)
+        l = l + rsum(p)
       if not rescale_early:
         acc = rescale(acc, alpha)
       return acc, m_next, l, p16, (p if sum_in_pv else None)
@@ -497,7 +593,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       def first(_):
         # scores(): the turn is this Q K^T alone (ends with ping.issued).
         p, m1, alpha = probs(scores(slot_of(lo)), lo, m, masked=True)
-        l1 = l * alpha + p.sum(axis=1)
+        l1 = l * alpha + rsum(p)
         return stash(p), m1, l1
 
       def nothing(_):
@@ -525,7 +621,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         def softmax(s_t, m, l):
           k_free.arrive(slot)
           p, m_next, alpha = probs(s_t, t, m, masked=masked)
-          l = l * alpha + p.sum(axis=1)
+          l = l * alpha + rsum(p)
           return p, m_next, l, alpha
 
         if in_place:
@@ -609,7 +705,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
 
         def issue(o_acc, s_acc):
           plgpu.wgmma(o_acc, p_src, v_smem.at[slot])
-          l_next = l if p_sum is None else l + p_sum.sum(axis=1)
+          l_next = l if p_sum is None else l + rsum(p_sum)
           plgpu.barrier_wait(k_ready.at[nxt])
           plgpu.wgmma(s_acc, qo_smem, k_smem.at[nxt].T)
           ping.issued()  # this consumer's turn ends
@@ -686,6 +782,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       # This consumer's last Q K^T completed: Q's buffer may be refilled.
       plgpu.barrier_arrive(q_free)
 
+    l = finish_row_sum(l, deferred=deferred_sum)
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     if cfg.lean_epilogue:
