@@ -7,6 +7,7 @@ lowering a GPU description (jax's private ``gpu_info`` hook), so a
 construct the lowering rejects fails CI rather than the GPU run.
 """
 
+import pathlib
 import re
 
 import jax
@@ -462,30 +463,19 @@ def test_ring_layers_share_their_kernels():
   assert kernels(3) == one
 
 
-def _forward_kernel_ops(head_dim, causal, **fields):
+def _forward_kernel_ops(head_dim, causal, overrides=""):
   """The Mosaic GPU kernel module of the H200 forward for head_dim /
-  causal with ``fields`` over its tuned config, lowered for CUDA on this
-  machine and printed (the module travels as bytecode in the custom
-  call; jax keeps it in ``KNOWN_KERNELS`` while lowering)."""
-  import dataclasses
-
+  causal with ``overrides`` over its tuned config, lowered for CUDA on
+  this machine (tools/ptxas_cpu.py's ``lower``) and printed: the module
+  travels as bytecode in the custom call.  Needs tools/ on the path."""
+  import ptxas_cpu
   from jax._src.interpreters import mlir as jax_mlir
-  from jax.experimental.mosaic.gpu import core as mgpu_core
   from jax.experimental.mosaic.gpu import dialect as mgpu_dialect
   from jaxlib.mlir import ir
 
-  from jaxflash import mosaic_gpu
-  t = 1024
-  config = dataclasses.replace(
-      mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=causal,
-                                kv_len=4096), **fields)
-  spec = MaskSpec(t, t, causal, None, None, None)
-  x = jax.ShapeDtypeStruct((1, t, 2, head_dim), jnp.bfloat16)
-  mgpu_core.KNOWN_KERNELS.clear()
-  jax.jit(lambda q, k, v: mosaic_gpu.attention(
-      q, k, v, mask=spec, softmax_scale=0.1, config=config)[0]).trace(
-          x, x, x).lower(lowering_platforms=("cuda",))
-  (module,) = mgpu_core.KNOWN_KERNELS.values()
+  _, (module,), _ = ptxas_cpu.lower(dict(
+      head_dim=head_dim, mode="fwd", causal=causal, overrides=overrides,
+      seq=1024, kv_len_rule=4096, device_kind="NVIDIA H200"))
   ctx = jax_mlir.make_ir_context()
   mgpu_dialect.register_dialect(ctx)
   ctx.allow_unregistered_dialects = True  # stable_mosaic_gpu's wrapper
@@ -494,7 +484,8 @@ def _forward_kernel_ops(head_dim, causal, **fields):
 
 
 @pytest.mark.parametrize("head_dim,causal", [(256, False), (128, True)])
-def test_gpu_only_forward_options_reach_the_kernel(head_dim, causal):
+def test_gpu_only_forward_options_reach_the_kernel(head_dim, causal,
+                                                   monkeypatch):
   """The forward options that only the GPU runs (inline Mosaic GPU, which
   the interpreter does not execute) change the kernel the GPU gets:
   ``rescale_threshold`` adds the per-warp vote of its rescale branch,
@@ -502,11 +493,12 @@ def test_gpu_only_forward_options_reach_the_kernel(head_dim, causal):
   butterflies add fewer than the per-step sums drop).  A flag that
   silently stopped reaching the kernel would pass every interpreter test
   and the GPU's numerics."""
+  monkeypatch.syspath_prepend(pathlib.Path(__file__).parents[1] / "tools")
   shfl = "nvvm.shfl.sync"
   vote = "nvvm.vote.sync"
   base = _forward_kernel_ops(head_dim, causal)
-  rescale = _forward_kernel_ops(head_dim, causal, rescale_threshold=8)
-  deferred = _forward_kernel_ops(head_dim, causal, deferred_row_sum=True)
+  rescale = _forward_kernel_ops(head_dim, causal, "rescale_threshold=8")
+  deferred = _forward_kernel_ops(head_dim, causal, "deferred_row_sum=1")
   assert vote not in base and vote in rescale
   assert rescale.count(shfl) == base.count(shfl)
   assert 0 < deferred.count(shfl) < base.count(shfl)

@@ -554,6 +554,16 @@ _D256_PERSISTENT = mosaic_gpu.MosaicConfig(
     intra_wg_overlap=True, named_barriers=True, block_kv=64,
     consumer_registers=240, persistent=True, prefetch_q=True,
     early_q_release=True)
+# The head_dim 128 non-causal short calls' form (persistent, the next Q
+# prefetched and released early, the lean epilogue) and three consumers
+# without the ping-pong (the d64 long calls' form), each also under an
+# option below.
+_D128_PERSISTENT = mosaic_gpu.MosaicConfig(
+    intra_wg_overlap=True, named_barriers=True, block_kv=128,
+    consumer_registers=240, persistent=True, prefetch_q=True,
+    early_q_release=True, lean_epilogue=True)
+_THREE_WG = mosaic_gpu.MosaicConfig(named_barriers=True, compute_wgs=3,
+                                    block_kv=128)
 GPU_CONFIGS = {
     "default": None,
     "p-in-smem": mosaic_gpu.MosaicConfig(p_in_smem=True),
@@ -594,10 +604,7 @@ GPU_CONFIGS = {
         consumer_registers=240, persistent=True, prefetch_q=True),
     # The same, "done with Q" before the last P V and Q loaded first
     # (early_q_release; the H200 default at head_dim 128 up to 2048 keys).
-    "named-overlap-persistent-early-q": mosaic_gpu.MosaicConfig(
-        intra_wg_overlap=True, named_barriers=True, block_kv=128,
-        consumer_registers=240, persistent=True, prefetch_q=True,
-        early_q_release=True, lean_epilogue=True),
+    "named-overlap-persistent-early-q": _D128_PERSISTENT,
     # The head_dim 256 non-causal form of 2049+ keys with the lean
     # epilogue (the candidate of docs/perf-notes.md "Next" 1).
     "named-overlap-persistent-early-q-lean-kv64": mosaic_gpu.MosaicConfig(
@@ -633,13 +640,10 @@ GPU_CONFIGS = {
     "named-overlap-lean-epilogue-kv64-multicast-rescale":
         dataclasses.replace(_D256_PLAIN, kv_multicast=True,
                             rescale_threshold=8),
-    "named-overlap-persistent-early-q-rescale": mosaic_gpu.MosaicConfig(
-        intra_wg_overlap=True, named_barriers=True, block_kv=128,
-        consumer_registers=240, persistent=True, prefetch_q=True,
-        early_q_release=True, lean_epilogue=True, rescale_threshold=8),
-    "named-three-wg-rescale": mosaic_gpu.MosaicConfig(
-        named_barriers=True, compute_wgs=3, block_kv=128,
-        rescale_threshold=8),
+    "named-overlap-persistent-early-q-rescale": dataclasses.replace(
+        _D128_PERSISTENT, rescale_threshold=8),
+    "named-three-wg-rescale": dataclasses.replace(_THREE_WG,
+                                                  rescale_threshold=8),
     # The row sum kept per lane and added across each row's lanes after
     # the tile loop (deferred_row_sum, GPU only), with the threshold: the
     # head_dim 256 non-causal default's form and three consumers (rows
@@ -647,9 +651,8 @@ GPU_CONFIGS = {
     "named-overlap-lean-epilogue-kv64-multicast-rescale-deferred-sum":
         dataclasses.replace(_D256_PLAIN, kv_multicast=True,
                             rescale_threshold=8, deferred_row_sum=True),
-    "named-three-wg-deferred-sum": mosaic_gpu.MosaicConfig(
-        named_barriers=True, compute_wgs=3, block_kv=128,
-        deferred_row_sum=True),
+    "named-three-wg-deferred-sum": dataclasses.replace(
+        _THREE_WG, deferred_row_sum=True),
     # The head_dim 256 non-causal defaults' two forms in two-CTA clusters
     # sharing each K/V tile by TMA multicast (kv_multicast).
     "named-overlap-lean-epilogue-kv64-multicast": dataclasses.replace(
@@ -715,11 +718,9 @@ GPU_CONFIGS = {
         split_kv_release=True),
     # Three consumers without the ping-pong (FA3's 192-row tile at d64):
     # the H200 d64 default's two forms with it.
-    "named-three-wg": mosaic_gpu.MosaicConfig(
-        named_barriers=True, compute_wgs=3, block_kv=128),
-    "named-three-wg-prefetch-q": mosaic_gpu.MosaicConfig(
-        named_barriers=True, compute_wgs=3, block_kv=128, persistent=True,
-        prefetch_q=True),
+    "named-three-wg": _THREE_WG,
+    "named-three-wg-prefetch-q": dataclasses.replace(
+        _THREE_WG, persistent=True, prefetch_q=True),
     # tokamax's epilogue: reciprocal, chunked stores, read-only last wait.
     "named-lean-epilogue": mosaic_gpu.MosaicConfig(named_barriers=True,
                                                    lean_epilogue=True),

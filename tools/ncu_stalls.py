@@ -30,6 +30,8 @@ import argparse
 import csv
 import re
 
+from sass_loops import opcode  # this folder (run as tools/ncu_stalls.py)
+
 SKELETON = re.compile(r"HGMMA|DEPBAR|WARPGROUP|BAR\.|SYNCS|BRA")
 
 # Instruction classes for the kernel-wide summary, first match wins.  A
@@ -70,18 +72,15 @@ def load(path, kernel=0):
                   if len(r) == len(header)]
 
 
-OPCODE = re.compile(r"^\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
-
-
 def opcode_counts(rows) -> dict[str, int]:
   """Warp-level instructions executed per opcode mnemonic (the first
   word of each SASS line after its predicate, modifiers dropped)."""
   out: dict[str, int] = {}
   for r in rows:
-    m = OPCODE.match(r["Source"])
+    op = opcode(r["Source"]).split(".")[0]
     ran = int(r["Instructions Executed"] or 0)
-    if m and ran:
-      out[m.group(1)] = out.get(m.group(1), 0) + ran
+    if op and ran:
+      out[op] = out.get(op, 0) + ran
   return out
 
 

@@ -65,8 +65,10 @@ class Loop:
 
 
 def opcode(text: str) -> str:
-  """``@!P3 FMNMX.NAN R1, R2, R3, !PT`` -> ``FMNMX.NAN``."""
-  return _PRED.sub("", text).split()[0]
+  """``@!P3 FMNMX.NAN R1, R2, R3, !PT`` -> ``FMNMX.NAN`` (``""`` for an
+  empty line); tools/ncu_stalls.py reads ncu's SASS lines with it."""
+  words = _PRED.sub("", text.strip()).split()
+  return words[0] if words else ""
 
 
 def parse(sass: str) -> tuple[dict[str, int], list[tuple[int, str]]]:
