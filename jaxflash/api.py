@@ -93,8 +93,17 @@ def _shape_str(x) -> str:
   return f"{tuple(x.shape)} {jnp.dtype(x.dtype).name}"
 
 
-def _validate(q, k, v) -> None:
-  for name, x in (("q", q), ("k", k), ("v", v)):
+# Argument names in error messages: flash_attention's own, or
+# dot_product_attention's (jax.nn's) for the same checks.
+_DPA_NAMES = {"q": "query", "k": "key", "v": "value", "causal": "is_causal",
+              "softmax_scale": "scale", "q_seq_lengths": "query_seq_lengths",
+              "kv_seq_lengths": "key_value_seq_lengths"}
+
+
+def _validate(q, k, v, names=None) -> None:
+  nm = (names or {}).get
+  qn, kn, vn = nm("q", "q"), nm("k", "k"), nm("v", "v")
+  for name, x in ((qn, q), (kn, k), (vn, v)):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise ValueError(f"{name} must be an array, got {type(x).__name__}")
     if x.ndim != 4:
@@ -107,46 +116,55 @@ def _validate(q, k, v) -> None:
           f" {jnp.dtype(x.dtype).name}")
   if not q.dtype == k.dtype == v.dtype:
     raise ValueError(
-        "q, k and v must share one dtype, got"
-        f" q: {_shape_str(q)}, k: {_shape_str(k)}, v: {_shape_str(v)}")
+        f"{qn}, {kn} and {vn} must share one dtype, got {qn}:"
+        f" {_shape_str(q)}, {kn}: {_shape_str(k)}, {vn}: {_shape_str(v)}")
+  shapes = (f"{qn} {tuple(q.shape)}, {kn} {tuple(k.shape)}, {vn}"
+            f" {tuple(v.shape)}")
   if not q.shape[0] == k.shape[0] == v.shape[0]:
-    raise ValueError(
-        f"batch sizes differ: q {tuple(q.shape)}, k {tuple(k.shape)},"
-        f" v {tuple(v.shape)}")
+    raise ValueError(f"batch sizes differ: {shapes}")
   if k.shape[1:3] != v.shape[1:3]:
     raise ValueError(
-        "k and v must have the same sequence length and heads, got"
-        f" k {tuple(k.shape)}, v {tuple(v.shape)}")
+        f"{kn} and {vn} must have the same sequence length and heads, got"
+        f" {kn} {tuple(k.shape)}, {vn} {tuple(v.shape)}")
   if not q.shape[3] == k.shape[3] == v.shape[3]:
-    raise ValueError(
-        f"head_dim differs: q {tuple(q.shape)}, k {tuple(k.shape)},"
-        f" v {tuple(v.shape)}")
+    raise ValueError(f"head_dim differs: {shapes}")
   head_dim = q.shape[3]
   if (head_dim % 8 or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM):
     raise ValueError(
         f"head_dim={head_dim} must be a multiple of 8 in"
-        f" [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] (q shape {tuple(q.shape)})")
+        f" [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] ({qn} shape {tuple(q.shape)})")
   heads, kv_heads = q.shape[2], k.shape[2]
+  if kv_heads < 1 or heads < 1:
+    raise ValueError(f"heads must be >= 1: {shapes}")
   if heads % kv_heads:
     raise ValueError(
         f"query heads ({heads}) must be a multiple of key/value heads"
-        f" ({kv_heads}): q {tuple(q.shape)}, k {tuple(k.shape)}")
-  for name, x in (("q", q), ("k", k)):
+        f" ({kv_heads}): {qn} {tuple(q.shape)}, {kn} {tuple(k.shape)}")
+  for name, x in ((qn, q), (kn, k)):
     if x.shape[1] < 1:
       raise ValueError(f"{name} has an empty sequence: {tuple(x.shape)}")
 
 
 def _static_positive(name: str, val) -> float:
-  if isinstance(val, jax.core.Tracer) or not isinstance(
-      val, (int, float, np.floating, np.integer)) or isinstance(val, bool):
+  """A static positive number: a Python or NumPy scalar, or a concrete
+  0-d array (``jnp.float32(0.1)``); never a traced value, since it is
+  compiled into the kernels."""
+  scalar = isinstance(val, (int, float, np.floating, np.integer)) or (
+      hasattr(val, "shape") and hasattr(val, "dtype") and val.shape == ()
+      and (jnp.issubdtype(val.dtype, jnp.floating)
+           or jnp.issubdtype(val.dtype, jnp.integer)))
+  if (isinstance(val, (jax.core.Tracer, bool, np.bool_)) or not scalar):
     raise ValueError(
         f"{name} must be a static Python number, got {type(val).__name__}")
+  val = float(val)
   if not (math.isfinite(val) and val > 0):
     raise ValueError(f"{name}={val} must be finite and > 0")
   return float(val)
 
 
-def _window(local_window_size) -> tuple[int | None, int | None]:
+def window_sizes(local_window_size) -> tuple[int | None, int | None]:
+  """``local_window_size`` (None, ``w`` or ``(left, right)``) checked, as
+  ``(left, right)`` (None: unbounded)."""
   if local_window_size is None:
     return None, None
   if isinstance(local_window_size, (int, np.integer)) and not isinstance(
@@ -168,7 +186,15 @@ def _window(local_window_size) -> tuple[int | None, int | None]:
   return left, right
 
 
-def _int_array(name: str, x, shape: tuple[int, ...]) -> jax.Array:
+_INT32 = np.iinfo(np.int32)
+
+
+def _int_array(name: str, x, shape: tuple[int, ...],
+               valid: tuple[int, int] | None = None) -> jax.Array:
+  """``x`` as the kernels' int32, checked: integer dtype, ``shape`` and,
+  when concrete, values in ``valid`` (default: int32's range, so that the
+  cast cannot wrap an id into another or into padding).  A traced array
+  of a wider dtype is clipped to ``valid`` before the cast."""
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     x = np.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.integer):
@@ -178,12 +204,31 @@ def _int_array(name: str, x, shape: tuple[int, ...]) -> jax.Array:
   if tuple(x.shape) != shape:
     raise ValueError(
         f"{name} must have shape {shape}, got {tuple(x.shape)}")
-  return jnp.asarray(x, jnp.int32) if not isinstance(
-      x, jax.core.Tracer) else x.astype(jnp.int32)
+  lo, hi = valid if valid is not None else (_INT32.min, _INT32.max)
+  if isinstance(x, jax.core.Tracer):
+    # Lengths past the ends mean the whole row or none of it either way;
+    # clipped first, a wide one cannot wrap.  Traced ids are cast as they
+    # are (documented: they must lie in int32's range).
+    if valid is not None and jnp.dtype(x.dtype) != jnp.int32:
+      x = jnp.clip(x, lo, hi)
+    return x.astype(jnp.int32)
+  info = jnp.iinfo(x.dtype)
+  if valid is None and info.min >= lo and info.max <= hi:
+    return jnp.asarray(x, jnp.int32)  # fits: no read-back to the host
+  vals = np.asarray(x)
+  if vals.size and (vals.min() < lo or vals.max() > hi):
+    what = f"lie in [{lo}, {hi}]" + (
+        " (the sequence length)" if valid is not None else
+        " (int32, the kernels' id type)")
+    raise ValueError(f"{name} must {what}, got {vals.tolist()}"
+                     if vals.size <= 16 else
+                     f"{name} must {what}, got values in"
+                     f" [{vals.min()}, {vals.max()}]")
+  return jnp.asarray(vals, jnp.int32)
 
 
-def _mask_arrays(q, k, segment_ids, q_seq_lengths,
-                 kv_seq_lengths) -> MaskArrays:
+def _mask_arrays(q, k, segment_ids, q_seq_lengths, kv_seq_lengths,
+                 names=None) -> MaskArrays:
   B, T, S = q.shape[0], q.shape[1], k.shape[1]
   q_seg = kv_seg = None
   if segment_ids is not None:
@@ -204,17 +249,8 @@ def _mask_arrays(q, k, segment_ids, q_seq_lengths,
   lengths = []
   for name, x, full in (("q_seq_lengths", q_seq_lengths, T),
                         ("kv_seq_lengths", kv_seq_lengths, S)):
-    if x is None:
-      lengths.append(None)
-      continue
-    x = _int_array(name, x, (B,))
-    if not isinstance(x, jax.core.Tracer):
-      vals = np.asarray(x)
-      if (vals < 0).any() or (vals > full).any():
-        raise ValueError(
-            f"{name} must lie in [0, {full}] (the sequence length), got"
-            f" {vals.tolist()}")
-    lengths.append(x)
+    lengths.append(None if x is None else _int_array(
+        (names or {}).get(name, name), x, (B,), valid=(0, full)))
   return MaskArrays(q_seg, kv_seg, *lengths)
 
 
@@ -321,26 +357,36 @@ def flash_attention(
 
 def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
                q_seq_lengths, kv_seq_lengths, logits_soft_cap, softmax_scale,
-               return_lse, implementation, config, interpret, deterministic):
+               return_lse, implementation, config, interpret, deterministic,
+               names=None):
   """Validation and dispatch shared by the public entry points.
 
   ``offset``: query ``i`` is aligned with key ``i + offset`` (None:
   bottom-right, as flash_attention documents; 0: top-left, as jax.nn).
+  ``names``: the caller's argument names for the error messages.
   """
-  _validate(q, k, v)
+  nm = (names or {}).get
+  _validate(q, k, v, names)
   for name, val in (("causal", causal), ("return_lse", return_lse),
                     ("interpret", interpret)):
     if not isinstance(val, (bool, np.bool_)):
-      raise ValueError(f"{name} must be a bool, got {val!r}")
+      raise ValueError(f"{nm(name, name)} must be a bool, got {val!r}")
   if softmax_scale is None:
     softmax_scale = 1.0 / math.sqrt(q.shape[3])
-  softmax_scale = _static_positive("softmax_scale", softmax_scale)
+  softmax_scale = _static_positive(nm("softmax_scale", "softmax_scale"),
+                                   softmax_scale)
   if logits_soft_cap is not None:
     logits_soft_cap = _static_positive("logits_soft_cap", logits_soft_cap)
-  left, right = _window(local_window_size)
-  mask = MaskSpec(q_len=q.shape[1], kv_len=k.shape[1], causal=bool(causal),
+  T, S = q.shape[1], k.shape[1]
+  # A side of the window that reaches past every key of every query
+  # (T + S covers any alignment) is no bound: None, so that no position
+  # arithmetic sees a size near int32's limit (2**31 - 1 would wrap).
+  left, right = (None if w is not None and w >= T + S else w
+                 for w in window_sizes(local_window_size))
+  mask = MaskSpec(q_len=T, kv_len=S, causal=bool(causal),
                   offset=offset, window_left=left, window_right=right)
-  arrays = _mask_arrays(q, k, segment_ids, q_seq_lengths, kv_seq_lengths)
+  arrays = _mask_arrays(q, k, segment_ids, q_seq_lengths, kv_seq_lengths,
+                        names)
   deterministic = op_lib.resolve_deterministic(deterministic)
   if isinstance(config, mosaic_backend.MosaicConfig):
     mosaic_backend.check_deterministic(config, deterministic)
@@ -360,6 +406,10 @@ def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
     except NotImplementedError as e:
       reasons.append(f"{name}: {e}")
       continue
+    if q.shape[0] == 0:  # an empty batch: nothing for a kernel to do
+      out = jnp.zeros(q.shape, q.dtype)
+      lse = jnp.zeros((0, q.shape[2], T), jnp.float32)
+      return (out, lse) if return_lse else out
     out, lse = attend(q, k, v, mask=mask, arrays=arrays,
                       softmax_scale=softmax_scale,
                       logits_soft_cap=logits_soft_cap, config=config,
@@ -405,22 +455,37 @@ def dot_product_attention(
   ``implementation``: a jaxflash backend name (``"triton"``, ``"xla"``), a
   sequence of them, or None (best available).  ``bias`` and a dense
   ``mask`` are ``[B, N, T, S]`` arrays that the O(N) kernels cannot take:
-  they are served only with ``implementation="xla"`` (through
-  ``jax.nn.dot_product_attention``'s XLA path, O(N^2) memory); otherwise
-  NotImplementedError names the compact alternatives (``is_causal``,
-  ``segment_ids``, ``local_window_size``, the sequence lengths).
+  they are served only when ``implementation`` names ``"xla"`` (alone or
+  in a sequence; through ``jax.nn.dot_product_attention``'s XLA path,
+  O(N^2) memory); otherwise NotImplementedError names the compact
+  alternatives (``is_causal``, ``segment_ids``, ``local_window_size``, the
+  sequence lengths).
 
-  One documented difference: a query row that sees no key at all gets
-  output 0 here, where ``jax.nn`` averages all values of the row (it
-  masks with a large finite negative number).
+  Documented differences (docs/flax.md): a query row that sees no key at
+  all gets output 0 here, where ``jax.nn`` averages all values of the row
+  (it masks with a large finite negative number); the residual is
+  differentiable (``jax.nn`` stops its gradient); ``scale`` must be a
+  static positive number and ``H`` a multiple of 8 in [8, 256].
   """
   query, key, value = (jnp.asarray(x) if not hasattr(x, "ndim") else x
                        for x in (query, key, value))
+  ranks = {x.ndim for x in (query, key, value)}
+  if len(ranks) != 1 or not ranks <= {3, 4}:
+    raise ValueError(
+        "query, key and value must all have rank 4 [B, T, N, H] or all rank"
+        f" 3 [T, N, H], got query {tuple(query.shape)}, key"
+        f" {tuple(key.shape)}, value {tuple(value.shape)}")
+  if not isinstance(return_residual, (bool, np.bool_)):
+    raise ValueError(f"return_residual must be a bool, got"
+                     f" {return_residual!r}")
   squeeze = query.ndim == 3
   if squeeze:
     query, key, value = query[None], key[None], value[None]
   if bias is not None or mask is not None:
-    if implementation != "xla":
+    # A sequence of names is tried in order; only "xla" takes the dense
+    # arrays, so it serves the call wherever it is named.
+    names, _ = _candidates(implementation, config, interpret)
+    if implementation is None or "xla" not in names:
       what = "bias" if bias is not None else "a dense mask"
       raise NotImplementedError(
           f"jaxflash kernels take no {what} (an N x N array): express the"
@@ -431,7 +496,7 @@ def dot_product_attention(
       raise NotImplementedError(
           "implementation='xla' with a dense bias/mask does not combine with"
           " segment_ids or logits_soft_cap")
-    _validate(query, key, value)
+    _validate(query, key, value, _DPA_NAMES)
     result = jax.nn.dot_product_attention(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths,
@@ -446,7 +511,7 @@ def dot_product_attention(
         q_seq_lengths=query_seq_lengths, kv_seq_lengths=key_value_seq_lengths,
         logits_soft_cap=logits_soft_cap, softmax_scale=scale,
         return_lse=True, implementation=implementation, config=config,
-        interpret=interpret, deterministic=deterministic)
+        interpret=interpret, deterministic=deterministic, names=_DPA_NAMES)
     res = jnp.swapaxes(lse, 1, 2).astype(out.dtype)  # [B, N, T] -> [B, T, N]
   if squeeze:
     out = out[0]

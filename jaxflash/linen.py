@@ -117,6 +117,18 @@ def make_attention_fn(
     batch_shape, q_len = query.shape[:-3], query.shape[-3]
     kv_len = key.shape[-3]
     seg = segment_ids
+    if mask is not None and local_window_size is not None and (
+        q_len == 1 < kv_len):
+      # Flax's decode step: one query against the whole cache, the filled
+      # slots given by the mask.  The mask does not say where the query
+      # stands; flash_attention would align it with the last slot and
+      # place the window there.
+      raise NotImplementedError(
+          "a one-token query against a longer masked key array (Flax's"
+          " decode step) with local_window_size: the query's position is"
+          " unknown here, so the window cannot be placed. Use"
+          " FlashMultiHeadDotProductAttention(decode=True), which places it"
+          " at the cache index")
     if mask is not None:
       seg_from_mask = _key_mask_to_segments(mask, batch_shape, q_len, kv_len)
       if seg_from_mask is None:
@@ -134,11 +146,14 @@ def make_attention_fn(
       seg = seg.reshape(-1, seg.shape[-1])
     if dtype is not None:
       query, key, value = (x.astype(dtype) for x in (query, key, value))
+    # Lengths, like segment ids, follow the batch dims flattened into one.
+    q_lens, kv_lens = (None if x is None else jnp.reshape(x, (-1,))
+                       for x in (q_seq_lengths, kv_seq_lengths))
     out = api.flash_attention(
         _flatten_batch(query), _flatten_batch(key), _flatten_batch(value),
         causal=bool(causal or is_causal), segment_ids=seg,
-        local_window_size=local_window_size, q_seq_lengths=q_seq_lengths,
-        kv_seq_lengths=kv_seq_lengths, logits_soft_cap=logits_soft_cap,
+        local_window_size=local_window_size, q_seq_lengths=q_lens,
+        kv_seq_lengths=kv_lens, logits_soft_cap=logits_soft_cap,
         implementation=implementation, config=config, interpret=interpret,
         deterministic=deterministic_grads)
     return out.reshape(query.shape)
@@ -170,7 +185,9 @@ class FlashMultiHeadDotProductAttention(nn.Module):
   ``decode=True``: Flax's autoregressive cache (``cached_key``,
   ``cached_value``, ``cache_index``); each single-token step attends to the
   filled part of the cache through :func:`jaxflash.flash_attention` with
-  ``kv_seq_lengths`` (no dedicated decode kernel yet).
+  ``kv_seq_lengths`` (no dedicated decode kernel yet), and with
+  ``local_window_size`` to the slots ``[index - left, index]`` (as segment
+  ids over the cache).
   """
 
   num_heads: int
@@ -274,20 +291,23 @@ class FlashMultiHeadDotProductAttention(nn.Module):
     value = nn.with_logical_constraint(value,
                                        (BATCH, LENGTH, kv_axis, HEAD_DIM))
 
-    causal = self.causal
+    causal, window = self.causal, self.local_window_size
     if self.decode:
-      key, value, kv_seq_lengths, causal = self._decode_cache(
-          query, key, value, kv_seq_lengths, causal)
+      key, value, kv_seq_lengths, causal, window_segments = (
+          self._decode_cache(query, key, value, kv_seq_lengths, causal,
+                             segment_ids))
+      if window_segments is not None:
+        segment_ids, window = window_segments, None
 
     if self.attention_override is not None:
       x = self.attention_override(
           query, key, value, causal=causal, segment_ids=segment_ids,
-          local_window_size=self.local_window_size,
+          local_window_size=window,
           q_seq_lengths=q_seq_lengths, kv_seq_lengths=kv_seq_lengths)
     else:
       attend = make_attention_fn(
           causal=causal, segment_ids=segment_ids,
-          local_window_size=self.local_window_size,
+          local_window_size=window,
           q_seq_lengths=q_seq_lengths, kv_seq_lengths=kv_seq_lengths,
           logits_soft_cap=self.logits_soft_cap,
           implementation=self.implementation, config=self.config,
@@ -319,9 +339,11 @@ class FlashMultiHeadDotProductAttention(nn.Module):
     return (apply_rope(query, positions, self.rope_theta),
             apply_rope(key, positions, self.rope_theta))
 
-  def _decode_cache(self, query, key, value, kv_seq_lengths, causal):
-    """Flax's autoregressive cache; returns the cached keys/values and the
-    per-row number of filled slots as kv_seq_lengths."""
+  def _decode_cache(self, query, key, value, kv_seq_lengths, causal,
+                    segment_ids):
+    """Flax's autoregressive cache; returns the cached keys/values, the
+    per-row number of filled slots as kv_seq_lengths, causal, and with a
+    local window the segment ids that stand for it (else None)."""
     initialized = self.has_variable("cache", "cached_key")
     cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape,
                                key.dtype)
@@ -330,7 +352,7 @@ class FlashMultiHeadDotProductAttention(nn.Module):
     cache_index = self.variable("cache", "cache_index",
                                 lambda: jnp.array(0, dtype=jnp.int32))
     if not initialized:
-      return key, value, kv_seq_lengths, causal
+      return key, value, kv_seq_lengths, causal, None
     *batch, max_length, heads, depth = cached_key.value.shape
     if query.shape[-3] != 1 or key.shape != (*batch, 1, heads, depth):
       raise ValueError(
@@ -347,5 +369,22 @@ class FlashMultiHeadDotProductAttention(nn.Module):
     cache_index.value = idx + 1
     # The new token sees the filled slots [0, idx]; causal is implied.
     n = int(functools.reduce(lambda a, b: a * b, batch, 1))
-    lengths = jnp.full((n,), idx + 1, jnp.int32)
-    return key, value, lengths, False
+    if self.local_window_size is None:
+      return key, value, jnp.full((n,), idx + 1, jnp.int32), False, None
+    # With a window it sees [idx - left, idx] (its right side reaches only
+    # empty slots).  flash_attention would align the one query with the
+    # cache's last slot, not with idx, so the window is passed as segment
+    # ids: the query in segment 0, the keys outside it padding.
+    if segment_ids is not None:
+      raise NotImplementedError(
+          "decode=True with local_window_size takes no segment_ids (the"
+          " window is applied as segment ids over the cache)")
+    left = api.window_sizes(self.local_window_size)[0]
+    pos = jnp.arange(max_length, dtype=jnp.int32)
+    seen = pos <= idx
+    if left is not None:
+      seen &= pos >= idx - left
+    kv_seg = jnp.where(seen, 0, PAD_SEGMENT_ID).astype(jnp.int32)
+    return key, value, None, False, (
+        jnp.zeros((n, 1), jnp.int32), jnp.broadcast_to(kv_seg,
+                                                       (n, max_length)))

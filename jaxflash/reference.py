@@ -45,19 +45,24 @@ def attention(
       ids attend nowhere.
     q_seq_lengths, kv_seq_lengths: ``[B]`` valid lengths (right padding).
     logits_soft_cap: ``cap * tanh(logits / cap)`` before the softmax.
-    upcast: compute in float32 (the oracle, ``ref32``).  ``False`` runs every
+    upcast: compute in float32, or float64 for float64 inputs (the
+      oracle, ``ref32``).  ``False`` runs every
       step in the input dtype, as a low-precision implementation would
       (``ref_lp`` of the numerics rule, docs/numerics.md).
     precision: matmul precision; HIGHEST keeps float32 exact on GPUs too.
 
   A query row that sees no key gets output 0 and log-sum-exp ``-inf``.
+  The log-sum-exp is float32 (float64 for float64 inputs).
   """
   dtype = q_BxTxHxD.dtype
   B, T, H, D = q_BxTxHxD.shape
   S, K = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
   G = H // K
   scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
-  cdtype = jnp.float32 if upcast else dtype
+  # The softmax runs in float32 at least; float64 inputs (the "xla"
+  # backend under jax_enable_x64) keep float64 throughout.
+  sdtype = jnp.promote_types(jnp.float32, dtype)
+  cdtype = sdtype if upcast else dtype
   q = q_BxTxHxD.astype(cdtype).reshape(B, T, K, G, D)
   k = k_BxSxKxD.astype(cdtype)
   v = v_BxSxKxD.astype(cdtype)
@@ -73,7 +78,7 @@ def attention(
   mask = spec.dense(q_valid=q_seq_lengths, kv_valid=kv_seq_lengths,
                     q_seg=q_seg, k_seg=kv_seg)
   mask = mask.reshape((-1, 1, 1, T, S) if mask.ndim == 3 else (T, S))
-  logits = logits.astype(jnp.float32)
+  logits = logits.astype(sdtype)
   logits = jnp.where(mask, logits, -jnp.inf)
   # Safe softmax: rows with no visible key keep max 0, so exp gives 0s
   # rather than exp(-inf - -inf) = NaN.

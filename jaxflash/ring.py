@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxflash import api, triton
 from jaxflash import op as op_lib
-from jaxflash import triton
 from jaxflash.masks import MaskArrays, MaskSpec
 from jaxflash.mosaic_gpu import backend as mosaic_backend
 
@@ -312,6 +312,12 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
 
   Returns ``out`` (and ``lse``), this device's block; differentiable.
   """
+  # The checks of flash_attention, on this device's blocks.
+  api._validate(q, k, v)
+  for name, val in (("causal", causal), ("zigzag", zigzag),
+                    ("return_lse", return_lse), ("interpret", interpret)):
+    if not isinstance(val, (bool, np.bool_)):
+      raise ValueError(f"{name} must be a bool, got {val!r}")
   n = lax.axis_size(axis_name)
   if implementation is None:
     implementation = kernel_backend(q, config=config, interpret=interpret)
@@ -328,12 +334,11 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
         f"zig-zag blocks hold two chunks: local seq {q.shape[1]} must be"
         " even")
   scale = (1.0 / math.sqrt(q.shape[3]) if softmax_scale is None
-           else float(softmax_scale))
+           else api._static_positive("softmax_scale", softmax_scale))
   q_seg = kv_seg = None
   if segment_ids is not None:
-    q_seg, kv_seg = (segment_ids if isinstance(segment_ids, (tuple, list))
-                     else (segment_ids, segment_ids))
-    q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+    arrays = api._mask_arrays(q, k, segment_ids, None, None)
+    q_seg, kv_seg = arrays.q_segment_ids, arrays.kv_segment_ids
 
   deterministic = op_lib.resolve_deterministic(deterministic)
   if implementation == "mosaic_gpu":

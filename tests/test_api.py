@@ -37,6 +37,8 @@ KV = _arr((2, 16, 2, 32))
     (_arr((2, 4, 4, 264)), _arr((2, 4, 2, 264)), _arr((2, 4, 2, 264)),
      r"head_dim=264"),
     (_arr((2, 0, 4, 32)), KV, KV, r"q has an empty sequence"),
+    (Q, _arr((2, 16, 0, 32)), _arr((2, 16, 0, 32)),
+     r"heads must be >= 1: q \(2, 16, 4, 32\), k \(2, 16, 0, 32\)"),
     ([[1.0]], KV, KV, r"q must be an array"),
 ])
 def test_bad_input_raises_value_error(q, k, v, match):
@@ -118,6 +120,31 @@ def test_float64_not_supported_by_triton():
                                interpret=True)
     out = jaxflash.flash_attention(q, q, q, interpret=True)  # falls to xla
     assert out.dtype == jnp.float64
+    # ... which computes in float64, not float32: against float64 NumPy
+    # to ~1e-15, where a float32 softmax is ~1e-7 off.
+    r = np.random.default_rng(0)
+    q, k, v = (r.standard_normal((1, 40, 2, 16)) for _ in range(3))
+    out, lse = jaxflash.flash_attention(
+        *(jnp.asarray(x) for x in (q, k, v)), causal=True, return_lse=True,
+        implementation="xla")
+    logits = np.einsum("bthd,bshd->bhts", q, k) / 4.0
+    logits = np.where(np.tril(np.ones((40, 40), bool)), logits, -np.inf)
+    want_lse = np.log(np.exp(logits).sum(-1))
+    want = np.einsum("bhts,bshd->bthd",
+                     np.exp(logits - want_lse[..., None]), v)
+    assert out.dtype == lse.dtype == jnp.float64
+    np.testing.assert_allclose(np.asarray(out), want, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, atol=1e-12)
+    # int64 ids and lengths past int32 are refused, not wrapped.
+    with pytest.raises(ValueError, match="int32, the kernels' id type"):
+      jaxflash.flash_attention(
+          jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+          segment_ids=jnp.full((1, 40), 2**32 + 1, jnp.int64))
+    with pytest.raises(ValueError, match=r"must lie in \[0, 40\].*"
+                       r"\[4294967301\]"):
+      jaxflash.flash_attention(
+          jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+          kv_seq_lengths=jnp.array([2**32 + 5], jnp.int64))
   finally:
     jax.config.update("jax_enable_x64", False)
 
@@ -160,6 +187,57 @@ SEG = jnp.zeros((2, 16), jnp.int32)
 def test_bad_mask_arguments(kwargs, match):
   with pytest.raises(ValueError, match=match):
     jaxflash.flash_attention(Q, KV, KV, **kwargs)
+
+
+def test_ids_and_lengths_outside_int32_are_refused():
+  """Ids are compared as the kernels' int32: a uint32 id past 2**31 - 1
+  would wrap to a negative id (padding), so it is a ValueError; a length
+  is checked before the cast (4294967295 is not -1)."""
+  with pytest.raises(ValueError, match=r"segment_ids must lie in"
+                     r" \[-2147483648, 2147483647\]"):
+    jaxflash.flash_attention(Q, KV, KV,
+                             segment_ids=jnp.full((2, 16), 2**31, jnp.uint32))
+  with pytest.raises(ValueError, match=r"kv_seq_lengths must lie in"
+                     r" \[0, 16\].*\[4294967295, 3\]"):
+    jaxflash.flash_attention(
+        Q, KV, KV, kv_seq_lengths=jnp.array([2**32 - 1, 3], jnp.uint32))
+  # Narrow ids pass without a read-back.
+  out = jaxflash.flash_attention(Q, KV, KV, implementation="xla",
+                                 segment_ids=SEG.astype(jnp.uint8))
+  assert out.shape == Q.shape
+
+
+@pytest.mark.parametrize("backend", ["xla", "triton"])
+def test_windows_past_both_ends_are_unbounded(backend):
+  """A window side of T + S or more (up to int32's limit, where position
+  arithmetic would wrap) reaches every key: the same as a side of 45,
+  which already covers every key of these 20 queries and 30 keys
+  (aligned bottom-right: at most 29 keys back and 19 ahead) and keeps
+  the window's code path."""
+  kw = dict(implementation=backend, interpret=backend == "triton")
+  q = jax.random.normal(jax.random.key(0), (1, 20, 2, 16))
+  k = jax.random.normal(jax.random.key(1), (1, 30, 2, 16))
+  big = 2**31 - 1
+  for causal in (False, True):
+    for window, same in ((big, 45), ((big, 0), (45, 0)), ((0, big), (0, 45)),
+                         ((5, 50), (5, 45)), (10**12, 45)):
+      got, want = (jaxflash.flash_attention(q, k, k, causal=causal,
+                                            local_window_size=w, **kw)
+                   for w in (window, same))
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want),
+                                 atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["xla", "triton"])
+def test_empty_batch(backend):
+  """batch 0: empty outputs and gradients, as jax.nn gives."""
+  kw = dict(implementation=backend, interpret=backend == "triton")
+  q, k = jnp.ones((0, 16, 4, 32)), jnp.ones((0, 16, 2, 32))
+  out, lse = jaxflash.flash_attention(q, k, k, return_lse=True, **kw)
+  assert out.shape == q.shape and lse.shape == (0, 4, 16)
+  grads = jax.grad(lambda q, k: jaxflash.flash_attention(q, k, k, **kw).sum(),
+                   (0, 1))(q, k)
+  assert grads[0].shape == q.shape and grads[1].shape == k.shape
 
 
 def test_one_segment_array_needs_self_attention():

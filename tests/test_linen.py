@@ -102,14 +102,18 @@ def test_gqa_module_and_logical_axes():
   _close(flash.apply(p, x), want)
 
 
-def test_decode_matches_full_causal():
+@pytest.mark.parametrize("window", [None, (2, 0), 3, (0, 0)])
+def test_decode_matches_full_causal(window):
+  """Step by step through the cache equals the whole sequence at once,
+  with a local window too (placed at the cache index, not at the cache's
+  last slot: every step but the last would differ)."""
   x = _x((2, 10, 32))
-  flash = FlashMultiHeadDotProductAttention(num_heads=4, num_kv_heads=2,
-                                            causal=True, **KERNEL)
+  kw = dict(num_heads=4, num_kv_heads=2, causal=True,
+            local_window_size=window, **KERNEL)
+  flash = FlashMultiHeadDotProductAttention(**kw)
   params = flash.init(jax.random.key(1), x)
   full = flash.apply(params, x)
-  dec = FlashMultiHeadDotProductAttention(num_heads=4, num_kv_heads=2,
-                                          causal=True, decode=True, **KERNEL)
+  dec = FlashMultiHeadDotProductAttention(decode=True, **kw)
   cache = dec.init(jax.random.key(1), x)["cache"]
   step = jax.jit(lambda c, xt: dec.apply({**params, "cache": c}, xt,
                                          mutable=["cache"]))
@@ -204,6 +208,37 @@ def test_refusals():
     nn.MultiHeadDotProductAttention(
         num_heads=4, attention_fn=make_attention_fn(**KERNEL)).apply(
             p, x, sow_weights=True, mutable=["intermediates"])
+  # Flax's own decode step with a window: the cache mask hides where the
+  # query stands, so the window cannot be placed (the module can).
+  windowed = nn.MultiHeadDotProductAttention(
+      num_heads=4, decode=True, attention_fn=make_attention_fn(
+          causal=True, local_window_size=(2, 0), **KERNEL))
+  cache = windowed.init(jax.random.key(1), x)["cache"]
+  with pytest.raises(NotImplementedError, match="decode=True"):
+    windowed.apply({**p, "cache": cache}, x[:, :1], mutable=["cache"])
+  with pytest.raises(NotImplementedError, match="no segment_ids"):
+    dec = FlashMultiHeadDotProductAttention(num_heads=4, decode=True,
+                                            local_window_size=2, **KERNEL)
+    cache = dec.init(jax.random.key(1), x)["cache"]
+    dec.apply({**p, "cache": cache}, x[:, :1], mutable=["cache"],
+              segment_ids=(jnp.zeros((2, 1), jnp.int32),
+                           jnp.zeros((2, 24), jnp.int32)))
+
+
+def test_attention_fn_lengths_follow_extra_batch_dims():
+  """Sequence lengths shaped like the leading batch dims are flattened
+  with them, as segment ids are."""
+  x = _x((3, 2, 12, 4, 16))
+  ql, kl = jnp.array([[3, 12], [5, 7], [1, 2]]), jnp.array([[12, 4], [5, 9],
+                                                           [2, 2]])
+  got = make_attention_fn(q_seq_lengths=ql, kv_seq_lengths=kl, **KERNEL)(
+      x, x, x)
+  flat = x.reshape(6, 12, 4, 16)
+  want = jaxflash.flash_attention(flat, flat, flat,
+                                  q_seq_lengths=ql.reshape(-1),
+                                  kv_seq_lengths=kl.reshape(-1),
+                                  implementation="xla")
+  _close(got.reshape(flat.shape), want)
 
 
 # -- a small transformer trains the same with either attention ---------------
@@ -297,9 +332,50 @@ def test_dot_product_attention_dense_paths():
     jaxflash.dot_product_attention(q, q, q, bias=bias)
   with pytest.raises(NotImplementedError, match="dense mask"):
     jaxflash.dot_product_attention(q, q, q, mask=jnp.ones((1, 1, 8, 8), bool))
-  got = jaxflash.dot_product_attention(q, q, q, bias=bias,
-                                       implementation="xla")
-  _close(got, jax.nn.dot_product_attention(q, q, q, bias=bias))
+  want = jax.nn.dot_product_attention(q, q, q, bias=bias)
+  for implementation in ("xla", ["xla"], ("triton", "xla")):
+    # "xla" serves the dense arrays wherever the sequence names it.
+    got = jaxflash.dot_product_attention(q, q, q, bias=bias,
+                                         implementation=implementation)
+    _close(got, want)
+  with pytest.raises(NotImplementedError, match="take no bias"):
+    jaxflash.dot_product_attention(q, q, q, bias=bias,
+                                   implementation=["triton"])
+  with pytest.raises(ValueError, match="implementation='cuda' is not one"):
+    jaxflash.dot_product_attention(q, q, q, bias=bias, implementation="cuda")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(scale=-1.0), r"scale=-1.0 must be finite"),
+    (dict(is_causal=1), r"is_causal must be a bool"),
+    (dict(query_seq_lengths=jnp.array([1, 99])),
+     r"query_seq_lengths must lie in \[0, 8\]"),
+    (dict(key_value_seq_lengths=jnp.array([1])),
+     r"key_value_seq_lengths must have shape \(2,\)"),
+    (dict(return_residual="yes"), r"return_residual must be a bool"),
+])
+def test_dot_product_attention_errors_name_its_arguments(kwargs, match):
+  """Errors speak of jax.nn's argument names, not flash_attention's."""
+  q = jnp.ones((2, 8, 4, 16))
+  with pytest.raises(ValueError, match=match):
+    jaxflash.dot_product_attention(q, q, q, **kwargs)
+
+
+def test_dot_product_attention_shapes_and_scale():
+  q = jnp.ones((2, 8, 4, 16))
+  for bad in ((q[0, 0], q, q), (q, q[0], q[0])):
+    with pytest.raises(ValueError, match=r"query, key and value must all"
+                       r" have rank 4 \[B, T, N, H\] or all rank 3"):
+      jaxflash.dot_product_attention(*bad)
+  with pytest.raises(ValueError, match=r"query, key and value must share"):
+    jaxflash.dot_product_attention(q, q.astype(jnp.bfloat16), q)
+  # A concrete 0-d array is a static scale; a traced one is not.
+  x = jax.random.normal(jax.random.key(0), (2, 8, 4, 16))
+  _close(jaxflash.dot_product_attention(x, x, x, scale=jnp.float32(0.2),
+                                        implementation="xla"),
+         jax.nn.dot_product_attention(x, x, x, scale=0.2))
+  with pytest.raises(ValueError, match="scale must be a static Python"):
+    jax.jit(lambda s: jaxflash.dot_product_attention(x, x, x, scale=s))(0.2)
 
 
 def test_rope_decode_matches_full():

@@ -136,6 +136,20 @@ def test_ring_argument_errors():
   with pytest.raises(NotImplementedError, match="over 2 devices"):
     call(q.astype(jnp.bfloat16), implementation="mosaic_gpu",
          interpret=True)
+  # flash_attention's input checks, on each device's blocks.
+  with pytest.raises(ValueError, match="softmax_scale=-1.0 must be finite"):
+    call(softmax_scale=-1.0, interpret=True)
+  with pytest.raises(ValueError, match="causal must be a bool"):
+    call(causal="yes", interpret=True)
+  with pytest.raises(ValueError, match=r"head_dim=12 must be a multiple"):
+    call(jnp.ones((1, 32, 2, 12)), interpret=True)
+  seg = jnp.zeros((1, 32), jnp.float32)
+  with pytest.raises(ValueError, match="segment_ids must be an integer"):
+    jax.shard_map(
+        lambda x, s: sharding.ring_attention(
+            x, x, x, axis_name="context", segment_ids=s, interpret=True),
+        mesh=mesh, in_specs=(P(None, "context"), P(None, "context")),
+        out_specs=P(None, "context"), check_vma=False)(q, seg)
 
 
 def test_ring_bench_smoke(tmp_path, monkeypatch):
