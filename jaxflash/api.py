@@ -189,12 +189,20 @@ def window_sizes(local_window_size) -> tuple[int | None, int | None]:
 _INT32 = np.iinfo(np.int32)
 
 
+def _value_range(x) -> tuple[int, int]:
+  """Smallest and largest value of a concrete integer array: computed
+  where it lives (a device array sends back two scalars, not itself)."""
+  if isinstance(x, (np.ndarray, np.generic)):
+    return int(x.min()), int(x.max())
+  return int(jnp.min(x)), int(jnp.max(x))
+
+
 def _int_array(name: str, x, shape: tuple[int, ...],
                valid: tuple[int, int] | None = None) -> jax.Array:
   """``x`` as the kernels' int32, checked: integer dtype, ``shape`` and,
   when concrete, values in ``valid`` (default: int32's range, so that the
   cast cannot wrap an id into another or into padding).  A traced array
-  of a wider dtype is clipped to ``valid`` before the cast."""
+  of another dtype is clipped to ``valid`` before the cast."""
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     x = np.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.integer):
@@ -214,17 +222,19 @@ def _int_array(name: str, x, shape: tuple[int, ...],
     return x.astype(jnp.int32)
   info = jnp.iinfo(x.dtype)
   if valid is None and info.min >= lo and info.max <= hi:
-    return jnp.asarray(x, jnp.int32)  # fits: no read-back to the host
-  vals = np.asarray(x)
-  if vals.size and (vals.min() < lo or vals.max() > hi):
+    return jnp.asarray(x, jnp.int32)  # fits: nothing to check
+  on_host = isinstance(x, (np.ndarray, np.generic))
+  x_min, x_max = _value_range(x) if x.size else (lo, hi)
+  if x_min < lo or x_max > hi:
     what = f"lie in [{lo}, {hi}]" + (
         " (the sequence length)" if valid is not None else
         " (int32, the kernels' id type)")
-    raise ValueError(f"{name} must {what}, got {vals.tolist()}"
-                     if vals.size <= 16 else
+    raise ValueError(f"{name} must {what}, got {np.asarray(x).tolist()}"
+                     if x.size <= 16 else
                      f"{name} must {what}, got values in"
-                     f" [{vals.min()}, {vals.max()}]")
-  return jnp.asarray(vals, jnp.int32)
+                     f" [{x_min}, {x_max}]")
+  return (jnp.asarray(np.asarray(x, np.int32)) if on_host
+          else x.astype(jnp.int32))
 
 
 def _mask_arrays(q, k, segment_ids, q_seq_lengths, kv_seq_lengths,
@@ -320,9 +330,11 @@ def flash_attention(
     logits_soft_cap: ``cap * tanh(logits / cap)`` applied to the scaled
       logits before the softmax (Gemma-style); a static positive number.
     softmax_scale: multiplier of the logits; default ``1/sqrt(head_dim)``.
-      Must be a Python number (it is compiled into the kernels).
+      Must be static, a Python or NumPy number or a concrete 0-d array (it
+      is compiled into the kernels).
     return_lse: also return the log-sum-exp ``[batch, heads, q_len]``
-      (float32, natural log, ``-inf`` for rows that see no key).
+      (float32, or float64 for float64 inputs on ``"xla"``; natural log,
+      ``-inf`` for rows that see no key).
     implementation: ``None`` (best available: ``"mosaic_gpu"`` on Hopper,
       then ``"triton"``, then ``"xla"``), a backend name from
       :data:`IMPLEMENTATIONS`, or a sequence of names to try in order.
@@ -391,9 +403,9 @@ def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
   if isinstance(config, mosaic_backend.MosaicConfig):
     mosaic_backend.check_deterministic(config, deterministic)
 
-  names, explicit = _candidates(implementation, config, interpret)
+  backends, explicit = _candidates(implementation, config, interpret)
   reasons = []
-  for name in names:
+  for name in backends:
     check, attend, cfg_type = _BACKENDS[name]
     try:
       if config is not None and not (cfg_type and isinstance(config,
@@ -408,7 +420,8 @@ def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
       continue
     if q.shape[0] == 0:  # an empty batch: nothing for a kernel to do
       out = jnp.zeros(q.shape, q.dtype)
-      lse = jnp.zeros((0, q.shape[2], T), jnp.float32)
+      lse = jnp.zeros((0, q.shape[2], T),
+                      jnp.promote_types(jnp.float32, q.dtype))
       return (out, lse) if return_lse else out
     out, lse = attend(q, k, v, mask=mask, arrays=arrays,
                       softmax_scale=softmax_scale,

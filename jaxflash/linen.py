@@ -117,12 +117,17 @@ def make_attention_fn(
     batch_shape, q_len = query.shape[:-3], query.shape[-3]
     kv_len = key.shape[-3]
     seg = segment_ids
-    if mask is not None and local_window_size is not None and (
-        q_len == 1 < kv_len):
+    left = api.window_sizes(local_window_size)[0]
+    if mask is not None and q_len == 1 < kv_len and (
+        left is not None and left < kv_len - 1):
       # Flax's decode step: one query against the whole cache, the filled
       # slots given by the mask.  The mask does not say where the query
       # stands; flash_attention would align it with the last slot and
-      # place the window there.
+      # place the window there.  Only its left side matters (the right
+      # one reaches past the last slot either way), and only when it
+      # stops short of slot 0.  (A one-query cross-attention with a key
+      # mask and such a window has this shape too, and is refused with
+      # it: the two cannot be told apart here.)
       raise NotImplementedError(
           "a one-token query against a longer masked key array (Flax's"
           " decode step) with local_window_size: the query's position is"
@@ -382,7 +387,7 @@ class FlashMultiHeadDotProductAttention(nn.Module):
     left = api.window_sizes(self.local_window_size)[0]
     pos = jnp.arange(max_length, dtype=jnp.int32)
     seen = pos <= idx
-    if left is not None:
+    if left < max_length:  # else it reaches slot 0 (and would wrap int32)
       seen &= pos >= idx - left
     kv_seg = jnp.where(seen, 0, PAD_SEGMENT_ID).astype(jnp.int32)
     return key, value, None, False, (

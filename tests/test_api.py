@@ -7,6 +7,7 @@ import pytest
 from conftest import has_gpu
 
 import jaxflash
+from jaxflash import api
 
 
 def _arr(shape, dtype=jnp.float32):
@@ -189,7 +190,7 @@ def test_bad_mask_arguments(kwargs, match):
     jaxflash.flash_attention(Q, KV, KV, **kwargs)
 
 
-def test_ids_and_lengths_outside_int32_are_refused():
+def test_ids_and_lengths_outside_int32_are_refused(monkeypatch):
   """Ids are compared as the kernels' int32: a uint32 id past 2**31 - 1
   would wrap to a negative id (padding), so it is a ValueError; a length
   is checked before the cast (4294967295 is not -1)."""
@@ -201,10 +202,16 @@ def test_ids_and_lengths_outside_int32_are_refused():
                      r" \[0, 16\].*\[4294967295, 3\]"):
     jaxflash.flash_attention(
         Q, KV, KV, kv_seq_lengths=jnp.array([2**32 - 1, 3], jnp.uint32))
-  # Narrow ids pass without a read-back.
-  out = jaxflash.flash_attention(Q, KV, KV, implementation="xla",
-                                 segment_ids=SEG.astype(jnp.uint8))
-  assert out.shape == Q.shape
+  # Ids whose dtype fits int32 are cast without a look at their values
+  # (no read-back to the host on eager calls).
+  def no_read_back(*args, **kw):
+    raise AssertionError("segment ids were read back to the host")
+
+  monkeypatch.setattr(api, "_value_range", no_read_back)
+  for dtype in (jnp.uint8, jnp.int16, jnp.int32):
+    out = jaxflash.flash_attention(Q, KV, KV, implementation="xla",
+                                   segment_ids=SEG.astype(dtype))
+    assert out.shape == Q.shape
 
 
 @pytest.mark.parametrize("backend", ["xla", "triton"])

@@ -102,7 +102,7 @@ def test_gqa_module_and_logical_axes():
   _close(flash.apply(p, x), want)
 
 
-@pytest.mark.parametrize("window", [None, (2, 0), 3, (0, 0)])
+@pytest.mark.parametrize("window", [None, (2, 0), 3, (0, 0), 10**12])
 def test_decode_matches_full_causal(window):
   """Step by step through the cache equals the whole sequence at once,
   with a local window too (placed at the cache index, not at the cache's
@@ -216,6 +216,12 @@ def test_refusals():
   cache = windowed.init(jax.random.key(1), x)["cache"]
   with pytest.raises(NotImplementedError, match="decode=True"):
     windowed.apply({**p, "cache": cache}, x[:, :1], mutable=["cache"])
+  # A window whose left side reaches slot 0 bounds nothing: served.
+  for window in ((23, 0), 10**12):
+    unbounded = nn.MultiHeadDotProductAttention(
+        num_heads=4, decode=True, attention_fn=make_attention_fn(
+            causal=True, local_window_size=window, **KERNEL))
+    unbounded.apply({**p, "cache": cache}, x[:, :1], mutable=["cache"])
   with pytest.raises(NotImplementedError, match="no segment_ids"):
     dec = FlashMultiHeadDotProductAttention(num_heads=4, decode=True,
                                             local_window_size=2, **KERNEL)
