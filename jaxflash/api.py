@@ -194,7 +194,10 @@ def _value_range(x) -> tuple[int, int]:
   where it lives (a device array sends back two scalars, not itself)."""
   if isinstance(x, (np.ndarray, np.generic)):
     return int(x.min()), int(x.max())
-  return int(jnp.min(x)), int(jnp.max(x))
+  # Evaluated now even when a jit trace is active (an array closed over
+  # by the traced function is concrete, but jnp.min would be staged).
+  with jax.ensure_compile_time_eval():
+    return int(jnp.min(x)), int(jnp.max(x))
 
 
 def _int_array(name: str, x, shape: tuple[int, ...],

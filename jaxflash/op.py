@@ -248,6 +248,13 @@ def attention(q, k, v, arrays: MaskArrays, params: OpParams):
   P = jax.sharding.PartitionSpec
   q_spec, kv_spec = P(b, None, h, None), P(b, None, kv, None)
   mask_specs = tuple(P(b, None) if x.ndim == 2 else P(b) for x in flat)
+  # k, v and the mask arrays follow q's layout, whatever theirs (a
+  # replicated k, host segment ids): shard_map takes only matching types.
+  to = lambda xs, specs: tuple(
+      jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, s))
+      for x, s in zip(xs, specs))
+  k, v = to((k, v), (kv_spec, kv_spec))
+  flat = to(flat, mask_specs)
   return jax.shard_map(
       lambda q, k, v, flat: _attention(q, k, v, flat, params, present),
       mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, mask_specs),

@@ -97,22 +97,25 @@ def _varying_axes(x) -> frozenset:
 class _Ring:
   """Static description of one ring attention call."""
 
-  def __init__(self, axis_name, n, causal, zigzag, params_for, typed):
+  def __init__(self, axis_name, n, causal, zigzag, params_for, varying):
     self.axis_name, self.n, self.causal = axis_name, n, causal
     self.zigzag = zigzag and causal
     self.parts = 2 if self.zigzag else 1
     self.params_for = params_for  # MaskSpec -> OpParams
-    # shard_map(check_vma=True): the blocks' types say they vary over the
-    # axis, and so must every value the loops and branches combine them
-    # with (zeros of skipped pairs, initial accumulators).
-    self.typed = typed
+    # shard_map(check_vma=True): the blocks' types say which manual axes
+    # they vary over (the ring's, and any other the blocks are split
+    # over: batch on "data", heads on "tensor"), and so must every value
+    # the loops and branches combine them with (zeros of skipped pairs,
+    # initial accumulators).  Empty without check_vma.
+    self.varying = frozenset(varying)
 
   def vary(self, *xs):
-    """``xs`` typed as varying over the ring axis (under check_vma)."""
-    if not self.typed:
-      return xs
-    return tuple(x if self.axis_name in _varying_axes(x)
-                 else lax.pcast(x, self.axis_name, to="varying") for x in xs)
+    """``xs`` typed as varying over the blocks' axes (under check_vma)."""
+    def cast(x):
+      missing = self.varying - _varying_axes(x)
+      return lax.pcast(x, tuple(sorted(missing)), to="varying") if (
+          missing) else x
+    return tuple(cast(x) for x in xs)
 
   def chunk_ids(self, dev):
     """Global chunk indices of the chunks device ``dev`` holds."""
@@ -358,6 +361,6 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
                            deterministic=deterministic)
 
   ring = _Ring(axis_name, n, causal, zigzag, params_for,
-               typed=axis_name in _varying_axes(q))
+               varying=frozenset().union(*map(_varying_axes, (q, k, v))))
   out, lse = _ring(ring, q, k, v, q_seg, kv_seg)
   return (out, lse) if return_lse else out

@@ -190,19 +190,34 @@ def logical_spec(logical_axes: Sequence[str | None],
   """PartitionSpec of an array with these logical axes under ``rules``
   (a sequence of ``(logical, mesh axes)``, as ``nn.logical_axis_rules``).
 
-  Mesh axes absent from ``mesh`` (when given) are dropped, so one rule set
-  serves meshes with and without, say, a ``tensor`` axis.
+  The rules apply as Flax's ``nn.logical_to_mesh_axes`` applies them, so
+  that jaxflash.linen's parameters and these specs agree: in rule order,
+  a rule gives its mesh axes to the first dimension of its logical name
+  that has none yet, unless one of them is taken already (a later rule
+  for the name may then apply); ``None`` replicates; a dimension no rule
+  gives axes is replicated.  One extension: mesh axes absent from
+  ``mesh`` (when given) are dropped from each rule first, and a rule left
+  with none does not apply, so one rule set serves meshes with and
+  without, say, a ``tensor`` axis.
   """
-  table = dict(rules)
   names = set(mesh.axis_names) if mesh is not None else None
+  dims = list(logical_axes)
+  out: list = [None] * len(dims)
+  assigned = [False] * len(dims)
   used: set[str] = set()
-  out = []
-  for name in logical_axes:
-    axes = _axes(table.get(name)) if name is not None else ()
-    axes = tuple(a for a in axes if (names is None or a in names)
-                 and a not in used)
+  for logical, entry in rules:
+    if logical not in dims or assigned[dims.index(logical)]:
+      continue
+    pos = dims.index(logical)
+    axes = _axes(entry)
+    if entry is not None:
+      axes = tuple(a for a in axes if names is None or a in names)
+      if not axes:
+        continue
+    if used.intersection(axes):
+      continue
+    out[pos], assigned[pos] = _entry(axes), True
     used.update(axes)
-    out.append(_entry(axes))
   return P(*out)
 
 
@@ -212,11 +227,29 @@ def logical_sharding(mesh, logical_axes, rules=DEFAULT_RULES):
 
 
 def shard_qkv(mesh, q, k, v, rules=DEFAULT_RULES):
-  """Places q, k, v on ``mesh`` by the logical rules (a convenience)."""
-  qs = logical_sharding(mesh, Q_AXES, rules)
-  kvs = logical_sharding(mesh, KV_AXES, rules)
-  return (jax.device_put(q, qs), jax.device_put(k, kvs),
-          jax.device_put(v, kvs))
+  """Places q, k, v on ``mesh`` by the logical rules (a convenience).
+
+  A single key/value head (MQA) is replicated over the axes that shard
+  the query heads, as the op's rules replicate it.  A dimension that its
+  mesh axes do not divide is a ValueError naming both.
+  """
+  q_spec = tuple(logical_spec(Q_AXES, rules, mesh))
+  kv_spec = list(logical_spec(KV_AXES, rules, mesh))
+  if k.shape[2] == 1:
+    kv_spec[2] = None
+  for name, x, spec, axes_names in (("q", q, q_spec, Q_AXES),
+                                    ("k", k, kv_spec, KV_AXES),
+                                    ("v", v, kv_spec, KV_AXES)):
+    for dim, (entry, logical) in enumerate(zip(spec, axes_names)):
+      n = _size(mesh, _axes(entry))
+      if x.shape[dim] % n:
+        raise ValueError(
+            f"{name}'s {logical} dimension ({x.shape[dim]}) is not divisible"
+            f" by mesh axis {_axes(entry)} of size {n} (shape"
+            f" {tuple(x.shape)})")
+  return (jax.device_put(q, NamedSharding(mesh, P(*q_spec))),
+          jax.device_put(k, NamedSharding(mesh, P(*kv_spec))),
+          jax.device_put(v, NamedSharding(mesh, P(*kv_spec))))
 
 
 def ring_attention(*args, **kwargs):

@@ -214,6 +214,19 @@ def test_ids_and_lengths_outside_int32_are_refused(monkeypatch):
     assert out.shape == Q.shape
 
 
+def test_concrete_lengths_closed_over_under_jit():
+  """A concrete length array closed over by a jitted function is checked
+  at trace time (not staged into the trace, where it cannot be read)."""
+  ql = jnp.array([16, 5])
+  f = jax.jit(lambda q: jaxflash.flash_attention(
+      q, KV, KV, q_seq_lengths=ql, implementation="xla"))
+  assert f(Q).shape == Q.shape
+  bad = jnp.array([16, 50])
+  with pytest.raises(ValueError, match=r"q_seq_lengths must lie in"):
+    jax.jit(lambda q: jaxflash.flash_attention(
+        q, KV, KV, q_seq_lengths=bad, implementation="xla"))(Q)
+
+
 @pytest.mark.parametrize("backend", ["xla", "triton"])
 def test_windows_past_both_ends_are_unbounded(backend):
   """A window side of T + S or more (up to int32's limit, where position

@@ -52,24 +52,29 @@ def _global_ring(mesh, axis, *, causal, zigzag, seg_ids, batch_axis=None,
   return attend
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_ring_under_check_vma(causal):
+@pytest.mark.parametrize("causal,batch_axis", [
+    (False, None), (True, None), (True, "data")],
+    ids=["full", "causal", "causal-batch-on-data"])
+def test_ring_under_check_vma(causal, batch_axis):
   """shard_map's default check_vma=True: the ring's zeros (skipped pairs,
-  initial accumulators) are typed as varying over the axis, and the
-  results equal the unchecked ones bitwise.  The case is one the Pallas
+  initial accumulators) are typed as varying over the blocks' axes (the
+  ring's, and "data" where batch is split over it too), and the results
+  equal the unchecked ones bitwise.  The case is one the Pallas
   interpreter of jax 0.11.2 itself runs under check_vma (no segment ids,
   no GQA, one tile per block): with tiles of 16 or segment ids its own
   loops fail their vma check, asking for check_vma=False."""
-  if jax.device_count() < 2:
-    pytest.skip("needs 2 devices")
-  mesh = jax.make_mesh((2,), ("context",), axis_types=(AxisType.Auto,))
+  if jax.device_count() < 4:
+    pytest.skip("needs 4 devices")
+  mesh = jax.make_mesh((2, 2), ("data", "context"),
+                       axis_types=(AxisType.Auto,) * 2)
   seq = 64
-  args = numerics.random_inputs(jax.random.key(7), batch=1, q_len=seq,
+  args = numerics.random_inputs(jax.random.key(7), batch=2, q_len=seq,
                                 kv_len=seq, heads=2, kv_heads=2, head_dim=16,
                                 dtype=jnp.float32)
-  ids = jnp.zeros((1, seq), jnp.int32)
+  ids = jnp.zeros((2, seq), jnp.int32)
   ring = functools.partial(_global_ring, mesh, "context", causal=causal,
                            zigzag=True, seg_ids=ids, segments=False,
+                           batch_axis=batch_axis,
                            kernel_kw=dict(interpret=True))
   want = numerics.outputs_and_grads(ring(check_vma=False), *args)
   got = numerics.outputs_and_grads(ring(check_vma=True), *args)

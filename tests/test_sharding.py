@@ -90,6 +90,34 @@ def test_batch_and_head_sharding_is_local_and_exact(mesh_name, layout,
     assert collective not in hlo, collective
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit],
+                         ids=["Auto", "Explicit"])
+def test_mask_arrays_and_kv_follow_q(axis_type):
+  """Only q's layout decides: replicated k/v, host segment ids and
+  lengths are resharded to follow it (on Explicit meshes too, where the
+  op runs under shard_map, which takes only matching types)."""
+  _need_devices()
+  mesh = jax.make_mesh((2, 4), ("data", "tensor"),
+                       axis_types=(axis_type,) * 2)
+  q, k, v, do, seg = _inputs()
+  lengths = np.array([40, 31, 7, 0, 40, 22, 13, 39], np.int32)
+
+  def run(q, k, v, do):
+    attend = functools.partial(
+        jaxflash.flash_attention, causal=True, segment_ids=np.asarray(seg),
+        kv_seq_lengths=lengths, implementation="triton", interpret=True,
+        config=TILES)
+    out, vjp = jax.vjp(attend, q, k, v)
+    return (out, *vjp(do))
+
+  want = jax.jit(run)(q, k, v, do)
+  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+  qs = P("data", None, "tensor", None)
+  got = jax.jit(run)(put(q, qs), put(k, P()), put(v, P()), put(do, qs))
+  for a, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
+
+
 def test_gqa_and_mqa_head_sharding():
   _need_devices()
   mesh = jax.make_mesh((2, 4), ("data", "tensor"),
@@ -160,3 +188,38 @@ def test_inside_shard_map_and_logical_rules():
                                   causal=True, implementation="triton",
                                   interpret=True, config=TILES)
   np.testing.assert_array_equal(np.asarray(local(q, k, v)), np.asarray(want))
+
+
+@pytest.mark.parametrize("rules", [
+    sharding.DEFAULT_RULES,
+    (("batch", "data"), ("heads", "tensor"), ("batch", "fsdp")),
+    (("heads", "data"), ("batch", "data")),
+    (("batch", "data"), ("heads", "data"), ("heads", "tensor")),
+    (("length", None), ("length", "context"), ("kv_heads", "fsdp"),
+     ("heads", "tensor")),
+], ids=["default", "duplicate-batch", "rule-order", "fallback", "none-first"])
+def test_logical_spec_follows_flax(rules):
+  """The rules mean what Flax's logical_to_mesh_axes makes of them (rule
+  order decides, a taken mesh axis defers to the name's next rule), so
+  that jaxflash.linen's parameters and these specs agree."""
+  import flax.linen as nn  # noqa: PLC0415
+  for axes in (sharding.Q_AXES, sharding.KV_AXES):
+    want = P(*(None if a is None else a
+               for a in nn.logical_to_mesh_axes(axes, rules)))
+    assert sharding.logical_spec(axes, rules) == want, axes
+
+
+def test_shard_qkv_mqa_and_indivisible():
+  """One key/value head stays whole (replicated over the head axes); a
+  GQA count the head axes do not divide is a ValueError naming it."""
+  _need_devices()
+  mesh = jax.make_mesh((2, 4), ("data", "tensor"),
+                       axis_types=(AxisType.Auto,) * 2)
+  q = jnp.ones((4, 32, 8, 16))
+  _, k, v = sharding.shard_qkv(mesh, q, jnp.ones((4, 32, 1, 16)),
+                               jnp.ones((4, 32, 1, 16)))
+  assert k.sharding.spec == v.sharding.spec == P("data", None, None, None)
+  with pytest.raises(ValueError, match=r"k's kv_heads dimension \(2\) is"
+                     r" not divisible by mesh axis \('tensor',\) of size 4"):
+    sharding.shard_qkv(mesh, q, jnp.ones((4, 32, 2, 16)),
+                       jnp.ones((4, 32, 2, 16)))
