@@ -70,7 +70,9 @@ def plan(mesh, q_spec, q_shape, k_shape):
     raise ValueError(
         f"q's sequence axis is sharded over mesh axis {seq}: per-shard"
         " kernels need whole sequences. Use jaxflash.sharding.ring_attention"
-        " for context parallelism, or replicate the sequence axis")
+        " for context parallelism, or replicate the sequence axis (on an"
+        " Auto mesh a constraint after the call can carry this sharding"
+        " back onto q: constrain q before the call, docs/sharding.md)")
   if head_dim:
     raise ValueError(
         f"q's head_dim axis is sharded over mesh axis {head_dim}: attention"
@@ -170,7 +172,13 @@ _MASK_FACTORS = ("b t", "b s", "b", "b")
 
 def forward_rule(p, present, mesh, value_types, result_types):
   """Shardy rule: batch ``b`` and heads ``h``/``k`` may be sharded; the
-  partition callback decides (and refuses) the rest."""
+  partition callback decides (and refuses) the rest.
+
+  Marking ``t``, ``d`` and ``s`` as need-replication factors does not, in
+  jax 0.11.2, keep a constraint after the call from reaching q's sequence
+  axis on an Auto mesh (the callback still sees q sharded there; tried
+  in the thirty-first session), so the rule leaves them plain and
+  docs/sharding.md gives the workaround."""
   del p, mesh, value_types, result_types
   masks = "".join(", " + f for f, on in zip(_MASK_FACTORS, present) if on)
   return f"b t h d, b s k d, b s k d{masks} -> b t h d, b h t"
