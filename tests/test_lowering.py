@@ -496,9 +496,13 @@ def test_gpu_only_forward_options_reach_the_kernel(head_dim, causal,
   monkeypatch.syspath_prepend(pathlib.Path(__file__).parents[1] / "tools")
   shfl = "nvvm.shfl.sync"
   vote = "nvvm.vote.sync"
-  base = _forward_kernel_ops(head_dim, causal)
-  rescale = _forward_kernel_ops(head_dim, causal, "rescale_threshold=8")
-  deferred = _forward_kernel_ops(head_dim, causal, "deferred_row_sum=1")
+  # Both off, each alone (the H200's head_dim 256 default has both on).
+  off = "rescale_threshold=0,deferred_row_sum=0"
+  base = _forward_kernel_ops(head_dim, causal, off)
+  rescale = _forward_kernel_ops(head_dim, causal,
+                                "rescale_threshold=8,deferred_row_sum=0")
+  deferred = _forward_kernel_ops(head_dim, causal,
+                                 "rescale_threshold=0,deferred_row_sum=1")
   assert vote not in base and vote in rescale
   assert rescale.count(shfl) == base.count(shfl)
   assert 0 < deferred.count(shfl) < base.count(shfl)
