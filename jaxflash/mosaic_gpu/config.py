@@ -322,7 +322,11 @@ class MosaicConfig:
       exponentials; PTX of the compiled loop and ncu's opcode counts,
       s28).  Written (s29) because the H200 forward is power-bound under
       sustained load and cuDNN's d256 forward executes 24% fewer
-      instructions than ours; not yet timed.  The interpreter runs the
+      instructions than ours.  The H200 default at head_dim 256 with
+      ``deferred_row_sum`` (s31: 1.08-1.13x of the best anchor under
+      sustained load, 1.16-1.20x in rounds, non-causal; the old default
+      was level; docs/benchmarks/h200-2026-12-05-s31.md).  The
+      interpreter runs the
       threshold with the unconditional multiply (bit-identical: a
       multiply by 1), so only the branch is covered by the ``gpu`` tests
       alone.  Not with ``exp2_poly_cols`` (the polynomial takes
@@ -336,7 +340,7 @@ class MosaicConfig:
       2 shuffles and 2 adds per row and step (4 + 4 per thread; the main
       loop's count in ``tools/sass_loops.py``).  Inline Mosaic GPU: the
       interpreter runs the per-step sum, so only the ``gpu`` tests cover
-      it.  Written in s30 without a GPU; not yet run.
+      it.  Written in s30; the H200 default at head_dim 256 (s31).
     early_q_release: with ``intra_wg_overlap`` and ``prefetch_q`` on the
       persistent grid, a consumer signals "done with Q" as soon as its
       last ``Q K^T`` has been read back, before the last tile's ``P V``
