@@ -145,6 +145,15 @@ def _validate(q, k, v, names=None) -> None:
       raise ValueError(f"{name} has an empty sequence: {tuple(x.shape)}")
 
 
+def _check_bools(names=None, **flags) -> None:
+  """ValueError for a flag that is not a bool (named as the caller
+  names it)."""
+  for name, val in flags.items():
+    if not isinstance(val, (bool, np.bool_)):
+      raise ValueError(
+          f"{(names or {}).get(name, name)} must be a bool, got {val!r}")
+
+
 def _static_positive(name: str, val) -> float:
   """A static positive number: a Python or NumPy scalar, or a concrete
   0-d array (``jnp.float32(0.1)``); never a traced value, since it is
@@ -382,10 +391,8 @@ def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
   """
   nm = (names or {}).get
   _validate(q, k, v, names)
-  for name, val in (("causal", causal), ("return_lse", return_lse),
-                    ("interpret", interpret)):
-    if not isinstance(val, (bool, np.bool_)):
-      raise ValueError(f"{nm(name, name)} must be a bool, got {val!r}")
+  _check_bools(names, causal=causal, return_lse=return_lse,
+               interpret=interpret)
   if softmax_scale is None:
     softmax_scale = 1.0 / math.sqrt(q.shape[3])
   softmax_scale = _static_positive(nm("softmax_scale", "softmax_scale"),
@@ -491,9 +498,7 @@ def dot_product_attention(
         "query, key and value must all have rank 4 [B, T, N, H] or all rank"
         f" 3 [T, N, H], got query {tuple(query.shape)}, key"
         f" {tuple(key.shape)}, value {tuple(value.shape)}")
-  if not isinstance(return_residual, (bool, np.bool_)):
-    raise ValueError(f"return_residual must be a bool, got"
-                     f" {return_residual!r}")
+  _check_bools(return_residual=return_residual)
   squeeze = query.ndim == 3
   if squeeze:
     query, key, value = query[None], key[None], value[None]

@@ -317,10 +317,8 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
   """
   # The checks of flash_attention, on this device's blocks.
   api._validate(q, k, v)
-  for name, val in (("causal", causal), ("zigzag", zigzag),
-                    ("return_lse", return_lse), ("interpret", interpret)):
-    if not isinstance(val, (bool, np.bool_)):
-      raise ValueError(f"{name} must be a bool, got {val!r}")
+  api._check_bools(causal=causal, zigzag=zigzag, return_lse=return_lse,
+                   interpret=interpret)
   n = lax.axis_size(axis_name)
   if implementation is None:
     implementation = kernel_backend(q, config=config, interpret=interpret)
