@@ -96,7 +96,7 @@ def test_writers(tmp_path):
   assert set(data["results"][0]) == {
       "impl", "batch", "seq_q", "seq_k", "heads", "kv_heads", "head_dim",
       "causal", "dtype", "mask", "mode", "ms", "tflops", "peak_bytes",
-      "max_abs_err", "error"}
+      "max_abs_err", "error", "samples_ms"}
   meta2, rows2 = report.read_json(str(path))
   assert rows2 == rows and meta2["commit"] == "abc1234"
   md = report.markdown(meta, rows)
@@ -105,6 +105,63 @@ def test_writers(tmp_path):
   assert "ratio to best other" in report.terminal_table(rows)
   assert report.plot(str(tmp_path / "r.png"), meta, rows)
   assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def _timed(impl, samples_ms, head_dim=128, causal=False):
+  shape = core.Shape(4, 4096, 4096, 16, 16, head_dim, causal)
+  ms = sorted(samples_ms)[len(samples_ms) // 2]
+  return core.record(shape, impl, "fwd", ms=ms, samples_ms=samples_ms)
+
+
+def test_paired_rows_compare_round_by_round():
+  """Per round the other call's time over the row's, then the median and
+  range: against the best anchor (by median) and, for a variant, its
+  base row. Rows without samples, failed rows and lists of another
+  length give no pair."""
+  j = _timed("jaxflash-mosaic_gpu", [1.0, 2.0, 1.0])
+  v = _timed("jaxflash-mosaic_gpu[v]", [0.5, 1.0, 1.25])
+  cudnn = _timed("cudnn", [1.1, 2.2, 0.9])
+  tok = _timed("tokamax-mosaic", [1.2, 2.4, 1.5])
+  other_shape = _timed("cudnn", [1.0, 1.0, 1.0], head_dim=64)
+  short = _timed("jaxflash-mosaic_gpu[s]", [1.0, 1.0])
+  bare = core.record(core.Shape(4, 4096, 4096, 16, 16, 128, False),
+                     "jaxflash-mosaic_gpu[b]", "fwd", ms=1.0)
+  got = {(p["impl"], p["against"]): p for p in report.paired_rows(
+      [j, v, cudnn, tok, other_shape, short, bare])}
+  assert set(got) == {("jaxflash-mosaic_gpu", "cudnn"),
+                      ("jaxflash-mosaic_gpu[v]", "cudnn"),
+                      ("jaxflash-mosaic_gpu[v]", "jaxflash-mosaic_gpu")}
+  p = got["jaxflash-mosaic_gpu", "cudnn"]  # ratios 1.1, 1.1, 0.9
+  assert p["median"] == pytest.approx(1.1)
+  assert (p["low"], p["high"], p["rounds"]) == (
+      pytest.approx(0.9), pytest.approx(1.1), 3)
+  p = got["jaxflash-mosaic_gpu[v]", "jaxflash-mosaic_gpu"]  # 2, 2, 0.8
+  assert p["median"] == pytest.approx(2.0) and p["low"] == pytest.approx(0.8)
+  # Even counts take the mean of the middle two.
+  a = _timed("jaxflash-mosaic_gpu", [1.0, 1.0, 1.0, 1.0])
+  b = _timed("cudnn", [1.0, 2.0, 3.0, 4.0])
+  (p,) = report.paired_rows([a, b])
+  assert p["median"] == pytest.approx(2.5)
+  assert report.paired_rows(_rows()) == []  # no samples kept
+  md = report.markdown(dict(jax_version="0.11.2", device_kind="NVIDIA H200",
+                            device_count=1, commit="abc1234",
+                            date="2026-12-05",
+                            flop_formula=core.FLOP_FORMULA), [j, v, cudnn])
+  assert ("| 128 | 4096 | n | - | fwd | jaxflash-mosaic_gpu[v] |"
+          " jaxflash-mosaic_gpu | 2.000 | 0.800-2.000 | 3 |") in md
+  assert "paired, round by round" in report.terminal_table([j, v, cudnn])
+
+
+def test_interleaved_timing_keeps_aligned_samples():
+  calls = {"ok": (lambda x: x + 1, (jnp.ones(4),)),
+           "also": (lambda x: x * 2, (jnp.ones(4),)),
+           "bad": (lambda x: 1 / 0, (jnp.ones(4),))}
+  per = {}
+  got = core.time_interleaved(calls, samples=5, min_sample_s=0.0,
+                              samples_out=per)
+  assert set(per) == {"ok", "also"}
+  assert all(len(ts) == 5 and min(ts) > 0 for ts in per.values())
+  assert got["ok"] == sorted(per["ok"])[2]
 
 
 def test_merge_runs(tmp_path):
@@ -233,6 +290,7 @@ def test_cpu_smoke_end_to_end(tmp_path, capsys):
   assert {r["impl"] for r in rows} == set(impls.CPU_IMPLS)
   by = {(r["impl"], r["mode"], r["seq_q"]): r for r in rows}
   assert by[("jaxflash-triton", "fwd", 64)]["error"] is None
+  assert len(by[("jaxflash-triton", "fwd", 64)]["samples_ms"]) == 1
   # jax.nn has no segment ids: a row with the reason, not a crash.
   assert "segment ids" in by[("xla", "fwd", 64)]["error"]
   assert (tmp_path / "s.md").exists() and (tmp_path / "s.png").exists()

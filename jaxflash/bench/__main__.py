@@ -173,17 +173,19 @@ def run_shape(shape: core.Shape, names, modes, *, interpret: bool,
       progress.update(len(modes))
   # One seed per shape (from the run's and the shape's), so that shapes
   # with as many calls do not all get the same assignment of places.
+  per_round = {}
   times = core.time_interleaved(calls, samples=samples,
                                 min_sample_s=sample_seconds,
-                                seed=f"{seed}:{shape}")
+                                seed=f"{seed}:{shape}", samples_out=per_round)
   for key, secs in times.items():
     name, mode = key
     if isinstance(secs, Exception):
       rows[key] = core.record(shape, name, mode, error=_message(secs))
     else:
       err, peak = errs[key]
-      rows[key] = core.record(shape, name, mode, ms=secs * 1e3,
-                              max_abs_err=err, peak_bytes=peak)
+      rows[key] = core.record(
+          shape, name, mode, ms=secs * 1e3, max_abs_err=err,
+          peak_bytes=peak, samples_ms=[t * 1e3 for t in per_round[key]])
   return [rows[name, mode] for name in names for mode in modes]
 
 

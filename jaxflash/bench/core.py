@@ -146,7 +146,8 @@ def williams_orders(n: int) -> list[list[int]]:
 
 
 def time_interleaved(calls: dict, *, min_sample_s: float = 0.02,
-                     samples: int = 7, seed: int | str = 0) -> dict:
+                     samples: int = 7, seed: int | str = 0,
+                     samples_out: dict | None = None) -> dict:
   """Median seconds per call of each ``name -> (fn, args)``, sampled in
   rounds (one sample of every call per round) so that clock and thermal
   drift during a run touch every implementation alike.  The rounds'
@@ -161,7 +162,12 @@ def time_interleaved(calls: dict, *, min_sample_s: float = 0.02,
   starting one call later (which keeps every call's predecessor) two
   copies of one kernel read 2.8% and 3.4% apart in two runs
   (h200-2026-12-04-s26.md).  A call that raises maps to the exception
-  instead of a time (the design then continues over the others)."""
+  instead of a time (the design then continues over the others).
+
+  ``samples_out``, where given, receives each surviving call's seconds
+  per call round by round (``samples`` of them, aligned: entry ``r`` of
+  every list is round ``r``), for paired comparisons
+  (:func:`jaxflash.bench.report.paired_rows`)."""
   reps, out = {}, {}
   for name, (fn, args) in calls.items():
     try:
@@ -192,6 +198,8 @@ def time_interleaved(calls: dict, *, min_sample_s: float = 0.02,
         out[name] = e
         del times[name]
   out.update({name: statistics.median(ts) for name, ts in times.items()})
+  if samples_out is not None:
+    samples_out.update({name: list(ts) for name, ts in times.items()})
   return out
 
 
@@ -208,8 +216,10 @@ def compiled_bytes(compiled) -> int | None:
 
 
 def record(shape: Shape, impl: str, mode: str, *, ms=None, peak_bytes=None,
-           max_abs_err=None, error=None) -> dict:
-  """One result row of the JSON schema (docs/benchmarks/README.md)."""
+           max_abs_err=None, error=None, samples_ms=None) -> dict:
+  """One result row of the JSON schema (docs/benchmarks/README.md);
+  ``samples_ms``: the timed rounds' milliseconds per call, in round
+  order (``ms`` is their median)."""
   tflops = None
   if ms is not None and error is None:
     tflops = flops(shape, mode) / (ms * 1e-3) / 1e12
@@ -217,7 +227,8 @@ def record(shape: Shape, impl: str, mode: str, *, ms=None, peak_bytes=None,
               seq_k=shape.seq_k, heads=shape.heads, kv_heads=shape.kv_heads,
               head_dim=shape.head_dim, causal=shape.causal, dtype=shape.dtype,
               mask=shape.mask, mode=mode, ms=ms, tflops=tflops,
-              peak_bytes=peak_bytes, max_abs_err=max_abs_err, error=error)
+              peak_bytes=peak_bytes, max_abs_err=max_abs_err, error=error,
+              samples_ms=samples_ms)
 
 
 def commit() -> str:

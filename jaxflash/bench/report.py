@@ -34,6 +34,60 @@ def ratio(r: dict, best: dict) -> float | None:
   return r["tflops"] / b[1]
 
 
+def paired_rows(results: list[dict]) -> list[dict]:
+  """Paired comparisons, round by round, of the rows that kept their
+  samples (``samples_ms``, one per round of the interleaved timing).
+
+  Each jaxflash row is compared with the shape's best other
+  implementation (by median) and, for a variant ``NAME[V]``, with its
+  base row ``NAME``: per round the other call's time over this row's
+  (above 1: this row is faster), then the median and the range of those
+  ratios.  Two calls timed in one round share that round's clock and
+  power state, so the median of the paired ratios moves less with the
+  drift from round to round than the ratio of the two medians (at the
+  H200's power cap a copy of the default read up to 6% off it by medians
+  of 3 samples, docs/benchmarks/h200-2026-12-05-s32.md)."""
+  groups = defaultdict(dict)
+  for r in results:
+    if r.get("samples_ms") and r["error"] is None:
+      groups[_key(r)][r["impl"]] = r
+  out = []
+  for rows in groups.values():
+    others = [r for n, r in rows.items() if not n.startswith("jaxflash")]
+    best = min(others, key=lambda r: r["ms"]) if others else None
+    for name, r in rows.items():
+      if not name.startswith("jaxflash"):
+        continue
+      against = [best] if best is not None else []
+      base = name.split("[", 1)[0]
+      if base != name and base in rows:
+        against.append(rows[base])
+      for a in against:
+        if len(a["samples_ms"]) != len(r["samples_ms"]):
+          continue
+        ratios = sorted(x / y for x, y in zip(a["samples_ms"],
+                                              r["samples_ms"]))
+        n = len(ratios)
+        median = (ratios[n // 2] if n % 2 else
+                  (ratios[n // 2 - 1] + ratios[n // 2]) / 2)
+        out.append(dict(head_dim=r["head_dim"], seq_q=r["seq_q"],
+                        causal=r["causal"], mask=r["mask"], mode=r["mode"],
+                        impl=name, against=a["impl"], median=median,
+                        low=ratios[0], high=ratios[-1], rounds=n))
+  return out
+
+
+PAIRED_HEADER = ["head_dim", "seq", "causal", "mask", "mode", "impl",
+                 "against", "paired ratio (median)", "range", "rounds"]
+
+
+def paired_table_rows(results: list[dict]) -> list[list[str]]:
+  return [[str(p["head_dim"]), str(p["seq_q"]), "y" if p["causal"] else "n",
+           p["mask"] or "-", p["mode"], p["impl"], p["against"],
+           f"{p['median']:.3f}", f"{p['low']:.3f}-{p['high']:.3f}",
+           str(p["rounds"])] for p in paired_rows(results)]
+
+
 def _fmt(x, spec):
   return "-" if x is None else format(x, spec)
 
@@ -66,12 +120,21 @@ HEADER = ["head_dim", "seq", "causal", "mask", "mode", "impl", "ms",
           "TFLOP/s", "ratio to best other", "MiB", "error"]
 
 
-def terminal_table(results: list[dict]) -> str:
-  rows = [HEADER] + table_rows(results)
-  widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
+def _aligned(header: list[str], body: list[list[str]]) -> list[str]:
+  rows = [header] + body
+  widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
   lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
            for row in rows]
   lines.insert(1, "  ".join("-" * w for w in widths))
+  return lines
+
+
+def terminal_table(results: list[dict]) -> str:
+  lines = _aligned(HEADER, table_rows(results))
+  paired = paired_table_rows(results)
+  if paired:
+    lines += ["", "paired, round by round (other's time / this row's):"]
+    lines += _aligned(PAIRED_HEADER, paired)
   return "\n".join(lines + ["", FLOP_FORMULA])
 
 
@@ -88,6 +151,15 @@ def markdown(meta: dict, results: list[dict]) -> str:
       "|" + "---|" * len(HEADER)]
   for row in table_rows(results):
     lines.append("| " + " | ".join(c.replace("|", "/") for c in row) + " |")
+  paired = paired_table_rows(results)
+  if paired:
+    lines += [
+        "", "Paired, round by round: per round the other call's time over"
+        " this row's (above 1: this row faster); the median and range over"
+        " the rounds.", "",
+        "| " + " | ".join(PAIRED_HEADER) + " |",
+        "|" + "---|" * len(PAIRED_HEADER)]
+    lines += ["| " + " | ".join(row) + " |" for row in paired]
   if meta.get("note"):
     lines += ["", meta["note"]]
   return "\n".join(lines) + "\n"
