@@ -506,3 +506,33 @@ def test_gpu_only_forward_options_reach_the_kernel(head_dim, causal,
   assert vote not in base and vote in rescale
   assert rescale.count(shfl) == base.count(shfl)
   assert 0 < deferred.count(shfl) < base.count(shfl)
+
+
+def _store_order(module_text):
+  """The forward's TMA stores and their waits, in program order: ``Wn``
+  waits until at most n store groups still read shared memory, ``O`` an
+  output chunk's tensor store, ``L`` the LSE's bulk store."""
+  toks = []
+  for line in module_text.splitlines():
+    if "nvvm.cp.async.bulk.wait_group" in line:
+      toks.append("W" + re.search(r"group = (\d+)", line).group(1))
+    elif "cp.async.bulk.tensor.global.shared.cta" in line:
+      toks.append("O")
+    elif "cp.async.bulk.global.shared" in line:
+      toks.append("L")
+  return " ".join(toks)
+
+
+def test_late_store_wait_moves_the_wait_to_the_next_epilogue(monkeypatch):
+  """``late_store_wait`` on the persistent head_dim 128 forward: the wait
+  for the stores' reads leaves the end of the item (before the next
+  item's first ``Q K^T``) for the start of the next epilogue, with the
+  LSE stored first.  The interpreter runs stores synchronously, so no
+  interpreter test sees where this wait is; this one checks the kernel
+  the GPU gets."""
+  monkeypatch.syspath_prepend(pathlib.Path(__file__).parents[1] / "tools")
+  base = _forward_kernel_ops(128, False, "persistent=1,late_store_wait=0")
+  late = _forward_kernel_ops(128, False, "persistent=1,late_store_wait=1")
+  # Two 64-column output chunks through two slots; the kernel's last W0.
+  assert _store_order(base) == "W1 O W1 O L W0 W0"
+  assert _store_order(late) == "W0 L W1 O W1 O W0"

@@ -236,6 +236,16 @@ INTERPRET_VARIANTS.update({
              early_q_release=True),
         ["d64-persistent-2wg-causal", "d128-persistent-window-q200-k300",
          "d256-causal-q300-k100"]),
+    # The output's and LSE's stores waited for at the next item's
+    # epilogue (the LSE first): with and without the overlap's early Q.
+    "prefetch_q+late_store_wait": (
+        dict(persistent=True, prefetch_q=True, late_store_wait=True),
+        _CHUNKED_OUT_CASES),
+    "intra_wg_overlap+prefetch_q+early_q_release+late_store_wait": (
+        dict(intra_wg_overlap=True, persistent=True, prefetch_q=True,
+             early_q_release=True, late_store_wait=True),
+        ["d64-persistent-2wg-causal", "d128-persistent-window-q200-k300",
+         "d256-causal-q300-k100"]),
     # Pairs of query groups per unit on the causal persistent grid (the
     # p-th longest, then the p-th shortest): an odd group count's middle
     # group alone (d256, 5 groups), GQA, two consumers, the Q prefetch
@@ -355,7 +365,9 @@ EXPERIMENTS = {"three_wgs+intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "block_kv_80", "block_kv_176", "bwd_dkv_block_q_80",
                "block_kv_176+intra_wg_overlap",
                "groups_fastest", "groups_slowest", "exp2_poly_cols",
-               "rescale_threshold", "rescale_threshold+intra_wg_overlap"}
+               "rescale_threshold", "rescale_threshold+intra_wg_overlap",
+               "prefetch_q+late_store_wait",
+               "intra_wg_overlap+prefetch_q+early_q_release+late_store_wait"}
 
 
 def _variant_params():
@@ -605,6 +617,10 @@ GPU_CONFIGS = {
     # The same, "done with Q" before the last P V and Q loaded first
     # (early_q_release; the H200 default at head_dim 128 up to 2048 keys).
     "named-overlap-persistent-early-q": _D128_PERSISTENT,
+    # The same with the stores waited for at the next item's epilogue
+    # (late_store_wait; written in s32, not yet run on a GPU).
+    "named-overlap-persistent-early-q-late-store": dataclasses.replace(
+        _D128_PERSISTENT, late_store_wait=True),
     # The head_dim 256 non-causal form of 2049+ keys with the lean
     # epilogue (the candidate of docs/perf-notes.md "Next" 1).
     "named-overlap-persistent-early-q-lean-kv64": mosaic_gpu.MosaicConfig(

@@ -279,6 +279,11 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
   # early_q_release (which needs intra_wg_overlap): "done with Q" from the
   # overlapped loop, before the last P V turn, and Q loaded first.
   early_q_release = prefetch and cfg.early_q_release
+  # late_store_wait: an item's output and LSE stores are waited for at the
+  # next item's epilogue, not at the end of their own (prefetch_q only:
+  # there Q has buffers of its own, so nothing before that epilogue
+  # rewrites what the stores read).
+  late_store_wait = prefetch and cfg.late_store_wait
   bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
   # Named, the consumed signals take the ids after the schedule's two
   # (4 + 2 + [0, 2 * stages): config.MAX_NAMED_STAGES), above Mosaic GPU's
@@ -795,6 +800,18 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
     out = acc.astype(dtype)
     o_dst = o_ref.at[b, pl.ds(q_start, bq), h]
+    lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+    lse_dst = lse_ref.at[b, h, pl.ds(q_start, bq)]
+    if late_store_wait:
+      # The previous item's stores were issued a whole item ago: this wait
+      # is for reads long done, where the end-of-item wait below sits on
+      # the way to the next item's first Q K^T.  The LSE goes first, so
+      # that the chunk loop's "at most slots - 1 copies still reading"
+      # counts it among this item's copies.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      lse_smem[...] = lse
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
     if o_smem2 is not None:
       # 64-column chunks through alternating slots: a slot is rewritten
       # once the copy that last read it has (at most slots - 1 copies of
@@ -813,12 +830,14 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         # warp's wgmma reads of Q, whose buffer O overwrites, are done.
         plgpu.commit_smem()
       qo_smem[...] = out
+    if late_store_wait:
+      return  # the next item's epilogue (or the kernel's end) waits
     # Natural-log LSE, -inf for rows that see no key.
-    lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+    lse_smem[...] = lse
     plgpu.commit_smem()
     if o_smem2 is None:
       plgpu.copy_smem_to_gmem(qo_smem, o_dst)
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_start, bq)])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
     # Persistent: the next item may rewrite these buffers (Q/O's, or with
     # prefetch_q the output slots and the LSE) once the stores have read
     # them (their GMEM writes finish in the background; the kernel's last
