@@ -152,6 +152,28 @@ def test_paired_rows_compare_round_by_round():
   assert "paired, round by round" in report.terminal_table([j, v, cudnn])
 
 
+def test_paired_rows_stay_within_a_run(tmp_path):
+  """Merged runs of one shape (e.g. anchors in one call, a variant in
+  another) share no rounds: no pair across them, and merging a merged
+  file keeps its runs apart."""
+  meta = dict(jax_version="0.11.2", device_kind="NVIDIA H200",
+              device_count=1, commit="abc1234", date="2026-12-05",
+              flop_formula=core.FLOP_FORMULA)
+  a, b, m, n = (str(tmp_path / f"{x}.json") for x in "abmn")
+  report.write_json(a, meta, [_timed("cudnn", [1.0, 1.0, 1.0])])
+  report.write_json(b, meta, [_timed("jaxflash-mosaic_gpu", [0.5, 0.5, 0.5]),
+                              _timed("jaxflash-mosaic_gpu[v]", [1.0] * 3)])
+  _, merged = report.merge([a, b])
+  pairs = report.paired_rows(merged)
+  assert [(p["impl"], p["against"]) for p in pairs] == [
+      ("jaxflash-mosaic_gpu[v]", "jaxflash-mosaic_gpu")]
+  report.write_json(m, meta, merged)
+  report.write_json(n, meta, [_timed("cudnn", [1.0, 1.0, 1.0])])
+  _, again = report.merge([m, n])
+  assert [r["run"] for r in again] == ["0.0", "0.1", "0.1", "1"]
+  assert len(report.paired_rows(again)) == 1
+
+
 def test_interleaved_timing_keeps_aligned_samples():
   calls = {"ok": (lambda x: x + 1, (jnp.ones(4),)),
            "also": (lambda x: x * 2, (jnp.ones(4),)),
@@ -174,6 +196,7 @@ def test_merge_runs(tmp_path):
   report.write_json(b, {**meta, "date": "2026-12-01"}, rows[1:])
   assert report.main([str(tmp_path / "m"), a, b]) == 0
   merged_meta, merged = report.read_json(str(tmp_path / "m.json"))
+  assert [r.pop("run") for r in merged] == ["0", "1", "1"]
   assert merged == rows and merged_meta["date"] == "2026-12-01"
   assert (tmp_path / "m.md").exists()
   report.write_json(c, {**meta, "commit": "other"}, rows)

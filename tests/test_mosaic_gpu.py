@@ -237,7 +237,7 @@ INTERPRET_VARIANTS.update({
         ["d64-persistent-2wg-causal", "d128-persistent-window-q200-k300",
          "d256-causal-q300-k100"]),
     # The output's and LSE's stores waited for at the next item's
-    # epilogue (the LSE first): with and without the overlap's early Q.
+    # epilogue: with and without the overlap's early Q.
     "prefetch_q+late_store_wait": (
         dict(persistent=True, prefetch_q=True, late_store_wait=True),
         _CHUNKED_OUT_CASES),

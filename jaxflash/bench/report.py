@@ -47,14 +47,16 @@ def paired_rows(results: list[dict]) -> list[dict]:
   drift from round to round than the ratio of the two medians (at the
   H200's power cap a copy of the default read up to 6% off it by medians
   of 3 samples, docs/benchmarks/h200-2026-12-05-s32.md)."""
+  best_impl = {k: name for k, (name, _) in best_other(results).items()}
+  # Only rows of one run share rounds: merged records keep each row's
+  # run (``merge`` numbers them).
   groups = defaultdict(dict)
   for r in results:
     if r.get("samples_ms") and r["error"] is None:
-      groups[_key(r)][r["impl"]] = r
+      groups[r.get("run"), _key(r)][r["impl"]] = r
   out = []
-  for rows in groups.values():
-    others = [r for n, r in rows.items() if not n.startswith("jaxflash")]
-    best = min(others, key=lambda r: r["ms"]) if others else None
+  for (_, key), rows in groups.items():
+    best = rows.get(best_impl.get(key))  # the main table's best other
     for name, r in rows.items():
       if not name.startswith("jaxflash"):
         continue
@@ -159,7 +161,8 @@ def markdown(meta: dict, results: list[dict]) -> str:
         " the rounds.", "",
         "| " + " | ".join(PAIRED_HEADER) + " |",
         "|" + "---|" * len(PAIRED_HEADER)]
-    lines += ["| " + " | ".join(row) + " |" for row in paired]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |"
+              for row in paired]
   if meta.get("note"):
     lines += ["", meta["note"]]
   return "\n".join(lines) + "\n"
@@ -179,13 +182,17 @@ def read_json(path: str) -> tuple[dict, list[dict]]:
 
 def merge(paths: list[str]) -> tuple[dict, list[dict]]:
   """One record from several runs of the same commit on the same card
-  (a grid split across calls).  Refuses runs that differ in commit,
-  device kind or jax version."""
+  (a grid split across calls), each row tagged with its run's index in
+  ``paths`` (``run``).  Refuses runs that differ in commit, device kind
+  or jax version."""
   metas, results = [], []
-  for p in paths:
+  for i, p in enumerate(paths):
     meta, rows = read_json(p)
     metas.append(meta)
-    results += rows
+    # Each row keeps its run (the paired ratios compare rows of one run
+    # only): the file's index, before a merged file's own run numbers.
+    results += [{**r, "run": f"{i}" if r.get("run") is None
+                 else f"{i}.{r['run']}"} for r in rows]
   for key in ("commit", "device_kind", "jax_version"):
     values = sorted({str(m.get(key)) for m in metas})
     if len(values) > 1:

@@ -358,7 +358,7 @@ class MosaicConfig:
     late_store_wait: with ``prefetch_q`` on the persistent grid, a
       consumer waits for its item's output and LSE stores to have read
       shared memory at the start of its next item's epilogue instead of
-      at the end of the item (the LSE then goes out first).  The
+      at the end of the item.  The
       end-of-item wait (which tokamax's sm90 kernel also has) lies
       between the last ``P V`` and the next item's first ``Q K^T``; the
       late one comes a whole item after the stores were issued.  Written
@@ -366,8 +366,8 @@ class MosaicConfig:
       at the short non-causal calls, s24; unchanged by
       ``early_q_release``, s25) and the head_dim 128 non-causal call
       with 2048 keys level with tokamax (s32).  Without ``prefetch_q``
-      on a persistent call it does nothing (Q's buffer is the output's
-      there).  Not yet run on a GPU.
+      it does nothing (the persistent grid then keeps the end-of-item
+      wait; Q is the consumer's own load there).  Not yet run on a GPU.
     lean_epilogue: the forward's epilogue as tokamax's sm90 kernel's:
       normalise with one reciprocal per row and a multiply per element
       (instead of a divide per element), store the output in 64-column

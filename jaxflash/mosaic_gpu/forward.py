@@ -803,15 +803,12 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
     lse_dst = lse_ref.at[b, h, pl.ds(q_start, bq)]
     if late_store_wait:
-      # The previous item's stores were issued a whole item ago: this wait
-      # is for reads long done, where the end-of-item wait below sits on
-      # the way to the next item's first Q K^T.  The LSE goes first, so
-      # that the chunk loop's "at most slots - 1 copies still reading"
-      # counts it among this item's copies.
+      # The previous item's stores (issued a whole item ago) have read the
+      # output slots and the LSE buffer: a wait for reads long done, where
+      # the end-of-item wait below sits on the way to the next item's
+      # first Q K^T.  The chunk loop's waits then count this item's
+      # copies only.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      lse_smem[...] = lse
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
     if o_smem2 is not None:
       # 64-column chunks through alternating slots: a slot is rewritten
       # once the copy that last read it has (at most slots - 1 copies of
@@ -830,14 +827,14 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         # warp's wgmma reads of Q, whose buffer O overwrites, are done.
         plgpu.commit_smem()
       qo_smem[...] = out
-    if late_store_wait:
-      return  # the next item's epilogue (or the kernel's end) waits
     # Natural-log LSE, -inf for rows that see no key.
     lse_smem[...] = lse
     plgpu.commit_smem()
     if o_smem2 is None:
       plgpu.copy_smem_to_gmem(qo_smem, o_dst)
     plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
+    if late_store_wait:
+      return  # the next item's epilogue (or the kernel's end) waits
     # Persistent: the next item may rewrite these buffers (Q/O's, or with
     # prefetch_q the output slots and the LSE) once the stores have read
     # them (their GMEM writes finish in the background; the kernel's last
