@@ -800,8 +800,6 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
     out = acc.astype(dtype)
     o_dst = o_ref.at[b, pl.ds(q_start, bq), h]
-    lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
-    lse_dst = lse_ref.at[b, h, pl.ds(q_start, bq)]
     if late_store_wait:
       # The previous item's stores (issued a whole item ago) have read the
       # output slots and the LSE buffer: a wait for reads long done, where
@@ -828,11 +826,11 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         plgpu.commit_smem()
       qo_smem[...] = out
     # Natural-log LSE, -inf for rows that see no key.
-    lse_smem[...] = lse
+    lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
     plgpu.commit_smem()
     if o_smem2 is None:
       plgpu.copy_smem_to_gmem(qo_smem, o_dst)
-    plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_start, bq)])
     if late_store_wait:
       return  # the next item's epilogue (or the kernel's end) waits
     # Persistent: the next item may rewrite these buffers (Q/O's, or with
