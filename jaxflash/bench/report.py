@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections import defaultdict
 
 from jaxflash.bench.core import FLOP_FORMULA
@@ -69,13 +70,11 @@ def paired_rows(results: list[dict]) -> list[dict]:
           continue
         ratios = sorted(x / y for x, y in zip(a["samples_ms"],
                                               r["samples_ms"]))
-        n = len(ratios)
-        median = (ratios[n // 2] if n % 2 else
-                  (ratios[n // 2 - 1] + ratios[n // 2]) / 2)
         out.append(dict(head_dim=r["head_dim"], seq_q=r["seq_q"],
                         causal=r["causal"], mask=r["mask"], mode=r["mode"],
-                        impl=name, against=a["impl"], median=median,
-                        low=ratios[0], high=ratios[-1], rounds=n))
+                        impl=name, against=a["impl"],
+                        median=statistics.median(ratios), low=ratios[0],
+                        high=ratios[-1], rounds=len(ratios)))
   return out
 
 
