@@ -535,3 +535,21 @@ def test_late_store_wait_moves_the_wait_to_the_next_epilogue(monkeypatch):
   # Two 64-column output chunks through two slots; the kernel's last W0.
   assert _store_order(base) == "W1 O W1 O L W0 W0"
   assert _store_order(late) == "W0 W1 O W1 O L W0"
+
+
+def test_l2_prefetches_reach_the_kernel(monkeypatch):
+  """``q_l2_prefetch`` / ``kv_l2_prefetch`` on the persistent head_dim 128
+  forward: one TMA prefetch of the next item's Q, two of its first K and
+  V tiles, in the producer's item loop.  The interpreter runs prefetches
+  as no-ops, so only the kernel the GPU gets can show them."""
+  monkeypatch.syspath_prepend(pathlib.Path(__file__).parents[1] / "tools")
+  prefetch = "cp.async.bulk.prefetch.tensor"
+
+  def count(overrides):
+    return _forward_kernel_ops(128, False,
+                               "persistent=1," + overrides).count(prefetch)
+
+  assert count("q_l2_prefetch=0,kv_l2_prefetch=0") == 0
+  assert count("q_l2_prefetch=1,kv_l2_prefetch=0") == 1
+  assert count("q_l2_prefetch=0,kv_l2_prefetch=1") == 2
+  assert count("q_l2_prefetch=1,kv_l2_prefetch=1") == 3

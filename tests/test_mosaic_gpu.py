@@ -246,6 +246,26 @@ INTERPRET_VARIANTS.update({
              early_q_release=True, late_store_wait=True),
         ["d64-persistent-2wg-causal", "d128-persistent-window-q200-k300",
          "d256-causal-q300-k100"]),
+    # Later items' Q and first K/V tiles prefetched into L2 by the
+    # producer (a no-op in the interpreter: these check that the kernel
+    # around them computes the same; test_lowering checks that they reach
+    # the kernel): the Q prefetch's form, the H200 head_dim 128 form,
+    # the clusters' split prefetch.
+    "prefetch_q+l2_prefetch": (
+        dict(persistent=True, prefetch_q=True, q_l2_prefetch=True,
+             kv_l2_prefetch=True),
+        ["d64-persistent-2wg-causal", "d128-persistent-window-q200-k300",
+         "d96-gqa-q200-k300"]),
+    "intra_wg_overlap+prefetch_q+early_q_release+l2_prefetch": (
+        dict(intra_wg_overlap=True, persistent=True, prefetch_q=True,
+             early_q_release=True, q_l2_prefetch=True,
+             kv_l2_prefetch=True),
+        ["d128-full-6tiles", "d64-persistent-2wg-causal",
+         "d128-persistent-window-q200-k300"]),
+    "kv_multicast+persistent+l2_prefetch": (
+        dict(kv_multicast=True, persistent=True, prefetch_q=True,
+             q_l2_prefetch=True, kv_l2_prefetch=True),
+        ["d128-mqa-2wg"]),
     # Pairs of query groups per unit on the causal persistent grid (the
     # p-th longest, then the p-th shortest): an odd group count's middle
     # group alone (d256, 5 groups), GQA, two consumers, the Q prefetch
@@ -367,7 +387,10 @@ EXPERIMENTS = {"three_wgs+intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "groups_fastest", "groups_slowest", "exp2_poly_cols",
                "rescale_threshold", "rescale_threshold+intra_wg_overlap",
                "prefetch_q+late_store_wait",
-               "intra_wg_overlap+prefetch_q+early_q_release+late_store_wait"}
+               "intra_wg_overlap+prefetch_q+early_q_release+late_store_wait",
+               "prefetch_q+l2_prefetch",
+               "intra_wg_overlap+prefetch_q+early_q_release+l2_prefetch",
+               "kv_multicast+persistent+l2_prefetch"}
 
 
 def _variant_params():
@@ -621,6 +644,14 @@ GPU_CONFIGS = {
     # (late_store_wait; written in s32, not yet run on a GPU).
     "named-overlap-persistent-early-q-late-store": dataclasses.replace(
         _D128_PERSISTENT, late_store_wait=True),
+    # The same with later items' Q and first K/V tiles prefetched into L2
+    # (q_l2_prefetch, kv_l2_prefetch; written in s33, not yet run on a
+    # GPU), and on the clusters' persistent grid (the split K/V prefetch).
+    "named-overlap-persistent-early-q-l2-prefetch": dataclasses.replace(
+        _D128_PERSISTENT, q_l2_prefetch=True, kv_l2_prefetch=True),
+    "multicast-persistent-l2-prefetch": mosaic_gpu.MosaicConfig(
+        named_barriers=True, block_kv=128, persistent=True, prefetch_q=True,
+        kv_multicast=True, q_l2_prefetch=True, kv_l2_prefetch=True),
     # The head_dim 256 non-causal form of 2049+ keys with the lean
     # epilogue (the candidate of docs/perf-notes.md "Next" 1).
     "named-overlap-persistent-early-q-lean-kv64": mosaic_gpu.MosaicConfig(

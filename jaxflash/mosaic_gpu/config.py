@@ -368,6 +368,24 @@ class MosaicConfig:
       with 2048 keys level with tokamax (s32).  Without ``prefetch_q``
       it does nothing (the persistent grid then keeps the end-of-item
       wait; Q is the consumer's own load there).  Not yet run on a GPU.
+    q_l2_prefetch: with ``prefetch_q`` on the persistent grid, the
+      producer prefetches each later item's Q into L2
+      (``plgpu.async_prefetch``, a TMA prefetch) when it starts that
+      item's loads, before it waits for "done with Q", as tokamax's sm90
+      kernel's Q warp does.  The Q load that follows the wait then reads
+      L2 rather than HBM.  Written in s33 (no GPU that session) for the
+      item-start waits: ncu had them at 4.3-6.9% of our stall samples on
+      the short non-causal calls against tokamax's 0.8-1.7%, with the Q
+      or the first K of the next item as the wait's object, not
+      isolated (s24, s25).  The interpreter runs the prefetch as a
+      no-op, so its tests check that the kernel still computes the same;
+      ``tests/test_lowering.py`` checks the prefetches reach the kernel.
+      Without ``prefetch_q`` it does nothing.  Not yet run on a GPU.
+    kv_l2_prefetch: on the persistent grid, the producer prefetches each
+      later item's first K and V tiles into L2 when it starts that
+      item's loads (the other half of that wait's object; with
+      ``early_q_release`` those loads wait behind the next Q's).  Same
+      tests as ``q_l2_prefetch``; not yet run on a GPU.
     lean_epilogue: the forward's epilogue as tokamax's sm90 kernel's:
       normalise with one reciprocal per row and a multiply per element
       (instead of a divide per element), store the output in 64-column
@@ -663,6 +681,8 @@ class MosaicConfig:
   deferred_row_sum: bool = False
   early_q_release: bool = False
   late_store_wait: bool = False
+  q_l2_prefetch: bool = False
+  kv_l2_prefetch: bool = False
   lean_epilogue: bool = False
   no_auto_barriers: bool = False
   unpadded_kv: bool = False

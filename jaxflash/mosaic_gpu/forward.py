@@ -866,6 +866,24 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     load_k = lambda step, slot: copy(k_ref, k_smem, k_ready, rows(step), slot)
     load_v = lambda step, slot: copy(v_ref, v_smem, v_ready, rows(step), slot)
 
+    def l2_prefetch():
+      # q_l2_prefetch / kv_l2_prefetch: TMA prefetches into L2 of what
+      # this item's first steps wait for (tokamax's Q warp prefetches its
+      # Q the same way before waiting for "done with Q").  The loads that
+      # follow then read L2, not HBM.  Item 0's loads are issued at once.
+      collective = "cluster" if cluster > 1 else None
+      if cfg.q_l2_prefetch and prefetch:
+        plgpu.async_prefetch(
+            q_ref.at[b, pl.ds(group_start, cfg.compute_wgs * bq), h])
+      if cfg.kv_l2_prefetch:
+        @pl.when(n_steps > 0)
+        def _():
+          for ref in (k_ref, v_ref):
+            plgpu.async_prefetch(ref.at[rows(0)], collective_axes=collective)
+
+    if persistent and (cfg.q_l2_prefetch or cfg.kv_l2_prefetch):
+      pl.when(item > 0)(l2_prefetch)
+
     if cfg.intra_wg_overlap or cfg.split_kv_release:
       # K and V of a slot refilled apart, each once its own consumers
       # released it (tokamax's order).  Both consumers release K after
