@@ -169,6 +169,12 @@ def _mosaic_case(shape):
     dict(named_barriers=True, intra_wg_overlap=True, lean_epilogue=True,
          kv_multicast=True, consumer_registers=240, rescale_threshold=8,
          deferred_row_sum=True),
+    # Two Q buffers per consumer with the L2 prefetches (the head_dim 128
+    # persistent form: 226 of 227 KiB; head_dim 256 does not fit).
+    dict(named_barriers=True, intra_wg_overlap=True, block_kv=128,
+         consumer_registers=240, persistent=True, prefetch_q=True,
+         early_q_release=True, lean_epilogue=True, q_double_buffer=True,
+         q_l2_prefetch=True, kv_l2_prefetch=True),
 ], ["default", "p-in-smem", "one-wg", "deep", "wide", "persistent",
         "overlap", "overlap-wide", "named-overlap-wide", "named-early",
         "named-persistent",
@@ -187,7 +193,8 @@ def _mosaic_case(shape):
         "named-pv-then-qk-row-sum-in-pv-deferred-sum",
         "named-overlap-persistent-early-q-deferred-sum",
         "three-wg-deferred-sum", "named-exp2-poly-deferred-sum",
-        "named-overlap-lean-multicast-rescale-deferred-sum"],
+        "named-overlap-lean-multicast-rescale-deferred-sum",
+        "named-overlap-persistent-double-q-l2-prefetch"],
     every_commit={"default", "persistent", "named-persistent",
                   "named-prefetch-q", "three-wg", "three-wg-prefetch-q",
                   "named-kv80-unpadded"}))

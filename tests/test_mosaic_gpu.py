@@ -266,6 +266,28 @@ INTERPRET_VARIANTS.update({
         dict(kv_multicast=True, persistent=True, prefetch_q=True,
              q_l2_prefetch=True, kv_l2_prefetch=True),
         ["d128-mqa-2wg"]),
+    # Two Q buffers per consumer, alternate items (eight items per
+    # program: each buffer refilled three times): one and two consumers,
+    # a consumer whose rows are all padding (q130), causal skips,
+    # windows, GQA; the H200 head_dim 128 form; the clusters' grid; and
+    # the causal pairs, which keep one buffer.
+    "prefetch_q+q_double_buffer": (
+        dict(persistent=True, prefetch_q=True, q_double_buffer=True),
+        ["d128-mqa-2wg", "d64-persistent-2wg-causal",
+         "d128-persistent-window-q200-k300", "d96-gqa-q200-k300"]),
+    "intra_wg_overlap+prefetch_q+early_q_release+q_double_buffer": (
+        dict(intra_wg_overlap=True, persistent=True, prefetch_q=True,
+             early_q_release=True, q_double_buffer=True),
+        ["d128-mqa-2wg", "d64-persistent-2wg-causal",
+         "d128-persistent-window-q200-k300"]),
+    "kv_multicast+persistent+q_double_buffer": (
+        dict(kv_multicast=True, persistent=True, prefetch_q=True,
+             q_double_buffer=True),
+        ["d128-mqa-2wg"]),
+    "persistent_pairs+prefetch_q+q_double_buffer": (
+        dict(persistent=True, persistent_pairs=True, prefetch_q=True,
+             q_double_buffer=True),
+        ["d64-persistent-2wg-causal"]),
     # Pairs of query groups per unit on the causal persistent grid (the
     # p-th longest, then the p-th shortest): an odd group count's middle
     # group alone (d256, 5 groups), GQA, two consumers, the Q prefetch
@@ -390,7 +412,11 @@ EXPERIMENTS = {"three_wgs+intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "intra_wg_overlap+prefetch_q+early_q_release+late_store_wait",
                "prefetch_q+l2_prefetch",
                "intra_wg_overlap+prefetch_q+early_q_release+l2_prefetch",
-               "kv_multicast+persistent+l2_prefetch"}
+               "kv_multicast+persistent+l2_prefetch",
+               "prefetch_q+q_double_buffer",
+               "intra_wg_overlap+prefetch_q+early_q_release+q_double_buffer",
+               "kv_multicast+persistent+q_double_buffer",
+               "persistent_pairs+prefetch_q+q_double_buffer"}
 
 
 def _variant_params():
@@ -652,6 +678,17 @@ GPU_CONFIGS = {
     "multicast-persistent-l2-prefetch": mosaic_gpu.MosaicConfig(
         named_barriers=True, block_kv=128, persistent=True, prefetch_q=True,
         kv_multicast=True, q_l2_prefetch=True, kv_l2_prefetch=True),
+    # Two Q buffers per consumer, alternate items (q_double_buffer; s33,
+    # not yet run on a GPU): the head_dim 128 form (with and without the
+    # prefetches) and the head_dim 64 form (no overlap).
+    "named-overlap-persistent-early-q-double-q": dataclasses.replace(
+        _D128_PERSISTENT, q_double_buffer=True),
+    "named-overlap-persistent-early-q-double-q-l2-prefetch":
+        dataclasses.replace(_D128_PERSISTENT, q_double_buffer=True,
+                            q_l2_prefetch=True, kv_l2_prefetch=True),
+    "named-persistent-double-q": mosaic_gpu.MosaicConfig(
+        named_barriers=True, block_kv=128, persistent=True, prefetch_q=True,
+        q_double_buffer=True),
     # The head_dim 256 non-causal form of 2049+ keys with the lean
     # epilogue (the candidate of docs/perf-notes.md "Next" 1).
     "named-overlap-persistent-early-q-lean-kv64": mosaic_gpu.MosaicConfig(
@@ -1017,6 +1054,29 @@ def test_gpu_long_overlap(head_dim, causal, kv_len):
       block_kv=64 if head_dim == 256 else 128)
   case = (f"long-overlap-{kv_len}-{head_dim}", 2048, kv_len, 4, 2, head_dim,
           jnp.bfloat16, causal, None, None)
+  _run(case, False, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [
+    dict(q_double_buffer=True),
+    dict(q_double_buffer=True, q_l2_prefetch=True, kv_l2_prefetch=True),
+    dict(q_l2_prefetch=True, kv_l2_prefetch=True),
+    dict(late_store_wait=True),
+], ids=["double-q", "double-q-l2-prefetch", "l2-prefetch", "late-store"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_long_persistent_items(head_dim, options):
+  """The persistent grid's options across work items on the H200's
+  tuned non-causal config of 1024 keys (persistent, the next Q
+  prefetched): 8192 queries make 512 items over 132 SMs, so each program
+  runs three or four and every Q buffer is refilled (the CASES give a
+  program one item at most on a GPU); GQA, gradients too."""
+  config = dataclasses.replace(
+      mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=False,
+                                kv_len=1024), **options)
+  assert config.persistent and config.prefetch_q
+  case = (f"long-items-{head_dim}", 8192, 1024, 4, 2, head_dim,
+          jnp.bfloat16, False, None, None)
   _run(case, False, config)
 
 

@@ -381,6 +381,23 @@ class MosaicConfig:
       no-op, so its tests check that the kernel still computes the same;
       ``tests/test_lowering.py`` checks the prefetches reach the kernel.
       Without ``prefetch_q`` it does nothing.  Not yet run on a GPU.
+    q_double_buffer: with ``prefetch_q`` on the persistent grid, two Q
+      buffers per consumer, used by alternate work items: the producer
+      loads an item's Q as soon as it starts that item's loads (the
+      buffer was last read two items ago), ahead of the item's first K/V
+      tiles, instead of waiting for the consumers to be done with the
+      previous item's Q.  Q then lands about two ring steps before the
+      item starts, and the next item's first K/V loads no longer queue
+      behind that wait (with ``early_q_release`` they do, without it Q
+      queues behind the last slot's release).  tokamax's Q warp waits
+      for its consumers as our producer does; FlashAttention-3 keeps one
+      Q buffer too.  Costs a second Q tile per consumer in shared memory
+      (at head_dim 128 with 128-key tiles and two stages: 226 of 227
+      KiB; head_dim 256 does not fit).  Not with ``persistent_pairs`` on
+      causal calls (their skipped items would break the alternation;
+      shared memory is still counted).  Written in s33 (no GPU that
+      session) for the item-start waits; the interpreter runs it with
+      race detection.  Not yet run on a GPU.
     kv_l2_prefetch: on the persistent grid, the producer prefetches each
       later item's first K and V tiles into L2 when it starts that
       item's loads (the other half of that wait's object; with
@@ -683,6 +700,7 @@ class MosaicConfig:
   late_store_wait: bool = False
   q_l2_prefetch: bool = False
   kv_l2_prefetch: bool = False
+  q_double_buffer: bool = False
   lean_epilogue: bool = False
   no_auto_barriers: bool = False
   unpadded_kv: bool = False
@@ -838,6 +856,8 @@ class MosaicConfig:
 
   def _fwd_buffers(self, head_dim_padded: int, itemsize: int) -> list[int]:
     qo = self.compute_wgs * self.block_q * head_dim_padded * itemsize
+    if self.prefetches_q and self.q_double_buffer:
+      qo *= 2
     kv = self.stages * self.block_kv * head_dim_padded * itemsize
     buffers = [qo, kv, kv, self.compute_wgs * self.block_q * 4]
     if self.p_in_smem:

@@ -284,6 +284,11 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
   # there Q has buffers of its own, so nothing before that epilogue
   # rewrites what the stores read).
   late_store_wait = prefetch and cfg.late_store_wait
+  # q_double_buffer: two Q buffers per consumer, used by alternate items
+  # (not with persistent_pairs, whose skipped items would break the
+  # alternation); buffer ``buf`` of consumer ``w`` is
+  # ``qo_smem2[buf * compute_wgs + w]``.
+  double_q = _double_q(cfg, prob)
   bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
   # Named, the consumed signals take the ids after the schedule's two
   # (4 + 2 + [0, 2 * stages): config.MAX_NAMED_STAGES), above Mosaic GPU's
@@ -334,16 +339,22 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         b, cluster_group(lax.axis_index("q_seq")))
     n_steps = u_hi - u_lo
 
-  def consume(b, h, group_start, u_lo, u_hi, first_step):
+  def consume(b, h, group_start, u_lo, u_hi, first_step, item=None):
     """One work item on a consumer warpgroup: ring steps ``first_step +
-    [0, u_hi - u_lo)``."""
-    qo_smem = qo_smem2.at[wg]
+    [0, u_hi - u_lo)``; ``item``: its number in the program's loop."""
+    if double_q:  # alternate items' Q buffers and their signals
+      buf = lax.rem(item, 2)
+      q_slot = buf * cfg.compute_wgs + wg
+      q_done = q_free.at[buf]
+    else:
+      q_slot, q_done = wg, q_free
+    qo_smem = qo_smem2.at[q_slot]
     lse_smem = lse_smem2.at[wg]
     q_start = group_start + wg * bq
     if not prefetch:  # (with prefetch_q, the producer loads Q)
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, bq), h], qo_smem,
                               q_ready.at[wg])
-    plgpu.barrier_wait(q_ready.at[wg])
+    plgpu.barrier_wait(q_ready.at[q_slot])
     row = plgpu.Layout.WGMMA.reduce(1)
     m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row)
     l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row)
@@ -677,7 +688,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         # Every own S (the last one included) has been read back: Q is
         # not read again in this item, so its buffer may be refilled
         # while the last P V runs.
-        plgpu.barrier_arrive(q_free)
+        plgpu.barrier_arrive(q_done)
       acc = lax.cond(lo < hi, last, lambda acc: acc, acc)
       run(hi, u_hi, lambda t, c: skip(first_step + t - u_lo, c), ())
       return acc, m, l
@@ -785,7 +796,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     ping.finish()
     if prefetch and not early_q_release:
       # This consumer's last Q K^T completed: Q's buffer may be refilled.
-      plgpu.barrier_arrive(q_free)
+      plgpu.barrier_arrive(q_done)
 
     l = finish_row_sum(l, deferred=deferred_sum)
     empty = l == 0.0
@@ -906,14 +917,23 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       # early_q_release: "done with Q" comes once the last S is read back,
       # before the last P V frees the last V slot, so Q goes first (with
       # the previous order its load would still wait for that slot).
-      head = (0 if early_q_release else
+      # q_double_buffer: the buffer this item's Q goes to was read by the
+      # item before last, long done, so Q goes first and waits for nothing
+      # in practice; the first K/V tiles follow as their slots free up.
+      head = (0 if early_q_release or double_q else
               jnp.where(item == 0, 0, jnp.minimum(n_steps, stages)))
       pipeline.produce_continuing(first_step, head, stages, loads)
-      pl.when(item > 0)(lambda: plgpu.barrier_wait(q_free))
+      if double_q:
+        buf = lax.rem(item, 2)
+        pl.when(item > 1)(lambda: plgpu.barrier_wait(q_free.at[buf]))
+        q_slot0 = buf * cfg.compute_wgs
+      else:
+        pl.when(item > 0)(lambda: plgpu.barrier_wait(q_free))
+        q_slot0 = 0
       for w in range(cfg.compute_wgs):
         plgpu.copy_gmem_to_smem(
-            q_ref.at[b, pl.ds(group_start + w * bq, bq), h], qo_smem2.at[w],
-            q_ready.at[w])
+            q_ref.at[b, pl.ds(group_start + w * bq, bq), h],
+            qo_smem2.at[q_slot0 + w], q_ready.at[q_slot0 + w])
       pipeline.produce_continuing(first_step, n_steps, stages, loads,
                                   start=head)
     elif persistent:
@@ -977,7 +997,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
   def _consumer():
     pipeline.split_registers(False, cfg.compute_wgs, cfg.consumer_registers)
     if persistent:
-      for_each_item(lambda item, *args: consume(*args))
+      for_each_item(lambda item, *args: consume(*args, item=item))
       plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.lean_epilogue)
     else:
       consume(b, h, group_start, u_lo, u_hi, 0)
@@ -990,7 +1010,11 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
           lambda item, b, h, group_start, u_lo, u_hi, first: produce(
               b, h, u_lo, u_hi - u_lo, first, group_start, item))
       pipeline.drain(total_steps, stages, [k_free, v_free])
-      if prefetch:  # the last item's "done with Q"
+      if double_q:  # the last two items' "done with Q"
+        for back in (1, 2):
+          pl.when(n_items >= back)(lambda back=back: plgpu.barrier_wait(
+              q_free.at[lax.rem(n_items - back, 2)]))
+      elif prefetch:  # the last item's "done with Q"
         pl.when(n_items > 0)(lambda: plgpu.barrier_wait(q_free))
     else:
       produce(b, h, u_lo, n_steps, 0)
@@ -1009,6 +1033,13 @@ def _paired(cfg: MosaicConfig, prob: Problem) -> bool:
   """Whether the persistent grid deals out pairs of query groups
   (:attr:`MosaicConfig.persistent_pairs`, causal calls only)."""
   return cfg.persistent and cfg.persistent_pairs and prob.mask.causal
+
+
+def _double_q(cfg: MosaicConfig, prob: Problem) -> bool:
+  """Whether the forward keeps two Q buffers per consumer
+  (:attr:`MosaicConfig.q_double_buffer`; not with persistent pairs)."""
+  return (cfg.prefetches_q and cfg.q_double_buffer
+          and not _paired(cfg, prob))
 
 
 def _cluster_size(cfg: MosaicConfig, prob: Problem, n_groups: int) -> int:
@@ -1172,8 +1203,9 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
   # cluster released it (each arrival lands in both CTAs' barrier).
   free_barrier = (plgpu.Barrier if cluster == 1 else functools.partial(
       plgpu.ClusterBarrier, collective_axes=("cluster",)))
+  q_bufs = 2 if _double_q(cfg, prob) else 1
   scratch = [
-      plgpu.SMEM((cfg.compute_wgs, bq, dp), dtype, **tiled),
+      plgpu.SMEM((q_bufs * cfg.compute_wgs, bq, dp), dtype, **tiled),
       plgpu.SMEM((cfg.stages, bk, dp), dtype, **tiled),
       # V: P V contracts over its bk rows (a narrower swizzle where bk is
       # not a multiple of 64).
@@ -1181,7 +1213,7 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
       plgpu.SMEM((cfg.compute_wgs, bq), jnp.float32),
       plgpu.Barrier(num_barriers=cfg.stages),             # k_ready (TMA)
       plgpu.Barrier(num_barriers=cfg.stages),             # v_ready (TMA)
-      plgpu.Barrier(num_barriers=cfg.compute_wgs),        # q_ready (TMA)
+      plgpu.Barrier(num_barriers=q_bufs * cfg.compute_wgs),  # q_ready
       free_barrier(num_arrivals=cfg.compute_wgs,
                    num_barriers=cfg.stages),              # k_free
       free_barrier(num_arrivals=cfg.compute_wgs,
@@ -1195,7 +1227,10 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
     scratch.append(
         plgpu.SMEM((cfg.compute_wgs, slots, bq, 64), dtype, **tiled))  # O
   if cfg.prefetches_q:
-    scratch.append(plgpu.Barrier(num_arrivals=cfg.compute_wgs))  # q_free
+    # q_free (one barrier per Q buffer; a single one is a scalar barrier)
+    scratch.append(plgpu.Barrier(num_arrivals=cfg.compute_wgs,
+                                 **({"num_barriers": 2} if q_bufs == 2
+                                    else {})))
   if _use_schedule(cfg):
     scratch.append(plgpu.Barrier(num_arrivals=cfg.compute_wgs))
   if cluster > 1:  # the producers' rendezvous before the cluster exits
