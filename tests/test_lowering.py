@@ -175,6 +175,13 @@ def _mosaic_case(shape):
          consumer_registers=240, persistent=True, prefetch_q=True,
          early_q_release=True, lean_epilogue=True, q_double_buffer=True,
          q_l2_prefetch=True, kv_l2_prefetch=True),
+    # The overlapped loop run on across items, with one Q buffer and two.
+    dict(named_barriers=True, intra_wg_overlap=True, block_kv=128,
+         consumer_registers=240, persistent=True, prefetch_q=True,
+         early_q_release=True, lean_epilogue=True, item_overlap=True),
+    dict(named_barriers=True, intra_wg_overlap=True, block_kv=128,
+         consumer_registers=240, persistent=True, prefetch_q=True,
+         q_double_buffer=True, item_overlap=True),
 ], ["default", "p-in-smem", "one-wg", "deep", "wide", "persistent",
         "overlap", "overlap-wide", "named-overlap-wide", "named-early",
         "named-persistent",
@@ -194,7 +201,9 @@ def _mosaic_case(shape):
         "named-overlap-persistent-early-q-deferred-sum",
         "three-wg-deferred-sum", "named-exp2-poly-deferred-sum",
         "named-overlap-lean-multicast-rescale-deferred-sum",
-        "named-overlap-persistent-double-q-l2-prefetch"],
+        "named-overlap-persistent-double-q-l2-prefetch",
+        "named-overlap-persistent-item-overlap",
+        "named-overlap-persistent-double-q-item-overlap"],
     every_commit={"default", "persistent", "named-persistent",
                   "named-prefetch-q", "three-wg", "three-wg-prefetch-q",
                   "named-kv80-unpadded"}))
@@ -560,3 +569,19 @@ def test_l2_prefetches_reach_the_kernel(monkeypatch):
   assert count("q_l2_prefetch=1,kv_l2_prefetch=0") == 1
   assert count("q_l2_prefetch=0,kv_l2_prefetch=1") == 2
   assert count("q_l2_prefetch=1,kv_l2_prefetch=1") == 3
+
+
+def test_item_overlap_chains_the_items_in_the_kernel(monkeypatch):
+  """``item_overlap`` on the persistent head_dim 128 forward: a second
+  last turn (the last ``P V`` and the next item's first ``Q K^T``, 8 + 8
+  wgmma instructions at head_dim 128 with 128-key tiles) and a second
+  epilogue (inside that turn), the kernel's last wait still after both.
+  The interpreter runs the chain's mbarrier form; this checks that the
+  option reaches the kernel the GPU gets."""
+  monkeypatch.syspath_prepend(pathlib.Path(__file__).parents[1] / "tools")
+  base = _forward_kernel_ops(128, False, "persistent=1,item_overlap=0")
+  chain = _forward_kernel_ops(128, False, "persistent=1,item_overlap=1")
+  wgmma = "wgmma.mma_async"
+  assert chain.count(wgmma) == base.count(wgmma) + 16
+  assert _store_order(base) == "W1 O W1 O L W0 W0"
+  assert _store_order(chain) == "W1 O W1 O L W0 W1 O W1 O L W0 W0"

@@ -288,6 +288,27 @@ INTERPRET_VARIANTS.update({
         dict(persistent=True, persistent_pairs=True, prefetch_q=True,
              q_double_buffer=True),
         ["d64-persistent-2wg-causal"]),
+    # The overlapped loop run on across items (item_overlap): two
+    # consumers; several key tiles and four items per program (d64), a
+    # single key tile per item (k17), the head_dim 128 form; with one Q
+    # buffer (early_q_release) and two.  Calls it does not apply to run
+    # as without it (q130: a consumer of padding rows; causal).
+    "item_overlap": (
+        dict(intra_wg_overlap=True, persistent=True, prefetch_q=True,
+             early_q_release=True, item_overlap=True, compute_wgs=2,
+             schedule_barrier=True),
+        ["d64-full", "d192-q113-k17", "d128-full-6tiles", "d128-mqa-2wg",
+         "d64-causal-2wg"]),
+    "kv_multicast+item_overlap": (
+        dict(intra_wg_overlap=True, persistent=True, prefetch_q=True,
+             early_q_release=True, item_overlap=True, compute_wgs=2,
+             schedule_barrier=True, kv_multicast=True),
+        ["d64-full"]),
+    "item_overlap+q_double_buffer": (
+        dict(intra_wg_overlap=True, persistent=True, prefetch_q=True,
+             q_double_buffer=True, item_overlap=True, compute_wgs=2,
+             schedule_barrier=True),
+        ["d64-full", "d128-full-6tiles", "d192-q113-k17"]),
     # Pairs of query groups per unit on the causal persistent grid (the
     # p-th longest, then the p-th shortest): an odd group count's middle
     # group alone (d256, 5 groups), GQA, two consumers, the Q prefetch
@@ -416,7 +437,9 @@ EXPERIMENTS = {"three_wgs+intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "prefetch_q+q_double_buffer",
                "intra_wg_overlap+prefetch_q+early_q_release+q_double_buffer",
                "kv_multicast+persistent+q_double_buffer",
-               "persistent_pairs+prefetch_q+q_double_buffer"}
+               "persistent_pairs+prefetch_q+q_double_buffer",
+               "item_overlap", "item_overlap+q_double_buffer",
+               "kv_multicast+item_overlap"}
 
 
 def _variant_params():
@@ -689,6 +712,12 @@ GPU_CONFIGS = {
     "named-persistent-double-q": mosaic_gpu.MosaicConfig(
         named_barriers=True, block_kv=128, persistent=True, prefetch_q=True,
         q_double_buffer=True),
+    # The overlapped loop run on across items (item_overlap; s33, not yet
+    # run on a GPU), with one Q buffer and two.
+    "named-overlap-persistent-early-q-item-overlap": dataclasses.replace(
+        _D128_PERSISTENT, item_overlap=True),
+    "named-overlap-persistent-double-q-item-overlap": dataclasses.replace(
+        _D128_PERSISTENT, q_double_buffer=True, item_overlap=True),
     # The head_dim 256 non-causal form of 2049+ keys with the lean
     # epilogue (the candidate of docs/perf-notes.md "Next" 1).
     "named-overlap-persistent-early-q-lean-kv64": mosaic_gpu.MosaicConfig(
@@ -1063,14 +1092,20 @@ def test_gpu_long_overlap(head_dim, causal, kv_len):
     dict(q_double_buffer=True, q_l2_prefetch=True, kv_l2_prefetch=True),
     dict(q_l2_prefetch=True, kv_l2_prefetch=True),
     dict(late_store_wait=True),
-], ids=["double-q", "double-q-l2-prefetch", "l2-prefetch", "late-store"])
+    dict(item_overlap=True),
+    dict(item_overlap=True, q_double_buffer=True),
+], ids=["double-q", "double-q-l2-prefetch", "l2-prefetch", "late-store",
+        "item-overlap", "double-q-item-overlap"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gpu_long_persistent_items(head_dim, options):
   """The persistent grid's options across work items on the H200's
   tuned non-causal config of 1024 keys (persistent, the next Q
   prefetched): 8192 queries make 512 items over 132 SMs, so each program
   runs three or four and every Q buffer is refilled (the CASES give a
-  program one item at most on a GPU); GQA, gradients too."""
+  program one item at most on a GPU); GQA, gradients too.  item_overlap
+  needs the overlapped loop: head_dim 128's default, not 64's."""
+  if options.get("item_overlap") and head_dim == 64:
+    pytest.skip("item_overlap: head_dim 64's default has no overlap")
   config = dataclasses.replace(
       mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=False,
                                 kv_len=1024), **options)
@@ -1078,6 +1113,39 @@ def test_gpu_long_persistent_items(head_dim, options):
   case = (f"long-items-{head_dim}", 8192, 1024, 4, 2, head_dim,
           jnp.bfloat16, False, None, None)
   _run(case, False, config)
+
+
+def test_item_overlap_only_where_consumers_take_the_same_turns():
+  """item_overlap chains the items of calls on which both consumers
+  compute every key tile of every item (no causal mask, window, segment
+  ids, or consumer of padding rows only), with the next Q loadable
+  before an item's last turn (early_q_release or q_double_buffer)."""
+  from jaxflash.mosaic_gpu import forward as fwd
+  on = mosaic_gpu.MosaicConfig(
+      item_overlap=True, intra_wg_overlap=True, persistent=True,
+      prefetch_q=True, early_q_release=True, compute_wgs=2)
+
+  def chains(cfg=on, q_len=2048, q_pad=2048, segments=False, **mask):
+    spec = masks.MaskSpec(q_len, 2048, **mask)
+    prob = fwd.Problem(mask=spec, softmax_scale=0.1, batch=1, num_heads=2,
+                       num_kv_heads=2, q_pad=q_pad, kv_pad=2048,
+                       head_dim_padded=128, has_segments=segments)
+    return fwd._chains_items(cfg, prob)
+
+  assert chains()
+  assert chains(dataclasses.replace(on, early_q_release=False,
+                                    q_double_buffer=True))
+  assert chains(q_len=1985, q_pad=2048)  # the last consumer has one row
+  assert not chains(q_len=1984, q_pad=2048)  # ... and here none
+  assert not chains(causal=True)
+  assert not chains(window_left=64) and not chains(window_right=0)
+  assert not chains(segments=True)
+  for off in (dict(item_overlap=False), dict(early_q_release=False),
+              dict(prefetch_q=False), dict(persistent=False),
+              dict(schedule_barrier=False)):
+    assert not chains(dataclasses.replace(on, **off)), off
+  assert not chains(dataclasses.replace(
+      on, intra_wg_overlap=False, early_q_release=False))
 
 
 def test_multicast_clusters_only_where_both_ctas_stream_the_same_tiles():

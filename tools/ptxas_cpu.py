@@ -3,7 +3,8 @@ registers, spills and ptxas' performance notes per kernel and config,
 as tools/ptxas_report.py gives them on the GPU machine.
 
     PYTHONPATH=. python3 tools/ptxas_cpu.py HEAD_DIM {fwd|fwd_bwd}
-        [OVERRIDES] [--causal] [--seq 2048] [--kv-len-rule 8192]
+        [OVERRIDES] [--causal] [--seq 2048] [--batch 1]
+        [--kv-len-rule 8192]
         [--device-kind "NVIDIA H200"] [--arch sm_90a] [--keep DIR]
         [--out DIR] [--loops]
     PYTHONPATH=. python3 tools/ptxas_cpu.py --cases \
@@ -14,6 +15,12 @@ OVERRIDES are MosaicConfig fields (``field=value,...``) on top of
 (RULE from --kv-len-rule, default $RULE_KV_LEN or 8192); a case of
 --cases is ``HEAD_DIM:MODE:CAUSAL:OVERRIDES`` as tools/ptxas_report.py
 takes it, with --seq, --kv-len-rule, --device-kind and --arch for all.
+The call has --batch batches of 2 heads.  A persistent forward with at
+most 132 work items (2 heads x seq / 128 x batch) gives each program
+one item, and LLVM, which knows the grid, folds the item loop to one
+iteration: to see the code between items (``prefetch_q``'s waits,
+``item_overlap``'s last turn), take a batch that makes several per
+program (--batch 16 at 2048 keys: 512 items).
 Each case runs in a process of its own (the kernels Mosaic GPU keeps and
 the environment it reads are the process's), a few at a time (--jobs).
 
@@ -251,7 +258,7 @@ def lower(spec: dict):
     out = real(*args, **kwargs)
     passes.extend(name for name, _ in out)
     return out
-  x = jax.ShapeDtypeStruct((1, seq, 2, d), jnp.bfloat16)
+  x = jax.ShapeDtypeStruct((spec.get("batch", 1), seq, 2, d), jnp.bfloat16)
   mgpu_core.KNOWN_KERNELS.clear()
   backend.backward_passes = named_passes
   try:
@@ -350,7 +357,7 @@ def case_spec(case: str, a) -> dict:
                      " fwd_bwd (HEAD_DIM:MODE:CAUSAL:OVERRIDES)")
   return dict(case=case, head_dim=int(d), mode=mode,
               causal=bool(int(causal or 0)), overrides=overrides,
-              seq=a.seq, kv_len_rule=a.kv_len_rule,
+              seq=a.seq, batch=a.batch, kv_len_rule=a.kv_len_rule,
               device_kind=a.device_kind, arch=a.arch, loops=a.loops)
 
 
@@ -426,6 +433,7 @@ def main():
   ap.add_argument("--causal", action="store_true")
   ap.add_argument("--cases", help="HEAD_DIM:MODE:CAUSAL:OVERRIDES;...")
   ap.add_argument("--seq", type=int, default=2048)
+  ap.add_argument("--batch", type=int, default=1)
   ap.add_argument("--kv-len-rule", type=int,
                   default=int(os.environ.get("RULE_KV_LEN", "8192")))
   ap.add_argument("--device-kind", default="NVIDIA H200")

@@ -398,6 +398,27 @@ class MosaicConfig:
       shared memory is still counted).  Written in s33 (no GPU that
       session) for the item-start waits; the interpreter runs it with
       race detection.  Not yet run on a GPU.
+    item_overlap: with ``intra_wg_overlap``, two consumers and
+      ``prefetch_q`` (with ``early_q_release`` or ``q_double_buffer``) on
+      the persistent grid, the overlapped loop runs on across a
+      program's work items.  An item's last turn on the tensor cores
+      issues its last ``P V`` and the next item's first ``Q K^T`` back
+      to back; the item's epilogue (normalise, store O and the LSE) runs
+      while that ``Q K^T`` computes; the ping-pong keeps one alternation
+      over all the program's items.  (FlashAttention-3's persistent
+      kernel overlaps one tile's epilogue with the next tile's matmuls,
+      arXiv 2407.08608 §3.1.)  Before, each item ended with its last
+      ``P V`` waited for alone, the other consumer's last turn, the
+      epilogue, and only then the next item's first ``Q K^T``.  Applies
+      to calls where both consumers compute every key tile of every
+      item: no causal mask, window or segment ids, and no consumer whose
+      query rows are all padding; others run as without it.  With one Q
+      buffer the epilogue waits for the next Q to land; with
+      ``q_double_buffer`` it is there long before.  Written in s33 (no
+      GPU that session) for the per-item cost at head_dim 128 with 2048
+      keys (an item takes 29-31 us against 22.5 us of matmul, s32); the
+      interpreter runs its mbarrier form with race detection, the
+      named-barrier form runs only on the GPU.  Not yet run on a GPU.
     kv_l2_prefetch: on the persistent grid, the producer prefetches each
       later item's first K and V tiles into L2 when it starts that
       item's loads (the other half of that wait's object; with
@@ -701,6 +722,7 @@ class MosaicConfig:
   q_l2_prefetch: bool = False
   kv_l2_prefetch: bool = False
   q_double_buffer: bool = False
+  item_overlap: bool = False
   lean_epilogue: bool = False
   no_auto_barriers: bool = False
   unpadded_kv: bool = False

@@ -289,6 +289,9 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
   # alternation); buffer ``buf`` of consumer ``w`` is
   # ``qo_smem2[buf * compute_wgs + w]``.
   double_q = _double_q(cfg, prob)
+  # item_overlap: the overlapped loop runs on across work items (see
+  # _chains_items and overlapped_loop's docstring).
+  chained = _chains_items(cfg, prob)
   bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
   # Named, the consumed signals take the ids after the schedule's two
   # (4 + 2 + [0, 2 * stages): config.MAX_NAMED_STAGES), above Mosaic GPU's
@@ -339,9 +342,14 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         b, cluster_group(lax.axis_index("q_seq")))
     n_steps = u_hi - u_lo
 
-  def consume(b, h, group_start, u_lo, u_hi, first_step, item=None):
+  def consume(b, h, group_start, u_lo, u_hi, first_step, item=None,
+              chain=None):
     """One work item on a consumer warpgroup: ring steps ``first_step +
-    [0, u_hi - u_lo)``; ``item``: its number in the program's loop."""
+    [0, u_hi - u_lo)``; ``item``: its number in the program's loop.
+    ``chain=(s_first, n_items)`` with ``item_overlap`` (``chained``):
+    ``S`` of this item's first tile, issued and read back by the item
+    before (valid from item 1), and the program's item count; returns
+    ``S`` of the next item's first tile (zeros after the last item)."""
     if double_q:  # alternate items' Q buffers and their signals
       buf = lax.rem(item, 2)
       q_slot = buf * cfg.compute_wgs + wg
@@ -354,7 +362,10 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     if not prefetch:  # (with prefetch_q, the producer loads Q)
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, bq), h], qo_smem,
                               q_ready.at[wg])
-    plgpu.barrier_wait(q_ready.at[q_slot])
+    if chained:  # from item 1 on, the item before waited for this Q
+      pl.when(item == 0)(lambda: plgpu.barrier_wait(q_ready.at[q_slot]))
+    else:
+      plgpu.barrier_wait(q_ready.at[q_slot])
     row = plgpu.Layout.WGMMA.reduce(1)
     m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row)
     l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row)
@@ -576,6 +587,17 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       ping-pong's ``turn_start`` / ``issued`` hooks, in the same
       alternation as :meth:`_PingPong`'s other users, so the skip steps
       around the own tiles interleave as in :func:`pipeline.tile_loop`.
+
+      ``item_overlap`` (``chained``): the loop runs on across the
+      program's work items.  The last turn of an item issues its last
+      ``P V`` and the next item's first ``Q K^T`` back to back (that
+      ``Q`` and ``K`` waited for first), the item's epilogue runs while
+      that ``S`` is computed, and the next item starts from it: the
+      turns keep one alternation from the program's first item to its
+      last (``ping.start`` before the first, ``ping.finish`` after the
+      last).  Every consumer then computes every tile of every item
+      (:func:`_chains_items`).  Returns that next ``S`` (the epilogue
+      already run) instead of ``(acc, m, l)``.
       """
       acc, m, l = carry
       lo, full_lo, full_hi, hi = pipeline.computed_tiles(
@@ -608,7 +630,12 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
 
       def first(_):
         # scores(): the turn is this Q K^T alone (ends with ping.issued).
-        p, m1, alpha = probs(scores(slot_of(lo)), lo, m, masked=True)
+        if chained:  # from item 1 on, issued in the item before's turn
+          s0 = lax.cond(item > 0, lambda: chain[0],
+                        lambda: scores(slot_of(lo)))
+        else:
+          s0 = scores(slot_of(lo))
+        p, m1, alpha = probs(s0, lo, m, masked=True)
         l1 = l * alpha + rsum(p)
         return stash(p), m1, l1
 
@@ -684,11 +711,74 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         v_free.arrive(slot)
         return acc
 
-      if early_q_release:
+      def final_last(acc, m, l):
+        """``chained``, the program's last item: the plain last turn,
+        the end of the alternation, the epilogue."""
+        acc = last(acc)
+        ping.finish()
+        epilogue(acc, m, l)
+        return zeros_s
+
+      def chained_last(acc, m, l):
+        """``chained``, an item with a next one: the last ``P V`` and
+        the next item's first ``S`` in one turn, the epilogue while
+        ``S`` is computed (``P V`` waited for alone).  Returns ``S``."""
+        slot = slot_of(hi - 1)
+        nxt = lax.rem(first_step + (u_hi - u_lo), stages)
+        q_next = qo_smem2.at[next_q_slot]
+        plgpu.barrier_wait(v_ready.at[slot])
+
+        def issue(o_acc, s_acc):
+          ping.turn_start()
+          # The next item's Q and first K, waited for in this turn: with
+          # one Q buffer its load follows both consumers' "done with Q",
+          # which the other consumer signals after its own turn ends (in
+          # the interpreter's mbarrier form that end is a rendezvous with
+          # this turn's start: a wait before it would never end).  Both
+          # matmuls are then issued back to back (a wait between them
+          # has ptxas fence the second: its C7519).
+          plgpu.barrier_wait(q_ready.at[next_q_slot])
+          plgpu.barrier_wait(k_ready.at[nxt])
+          plgpu.wgmma(o_acc, operand(p16), v_smem.at[slot])  # last P V
+          plgpu.wgmma(s_acc, q_next, k_smem.at[nxt].T)  # next item's S
+          ping.issued()
+
+        if in_place:
+          def body(refs):
+            o_acc, s_ref = refs
+
+            def with_s(s_acc):  # a fresh accumulator: nothing to load
+              issue(o_acc, s_acc)
+              o = plgpu.wgmma_accumulator_load(o_acc, wait_n=1)
+              v_free.arrive(slot)
+              epilogue(o, m, l)  # the next S still in flight
+              return s_acc[...]
+            s_ref[...] = pl.run_scoped(
+                with_s, plgpu.ACC((bq, bk), jnp.float32))
+
+          _, s_next = pl.run_state(body)((plgpu.ACC.init(acc), zeros_s))
+        else:  # interpretable form: fresh accumulators
+          def both(o_acc, s_acc):
+            issue(o_acc, s_acc)
+            o = acc + o_acc[...]
+            v_free.arrive(slot)
+            epilogue(o, m, l)
+            return s_acc[...]
+
+          s_next = pl.run_scoped(
+              both, plgpu.ACC((bq, prob.head_dim_padded), jnp.float32),
+              plgpu.ACC((bq, bk), jnp.float32))
+        k_free.arrive(nxt)
+        return s_next
+
+      if early_q_release or chained:
         # Every own S (the last one included) has been read back: Q is
         # not read again in this item, so its buffer may be refilled
         # while the last P V runs.
         plgpu.barrier_arrive(q_done)
+      if chained:
+        return lax.cond(item + 1 < chain[1], chained_last, final_last,
+                        acc, m, l)
       acc = lax.cond(lo < hi, last, lambda acc: acc, acc)
       run(hi, u_hi, lambda t, c: skip(first_step + t - u_lo, c), ())
       return acc, m, l
@@ -779,11 +869,80 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       run(hi, u_hi, lambda t, c: skip(first_step + t - u_lo, c), ())
       return acc, m, l
 
-    ping.start()  # offset the two consumers by a half step
+    def epilogue(acc, m, l):
+      """Normalise this consumer's rows of an item and store them and
+      their LSE (the variables of the item: :func:`consume`'s)."""
+      l = finish_row_sum(l, deferred=deferred_sum)
+      empty = l == 0.0
+      l_safe = jnp.where(empty, 1.0, l)
+      if cfg.lean_epilogue:
+        # One reciprocal per row (2 per thread) and a multiply per
+        # element, as tokamax, against a divide per element (128 per
+        # thread at head_dim 256); both round within an ulp of float32,
+        # far below the output's bf16/fp16 rounding.
+        acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+      else:
+        acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+      out = acc.astype(dtype)
+      o_dst = o_ref.at[b, pl.ds(q_start, bq), h]
+      if late_store_wait:
+        # The previous item's stores (issued a whole item ago) have read
+        # the output slots and the LSE buffer: a wait for reads long
+        # done, where the end-of-item wait below sits on the way to the
+        # next item's first Q K^T.  The chunk loop's waits then count
+        # this item's copies only.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      if o_smem2 is not None:
+        # 64-column chunks through alternating slots: a slot is
+        # rewritten once the copy that last read it has (at most slots -
+        # 1 copies of this consumer still reading).
+        n_chunks, slots = cfg.out_chunks(prob.head_dim_padded)
+        for c in range(n_chunks):
+          cols = slice(c * 64, (c + 1) * 64)
+          plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+          o_smem2[wg, c % slots] = out[:, cols]
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(o_smem2.at[wg, c % slots],
+                                  o_dst.at[:, pl.ds(c * 64, 64)])
+      else:
+        if cfg.no_auto_barriers:
+          # The warpgroup barrier Pallas would put before this store:
+          # every warp's wgmma reads of Q, whose buffer O overwrites, are
+          # done.
+          plgpu.commit_smem()
+        qo_smem[...] = out
+      # Natural-log LSE, -inf for rows that see no key.
+      lse_smem[...] = jnp.where(empty, -jnp.inf,
+                                (m + jnp.log2(l_safe)) * LN2)
+      plgpu.commit_smem()
+      if o_smem2 is None:
+        plgpu.copy_smem_to_gmem(qo_smem, o_dst)
+      plgpu.copy_smem_to_gmem(lse_smem,
+                              lse_ref.at[b, h, pl.ds(q_start, bq)])
+      if late_store_wait:
+        return  # the next item's epilogue (or the kernel's end) waits
+      # Persistent: the next item may rewrite these buffers (Q/O's, or
+      # with prefetch_q the output slots and the LSE) once the stores
+      # have read them (their GMEM writes finish in the background; the
+      # kernel's last wait is a full one unless lean_epilogue).
+      # lean_epilogue: only the shared-memory reads are waited for (as
+      # tokamax and JAX's Hopper matmul end their kernels); the grid's
+      # completion publishes the writes.
+      plgpu.wait_smem_to_gmem(
+          0, wait_read_only=persistent or cfg.lean_epilogue)
+
+    if chained:  # one alternation over the program's items
+      pl.when(item == 0)(ping.start)
+      next_q_slot = (lax.rem(item + 1, 2) * cfg.compute_wgs + wg
+                     if double_q else wg)
+    else:
+      ping.start()  # offset the two consumers by a half step
     if cfg.early_k_wait:
       pl.when(u_hi > u_lo)(
           lambda: plgpu.barrier_wait(k_ready.at[lax.rem(first_step, stages)]))
     own = mask.kv_block_range(q_start, bq, bk)
+    if chained:  # the epilogue runs inside the loop's last turn
+      return overlapped_loop(own, (acc, m, l))
     if cfg.intra_wg_overlap:
       acc, m, l = overlapped_loop(own, (acc, m, l))
     elif cfg.pv_then_qk:
@@ -797,61 +956,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     if prefetch and not early_q_release:
       # This consumer's last Q K^T completed: Q's buffer may be refilled.
       plgpu.barrier_arrive(q_done)
-
-    l = finish_row_sum(l, deferred=deferred_sum)
-    empty = l == 0.0
-    l_safe = jnp.where(empty, 1.0, l)
-    if cfg.lean_epilogue:
-      # One reciprocal per row (2 per thread) and a multiply per element,
-      # as tokamax, against a divide per element (128 per thread at
-      # head_dim 256); both round within an ulp of float32, far below
-      # the output's bf16/fp16 rounding.
-      acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
-    else:
-      acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-    out = acc.astype(dtype)
-    o_dst = o_ref.at[b, pl.ds(q_start, bq), h]
-    if late_store_wait:
-      # The previous item's stores (issued a whole item ago) have read the
-      # output slots and the LSE buffer: a wait for reads long done, where
-      # the end-of-item wait below sits on the way to the next item's
-      # first Q K^T.  The chunk loop's waits then count this item's
-      # copies only.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    if o_smem2 is not None:
-      # 64-column chunks through alternating slots: a slot is rewritten
-      # once the copy that last read it has (at most slots - 1 copies of
-      # this consumer still reading).
-      n_chunks, slots = cfg.out_chunks(prob.head_dim_padded)
-      for c in range(n_chunks):
-        cols = slice(c * 64, (c + 1) * 64)
-        plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-        o_smem2[wg, c % slots] = out[:, cols]
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem2.at[wg, c % slots],
-                                o_dst.at[:, pl.ds(c * 64, 64)])
-    else:
-      if cfg.no_auto_barriers:
-        # The warpgroup barrier Pallas would put before this store: every
-        # warp's wgmma reads of Q, whose buffer O overwrites, are done.
-        plgpu.commit_smem()
-      qo_smem[...] = out
-    # Natural-log LSE, -inf for rows that see no key.
-    lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
-    plgpu.commit_smem()
-    if o_smem2 is None:
-      plgpu.copy_smem_to_gmem(qo_smem, o_dst)
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_start, bq)])
-    if late_store_wait:
-      return  # the next item's epilogue (or the kernel's end) waits
-    # Persistent: the next item may rewrite these buffers (Q/O's, or with
-    # prefetch_q the output slots and the LSE) once the stores have read
-    # them (their GMEM writes finish in the background; the kernel's last
-    # wait is a full one unless lean_epilogue).  lean_epilogue: only the
-    # shared-memory reads are waited for (as tokamax and JAX's Hopper
-    # matmul end their kernels); the grid's completion publishes the
-    # writes.
-    plgpu.wait_smem_to_gmem(0, wait_read_only=persistent or cfg.lean_epilogue)
+    epilogue(acc, m, l)
 
   def produce(b, h, u_lo, n_steps, first_step, group_start=None, item=None):
     """One work item on the producer: its K/V tiles into the ring (and
@@ -941,7 +1046,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     else:
       pipeline.produce_split(n_steps, stages, loads)
 
-  def for_each_item(run):
+  def for_each_item(run, extra=None):
     """Persistent grid: program ``sm`` takes work items ``sm, sm +
     n_programs, ...`` (heads fastest, then query groups, then batch; with
     ``groups_fastest`` query groups, then heads; with ``groups_slowest``
@@ -953,14 +1058,21 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     ``p``-th longest, then the ``p``-th shortest: equal work per unit);
     the second of a pair is skipped where it is the first (an odd group
     count's middle group).  Returns the total steps and the program's
-    item count (loop iterations, skipped ones included)."""
+    item count (loop iterations, skipped ones included).  With ``extra``
+    (not with pairs) ``run`` also takes ``extra=`` (its value from the
+    item before, ``extra`` for the first) and ``n_items=``, and returns
+    the next value."""
     sm = lax.axis_index("sm")
     units = prob.num_heads * n_units_per_bh * prob.batch
     n_items = lax.div(units - sm + n_programs - 1, n_programs)
     if pairs:
       n_items = 2 * n_items
 
-    def body(i, first_step):
+    if extra is not None and pairs:
+      raise NotImplementedError("a carry across persistent pairs")
+
+    def body(i, carry):
+      first_step, value = carry if extra is not None else (carry, None)
       w = sm + (lax.div(i, 2) if pairs else i) * n_programs
       if cfg.groups_fastest:
         u = lax.rem(w, n_units_per_bh)
@@ -979,8 +1091,12 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         u = lax.rem(rest, n_units_per_bh)
       if not pairs:
         group_start, u_lo, u_hi = item_ranges(b, cluster_group(u))
-        run(i, b, h, group_start, u_lo, u_hi, first_step)
-        return first_step + (u_hi - u_lo)
+        if extra is None:
+          run(i, b, h, group_start, u_lo, u_hi, first_step)
+          return first_step + (u_hi - u_lo)
+        value = run(i, b, h, group_start, u_lo, u_hi, first_step,
+                    extra=value, n_items=n_items)
+        return first_step + (u_hi - u_lo), value
       # item_ranges counts causal groups from the longest: rank u, then
       # rank n_groups - 1 - u.
       second = lax.rem(i, 2) == 1
@@ -991,13 +1107,25 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
           lambda: run(i, b, h, group_start, u_lo, u_hi, first_step))
       return first_step + jnp.where(live, u_hi - u_lo, 0)
 
-    return lax.fori_loop(0, n_items, body, jnp.int32(0)), n_items
+    if extra is None:
+      return lax.fori_loop(0, n_items, body, jnp.int32(0)), n_items
+    total, _ = lax.fori_loop(0, n_items, body, (jnp.int32(0), extra))
+    return total, n_items
 
   @pl.when(wg < cfg.compute_wgs)
   def _consumer():
     pipeline.split_registers(False, cfg.compute_wgs, cfg.consumer_registers)
     if persistent:
-      for_each_item(lambda item, *args: consume(*args, item=item))
+      if chained:  # S of each next item's first tile runs on
+        zeros_s = plgpu.layout_cast(
+            jnp.full((cfg.block_q, cfg.block_kv), 0.0, jnp.float32),
+            plgpu.Layout.WGMMA)
+        for_each_item(
+            lambda item, *args, extra, n_items: consume(
+                *args, item=item, chain=(extra, n_items)),
+            extra=zeros_s)
+      else:
+        for_each_item(lambda item, *args: consume(*args, item=item))
       plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.lean_epilogue)
     else:
       consume(b, h, group_start, u_lo, u_hi, 0)
@@ -1040,6 +1168,23 @@ def _double_q(cfg: MosaicConfig, prob: Problem) -> bool:
   (:attr:`MosaicConfig.q_double_buffer`; not with persistent pairs)."""
   return (cfg.prefetches_q and cfg.q_double_buffer
           and not _paired(cfg, prob))
+
+
+def _chains_items(cfg: MosaicConfig, prob: Problem) -> bool:
+  """Whether the forward's overlapped loop runs on across work items
+  (:attr:`MosaicConfig.item_overlap`).  The two consumers must then take
+  the same turns in every item, each computing every key tile: calls
+  without a causal mask, window or segment ids, on which no consumer's
+  query rows are all padding.  The next item's Q must be loadable before
+  this item's last turn (``early_q_release`` or ``q_double_buffer``)."""
+  mask = prob.mask
+  return bool(
+      cfg.item_overlap and cfg.prefetches_q and cfg.intra_wg_overlap
+      and _use_schedule(cfg)
+      and (cfg.early_q_release or _double_q(cfg, prob))
+      and not mask.causal and mask.window_left is None
+      and mask.window_right is None and not prob.has_segments
+      and mask.q_len > prob.q_pad - cfg.block_q)
 
 
 def _cluster_size(cfg: MosaicConfig, prob: Problem, n_groups: int) -> int:
