@@ -3,7 +3,7 @@ registers, spills and ptxas' performance notes per kernel and config,
 as tools/ptxas_report.py gives them on the GPU machine.
 
     PYTHONPATH=. python3 tools/ptxas_cpu.py HEAD_DIM {fwd|fwd_bwd}
-        [OVERRIDES] [--causal] [--seq 2048] [--batch 1]
+        [OVERRIDES] [--causal] [--seq 2048] [--batch N]
         [--kv-len-rule 8192]
         [--device-kind "NVIDIA H200"] [--arch sm_90a] [--keep DIR]
         [--out DIR] [--loops]
@@ -18,9 +18,10 @@ takes it, with --seq, --kv-len-rule, --device-kind and --arch for all.
 The call has --batch batches of 2 heads.  A persistent forward with at
 most 132 work items (2 heads x seq / 128 x batch) gives each program
 one item, and LLVM, which knows the grid, folds the item loop to one
-iteration: to see the code between items (``prefetch_q``'s waits,
-``item_overlap``'s last turn), take a batch that makes several per
-program (--batch 16 at 2048 keys: 512 items).
+iteration, so the code between items (``prefetch_q``'s waits,
+``item_overlap``'s last turn) would not be compiled.  The default batch
+makes at least four 128-row items per SM (17 at 2048 keys: 544 items);
+--batch 1 gives the one-item programs of the records before s33.
 Each case runs in a process of its own (the kernels Mosaic GPU keeps and
 the environment it reads are the process's), a few at a time (--jobs).
 
@@ -350,6 +351,13 @@ def child(spec: dict) -> None:
 
 # -- driver -----------------------------------------------------------------
 
+def default_batch(seq: int, sms: int = 132) -> int:
+  """Batches of 2 heads that give a persistent forward at least four
+  128-row work items per SM."""
+  per_batch = 2 * -(-seq // 128)
+  return -(-4 * sms // per_batch)
+
+
 def case_spec(case: str, a) -> dict:
   d, mode, causal, overrides = (case.split(":", 3) + ["", ""])[:4]
   if mode not in ("fwd", "fwd_bwd"):
@@ -357,7 +365,8 @@ def case_spec(case: str, a) -> dict:
                      " fwd_bwd (HEAD_DIM:MODE:CAUSAL:OVERRIDES)")
   return dict(case=case, head_dim=int(d), mode=mode,
               causal=bool(int(causal or 0)), overrides=overrides,
-              seq=a.seq, batch=a.batch, kv_len_rule=a.kv_len_rule,
+              seq=a.seq, batch=a.batch or default_batch(a.seq),
+              kv_len_rule=a.kv_len_rule,
               device_kind=a.device_kind, arch=a.arch, loops=a.loops)
 
 
@@ -433,7 +442,8 @@ def main():
   ap.add_argument("--causal", action="store_true")
   ap.add_argument("--cases", help="HEAD_DIM:MODE:CAUSAL:OVERRIDES;...")
   ap.add_argument("--seq", type=int, default=2048)
-  ap.add_argument("--batch", type=int, default=1)
+  ap.add_argument("--batch", type=int, default=0,
+                  help="batches of 2 heads (default: 4 items per SM)")
   ap.add_argument("--kv-len-rule", type=int,
                   default=int(os.environ.get("RULE_KV_LEN", "8192")))
   ap.add_argument("--device-kind", default="NVIDIA H200")
