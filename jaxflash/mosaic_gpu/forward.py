@@ -597,7 +597,16 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       last (``ping.start`` before the first, ``ping.finish`` after the
       last).  Every consumer then computes every tile of every item
       (:func:`_chains_items`).  Returns that next ``S`` (the epilogue
-      already run) instead of ``(acc, m, l)``.
+      already run) instead of ``(acc, m, l)``.  The counts: with ``S``
+      a turn's start (``turn_start``: a sync on this consumer's barrier)
+      and ``A`` its end (``issued``: an arrival on the other's), a
+      middle item of N key tiles is ``(S A)^N`` for either consumer (its
+      first ``Q K^T`` lies in the item before); the program's first item
+      has one ``A`` more (its first ``Q K^T``, a turn of its own: with
+      ``start``, consumer 1's extra ``S``) and its last item one ``A``
+      less (the last ``P V`` alone: ``finish``, consumer 0's extra
+      arrival), so the two barriers' arrivals match as in the per-item
+      form.
       """
       acc, m, l = carry
       lo, full_lo, full_hi, hi = pipeline.computed_tiles(
