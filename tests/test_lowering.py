@@ -555,9 +555,10 @@ def test_late_store_wait_moves_the_wait_to_the_next_epilogue(monkeypatch):
 
 def test_l2_prefetches_reach_the_kernel(monkeypatch):
   """``q_l2_prefetch`` / ``kv_l2_prefetch`` on the persistent head_dim 128
-  forward: one TMA prefetch of the next item's Q, two of its first K and
-  V tiles, in the producer's item loop.  The interpreter runs prefetches
-  as no-ops, so only the kernel the GPU gets can show them."""
+  forward: a TMA prefetch of each consumer's rows of the next item's Q
+  (two), two of its first K and V tiles, in the producer's item loop.
+  The interpreter runs prefetches as no-ops, so only the kernel the GPU
+  gets can show them."""
   monkeypatch.syspath_prepend(pathlib.Path(__file__).parents[1] / "tools")
   prefetch = "cp.async.bulk.prefetch.tensor"
 
@@ -566,9 +567,9 @@ def test_l2_prefetches_reach_the_kernel(monkeypatch):
                                "persistent=1," + overrides).count(prefetch)
 
   assert count("q_l2_prefetch=0,kv_l2_prefetch=0") == 0
-  assert count("q_l2_prefetch=1,kv_l2_prefetch=0") == 1
+  assert count("q_l2_prefetch=1,kv_l2_prefetch=0") == 2
   assert count("q_l2_prefetch=0,kv_l2_prefetch=1") == 2
-  assert count("q_l2_prefetch=1,kv_l2_prefetch=1") == 3
+  assert count("q_l2_prefetch=1,kv_l2_prefetch=1") == 4
 
 
 def test_item_overlap_chains_the_items_in_the_kernel(monkeypatch):

@@ -413,8 +413,10 @@ class MosaicConfig:
       to calls where both consumers compute every key tile of every
       item: no causal mask, window or segment ids, and no consumer whose
       query rows are all padding; others run as without it.  With one Q
-      buffer the epilogue waits for the next Q to land; with
-      ``q_double_buffer`` it is there long before.  Written in s33 (no
+      buffer the last turn issues its ``P V`` and then waits for the
+      next Q to land (loaded after both consumers' "done with Q"),
+      holding the turn and the epilogue behind it; with
+      ``q_double_buffer`` that Q is there long before.  Written in s33 (no
       GPU that session) for the per-item cost at head_dim 128 with 2048
       keys (an item takes 29-31 us against 22.5 us of matmul, s32); the
       interpreter runs its mbarrier form with race detection, the

@@ -739,16 +739,21 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
 
         def issue(o_acc, s_acc):
           ping.turn_start()
-          # The next item's Q and first K, waited for in this turn: with
-          # one Q buffer its load follows both consumers' "done with Q",
-          # which the other consumer signals after its own turn ends (in
-          # the interpreter's mbarrier form that end is a rendezvous with
-          # this turn's start: a wait before it would never end).  Both
-          # matmuls are then issued back to back (a wait between them
-          # has ptxas fence the second: its C7519).
+          # The next item's Q and first K are waited for in this turn:
+          # with one Q buffer that Q loads after both consumers' "done
+          # with Q", which the other consumer signals after its own turn
+          # ends (in the interpreter's mbarrier form that end is a
+          # rendezvous with this turn's start: a wait before it would
+          # never end).  With one buffer the last P V goes first, so the
+          # tensor cores are not idle while Q lands (ptxas then fences
+          # the second wgmma after the waits: its C7519 note); with two,
+          # Q landed an item ago and both are issued back to back.
+          if not double_q:
+            plgpu.wgmma(o_acc, operand(p16), v_smem.at[slot])  # last P V
           plgpu.barrier_wait(q_ready.at[next_q_slot])
           plgpu.barrier_wait(k_ready.at[nxt])
-          plgpu.wgmma(o_acc, operand(p16), v_smem.at[slot])  # last P V
+          if double_q:
+            plgpu.wgmma(o_acc, operand(p16), v_smem.at[slot])
           plgpu.wgmma(s_acc, q_next, k_smem.at[nxt].T)  # next item's S
           ping.issued()
 
@@ -998,8 +1003,9 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       # follow then read L2, not HBM.  Item 0's loads are issued at once.
       collective = "cluster" if cluster > 1 else None
       if cfg.q_l2_prefetch and prefetch:
-        plgpu.async_prefetch(
-            q_ref.at[b, pl.ds(group_start, cfg.compute_wgs * bq), h])
+        for w in range(cfg.compute_wgs):  # the loads' boxes (<= 256 rows)
+          plgpu.async_prefetch(
+              q_ref.at[b, pl.ds(group_start + w * bq, bq), h])
       if cfg.kv_l2_prefetch:
         @pl.when(n_steps > 0)
         def _():
