@@ -690,20 +690,21 @@ GPU_CONFIGS = {
     # (early_q_release; the H200 default at head_dim 128 up to 2048 keys).
     "named-overlap-persistent-early-q": _D128_PERSISTENT,
     # The same with the stores waited for at the next item's epilogue
-    # (late_store_wait; written in s32, not yet run on a GPU).
+    # (late_store_wait; written in s32, first run on a GPU in s33).
     "named-overlap-persistent-early-q-late-store": dataclasses.replace(
         _D128_PERSISTENT, late_store_wait=True),
     # The same with later items' Q and first K/V tiles prefetched into L2
-    # (q_l2_prefetch, kv_l2_prefetch; written in s33, not yet run on a
-    # GPU), and on the clusters' persistent grid (the split K/V prefetch).
+    # (q_l2_prefetch, kv_l2_prefetch; written in s33, first run on an
+    # H100 in s33), and on the clusters' persistent grid (the split K/V
+    # prefetch).
     "named-overlap-persistent-early-q-l2-prefetch": dataclasses.replace(
         _D128_PERSISTENT, q_l2_prefetch=True, kv_l2_prefetch=True),
     "multicast-persistent-l2-prefetch": mosaic_gpu.MosaicConfig(
         named_barriers=True, block_kv=128, persistent=True, prefetch_q=True,
         kv_multicast=True, q_l2_prefetch=True, kv_l2_prefetch=True),
     # Two Q buffers per consumer, alternate items (q_double_buffer; s33,
-    # not yet run on a GPU): the head_dim 128 form (with and without the
-    # prefetches) and the head_dim 64 form (no overlap).
+    # first run on an H100 in s33): the head_dim 128 form (with and
+    # without the prefetches) and the head_dim 64 form (no overlap).
     "named-overlap-persistent-early-q-double-q": dataclasses.replace(
         _D128_PERSISTENT, q_double_buffer=True),
     "named-overlap-persistent-early-q-double-q-l2-prefetch":
@@ -712,8 +713,8 @@ GPU_CONFIGS = {
     "named-persistent-double-q": mosaic_gpu.MosaicConfig(
         named_barriers=True, block_kv=128, persistent=True, prefetch_q=True,
         q_double_buffer=True),
-    # The overlapped loop run on across items (item_overlap; s33, not yet
-    # run on a GPU), with one Q buffer and two.
+    # The overlapped loop run on across items (item_overlap; s33, first
+    # run on an H100 in s33), with one Q buffer and two.
     "named-overlap-persistent-early-q-item-overlap": dataclasses.replace(
         _D128_PERSISTENT, item_overlap=True),
     "named-overlap-persistent-double-q-item-overlap": dataclasses.replace(
