@@ -196,6 +196,13 @@ _CHUNKED_OUT_CASES = ["d64-full", "d64-causal-2wg", "d96-gqa-q200-k300",
                       "d192-q113-k17", "d256-causal-q300-k100", "d64-len1",
                       "d32-tiny-window-empty", "d64-persistent-2wg-causal",
                       "d128-persistent-window-q200-k300"]
+# The persistent grid with the producer's Q prefetch; with the overlap
+# and "done with Q" before the last P V turn (the H200's head_dim 128
+# form); item_overlap's two consumers with the ping-pong.
+_PQ = dict(persistent=True, prefetch_q=True)
+_PQ_OVERLAP = dict(_PQ, intra_wg_overlap=True, early_q_release=True)
+_ITEM_OVERLAP = dict(_PQ, intra_wg_overlap=True, item_overlap=True,
+                     compute_wgs=2, schedule_barrier=True)
 INTERPRET_VARIANTS.update({
     # dK and dV by two consumers of one key tile, P^T handed over in
     # shared memory: head_dim 256 (beside the one-consumer dQ kernel),
@@ -239,11 +246,9 @@ INTERPRET_VARIANTS.update({
     # The output's and LSE's stores waited for at the next item's
     # epilogue: with and without the overlap's early Q.
     "prefetch_q+late_store_wait": (
-        dict(persistent=True, prefetch_q=True, late_store_wait=True),
-        _CHUNKED_OUT_CASES),
+        dict(_PQ, late_store_wait=True), _CHUNKED_OUT_CASES),
     "intra_wg_overlap+prefetch_q+early_q_release+late_store_wait": (
-        dict(intra_wg_overlap=True, persistent=True, prefetch_q=True,
-             early_q_release=True, late_store_wait=True),
+        dict(_PQ_OVERLAP, late_store_wait=True),
         ["d64-persistent-2wg-causal", "d128-persistent-window-q200-k300",
          "d256-causal-q300-k100"]),
     # Later items' Q and first K/V tiles prefetched into L2 by the
@@ -252,19 +257,16 @@ INTERPRET_VARIANTS.update({
     # the kernel): the Q prefetch's form, the H200 head_dim 128 form,
     # the clusters' split prefetch.
     "prefetch_q+l2_prefetch": (
-        dict(persistent=True, prefetch_q=True, q_l2_prefetch=True,
-             kv_l2_prefetch=True),
+        dict(_PQ, q_l2_prefetch=True, kv_l2_prefetch=True),
         ["d64-persistent-2wg-causal", "d128-persistent-window-q200-k300",
          "d96-gqa-q200-k300"]),
     "intra_wg_overlap+prefetch_q+early_q_release+l2_prefetch": (
-        dict(intra_wg_overlap=True, persistent=True, prefetch_q=True,
-             early_q_release=True, q_l2_prefetch=True,
-             kv_l2_prefetch=True),
+        dict(_PQ_OVERLAP, q_l2_prefetch=True, kv_l2_prefetch=True),
         ["d128-full-6tiles", "d64-persistent-2wg-causal",
          "d128-persistent-window-q200-k300"]),
     "kv_multicast+persistent+l2_prefetch": (
-        dict(kv_multicast=True, persistent=True, prefetch_q=True,
-             q_l2_prefetch=True, kv_l2_prefetch=True),
+        dict(_PQ, kv_multicast=True, q_l2_prefetch=True,
+             kv_l2_prefetch=True),
         ["d128-mqa-2wg"]),
     # Two Q buffers per consumer, alternate items (eight items per
     # program: each buffer refilled three times): one and two consumers,
@@ -272,21 +274,18 @@ INTERPRET_VARIANTS.update({
     # windows, GQA; the H200 head_dim 128 form; the clusters' grid; and
     # the causal pairs, which keep one buffer.
     "prefetch_q+q_double_buffer": (
-        dict(persistent=True, prefetch_q=True, q_double_buffer=True),
+        dict(_PQ, q_double_buffer=True),
         ["d128-mqa-2wg", "d64-persistent-2wg-causal",
          "d128-persistent-window-q200-k300", "d96-gqa-q200-k300"]),
     "intra_wg_overlap+prefetch_q+early_q_release+q_double_buffer": (
-        dict(intra_wg_overlap=True, persistent=True, prefetch_q=True,
-             early_q_release=True, q_double_buffer=True),
+        dict(_PQ_OVERLAP, q_double_buffer=True),
         ["d128-mqa-2wg", "d64-persistent-2wg-causal",
          "d128-persistent-window-q200-k300"]),
     "kv_multicast+persistent+q_double_buffer": (
-        dict(kv_multicast=True, persistent=True, prefetch_q=True,
-             q_double_buffer=True),
+        dict(_PQ, kv_multicast=True, q_double_buffer=True),
         ["d128-mqa-2wg"]),
     "persistent_pairs+prefetch_q+q_double_buffer": (
-        dict(persistent=True, persistent_pairs=True, prefetch_q=True,
-             q_double_buffer=True),
+        dict(_PQ, persistent_pairs=True, q_double_buffer=True),
         ["d64-persistent-2wg-causal"]),
     # The overlapped loop run on across items (item_overlap): two
     # consumers; several key tiles and four items per program (d64), a
@@ -294,20 +293,14 @@ INTERPRET_VARIANTS.update({
     # buffer (early_q_release) and two.  Calls it does not apply to run
     # as without it (q130: a consumer of padding rows; causal).
     "item_overlap": (
-        dict(intra_wg_overlap=True, persistent=True, prefetch_q=True,
-             early_q_release=True, item_overlap=True, compute_wgs=2,
-             schedule_barrier=True),
+        dict(_ITEM_OVERLAP, early_q_release=True),
         ["d64-full", "d192-q113-k17", "d128-full-6tiles", "d128-mqa-2wg",
          "d64-causal-2wg"]),
     "kv_multicast+item_overlap": (
-        dict(intra_wg_overlap=True, persistent=True, prefetch_q=True,
-             early_q_release=True, item_overlap=True, compute_wgs=2,
-             schedule_barrier=True, kv_multicast=True),
+        dict(_ITEM_OVERLAP, early_q_release=True, kv_multicast=True),
         ["d64-full"]),
     "item_overlap+q_double_buffer": (
-        dict(intra_wg_overlap=True, persistent=True, prefetch_q=True,
-             q_double_buffer=True, item_overlap=True, compute_wgs=2,
-             schedule_barrier=True),
+        dict(_ITEM_OVERLAP, q_double_buffer=True),
         ["d64-full", "d128-full-6tiles", "d192-q113-k17"]),
     # Pairs of query groups per unit on the causal persistent grid (the
     # p-th longest, then the p-th shortest): an odd group count's middle

@@ -289,6 +289,15 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
   # alternation); buffer ``buf`` of consumer ``w`` is
   # ``qo_smem2[buf * compute_wgs + w]``.
   double_q = _double_q(cfg, prob)
+
+  def q_buffer(item, w):
+    """Consumer ``w``'s Q buffer (and ``q_ready`` slot) for work item
+    ``item``, and the ``q_free`` barrier of that buffer."""
+    if not double_q:
+      return w, q_free
+    buf = lax.rem(item, 2)
+    return buf * cfg.compute_wgs + w, q_free.at[buf]
+
   # item_overlap: the overlapped loop runs on across work items (see
   # _chains_items and overlapped_loop's docstring).
   chained = _chains_items(cfg, prob)
@@ -350,12 +359,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     ``S`` of this item's first tile, issued and read back by the item
     before (valid from item 1), and the program's item count; returns
     ``S`` of the next item's first tile (zeros after the last item)."""
-    if double_q:  # alternate items' Q buffers and their signals
-      buf = lax.rem(item, 2)
-      q_slot = buf * cfg.compute_wgs + wg
-      q_done = q_free.at[buf]
-    else:
-      q_slot, q_done = wg, q_free
+    q_slot, q_done = q_buffer(item, wg)
     qo_smem = qo_smem2.at[q_slot]
     lse_smem = lse_smem2.at[wg]
     q_start = group_start + wg * bq
@@ -748,12 +752,14 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
           # tensor cores are not idle while Q lands (ptxas then fences
           # the second wgmma after the waits: its C7519 note); with two,
           # Q landed an item ago and both are issued back to back.
+          last_pv = lambda: plgpu.wgmma(o_acc, operand(p16),
+                                        v_smem.at[slot])
           if not double_q:
-            plgpu.wgmma(o_acc, operand(p16), v_smem.at[slot])  # last P V
+            last_pv()
           plgpu.barrier_wait(q_ready.at[next_q_slot])
           plgpu.barrier_wait(k_ready.at[nxt])
           if double_q:
-            plgpu.wgmma(o_acc, operand(p16), v_smem.at[slot])
+            last_pv()
           plgpu.wgmma(s_acc, q_next, k_smem.at[nxt].T)  # next item's S
           ping.issued()
 
@@ -947,8 +953,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
 
     if chained:  # one alternation over the program's items
       pl.when(item == 0)(ping.start)
-      next_q_slot = (lax.rem(item + 1, 2) * cfg.compute_wgs + wg
-                     if double_q else wg)
+      next_q_slot, _ = q_buffer(item + 1, wg)
     else:
       ping.start()  # offset the two consumers by a half step
     if cfg.early_k_wait:
@@ -1043,17 +1048,16 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       head = (0 if early_q_release or double_q else
               jnp.where(item == 0, 0, jnp.minimum(n_steps, stages)))
       pipeline.produce_continuing(first_step, head, stages, loads)
-      if double_q:
-        buf = lax.rem(item, 2)
-        pl.when(item > 1)(lambda: plgpu.barrier_wait(q_free.at[buf]))
-        q_slot0 = buf * cfg.compute_wgs
-      else:
-        pl.when(item > 0)(lambda: plgpu.barrier_wait(q_free))
-        q_slot0 = 0
+      # The buffer was last read by the item before (two before with
+      # q_double_buffer).
+      _, q_done = q_buffer(item, 0)
+      pl.when(item > (1 if double_q else 0))(
+          lambda: plgpu.barrier_wait(q_done))
       for w in range(cfg.compute_wgs):
+        q_slot, _ = q_buffer(item, w)
         plgpu.copy_gmem_to_smem(
             q_ref.at[b, pl.ds(group_start + w * bq, bq), h],
-            qo_smem2.at[q_slot0 + w], q_ready.at[q_slot0 + w])
+            qo_smem2.at[q_slot], q_ready.at[q_slot])
       pipeline.produce_continuing(first_step, n_steps, stages, loads,
                                   start=head)
     elif persistent:
@@ -1156,7 +1160,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       if double_q:  # the last two items' "done with Q"
         for back in (1, 2):
           pl.when(n_items >= back)(lambda back=back: plgpu.barrier_wait(
-              q_free.at[lax.rem(n_items - back, 2)]))
+              q_buffer(n_items - back, 0)[1]))
       elif prefetch:  # the last item's "done with Q"
         pl.when(n_items > 0)(lambda: plgpu.barrier_wait(q_free))
     else:
