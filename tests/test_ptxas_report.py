@@ -1,7 +1,10 @@
 """tools/ptxas_report.py reads ptxas' verbose report (the parser; the
 compilation itself needs an sm90 GPU)."""
 
+import argparse
 import pathlib
+
+import pytest
 
 REPORT = """\
 ptxas info    : 0 bytes gmem
@@ -89,6 +92,27 @@ def test_ptxas_cpu_lowers_and_names_the_kernels(monkeypatch):
   cfg, modules, names = ptxas_cpu.lower(spec)
   assert cfg.intra_wg_overlap and cfg.consumer_registers == 232
   assert names == ["forward"] and len(modules) == 1
+
+
+def test_ptxas_cpu_tokamax_cases(monkeypatch):
+  """--tokamax takes forward cases without overrides (tokamax picks its
+  own config) and lowers tokamax's one forward kernel, where tokamax is
+  importable (the anchor wheels; skipped in CI)."""
+  monkeypatch.syspath_prepend(pathlib.Path(__file__).parents[1] / "tools")
+  import ptxas_cpu
+
+  a = argparse.Namespace(seq=256, batch=1, kv_len_rule=8192,
+                         device_kind="NVIDIA H200", arch="sm_90a",
+                         loops=False, tokamax=True, sms=132)
+  for bad in ("128:fwd_bwd:0:", "128:fwd:0:block_kv=64"):
+    with pytest.raises(SystemExit, match="--tokamax takes MODE fwd"):
+      ptxas_cpu.case_spec(bad, a)
+  spec = ptxas_cpu.case_spec("128:fwd:1:", a)
+  assert spec["tokamax"] and spec["causal"] and spec["sms"] == 132
+  pytest.importorskip("tokamax")
+  cfg, modules, names = ptxas_cpu.lower(spec)
+  assert cfg is None and names == ["tokamax"] and len(modules) == 1
+  assert isinstance(modules[0], bytes)
 
 
 # A two-launch ncu source page (--page source --csv --print-source sass),

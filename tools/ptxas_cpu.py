@@ -68,6 +68,17 @@ keeps each case's PTX and cubins in DIR/CASE/.  --loops adds each
 kernel's tile loops from its SASS (tools/sass_loops.py: instructions per
 trip, and with the largest inner forward branch taken), printed under
 the kernel's row and kept, with their opcode counts, in the JSON.
+
+``--tokamax`` lowers tokamax's sm90 forward instead of ours, for the
+cases' head_dim, length and causal setting (MODE fwd, no OVERRIDES),
+with the config its heuristics pick (the benchmark's
+``tokamax-mosaic``): the same counts for the anchor's kernel.  It needs
+tokamax importable (the wheels of ../shared/gpu/anchor-wheels.sh,
+installed with ``pip install --no-deps --target DIR`` and DIR and
+``.whl/stub`` on PYTHONPATH, plus ``jaxtyping``).  tokamax asks the
+device whether Mosaic GPU runs and how many SMs it has; on the CPU its
+``gpu_utils`` checks are answered as an sm90 device and its scheduler
+is given --sms SMs (132, the H200's and H100 SXM's).
 """
 
 import argparse
@@ -222,10 +233,47 @@ def find_ptxas() -> tuple[str, str]:
 
 # -- one case (in its own process) ------------------------------------------
 
+def lower_tokamax(spec: dict):
+  """tokamax's Mosaic GPU forward for the case, as :func:`lower` gives
+  ours (no config: tokamax picks its own)."""
+  import types  # noqa: PLC0415
+
+  import jax  # noqa: PLC0415
+  import jax.experimental.pallas.mosaic_gpu  # noqa: F401, PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import tokamax  # noqa: PLC0415
+  from jax.experimental.mosaic.gpu import core as mgpu_core  # noqa: PLC0415
+  from tokamax._src import config as tk_config  # noqa: PLC0415
+  from tokamax._src import gpu_utils  # noqa: PLC0415
+  from tokamax._src import mosaic_gpu as tk_mgpu  # noqa: PLC0415
+
+  # The CPU answers as an sm90 GPU with spec["sms"] SMs (the persistent
+  # kernel's grid); cross_compile skips tokamax's device check.
+  gpu_utils.has_mosaic_gpu_support = lambda *a, **k: True
+  gpu_utils.is_sm90 = lambda *a, **k: True
+  gpu_utils.is_sm80 = gpu_utils.is_sm100 = lambda *a, **k: False
+  device = types.SimpleNamespace(core_count=spec["sms"], platform="gpu",
+                                 device_kind=spec["device_kind"])
+  tk_mgpu.backend = types.SimpleNamespace(get_default_device=lambda: device)
+
+  def attend(q, k, v):
+    return tokamax.dot_product_attention(
+        q, k, v, is_causal=spec["causal"], implementation="mosaic_gpu")
+  d, seq = spec["head_dim"], spec["seq"]
+  x = jax.ShapeDtypeStruct((spec.get("batch", 1), seq, 2, d), jnp.bfloat16)
+  mgpu_core.KNOWN_KERNELS.clear()
+  with tk_config.cross_compile(True):
+    jax.jit(attend).trace(x, x, x).lower(lowering_platforms=("cuda",))
+  modules = list(mgpu_core.KNOWN_KERNELS.values())
+  return None, modules, ["tokamax"] * len(modules)
+
+
 def lower(spec: dict):
   """The case's config, its Mosaic GPU kernel modules in lowering order,
   and their names (``forward`` and the backward's passes; None when the
   count does not match)."""
+  if spec.get("tokamax"):
+    return lower_tokamax(spec)
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   from jax.experimental.mosaic.gpu import core as mgpu_core  # noqa: PLC0415
@@ -339,11 +387,12 @@ def child(spec: dict) -> None:
       from sass_loops import loops, read_sass, tile_loops  # noqa: PLC0415
       k["loops"] = [l.as_row() for l in tile_loops(loops(read_sass(cubin)))]
     kernels.append(k)
-  base = MosaicConfig()
+  base = dataclasses.asdict(MosaicConfig())
+  fields = dataclasses.asdict(cfg) if cfg is not None else {}
   (out / ROW_FILE).write_text(json.dumps(dict(
-      config=dataclasses.asdict(cfg),
-      config_changed={f: v for f, v in dataclasses.asdict(cfg).items()
-                      if v != getattr(base, f)},
+      config=fields,
+      config_changed=({f: v for f, v in fields.items() if v != base[f]}
+                      if cfg is not None else {"tokamax": "its own"}),
       kernels=kernels,
       seconds=dict(lower=round(t1 - t0, 1), ptx=round(t2 - t1, 1),
                    ptxas=round(t3 - t2, 1))), indent=1))
@@ -363,11 +412,15 @@ def case_spec(case: str, a) -> dict:
   if mode not in ("fwd", "fwd_bwd"):
     raise SystemExit(f"ptxas_cpu: case {case!r}: MODE must be fwd or"
                      " fwd_bwd (HEAD_DIM:MODE:CAUSAL:OVERRIDES)")
+  if a.tokamax and (mode != "fwd" or overrides):
+    raise SystemExit(f"ptxas_cpu: case {case!r}: --tokamax takes MODE fwd"
+                     " and no OVERRIDES (tokamax picks its own config)")
   return dict(case=case, head_dim=int(d), mode=mode,
               causal=bool(int(causal or 0)), overrides=overrides,
               seq=a.seq, batch=a.batch or default_batch(a.seq),
               kv_len_rule=a.kv_len_rule,
-              device_kind=a.device_kind, arch=a.arch, loops=a.loops)
+              device_kind=a.device_kind, arch=a.arch, loops=a.loops,
+              tokamax=a.tokamax, sms=a.sms)
 
 
 def run_case(spec: dict, work: pathlib.Path, timeout: int) -> dict:
@@ -452,6 +505,10 @@ def main():
   ap.add_argument("--out", help="write ptxas_cpu.json here")
   ap.add_argument("--loops", action="store_true",
                   help="tile loops' instruction counts (tools/sass_loops.py)")
+  ap.add_argument("--tokamax", action="store_true",
+                  help="lower tokamax's forward instead of ours")
+  ap.add_argument("--sms", type=int, default=132,
+                  help="SMs that --tokamax's persistent grid is given")
   ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
   ap.add_argument("--timeout", type=int, default=600)
   a = ap.parse_args()
