@@ -182,6 +182,12 @@ def _mosaic_case(shape):
     dict(named_barriers=True, intra_wg_overlap=True, block_kv=128,
          consumer_registers=240, persistent=True, prefetch_q=True,
          q_double_buffer=True, item_overlap=True),
+    # The overlapped loop's first tile unmasked where fully visible (its
+    # lax.cond over the two softmax forms), on the persistent grid.
+    dict(named_barriers=True, intra_wg_overlap=True, block_kv=128,
+         consumer_registers=240, persistent=True, prefetch_q=True,
+         early_q_release=True, lean_epilogue=True,
+         unmasked_first_tile=True),
 ], ["default", "p-in-smem", "one-wg", "deep", "wide", "persistent",
         "overlap", "overlap-wide", "named-overlap-wide", "named-early",
         "named-persistent",
@@ -203,7 +209,8 @@ def _mosaic_case(shape):
         "named-overlap-lean-multicast-rescale-deferred-sum",
         "named-overlap-persistent-double-q-l2-prefetch",
         "named-overlap-persistent-item-overlap",
-        "named-overlap-persistent-double-q-item-overlap"],
+        "named-overlap-persistent-double-q-item-overlap",
+        "named-overlap-persistent-unmasked-first"],
     every_commit={"default", "persistent", "named-persistent",
                   "named-prefetch-q", "three-wg", "three-wg-prefetch-q",
                   "named-kv80-unpadded"}))

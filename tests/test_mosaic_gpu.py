@@ -405,6 +405,16 @@ INTERPRET_VARIANTS.update({
     "rescale_threshold+intra_wg_overlap": (
         dict(rescale_threshold=8, intra_wg_overlap=True),
         ["d128-window", "d256-causal-q300-k100", "d64-full"]),
+    # The overlapped loop's first tile without the element mask where it
+    # is fully visible: unmasked calls (every first tile visible, one
+    # item per program and several), and masked ones whose first tiles
+    # are partly visible (causal, windows, padding rows and keys, rows
+    # that see no key: the mask branch).
+    "intra_wg_overlap+unmasked_first_tile": (
+        dict(intra_wg_overlap=True, unmasked_first_tile=True),
+        ["d64-full", "d128-full-6tiles", "d64-causal-2wg",
+         "d96-gqa-q200-k300", "d128-window", "d32-tiny-window-empty",
+         "d128-persistent-window-q200-k300"]),
 })
 
 
@@ -432,7 +442,8 @@ EXPERIMENTS = {"three_wgs+intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "kv_multicast+persistent+q_double_buffer",
                "persistent_pairs+prefetch_q+q_double_buffer",
                "item_overlap", "item_overlap+q_double_buffer",
-               "kv_multicast+item_overlap"}
+               "kv_multicast+item_overlap",
+               "intra_wg_overlap+unmasked_first_tile"}
 
 
 def _variant_params():
@@ -712,6 +723,10 @@ GPU_CONFIGS = {
         _D128_PERSISTENT, item_overlap=True),
     "named-overlap-persistent-double-q-item-overlap": dataclasses.replace(
         _D128_PERSISTENT, q_double_buffer=True, item_overlap=True),
+    # The overlapped loop's first tile unmasked where fully visible
+    # (unmasked_first_tile; s34): the head_dim 128 persistent default.
+    "named-overlap-persistent-early-q-unmasked-first":
+        dataclasses.replace(_D128_PERSISTENT, unmasked_first_tile=True),
     # The head_dim 256 non-causal form of 2049+ keys with the lean
     # epilogue (the candidate of docs/perf-notes.md "Next" 1).
     "named-overlap-persistent-early-q-lean-kv64": mosaic_gpu.MosaicConfig(
@@ -1088,8 +1103,9 @@ def test_gpu_long_overlap(head_dim, causal, kv_len):
     dict(late_store_wait=True),
     dict(item_overlap=True),
     dict(item_overlap=True, q_double_buffer=True),
+    dict(unmasked_first_tile=True),
 ], ids=["double-q", "double-q-l2-prefetch", "l2-prefetch", "late-store",
-        "item-overlap", "double-q-item-overlap"])
+        "item-overlap", "double-q-item-overlap", "unmasked-first"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gpu_long_persistent_items(head_dim, options):
   """The persistent grid's options across work items on the H200's
@@ -1097,9 +1113,11 @@ def test_gpu_long_persistent_items(head_dim, options):
   prefetched): 8192 queries make 512 items over 132 SMs, so each program
   runs three or four and every Q buffer is refilled (the CASES give a
   program one item at most on a GPU); GQA, gradients too.  item_overlap
-  needs the overlapped loop: head_dim 128's default, not 64's."""
-  if options.get("item_overlap") and head_dim == 64:
-    pytest.skip("item_overlap: head_dim 64's default has no overlap")
+  and unmasked_first_tile need the overlapped loop: head_dim 128's
+  default, not 64's."""
+  overlap_only = ("item_overlap", "unmasked_first_tile")
+  if head_dim == 64 and any(options.get(o) for o in overlap_only):
+    pytest.skip(f"{options}: head_dim 64's default has no overlap")
   config = dataclasses.replace(
       mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=False,
                                 kv_len=1024), **options)

@@ -425,6 +425,17 @@ class MosaicConfig:
       named-barrier form runs only on the GPU.  On an H100 (s33): level
       with ``q_double_buffer``, 2.5% slower without it (1024 keys,
       sustained).
+    unmasked_first_tile: with ``intra_wg_overlap``, the first key tile
+      of an item (whose softmax the overlapped loop computes before the
+      loop, at the item's start) takes the element mask only where it is
+      not fully visible, as every later tile does (a ``lax.cond`` on the
+      tile's index), rather than always.  Every item of an unmasked call
+      (non-causal, no window or segment ids, whole tiles) then skips the
+      mask's 64 selects per thread and their compares on the critical
+      path of its start: 66 fewer SASS instructions per consumer warp and
+      item at head_dim 128 (``tools/sass_loops.py`` on the region before
+      the loop, s34).  Written in s34 (CPU only); the interpreter runs it
+      in the ``intra_wg_overlap`` cases.
     kv_l2_prefetch: on the persistent grid, the producer prefetches each
       later item's first K and V tiles into L2 when it starts that
       item's loads (the other half of that wait's object; with
@@ -729,6 +740,7 @@ class MosaicConfig:
   kv_l2_prefetch: bool = False
   q_double_buffer: bool = False
   item_overlap: bool = False
+  unmasked_first_tile: bool = False
   lean_epilogue: bool = False
   no_auto_barriers: bool = False
   unpadded_kv: bool = False

@@ -455,6 +455,22 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         p = jnp.exp2(x)
       return p, m_next, alpha
 
+    def probs_at(s, t, m, full_lo, full_hi):
+      """:func:`probs` for a tile whose masking is known only at run time
+      (the overlapped loop's first tile).  ``unmasked_first_tile``:
+      without the element mask where ``t`` lies in the fully visible
+      ``[full_lo, full_hi)``, as :func:`_masked_ranges` runs the other
+      tiles, so that the first tile of an unmasked call skips the mask's
+      compares and selects.  The start value ``m = -inf`` needs no guard
+      there: a visible tile's row max is finite, so ``alpha = exp2(-inf)
+      = 0``."""
+      if not cfg.unmasked_first_tile or range_ref is not None:
+        # (segment ids: every computed tile takes the element mask)
+        return probs(s, t, m, masked=True)
+      return lax.cond((full_lo <= t) & (t < full_hi),
+                      lambda: probs(s, t, m, masked=False),
+                      lambda: probs(s, t, m, masked=True))
+
     def scores(slot, *, waited=False):
       """``S = Q K^T`` with tile ``slot``'s K (waited for unless
       ``waited``, then released)."""
@@ -648,7 +664,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
                         lambda: scores(slot_of(lo)))
         else:
           s0 = scores(slot_of(lo))
-        p, m1, alpha = probs(s0, lo, m, masked=True)
+        p, m1, alpha = probs_at(s0, lo, m, full_lo, full_hi)
         l1 = l * alpha + rsum(p)
         return stash(p), m1, l1
 
