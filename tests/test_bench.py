@@ -96,7 +96,7 @@ def test_writers(tmp_path):
   assert set(data["results"][0]) == {
       "impl", "batch", "seq_q", "seq_k", "heads", "kv_heads", "head_dim",
       "causal", "dtype", "mask", "mode", "ms", "tflops", "peak_bytes",
-      "max_abs_err", "error", "samples_ms"}
+      "max_abs_err", "error", "samples_ms", "same_program_as"}
   meta2, rows2 = report.read_json(str(path))
   assert rows2 == rows and meta2["commit"] == "abc1234"
   md = report.markdown(meta, rows)
@@ -356,18 +356,31 @@ def test_mosaic_variants_are_rows_of_the_same_run(tmp_path, monkeypatch):
     return make(overrides)
 
   monkeypatch.setattr(impls, "mosaic_variant", spy)
-  interpretable = ("one:compute_wgs=1,p_in_smem=1,schedule_barrier=0,"
+  interpretable = ("compute_wgs=1,p_in_smem=1,schedule_barrier=0,"
                    "bwd_compute_wgs=1")
+  # "same" adds a field at its default value (the same kernels), "rt" one
+  # that changes the forward's loop (a rescale skip: another program).
+  variants = (f"one:{interpretable};same:{interpretable},stages=2;"
+              f"rt:{interpretable},rescale_threshold=8")
   rc = bench_main.main(["--cpu-smoke", "--out", str(tmp_path), "--name", "v",
                         "--impls", "jaxflash-xla", "--mode", "fwd",
                         "--causal", "off", "--samples", "1",
-                        "--mosaic-variants", interpretable])
+                        "--mosaic-variants", variants])
   assert rc == 0
   assert seen == dict(compute_wgs=1, p_in_smem=True, schedule_barrier=False,
-                      bwd_compute_wgs=1)
+                      bwd_compute_wgs=1, stages=2, rescale_threshold=8)
   _, rows = report.read_json(str(tmp_path / "v.json"))
-  variant = [r for r in rows if r["impl"] == "jaxflash-mosaic_gpu[one]"]
+  by_impl = lambda name: [r for r in rows
+                          if r["impl"] == f"jaxflash-mosaic_gpu[{name}]"]
+  variant = by_impl("one")
   assert len(variant) == 2 and all(r["error"] is None for r in variant)
+  assert all(r["same_program_as"] is None for r in variant + by_impl("rt"))
+  assert [r["same_program_as"] for r in by_impl("same")] == [
+      "jaxflash-mosaic_gpu[one]"] * 2
+  assert "jaxflash-mosaic_gpu[same] = jaxflash-mosaic_gpu[one]" in (
+      report.markdown({"device_kind": "cpu", "date": "-", "device_count": 1,
+                       "jax_version": "-", "commit": "-",
+                       "flop_formula": "-"}, rows))
   for bad in ["noname", "x:not_a_field=1", "x:bwd_stages=three",
               "x:bwd_stages=3;x:bwd_stages=4"]:
     assert bench_main.main(["--cpu-smoke", "--mosaic-variants", bad]) == 2

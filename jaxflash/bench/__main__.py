@@ -103,11 +103,14 @@ def _reference_out(shape, q, k, v, mask_kw):
 
 
 def prepare(name: str, shape: core.Shape, modes, arrays, ref_out,
-            mask_kw, *, interpret: bool, makers=None) -> dict:
+            mask_kw, *, interpret: bool, makers=None,
+            fingerprints=None) -> dict:
   """Builds and checks one implementation in every mode: ``mode -> (fn,
   args, max_abs_err, peak_bytes)``, or ``mode -> row`` where it fails or
   answers wrongly.  Each (implementation, mode) is compiled once, ahead of
-  time; that executable is timed and its memory analysis gives the peak."""
+  time; that executable is timed and its memory analysis gives the peak.
+  For the Hopper kernel and its variants, ``fingerprints[mode]`` gets the
+  hash of the mode's traced program (:func:`core.program_fingerprint`)."""
   q, k, v, do = arrays
   try:
     attend = (makers or impls.IMPLS)[name](shape, mask_kw, interpret)
@@ -139,6 +142,9 @@ def prepare(name: str, shape: core.Shape, modes, arrays, ref_out,
         fn = jax.jit(fwd_bwd).lower(*args).compile()
       jax.block_until_ready(fn(*args))  # run errors are this row's
       out[mode] = (fn, args, err, core.compiled_bytes(fn))
+      if fingerprints is not None and name.startswith(_HOPPER):
+        fingerprints[mode] = core.program_fingerprint(
+            attend if mode == "fwd" else fwd_bwd, *args)
     except Exception as e:  # noqa: BLE001 - every failure is a reported row
       out[mode] = core.record(shape, name, mode, error=_message(e))
   return out
@@ -146,6 +152,10 @@ def prepare(name: str, shape: core.Shape, modes, arrays, ref_out,
 
 def _message(e: Exception) -> str:
   return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+
+
+# The Hopper kernel's rows (its tuned default and ``--mosaic-variants``).
+_HOPPER = "jaxflash-mosaic_gpu"
 
 
 def run_shape(shape: core.Shape, names, modes, *, interpret: bool,
@@ -157,13 +167,21 @@ def run_shape(shape: core.Shape, names, modes, *, interpret: bool,
   mask_kw = impls.mask_kwargs(shape)
   ref_out = _reference_out(shape, *arrays[:3], mask_kw)
   rows, calls, errs = {}, {}, {}
+  # (mode, program hash) -> the first Hopper row that built it, so that a
+  # variant whose overrides change nothing on this call is marked.
+  first_with, same_as = {}, {}
   for name in names:
     if progress is not None:
       progress.set_description(
           f"d{shape.head_dim} s{shape.seq_q}"
           f"{' causal' if shape.causal else ''} {name}")
+    prints = {}
     got = prepare(name, shape, modes, arrays, ref_out, mask_kw,
-                  interpret=interpret, makers=makers)
+                  interpret=interpret, makers=makers, fingerprints=prints)
+    for mode, h in prints.items():
+      same_as[name, mode] = first_with.setdefault((mode, h), name)
+      if same_as[name, mode] == name:
+        del same_as[name, mode]
     for mode, res in got.items():
       if isinstance(res, dict):
         rows[name, mode] = res
@@ -185,7 +203,8 @@ def run_shape(shape: core.Shape, names, modes, *, interpret: bool,
       err, peak = errs[key]
       rows[key] = core.record(
           shape, name, mode, ms=secs * 1e3, max_abs_err=err,
-          peak_bytes=peak, samples_ms=[t * 1e3 for t in per_round[key]])
+          peak_bytes=peak, samples_ms=[t * 1e3 for t in per_round[key]],
+          same_program_as=same_as.get(key))
   return [rows[name, mode] for name in names for mode in modes]
 
 

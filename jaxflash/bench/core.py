@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import random
+import re
 import statistics
 import subprocess
 import time
@@ -215,11 +217,25 @@ def compiled_bytes(compiled) -> int | None:
     return None
 
 
+def program_fingerprint(fn: Callable, *args) -> str:
+  """A hash of ``fn``'s traced program (``jax.make_jaxpr``, the kernels'
+  own programs included) with the Hopper configs' reprs left out, as
+  tools/kernel_fingerprint.py compares commits.  Two Hopper variants with
+  one hash build the same kernels: their overrides do nothing on this
+  call (an option for the persistent grid on a config without it)."""
+  text = str(jax.make_jaxpr(fn)(*args))
+  text = re.sub(r"MosaicConfig\([^)]*\)", "MosaicConfig()", text)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def record(shape: Shape, impl: str, mode: str, *, ms=None, peak_bytes=None,
-           max_abs_err=None, error=None, samples_ms=None) -> dict:
+           max_abs_err=None, error=None, samples_ms=None,
+           same_program_as=None) -> dict:
   """One result row of the JSON schema (docs/benchmarks/README.md);
   ``samples_ms``: the timed rounds' milliseconds per call, in round
-  order (``ms`` is their median)."""
+  order (``ms`` is their median); ``same_program_as``: an earlier row of
+  the shape and mode whose traced program this row's equals (Hopper
+  variants only, :func:`program_fingerprint`)."""
   tflops = None
   if ms is not None and error is None:
     tflops = flops(shape, mode) / (ms * 1e-3) / 1e12
@@ -228,7 +244,7 @@ def record(shape: Shape, impl: str, mode: str, *, ms=None, peak_bytes=None,
               head_dim=shape.head_dim, causal=shape.causal, dtype=shape.dtype,
               mask=shape.mask, mode=mode, ms=ms, tflops=tflops,
               peak_bytes=peak_bytes, max_abs_err=max_abs_err, error=error,
-              samples_ms=samples_ms)
+              samples_ms=samples_ms, same_program_as=same_program_as)
 
 
 def commit() -> str:

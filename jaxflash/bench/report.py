@@ -130,12 +130,32 @@ def _aligned(header: list[str], body: list[list[str]]) -> list[str]:
   return lines
 
 
+SAME_PROGRAM = ("same traced program as an earlier row (the overrides do"
+                " not change this call's kernels, so the two rows time one"
+                " kernel):")
+
+
+def same_program_rows(results: list[dict]) -> list[str]:
+  """``d128 s2048 n fwd: jaxflash-mosaic_gpu[io] = jaxflash-mosaic_gpu``
+  for each row the benchmark found to trace the same program as an
+  earlier Hopper row of its shape and mode (``same_program_as``)."""
+  return [f"d{r['head_dim']} s{r['seq_q']}"
+          + (f"/{r['seq_k']}" if r["seq_k"] != r["seq_q"] else "")
+          + f" {'causal' if r['causal'] else 'n'}"
+          + (f" {r['mask']}" if r.get("mask") else "")
+          + f" {r['mode']}: {r['impl']} = {r['same_program_as']}"
+          for r in results if r.get("same_program_as")]
+
+
 def terminal_table(results: list[dict]) -> str:
   lines = _aligned(HEADER, table_rows(results))
   paired = paired_table_rows(results)
   if paired:
     lines += ["", "paired, round by round (other's time / this row's):"]
     lines += _aligned(PAIRED_HEADER, paired)
+  same = same_program_rows(results)
+  if same:
+    lines += ["", SAME_PROGRAM] + ["  " + x for x in same]
   return "\n".join(lines + ["", FLOP_FORMULA])
 
 
@@ -162,6 +182,10 @@ def markdown(meta: dict, results: list[dict]) -> str:
         "|" + "---|" * len(PAIRED_HEADER)]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |"
               for row in paired]
+  same = same_program_rows(results)
+  if same:
+    lines += ["", SAME_PROGRAM[0].upper() + SAME_PROGRAM[1:], ""]
+    lines += [f"- {x}" for x in same]
   if meta.get("note"):
     lines += ["", meta["note"]]
   return "\n".join(lines) + "\n"
