@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import jaxflash
 from jaxflash.bench import __main__ as bench_main
 from jaxflash.bench import core, impls, report
 
@@ -351,9 +352,9 @@ def test_mosaic_variants_are_rows_of_the_same_run(tmp_path, monkeypatch):
   seen = {}
   make = impls.mosaic_variant
 
-  def spy(overrides):
+  def spy(overrides, tuned_for=None):
     seen.update(overrides)
-    return make(overrides)
+    return make(overrides, tuned_for)
 
   monkeypatch.setattr(impls, "mosaic_variant", spy)
   interpretable = ("compute_wgs=1,p_in_smem=1,schedule_barrier=0,"
@@ -384,6 +385,36 @@ def test_mosaic_variants_are_rows_of_the_same_run(tmp_path, monkeypatch):
   for bad in ["noname", "x:not_a_field=1", "x:bwd_stages=three",
               "x:bwd_stages=3;x:bwd_stages=4"]:
     assert bench_main.main(["--cpu-smoke", "--mosaic-variants", bad]) == 2
+  assert bench_main.main(["--cpu-smoke", "--mosaic-variants", "x:stages=2",
+                          "--tuned-for", "NVIDIA H999"]) == 2
+
+
+def test_variants_tuned_for_another_device_kind():
+  """--tuned-for: the variants start from that kind's tuning.json entry
+  (the H200's persistent, overlapped config at head_dim 128 with 2048
+  non-causal keys), not from this device's."""
+  shape = core.Shape(1, 2048, 2048, 2, 2, 128, False)
+  seen = []
+
+  class Seen(Exception):
+    pass
+
+  def spy(*args, config=None, **kwargs):
+    seen.append(config)
+    raise Seen  # the config is all this test needs
+
+  x = jnp.zeros((1, 2048, 2, 128), jnp.bfloat16)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(jaxflash, "flash_attention", spy)
+    for kind in ("NVIDIA H200", None):
+      (make,) = impls.parse_mosaic_variants("io:item_overlap=1",
+                                            kind).values()
+      with pytest.raises(Seen):
+        make(shape, {}, True)(x, x, x)
+  h200, here = seen
+  assert h200.persistent and h200.prefetch_q and h200.intra_wg_overlap
+  assert h200.item_overlap and here.item_overlap
+  assert not here.persistent  # this machine's kind: the default entry
 
 
 def test_variant_values_none_only_for_optional_fields():

@@ -51,6 +51,13 @@ def _parser() -> argparse.ArgumentParser:
                  help="extra Hopper-kernel rows, each the tuned default"
                       " config with overrides, timed in the same rounds:"
                       " 'NAME:field=value,...;NAME2:...' (0/1 for booleans)")
+  p.add_argument("--tuned-for", default=None, metavar="DEVICE_KIND",
+                 help="the --mosaic-variants start from tuning.json's"
+                      " entry for this device kind (e.g. 'NVIDIA H200')"
+                      " instead of this device's: an H100, which has no"
+                      " entry of its own, can time the H200's configs."
+                      " The jaxflash-mosaic_gpu row stays this device's"
+                      " default")
   p.add_argument("--out", default="docs/benchmarks")
   p.add_argument("--name", default=None, help="file stem of the outputs")
   p.add_argument("--samples", type=int, default=7)
@@ -248,7 +255,8 @@ def main(argv=None) -> int:
       return 2
   makers = dict(impls.IMPLS)
   try:
-    variants = impls.parse_mosaic_variants(args.mosaic_variants)
+    variants = impls.parse_mosaic_variants(args.mosaic_variants,
+                                           args.tuned_for)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -262,7 +270,8 @@ def main(argv=None) -> int:
               device_count=jax.device_count(), commit=core.commit(),
               date=datetime.date.today().isoformat(),
               flop_formula=core.FLOP_FORMULA, samples=args.samples,
-              seed=args.seed, sample_seconds=args.sample_seconds)
+              seed=args.seed, sample_seconds=args.sample_seconds,
+              tuned_for=args.tuned_for)
   if args.cpu_smoke:
     meta["note"] = ("CPU smoke run: kernels in Pallas interpret mode. NOT a"
                     " performance figure.")

@@ -95,15 +95,18 @@ IMPLS: dict[str, Callable] = {
     "tokamax-triton": _tokamax("triton"),
 }
 
-def mosaic_variant(overrides: dict) -> Callable:
+def mosaic_variant(overrides: dict, tuned_for: str | None = None
+                   ) -> Callable:
   """The Hopper kernel with each shape's tuned default config (the one
-  ``implementation=None`` would pick on this device) and ``overrides``
+  ``implementation=None`` would pick on this device, or on a device of
+  kind ``tuned_for``: tuning.json's entry for it) and ``overrides``
   (MosaicConfig fields) replaced, so that configs are compared in the same
   interleaved rounds as the other implementations."""
   def make(shape: Shape, mask_kw: dict, interpret: bool) -> Callable:
     from jaxflash import mosaic_gpu  # noqa: PLC0415
     base = mosaic_gpu.default_config(
-        jax.devices()[0].device_kind, round_up(shape.head_dim, 64),
+        tuned_for or jax.devices()[0].device_kind,
+        round_up(shape.head_dim, 64),
         causal=shape.causal,
         kv_len=shape.seq_k)
     config = dataclasses.replace(base, **overrides)
@@ -117,13 +120,20 @@ def mosaic_variant(overrides: dict) -> Callable:
   return make
 
 
-def parse_mosaic_variants(text: str) -> dict[str, Callable]:
+def parse_mosaic_variants(text: str, tuned_for: str | None = None
+                          ) -> dict[str, Callable]:
   """``"shared0:bwd_shared_dq=0;dqk:bwd_atomic_dq=0,bwd_shared_dq=0"`` ->
   implementations ``jaxflash-mosaic_gpu[shared0]``, ... (ValueError on an
-  unnamed variant or an unknown field)."""
-  from jaxflash.mosaic_gpu.config import parse_variants  # noqa: PLC0415
-  return {f"jaxflash-mosaic_gpu[{name}]": mosaic_variant(overrides)
-          for name, overrides in parse_variants(text).items()}
+  unnamed variant, an unknown field or a ``tuned_for`` kind that
+  tuning.json does not list)."""
+  from jaxflash.mosaic_gpu import config  # noqa: PLC0415
+  kinds = config.tuned_device_kinds()
+  if tuned_for is not None and tuned_for not in kinds:
+    raise ValueError(f"--tuned-for {tuned_for!r}: tuning.json lists"
+                     f" {kinds}")
+  return {f"jaxflash-mosaic_gpu[{name}]": mosaic_variant(overrides,
+                                                         tuned_for)
+          for name, overrides in config.parse_variants(text).items()}
 
 
 # A tiny CPU smoke run exercises these (interpret mode for the kernel).

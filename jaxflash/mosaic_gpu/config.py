@@ -367,8 +367,10 @@ class MosaicConfig:
       ``early_q_release``, s25) and the head_dim 128 non-causal call
       with 2048 keys level with tokamax (s32).  Without ``prefetch_q``
       it does nothing (the persistent grid then keeps the end-of-item
-      wait; Q is the consumer's own load there).  On an H100 (s33): level
-      with the default.
+      wait; Q is the consumer's own load there).
+      Untimed: the H100 runs of s33/s34 set it on the H100's untuned
+      config (no persistent grid), where it builds the default's
+      kernel.
     q_l2_prefetch: with ``prefetch_q`` on the persistent grid, the
       producer prefetches each later item's Q into L2
       (``plgpu.async_prefetch``, a TMA prefetch) when it starts that
@@ -381,8 +383,10 @@ class MosaicConfig:
       isolated (s24, s25).  The interpreter runs the prefetch as a
       no-op, so its tests check that the kernel still computes the same;
       ``tests/test_lowering.py`` checks the prefetches reach the kernel.
-      Without ``prefetch_q`` it does nothing.  On an H100 (s33): level
-      with the default at head_dim 64/128, 1024/2048 keys.
+      Without ``prefetch_q`` it does nothing.
+      Untimed: the H100 runs of s33/s34 set it on the H100's untuned
+      config (no persistent grid), where it builds the default's
+      kernel.
     q_double_buffer: with ``prefetch_q`` on the persistent grid, two Q
       buffers per consumer, used by alternate work items: the producer
       loads an item's Q as soon as it starts that item's loads (the
@@ -399,7 +403,10 @@ class MosaicConfig:
       causal calls (their skipped items would break the alternation;
       shared memory is still counted).  Written in s33 (no GPU that
       session) for the item-start waits; the interpreter runs it with
-      race detection.  On an H100 (s33): level with the default.
+      race detection.
+      Untimed: the H100 runs of s33/s34 set it on the H100's untuned
+      config (no persistent grid), where it builds the default's
+      kernel.
     item_overlap: with ``intra_wg_overlap``, two consumers and
       ``prefetch_q`` (with ``early_q_release`` or ``q_double_buffer``) on
       the persistent grid, the overlapped loop runs on across a
@@ -422,9 +429,10 @@ class MosaicConfig:
       GPU that session) for the per-item cost at head_dim 128 with 2048
       keys (an item takes 29-31 us against 22.5 us of matmul, s32); the
       interpreter runs its mbarrier form with race detection, the
-      named-barrier form runs only on the GPU.  On an H100 (s33): level
-      with ``q_double_buffer``, 2.5% slower without it (1024 keys,
-      sustained).
+      named-barrier form runs only on the GPU.
+      Untimed: the H100 runs of s33/s34 set it on the H100's untuned
+      config (no persistent grid), where it builds the default's
+      kernel.
     unmasked_first_tile: with ``intra_wg_overlap``, the first key tile
       of an item (whose softmax the overlapped loop computes before the
       loop, at the item's start) takes the element mask only where it is
@@ -434,13 +442,14 @@ class MosaicConfig:
       mask's 64 selects per thread and their compares on the critical
       path of its start: 66 fewer SASS instructions per consumer warp and
       item at head_dim 128 (``tools/sass_loops.py`` on the region before
-      the loop, s34).  Written in s34 (CPU only); the interpreter runs it
-      in the ``intra_wg_overlap`` cases.
+      the loop, s34).  Written in s34; the interpreter runs it in the
+      ``intra_wg_overlap`` cases, its ``gpu`` tests passed on an H100
+      (s34), and it is untimed (the H100's config has no overlap).
     kv_l2_prefetch: on the persistent grid, the producer prefetches each
       later item's first K and V tiles into L2 when it starts that
       item's loads (the other half of that wait's object; with
       ``early_q_release`` those loads wait behind the next Q's).  Same
-      tests as ``q_l2_prefetch``; on an H100 (s33) level too.
+      tests as ``q_l2_prefetch``, and untimed as it.
     lean_epilogue: the forward's epilogue as tokamax's sm90 kernel's:
       normalise with one reciprocal per row and a multiply per element
       (instead of a divide per element), store the output in 64-column
@@ -1161,6 +1170,12 @@ INTERPRET_CONFIG = MosaicConfig(block_q=64, block_kv=64, stages=2,
 def _tuning() -> dict:
   with open(os.path.join(os.path.dirname(__file__), "tuning.json")) as f:
     return json.load(f)
+
+
+def tuned_device_kinds() -> list[str]:
+  """The device kinds with an entry of their own in tuning.json (others
+  get its ``default`` entry)."""
+  return [k for k in _tuning()["devices"] if k != "default"]
 
 
 def default_config(device_kind: str | None, head_dim_padded: int, *,
