@@ -26,8 +26,10 @@ backward's kernels run in the order XLA schedules them, not necessarily
 forward, dK/dV, dQ, so the dK/dV kernel was ``--launch-skip 4``.  Tell
 them apart by a first run with ``--section LaunchStats`` (shared memory
 per block, and the dK/dV kernel's longer duration).  ``--overrides``
-takes MosaicConfig fields over the tuned default.  ``--impl cudnn``
-runs ``jax.nn.dot_product_attention(implementation="cudnn")``, the
+takes MosaicConfig fields over the tuned default (``--tuned-for KIND``:
+that device kind's, e.g. the H200's on an H100, whose own is untuned).
+``--impl cudnn`` runs
+``jax.nn.dot_product_attention(implementation="cudnn")``, the
 benchmark's cuDNN row; its kernels are not matched by the ``K`` above:
 list the launches' names first (ncu without ``-k``, ``--section
 LaunchStats``) and pick them with ``-k regex:...``.  ncu is
@@ -61,6 +63,10 @@ def main(argv=None):
   ap.add_argument("--width", type=int, default=2048)
   ap.add_argument("--overrides", default="",
                   help="MosaicConfig fields, 'field=value,...'")
+  ap.add_argument("--tuned-for", default=None, metavar="DEVICE_KIND",
+                  help="start from tuning.json's entry for this device"
+                       " kind (e.g. 'NVIDIA H200' on an H100, which has"
+                       " none of its own) instead of this device's")
   ap.add_argument("--shapes", default="",
                   help="head_dim:seq:causal,... run once each, in order")
   args = ap.parse_args(argv)
@@ -84,7 +90,8 @@ def run(args, head_dim, seq, causal, calls):
     from jaxflash import mosaic_gpu
     from jaxflash.mosaic_gpu.config import parse_overrides
     config = dataclasses.replace(
-        mosaic_gpu.default_config(jax.devices()[0].device_kind,
+        mosaic_gpu.default_config(args.tuned_for
+                                  or jax.devices()[0].device_kind,
                                   head_dim, causal=bool(causal),
                                   kv_len=seq),
         **parse_overrides(args.overrides))
