@@ -97,7 +97,8 @@ def test_writers(tmp_path):
   assert set(data["results"][0]) == {
       "impl", "batch", "seq_q", "seq_k", "heads", "kv_heads", "head_dim",
       "causal", "dtype", "mask", "mode", "ms", "tflops", "peak_bytes",
-      "max_abs_err", "error", "samples_ms", "same_program_as"}
+      "max_abs_err", "error", "samples_ms", "same_program_as",
+      "paired_with"}
   meta2, rows2 = report.read_json(str(path))
   assert rows2 == rows and meta2["commit"] == "abc1234"
   md = report.markdown(meta, rows)
@@ -151,6 +152,22 @@ def test_paired_rows_compare_round_by_round():
   assert ("| 128 | 4096 | n | - | fwd | jaxflash-mosaic_gpu[v] |"
           " jaxflash-mosaic_gpu | 2.000 | 0.800-2.000 | 3 |") in md
   assert "paired, round by round" in report.terminal_table([j, v, cudnn])
+
+
+def test_paired_rows_follow_paired_with():
+  """A variant row naming ``paired_with`` (--tuned-for runs) is paired
+  with that row instead of its base row."""
+  base = _timed("jaxflash-mosaic_gpu", [2.0, 2.0, 2.0])
+  ref = _timed("jaxflash-mosaic_gpu[h200]", [1.0, 1.1, 1.2])
+  v = dict(_timed("jaxflash-mosaic_gpu[io]", [0.5, 0.55, 0.6]),
+           paired_with="jaxflash-mosaic_gpu[h200]")
+  got = {(p["impl"], p["against"]): p["median"]
+         for p in report.paired_rows([base, ref, v])}
+  assert got[("jaxflash-mosaic_gpu[io]", "jaxflash-mosaic_gpu[h200]")] == (
+      pytest.approx(2.0))
+  assert ("jaxflash-mosaic_gpu[io]", "jaxflash-mosaic_gpu") not in got
+  assert got[("jaxflash-mosaic_gpu[h200]", "jaxflash-mosaic_gpu")] == (
+      pytest.approx(2.0 / 1.1))
 
 
 def test_paired_rows_stay_within_a_run(tmp_path):

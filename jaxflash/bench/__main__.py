@@ -57,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
                       " instead of this device's: an H100, which has no"
                       " entry of its own, can time the H200's configs."
                       " The jaxflash-mosaic_gpu row stays this device's"
-                      " default")
+                      " default; the other variants are paired with the"
+                      " first one")
   p.add_argument("--out", default="docs/benchmarks")
   p.add_argument("--name", default=None, help="file stem of the outputs")
   p.add_argument("--samples", type=int, default=7)
@@ -167,7 +168,8 @@ _HOPPER = "jaxflash-mosaic_gpu"
 
 def run_shape(shape: core.Shape, names, modes, *, interpret: bool,
               samples: int, progress=None, makers=None,
-              seed: int = 0, sample_seconds: float = 0.02) -> list[dict]:
+              seed: int = 0, sample_seconds: float = 0.02,
+              pair_with=None) -> list[dict]:
   """Every implementation and mode at one shape: built and checked one by
   one, then timed together in interleaved rounds."""
   arrays = _inputs(shape)
@@ -211,7 +213,8 @@ def run_shape(shape: core.Shape, names, modes, *, interpret: bool,
       rows[key] = core.record(
           shape, name, mode, ms=secs * 1e3, max_abs_err=err,
           peak_bytes=peak, samples_ms=[t * 1e3 for t in per_round[key]],
-          same_program_as=same_as.get(key))
+          same_program_as=same_as.get(key),
+          paired_with=(pair_with or {}).get(name))
   return [rows[name, mode] for name in names for mode in modes]
 
 
@@ -262,6 +265,12 @@ def main(argv=None) -> int:
     return 2
   makers.update(variants)
   names += list(variants)
+  # --tuned-for: the base row is this device's own default, so the
+  # variants are paired with the first of them (another kind's config,
+  # e.g. "h200:stages=2") rather than with it.
+  first = next(iter(variants), None)
+  pair_with = ({v: first for v in variants if v != first}
+               if args.tuned_for else {})
   modes = list(core.MODES) if args.mode == "both" else [args.mode]
   interpret = not on_gpu
 
@@ -287,7 +296,8 @@ def main(argv=None) -> int:
   for shape in shapes:
     rows = run_shape(shape, names, modes, interpret=interpret,
                      samples=args.samples, progress=bar, makers=makers,
-                     seed=args.seed, sample_seconds=args.sample_seconds)
+                     seed=args.seed, sample_seconds=args.sample_seconds,
+                     pair_with=pair_with)
     for row in rows:  # one line per row as it lands: a cut run still reports
       bar.write(report.row_line(row), file=sys.stderr)
     results += rows

@@ -230,12 +230,14 @@ def program_fingerprint(fn: Callable, *args) -> str:
 
 def record(shape: Shape, impl: str, mode: str, *, ms=None, peak_bytes=None,
            max_abs_err=None, error=None, samples_ms=None,
-           same_program_as=None) -> dict:
+           same_program_as=None, paired_with=None) -> dict:
   """One result row of the JSON schema (docs/benchmarks/README.md);
   ``samples_ms``: the timed rounds' milliseconds per call, in round
   order (``ms`` is their median); ``same_program_as``: an earlier row of
   the shape and mode whose traced program this row's equals (Hopper
-  variants only, :func:`program_fingerprint`)."""
+  variants only, :func:`program_fingerprint`); ``paired_with``: the row
+  a variant's paired ratios are taken against, where not its base row
+  (``--tuned-for``: the first variant)."""
   tflops = None
   if ms is not None and error is None:
     tflops = flops(shape, mode) / (ms * 1e-3) / 1e12
@@ -244,7 +246,8 @@ def record(shape: Shape, impl: str, mode: str, *, ms=None, peak_bytes=None,
               head_dim=shape.head_dim, causal=shape.causal, dtype=shape.dtype,
               mask=shape.mask, mode=mode, ms=ms, tflops=tflops,
               peak_bytes=peak_bytes, max_abs_err=max_abs_err, error=error,
-              samples_ms=samples_ms, same_program_as=same_program_as)
+              samples_ms=samples_ms, same_program_as=same_program_as,
+              paired_with=paired_with)
 
 
 def commit() -> str:

@@ -41,13 +41,15 @@ def paired_rows(results: list[dict]) -> list[dict]:
 
   Each jaxflash row is compared with the shape's best other
   implementation (by median) and, for a variant ``NAME[V]``, with its
-  base row ``NAME``: per round the other call's time over this row's
-  (above 1: this row is faster), then the median and the range of those
-  ratios.  Two calls timed in one round share that round's clock and
-  power state, so the median of the paired ratios moves less with the
-  drift from round to round than the ratio of the two medians (at the
-  H200's power cap a copy of the default read up to 6% off it by medians
-  of 3 samples, docs/benchmarks/h200-2026-12-05-s32.md)."""
+  base row ``NAME``, or with the row its ``paired_with`` names (the
+  benchmark's ``--tuned-for`` runs: the first variant): per round the
+  other call's time over this row's (above 1: this row is faster), then
+  the median and the range of those ratios.  Two calls timed in one
+  round share that round's clock and power state, so the median of the
+  paired ratios moves less with the drift from round to round than the
+  ratio of the two medians (at the H200's power cap a copy of the
+  default read up to 6% off it by medians of 3 samples,
+  docs/benchmarks/h200-2026-12-05-s32.md)."""
   best_impl = {k: name for k, (name, _) in best_other(results).items()}
   # Only rows of one run share rounds: merged records keep each row's
   # run (``merge`` numbers them).
@@ -62,7 +64,7 @@ def paired_rows(results: list[dict]) -> list[dict]:
       if not name.startswith("jaxflash"):
         continue
       against = [best] if best is not None else []
-      base = name.split("[", 1)[0]
+      base = r.get("paired_with") or name.split("[", 1)[0]
       if base != name and base in rows:
         against.append(rows[base])
       for a in against:
