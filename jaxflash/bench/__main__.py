@@ -118,11 +118,13 @@ def prepare(name: str, shape: core.Shape, modes, arrays, ref_out,
   answers wrongly.  Each (implementation, mode) is compiled once, ahead of
   time; that executable is timed and its memory analysis gives the peak.
   For the Hopper kernel and its variants, ``fingerprints[mode]`` gets the
-  hash of the mode's traced program (:func:`core.program_fingerprint`)."""
+  hash of the program traced for that compile
+  (:func:`core.program_fingerprint`)."""
   q, k, v, do = arrays
   try:
     attend = (makers or impls.IMPLS)[name](shape, mask_kw, interpret)
-    fwd = jax.jit(attend).lower(q, k, v).compile()
+    traced_fwd = jax.jit(attend).trace(q, k, v)
+    fwd = traced_fwd.lower().compile()
     got = np.asarray(_spot(fwd(q, k, v), shape), np.float32)
     want = np.asarray(ref_out, np.float32)
     err = float(np.max(np.abs(got - want))) if got.size else 0.0
@@ -144,15 +146,15 @@ def prepare(name: str, shape: core.Shape, modes, arrays, ref_out,
   for mode in modes:
     try:
       if mode == "fwd":
-        fn, args = fwd, (q, k, v)
+        traced, fn, args = traced_fwd, fwd, (q, k, v)
       else:
         args = (q, k, v, do)
-        fn = jax.jit(fwd_bwd).lower(*args).compile()
+        traced = jax.jit(fwd_bwd).trace(*args)
+        fn = traced.lower().compile()
       jax.block_until_ready(fn(*args))  # run errors are this row's
       out[mode] = (fn, args, err, core.compiled_bytes(fn))
       if fingerprints is not None and name.startswith(_HOPPER):
-        fingerprints[mode] = core.program_fingerprint(
-            attend if mode == "fwd" else fwd_bwd, *args)
+        fingerprints[mode] = core.program_fingerprint(traced.jaxpr)
     except Exception as e:  # noqa: BLE001 - every failure is a reported row
       out[mode] = core.record(shape, name, mode, error=_message(e))
   return out
@@ -188,9 +190,9 @@ def run_shape(shape: core.Shape, names, modes, *, interpret: bool,
     got = prepare(name, shape, modes, arrays, ref_out, mask_kw,
                   interpret=interpret, makers=makers, fingerprints=prints)
     for mode, h in prints.items():
-      same_as[name, mode] = first_with.setdefault((mode, h), name)
-      if same_as[name, mode] == name:
-        del same_as[name, mode]
+      first = first_with.setdefault((mode, h), name)
+      if first != name:
+        same_as[name, mode] = first
     for mode, res in got.items():
       if isinstance(res, dict):
         rows[name, mode] = res

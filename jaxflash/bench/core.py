@@ -217,13 +217,14 @@ def compiled_bytes(compiled) -> int | None:
     return None
 
 
-def program_fingerprint(fn: Callable, *args) -> str:
-  """A hash of ``fn``'s traced program (``jax.make_jaxpr``, the kernels'
-  own programs included) with the Hopper configs' reprs left out, as
-  tools/kernel_fingerprint.py compares commits.  Two Hopper variants with
-  one hash build the same kernels: their overrides do nothing on this
-  call (an option for the persistent grid on a config without it)."""
-  text = str(jax.make_jaxpr(fn)(*args))
+def program_fingerprint(jaxpr) -> str:
+  """A hash of a traced program (``jax.jit(f).trace(...).jaxpr``, the
+  kernels' own programs included) with the Hopper configs' reprs left
+  out, the normalisation of tools/kernel_fingerprint.py (which keeps its
+  own copy: it runs against older trees).  Two Hopper variants with one
+  hash build the same kernels: their overrides do nothing on this call
+  (an option for the persistent grid on a config without it)."""
+  text = str(jaxpr)
   text = re.sub(r"MosaicConfig\([^)]*\)", "MosaicConfig()", text)
   return hashlib.sha256(text.encode()).hexdigest()[:16]
 

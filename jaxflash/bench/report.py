@@ -110,13 +110,17 @@ def table_rows(results: list[dict]) -> list[list[str]]:
   return rows
 
 
+def _where(r: dict) -> str:
+  """``d128 s2048 causal fwd``: a row's shape and mode, short."""
+  return (f"d{r['head_dim']} s{r['seq_q']}{' causal' if r['causal'] else ''}"
+          f"{' ' + r['mask'] if r['mask'] else ''} {r['mode']}")
+
+
 def row_line(r: dict) -> str:
   """One short line for a row as it lands (progress log)."""
   what = (f"{r['error'][:120]}" if r["error"] else
           f"{r['ms']:.3f} ms {r['tflops']:.1f} TFLOP/s")
-  return (f"d{r['head_dim']} s{r['seq_q']}{' causal' if r['causal'] else ''}"
-          f"{' ' + r['mask'] if r['mask'] else ''} {r['mode']} {r['impl']}:"
-          f" {what}")
+  return f"{_where(r)} {r['impl']}: {what}"
 
 
 HEADER = ["head_dim", "seq", "causal", "mask", "mode", "impl", "ms",
@@ -132,20 +136,16 @@ def _aligned(header: list[str], body: list[list[str]]) -> list[str]:
   return lines
 
 
-SAME_PROGRAM = ("same traced program as an earlier row (the overrides do"
+SAME_PROGRAM = ("Same traced program as an earlier row (the overrides do"
                 " not change this call's kernels, so the two rows time one"
                 " kernel):")
 
 
 def same_program_rows(results: list[dict]) -> list[str]:
-  """``d128 s2048 n fwd: jaxflash-mosaic_gpu[io] = jaxflash-mosaic_gpu``
+  """``d128 s2048 fwd: jaxflash-mosaic_gpu[io] = jaxflash-mosaic_gpu``
   for each row the benchmark found to trace the same program as an
   earlier Hopper row of its shape and mode (``same_program_as``)."""
-  return [f"d{r['head_dim']} s{r['seq_q']}"
-          + (f"/{r['seq_k']}" if r["seq_k"] != r["seq_q"] else "")
-          + f" {'causal' if r['causal'] else 'n'}"
-          + (f" {r['mask']}" if r.get("mask") else "")
-          + f" {r['mode']}: {r['impl']} = {r['same_program_as']}"
+  return [f"{_where(r)}: {r['impl']} = {r['same_program_as']}"
           for r in results if r.get("same_program_as")]
 
 
@@ -186,7 +186,7 @@ def markdown(meta: dict, results: list[dict]) -> str:
               for row in paired]
   same = same_program_rows(results)
   if same:
-    lines += ["", SAME_PROGRAM[0].upper() + SAME_PROGRAM[1:], ""]
+    lines += ["", SAME_PROGRAM, ""]
     lines += [f"- {x}" for x in same]
   if meta.get("note"):
     lines += ["", meta["note"]]
