@@ -1461,6 +1461,19 @@ def test_default_config_rules():
     assert cfg.early_q_release == (kv is not None and not fa3
                                    and not causal), (causal, kv)
   assert dflt(128, causal=False, kv_len=2048).prefetches_q
+  # FlashAttention-4's conditional rescale with the deferred row sum at
+  # head_dim 128 on causal calls of up to 8192 keys and non-causal ones of
+  # 1025-2048 keys (s35: +1.3-2.6% causal 1024-4096 in rounds, +1.6%
+  # non-causal 2048 sustained; -2% non-causal at 1024, -1-3% from 8192).
+  for causal, kv, rtd in [(True, 1024, True), (True, 8192, True),
+                          (True, 8193, False), (True, 16384, False),
+                          (False, 1024, False), (False, 1025, True),
+                          (False, 2048, True), (False, 2049, False),
+                          (False, 8192, False), (True, None, False)]:
+    cfg = dflt(128, causal=causal, kv_len=kv)
+    assert cfg.rescale_threshold == (8 if rtd else 0), (causal, kv)
+    assert cfg.deferred_row_sum == rtd, (causal, kv)
+  assert other(128, causal=True, kv_len=2048).rescale_threshold == 0
   # head_dim 256: the overlap (64-key tiles, 240 registers) on causal calls
   # and on non-causal ones from 1025 keys; up to 1024 the persistent grid
   # without it (measured faster there); neither where the call is unknown.
