@@ -1509,6 +1509,18 @@ def test_default_config_rules():
   assert not other(128, kv_len=1024).persistent
   assert other(256).bwd_paired_dkv and other(256).bwd_paired_dq
   assert not other(64).bwd_atomic_dq
+  # The H100 SXM runs the H200's entry (aliases: 1.05-1.30x of the default
+  # entry's forward on an H100, s35); other Hopper parts keep the default.
+  h100 = functools.partial(mosaic_gpu.default_config, "NVIDIA H100 80GB HBM3")
+  for d, causal, kv in [(64, True, 2048), (128, False, 2048),
+                        (128, True, 4096), (256, False, 8192), (128, True,
+                                                                None)]:
+    assert h100(d, causal=causal, kv_len=kv) == dflt(d, causal=causal,
+                                                     kv_len=kv)
+  assert h100(128, kv_len=1024).persistent
+  assert not mosaic_gpu.default_config("NVIDIA H100 PCIe", 128,
+                                       kv_len=1024).persistent
+  assert "NVIDIA H100 80GB HBM3" in mosaic_gpu.config.tuned_device_kinds()
 
 
 def test_deterministic_turns_off_atomic_dq(monkeypatch):

@@ -27,7 +27,7 @@ forward, dK/dV, dQ, so the dK/dV kernel was ``--launch-skip 4``.  Tell
 them apart by a first run with ``--section LaunchStats`` (shared memory
 per block, and the dK/dV kernel's longer duration).  ``--overrides``
 takes MosaicConfig fields over the tuned default (``--tuned-for KIND``:
-that device kind's, e.g. the H200's on an H100, whose own is untuned).
+that device kind's, e.g. the H200's on a Hopper part with no entry).
 ``--impl cudnn`` runs
 ``jax.nn.dot_product_attention(implementation="cudnn")``, the
 benchmark's cuDNN row; its kernels are not matched by the ``K`` above:
@@ -65,8 +65,8 @@ def main(argv=None):
                   help="MosaicConfig fields, 'field=value,...'")
   ap.add_argument("--tuned-for", default=None, metavar="DEVICE_KIND",
                   help="start from tuning.json's entry for this device"
-                       " kind (e.g. 'NVIDIA H200' on an H100, which has"
-                       " none of its own) instead of this device's")
+                       " kind (e.g. 'NVIDIA H200' on a Hopper part with"
+                       " no entry) instead of this device's")
   ap.add_argument("--shapes", default="",
                   help="head_dim:seq:causal,... run once each, in order")
   args = ap.parse_args(argv)

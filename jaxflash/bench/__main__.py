@@ -54,8 +54,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--tuned-for", default=None, metavar="DEVICE_KIND",
                  help="the --mosaic-variants start from tuning.json's"
                       " entry for this device kind (e.g. 'NVIDIA H200')"
-                      " instead of this device's: an H100, which has no"
-                      " entry of its own, can time the H200's configs."
+                      " instead of this device's: a Hopper part without"
+                      " an entry can time the H200's configs."
                       " The jaxflash-mosaic_gpu row stays this device's"
                       " default; the other variants are paired with the"
                       " first one")

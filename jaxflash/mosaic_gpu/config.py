@@ -325,7 +325,11 @@ class MosaicConfig:
       instructions than ours.  The H200 default at head_dim 256 with
       ``deferred_row_sum`` (s31: 1.08-1.13x of the best anchor under
       sustained load, 1.16-1.20x in rounds, non-causal; the old default
-      was level; docs/benchmarks/h200-2026-12-05-s31.md).  The
+      was level; docs/benchmarks/h200-2026-12-05-s31.md); at head_dim
+      128 on causal calls up to 8192 keys and non-causal calls of
+      1025-2048 keys (tuning.json's kv_rules; s35: +0.6-2.6% causal in
+      rounds, +1.6% non-causal 2048 sustained, -2% non-causal at 1024
+      and -1-3% from 8192; docs/benchmarks/h200-2026-12-05-s35.md).  The
       interpreter runs the
       threshold with the unconditional multiply (bit-identical: a
       multiply by 1), so only the branch is covered by the ``gpu`` tests
@@ -340,7 +344,8 @@ class MosaicConfig:
       2 shuffles and 2 adds per row and step (4 + 4 per thread; the main
       loop's count in ``tools/sass_loops.py``).  Inline Mosaic GPU: the
       interpreter runs the per-step sum, so only the ``gpu`` tests cover
-      it.  Written in s30; the H200 default at head_dim 256 (s31).
+      it.  Written in s30; the H200 default at head_dim 256 (s31), and
+      with ``rescale_threshold`` at 128 (s35).
     early_q_release: with ``intra_wg_overlap`` and ``prefetch_q`` on the
       persistent grid, a consumer signals "done with Q" as soon as its
       last ``Q K^T`` has been read back, before the last tile's ``P V``
@@ -444,7 +449,10 @@ class MosaicConfig:
       item at head_dim 128 (``tools/sass_loops.py`` on the region before
       the loop, s34).  Written in s34; the interpreter runs it in the
       ``intra_wg_overlap`` cases, its ``gpu`` tests passed on an H100
-      (s34), and it is untimed (the H100's config has no overlap).
+      (s34).  On the H200 (s35, against a copy of the default at head_dim
+      128): +1.0-2.2% non-causal with 2048 keys, level at 1024, -4-5%
+      causal from 4096 keys, and no gain with ``rescale_threshold``: not a
+      default (docs/benchmarks/h200-2026-12-05-s35.md).
     kv_l2_prefetch: on the persistent grid, the producer prefetches each
       later item's first K and V tiles into L2 when it starts that
       item's loads (the other half of that wait's object; with
@@ -1173,16 +1181,28 @@ def _tuning() -> dict:
 
 
 def tuned_device_kinds() -> list[str]:
-  """The device kinds with an entry of their own in tuning.json (others
-  get its ``default`` entry)."""
-  return [k for k in _tuning()["devices"] if k != "default"]
+  """The device kinds with a tuned entry in tuning.json, their own or
+  another kind's by ``aliases`` (others get its ``default`` entry)."""
+  tuning = _tuning()
+  return ([k for k in tuning["devices"] if k != "default"]
+          + list(tuning.get("aliases", {})))
+
+
+def _entries(device_kind: str | None) -> dict:
+  """tuning.json's entry for this device kind: its own, the one its alias
+  names (the H100 SXM runs the H200's: 1.05-1.30x of the default entry's
+  forward on an H100, s35), else ``default``."""
+  tuning = _tuning()
+  kind = tuning.get("aliases", {}).get(device_kind, device_kind)
+  return tuning["devices"].get(kind or "", tuning["devices"]["default"])
 
 
 def default_config(device_kind: str | None, head_dim_padded: int, *,
                    causal: bool = False, kv_len: int | None = None
                    ) -> MosaicConfig:
   """The tuned entry for this device kind and head_dim (nearest larger
-  head_dim; the ``default`` kind when the device is not listed).
+  head_dim; the entry ``aliases`` names for an aliased kind; the
+  ``default`` kind when the device is not listed).
 
   A field given as ``{"noncausal": ..., "causal": ...}`` takes the value
   of the call's setting (False where that setting is not given).
@@ -1211,13 +1231,14 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
   every causal call at 256 and on non-causal calls below 8192 keys at
   128; ``early_q_release`` on non-causal calls at head_dim 128 below
   8192 keys (it acts only on the persistent ones, up to 2048 keys); and
-  ``kv_multicast`` on non-causal calls of at most 1024 keys at 128.
+  ``kv_multicast`` on non-causal calls of at most 1024 keys at 128; and
+  at 128 ``rescale_threshold`` 8 with ``deferred_row_sum`` on causal calls
+  up to 8192 keys and non-causal calls of 1025-2048 keys.
   Where the benchmark's 20 ms samples and sustained load (0.5-1 s
   samples, the card at its power cap) disagree, the rules follow
   sustained load (docs/benchmarks/h200-2026-12-04-s29.md).
   """
-  table = _tuning()["devices"]
-  entries = table.get(device_kind or "", table["default"])
+  entries = _entries(device_kind)
   dims = sorted(int(d) for d in entries)
   pick = next((d for d in dims if d >= head_dim_padded), dims[-1])
   fields = dict(entries[str(pick)])
