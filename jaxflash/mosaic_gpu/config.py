@@ -373,7 +373,7 @@ class MosaicConfig:
       with 2048 keys level with tokamax (s32).  Without ``prefetch_q``
       it does nothing (the persistent grid then keeps the end-of-item
       wait; Q is the consumer's own load there).
-      Untimed: the H100 runs of s33/s34 set it on the H100's untuned
+      Untimed: the H100 runs of s33/s34 set it on the H100's then untuned
       config (no persistent grid), where it builds the default's
       kernel.
     q_l2_prefetch: with ``prefetch_q`` on the persistent grid, the
@@ -389,7 +389,7 @@ class MosaicConfig:
       no-op, so its tests check that the kernel still computes the same;
       ``tests/test_lowering.py`` checks the prefetches reach the kernel.
       Without ``prefetch_q`` it does nothing.
-      Untimed: the H100 runs of s33/s34 set it on the H100's untuned
+      Untimed: the H100 runs of s33/s34 set it on the H100's then untuned
       config (no persistent grid), where it builds the default's
       kernel.
     q_double_buffer: with ``prefetch_q`` on the persistent grid, two Q
@@ -409,7 +409,7 @@ class MosaicConfig:
       shared memory is still counted).  Written in s33 (no GPU that
       session) for the item-start waits; the interpreter runs it with
       race detection.
-      Untimed: the H100 runs of s33/s34 set it on the H100's untuned
+      Untimed: the H100 runs of s33/s34 set it on the H100's then untuned
       config (no persistent grid), where it builds the default's
       kernel.
     item_overlap: with ``intra_wg_overlap``, two consumers and
@@ -435,7 +435,7 @@ class MosaicConfig:
       keys (an item takes 29-31 us against 22.5 us of matmul, s32); the
       interpreter runs its mbarrier form with race detection, the
       named-barrier form runs only on the GPU.
-      Untimed: the H100 runs of s33/s34 set it on the H100's untuned
+      Untimed: the H100 runs of s33/s34 set it on the H100's then untuned
       config (no persistent grid), where it builds the default's
       kernel.
     unmasked_first_tile: with ``intra_wg_overlap``, the first key tile
