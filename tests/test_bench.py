@@ -423,15 +423,17 @@ def test_variants_tuned_for_another_device_kind():
   x = jnp.zeros((1, 2048, 2, 128), jnp.bfloat16)
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(jaxflash, "flash_attention", spy)
-    for kind in ("NVIDIA H200", None):
+    for kind in ("NVIDIA H200", None, "NVIDIA H100 80GB HBM3", "default"):
       (make,) = impls.parse_mosaic_variants("io:item_overlap=1",
                                             kind).values()
       with pytest.raises(Seen):
         make(shape, {}, True)(x, x, x)
-  h200, here = seen
+  h200, here, h100, untuned = seen
   assert h200.persistent and h200.prefetch_q and h200.intra_wg_overlap
   assert h200.item_overlap and here.item_overlap
   assert not here.persistent  # this machine's kind: the default entry
+  assert h100 == h200  # the alias
+  assert untuned == here  # "default": the untuned entry by name
 
 
 def test_variant_values_none_only_for_optional_fields():

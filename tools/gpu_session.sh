@@ -6,7 +6,17 @@
 #             --python-version 3.12 --implementation cp \
 #             --platform manylinux_2_17_x86_64 -d .whl pytest-xdist==3.8.0
 #   device: bash tools/gpu_session.sh tests|bench|all|sweep|gpt [args...]
+#           bash tools/gpu_session.sh stages PLAN.sh
 #           (carry .whl; results land in $OUT)
+#
+# "stages" sources PLAN.sh (committed, e.g. tools/plans/, so that a plan
+# outlives the session that wrote it), which calls
+#   test_stage NAME SECONDS [pytest args...]    # -m gpu, xdist, -v
+#   bench_stage NAME SECONDS [bench args...]    # python -m jaxflash.bench
+# in order.  Each stage writes $OUT/logs/NAME.*, prints its summary (the
+# bench's tables) and re-tars $OUT/logs into $OUT/logs.tgz, so that a
+# call stopped by its limit still brings back every finished stage (a
+# call returns few files: read the tarball).
 set -u
 what=${1:-all}; shift || true
 out=${OUT:-out}; mkdir -p "$out"
@@ -57,4 +67,33 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     --name bench "$@" 2> "$out/bench.err"
   echo "bench rc=$?"
   tail -3 "$out/bench.err"
+fi
+if [ "$what" = stages ]; then
+  plan=${1:?usage: gpu_session.sh stages PLAN.sh}
+  mkdir -p "$out/logs"
+  pack() { tar czf "$out/logs.tgz" -C "$out" logs; }
+  test_stage() {
+    local name=$1 limit=$2; shift 2; local t0=$SECONDS
+    local n=${XDIST:-8}; python3 -c 'import xdist' 2>/dev/null || n=0
+    timeout "$limit" python3 -m pytest -m gpu -p no:benchmark \
+      -p no:cacheprovider -n "$n" -rfE --durations=10 -v "$@" \
+      > "$out/logs/$name.log" 2>&1
+    echo "== $name rc=$? $((SECONDS - t0))s" \
+      "passed: $(grep -c ' PASSED' "$out/logs/$name.log")" \
+      "failed: $(grep -c ' FAILED' "$out/logs/$name.log")" \
+      "skipped: $(grep -c ' SKIPPED' "$out/logs/$name.log")"
+    grep -E "^(FAILED|ERROR)" "$out/logs/$name.log" | head -20
+    pack
+  }
+  bench_stage() {
+    local name=$1 limit=$2; shift 2; local t0=$SECONDS
+    timeout "$limit" python3 -m jaxflash.bench --out "$out/logs" \
+      --name "$name" "$@" > "$out/logs/$name.out" 2> "$out/logs/$name.err"
+    echo "== $name rc=$? $((SECONDS - t0))s"
+    # The tables (results, paired ratios, same-program rows).
+    sed -n '/^head_dim/,$p' "$out/logs/$name.out" | grep -v '^wrote '
+    pack
+  }
+  # shellcheck source=/dev/null
+  . "$plan"
 fi

@@ -55,7 +55,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="the --mosaic-variants start from tuning.json's"
                       " entry for this device kind (e.g. 'NVIDIA H200')"
                       " instead of this device's: a Hopper part without"
-                      " an entry can time the H200's configs."
+                      " an entry can time the H200's configs, and"
+                      " 'default' names the untuned entry (what an"
+                      " aliased kind such as the H100 SXM ran before)."
                       " The jaxflash-mosaic_gpu row stays this device's"
                       " default; the other variants are paired with the"
                       " first one")

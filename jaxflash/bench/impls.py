@@ -125,9 +125,10 @@ def parse_mosaic_variants(text: str, tuned_for: str | None = None
   """``"shared0:bwd_shared_dq=0;dqk:bwd_atomic_dq=0,bwd_shared_dq=0"`` ->
   implementations ``jaxflash-mosaic_gpu[shared0]``, ... (ValueError on an
   unnamed variant, an unknown field or a ``tuned_for`` kind that
-  tuning.json does not list)."""
+  tuning.json does not list; ``"default"`` names its untuned entry, the
+  one unlisted devices get)."""
   from jaxflash.mosaic_gpu import config  # noqa: PLC0415
-  kinds = config.tuned_device_kinds()
+  kinds = [*config.tuned_device_kinds(), "default"]
   if tuned_for is not None and tuned_for not in kinds:
     raise ValueError(f"--tuned-for {tuned_for!r}: tuning.json lists"
                      f" {kinds}")
