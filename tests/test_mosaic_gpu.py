@@ -463,6 +463,166 @@ def test_interpret_variant(variant, name):
   _run(case, RACES, config)
 
 
+@pytest.mark.parametrize("programs,units,steps", [
+    (132, 2048, 16), (132, 2048, 8), (132, 1024, 16), (132, 4096, 16),
+    (132, 100, 8), (2, 3, 5), (2, 3, 1), (2, 5, 2), (7, 30, 3)])
+def test_tail_split_plan_covers_every_step_once(programs, units, steps):
+  """split_tail's schedule: each left item's key tiles are covered once by
+  its segments; every program takes whole items alike and then a run of
+  the left steps within one of the others' (at most two segments, one
+  workspace slot each); the slowest program has at most one step more
+  than the mean."""
+  from jaxflash.mosaic_gpu import forward
+  plan = forward.TailSplit(programs, units // programs, units % programs,
+                           steps)
+  slots = []
+  load = [plan.whole * steps] * programs
+  for segs in plan.parts():
+    spans = sorted((lo, hi) for _, _, lo, hi in segs)
+    assert spans[0][0] == 0 and spans[-1][1] == steps
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    for sm, k, lo, hi in segs:
+      slots.append((sm, k))
+      load[sm] += hi - lo
+  assert len(slots) == len(set(slots)) and all(k in (0, 1) for _, k in slots)
+  assert max(load) - min(load) <= 1
+  assert max(load) <= -(-units * steps // programs)
+
+
+# split_tail in the interpreter (2 programs): one batch and an odd number
+# of work items, so that the last one is split between the two programs.
+# (name, q_len, kv_len, heads, kv_heads, head_dim, dtype, base config,
+#  fields): one and two consumers, the plain loop and the overlap with the
+# next Q prefetched (the H200's head_dim 128 form), key runs of one tile
+# and of several, a consumer whose rows are all padding (q 100 of 128),
+# padded keys, GQA, and Q read unpadded (rows past the output dropped).
+_SPLIT_TAIL = [
+    ("d64-1wg-k320", 64, 320, 3, 3, 64, jnp.bfloat16, PERSISTENT, {}),
+    ("d64-1wg-k64-one-tile", 64, 64, 3, 1, 64, jnp.float16, PERSISTENT, {}),
+    ("d128-2wg-prefetch-q384-k200", 384, 200, 1, 1, 128, jnp.bfloat16,
+     TWO_WG, dict(prefetch_q=True)),
+    ("d128-overlap-q100-k256-gqa", 100, 256, 3, 1, 128, jnp.bfloat16,
+     TWO_WG, dict(intra_wg_overlap=True, prefetch_q=True,
+                  early_q_release=True, lean_epilogue=True)),
+    ("d64-2wg-lean-unpadded-q100-k130", 100, 130, 5, 5, 64, jnp.float16,
+     TWO_WG, dict(lean_epilogue=True, unpadded_q=True, unpadded_kv=True)),
+]
+
+
+@pytest.mark.parametrize("case", _SPLIT_TAIL, ids=[c[0] for c in _SPLIT_TAIL])
+def test_interpret_split_tail(case):
+  """split_tail: outputs, LSE and gradients by the numerics rule, with the
+  last work item split along the keys between the two programs (the plan
+  is in force: checked), in the interpreter with race detection."""
+  from jaxflash.mosaic_gpu import forward
+  name, t, s, h, kh, d, dtype, base, fields = case
+  config = dataclasses.replace(base, persistent=True, split_tail=True,
+                               **fields)
+  group_rows = config.compute_wgs * config.block_q
+  units = h * -(-t // group_rows)
+  assert units % 2 == 1  # a partial wave for 2 programs
+  prob = forward.Problem(
+      mask=masks.MaskSpec(t, s, False, None, None, None), softmax_scale=1.0,
+      batch=1, num_heads=h, num_kv_heads=kh,
+      q_pad=-(-t // group_rows) * group_rows,
+      kv_pad=-(-s // config.block_kv) * config.block_kv,
+      head_dim_padded=d)
+  plan = forward.tail_split(config, prob, 2, units)
+  assert plan is not None and plan.left == 1
+  args = numerics.random_inputs(
+      jax.random.key(zlib.crc32(name.encode())), batch=1, q_len=t,
+      kv_len=s, heads=h, kv_heads=kh, head_dim=d, dtype=dtype)
+  spec = masks.MaskSpec(t, s, False, None, None, None)
+
+  def fn(q, k, v):
+    return mosaic_gpu.attention(q, k, v, mask=spec, softmax_scale=d ** -0.5,
+                                config=config, interpret=RACES)
+
+  merged = []
+  merge = forward.merge_tail
+
+  def spy(*a, **kw):
+    merged.append(a[4])
+    return merge(*a, **kw)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(forward, "merge_tail", spy)
+    numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
+                        causal=False)
+  assert merged == [plan]  # the kernel ran the split
+
+
+@pytest.mark.parametrize("programs,whole,left,steps,heads,groups", [
+    (2, 1, 1, 5, 3, 1), (132, 15, 68, 16, 16, 16), (132, 31, 4, 16, 32, 8),
+    (132, 7, 100, 16, 8, 16)])
+def test_merge_tail_keeps_float32_precision(programs, whole, left, steps,
+                                            heads, groups):
+  """merge_tail against a NumPy split-KV combine over TailSplit.parts():
+  the segments' outputs stored as 16-bit hi/lo halves merge to the
+  float32 result within ~2^-16 (hi alone would be off by up to 2^-9),
+  LSEs by logaddexp; rows no segment saw stay -inf with a zero output;
+  every other row keeps what the kernel wrote.  Plans of the benchmark's
+  head_dim 128, 64 and 256 calls (2048 items at 2048 keys, 4096 at 1024,
+  1024 at 1024 over 132 SMs) and one of the interpreter's."""
+  from jaxflash.mosaic_gpu import forward
+  plan = forward.TailSplit(programs, whole, left, steps)
+  rows, dp = 4, 8
+  units = whole * programs + left
+  batch = -(-units // (heads * groups))
+  rng = np.random.default_rng(units)
+  o_f32 = rng.normal(size=(programs, 2, rows, dp)).astype(np.float32)
+  lse_f32 = rng.normal(size=(programs, 2, rows)).astype(np.float32) * 3
+  lse_f32[:, :, -1] = -np.inf  # a padding row: no key seen
+  o_f32[:, :, -1] = 0.0
+  hi = o_f32.astype(jnp.bfloat16)
+  lo = (o_f32 - hi.astype(np.float32)).astype(jnp.bfloat16)
+  o_parts = jnp.stack([hi, lo], axis=2)  # [P, 2, 2, rows, dp]
+  out = jnp.full((batch, groups * rows, heads, dp), 7.0, jnp.float32)
+  lse = jnp.full((batch, heads, groups * rows), 7.0, jnp.float32)
+  got_o, got_lse = forward.merge_tail(
+      out, lse, o_parts, jnp.asarray(lse_f32), plan, num_heads=heads,
+      units_per_bh=groups, group_rows=rows)
+  got_o, got_lse = np.asarray(got_o), np.asarray(got_lse)
+  touched = np.zeros(got_lse.shape, bool)
+  for j, segs in enumerate(plan.parts()):
+    w = plan.first_left + j
+    h, b, g = w % heads, w // heads // groups, w // heads % groups
+    rs = slice(g * rows, (g + 1) * rows)
+    parts_lse = np.stack([lse_f32[sm, k] for sm, k, _, _ in segs])
+    parts_o = np.stack([o_f32[sm, k] for sm, k, _, _ in segs])
+    want_lse = np.logaddexp.reduce(parts_lse, axis=0)
+    wt = np.exp(parts_lse[:, :-1] - want_lse[None, :-1])
+    want_o = (wt[..., None] * parts_o[:, :-1]).sum(0)
+    np.testing.assert_allclose(got_lse[b, h, rs][:-1], want_lse[:-1],
+                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got_o[b, rs, h][:-1], want_o, rtol=2e-5,
+                               atol=2e-5)
+    assert got_lse[b, h, rs][-1] == -np.inf and not got_o[b, rs, h][-1].any()
+    touched[b, h, rs] = True
+  assert (got_lse[~touched] == 7.0).all()
+  assert (got_o.transpose(0, 2, 1, 3)[~touched] == 7.0).all()
+
+
+def test_split_tail_applies_only_to_uniform_items():
+  """No plan where items differ (causal, windows, segment ids), on the
+  plain grid, or where the programs divide the items."""
+  from jaxflash.mosaic_gpu import forward
+  cfg = dataclasses.replace(TWO_WG, persistent=True, split_tail=True)
+
+  def prob(causal=False, window=(None, None), segments=False):
+    return forward.Problem(
+        mask=masks.MaskSpec(128, 256, causal, None, *window),
+        softmax_scale=1.0, batch=1, num_heads=3, num_kv_heads=3, q_pad=128,
+        kv_pad=256, head_dim_padded=64, has_segments=segments)
+  assert forward.tail_split(cfg, prob(), 2, 3) is not None
+  assert forward.tail_split(cfg, prob(causal=True), 2, 3) is None
+  assert forward.tail_split(cfg, prob(window=(10, 10)), 2, 3) is None
+  assert forward.tail_split(cfg, prob(segments=True), 2, 3) is None
+  assert forward.tail_split(cfg, prob(), None, 3) is None
+  assert forward.tail_split(cfg, prob(), 2, 4) is None
+  off = dataclasses.replace(cfg, split_tail=False)
+  assert forward.tail_split(off, prob(), 2, 3) is None
+
+
 def _max_jump_inputs(t, h, d, jump_key, jump_query):
   """Random inputs whose keys grow along the sequence (each row's max
   creeps up by less than 2^8 from tile to tile) and whose key
@@ -1104,15 +1264,18 @@ def test_gpu_long_overlap(head_dim, causal, kv_len):
     dict(item_overlap=True),
     dict(item_overlap=True, q_double_buffer=True),
     dict(unmasked_first_tile=True),
+    dict(split_tail=True),
 ], ids=["double-q", "double-q-l2-prefetch", "l2-prefetch", "late-store",
-        "item-overlap", "double-q-item-overlap", "unmasked-first"])
+        "item-overlap", "double-q-item-overlap", "unmasked-first",
+        "split-tail"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gpu_long_persistent_items(head_dim, options):
   """The persistent grid's options across work items on the H200's
   tuned non-causal config of 1024 keys (persistent, the next Q
   prefetched): 8192 queries make 512 items over 132 SMs, so each program
   runs three or four and every Q buffer is refilled (the CASES give a
-  program one item at most on a GPU); GQA, gradients too.  item_overlap
+  program one item at most on a GPU); GQA, gradients too.  split_tail
+  splits the last 116 items (512 - 3 x 132) along the keys.  item_overlap
   and unmasked_first_tile need the overlapped loop: head_dim 128's
   default, not 64's."""
   overlap_only = ("item_overlap", "unmasked_first_tile")
@@ -1125,6 +1288,36 @@ def test_gpu_long_persistent_items(head_dim, options):
   case = (f"long-items-{head_dim}", 8192, 1024, 4, 2, head_dim,
           jnp.bfloat16, False, None, None)
   _run(case, False, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,kv_len", [(64, 1024), (64, 2048),
+                                             (128, 1024), (128, 2048),
+                                             (256, 1024)])
+def test_gpu_split_tail(head_dim, kv_len):
+  """split_tail on the H200's tuned non-causal config of the benchmark's
+  persistent calls (132 programs; head_dim 128 with 1024 keys without its
+  two-CTA clusters, which split_tail does not take): 2 x 2048 queries x 6
+  heads make 192 items of 128 rows, so the last 60 are split along the
+  keys; GQA, gradients too; the merge is checked to run."""
+  from jaxflash.mosaic_gpu import forward
+  config = dataclasses.replace(
+      mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=False,
+                                kv_len=kv_len), split_tail=True,
+      kv_multicast=False)
+  assert config.persistent
+  merged = []
+  merge = forward.merge_tail
+
+  def spy(*a, **kw):
+    merged.append(a[4])
+    return merge(*a, **kw)
+  case = (f"split-tail-{head_dim}-{kv_len}", 2048, kv_len, 6, 2, head_dim,
+          jnp.bfloat16, False, None, None)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(forward, "merge_tail", spy)
+    _run(case, False, config)
+  assert merged and merged[0].left > 0
 
 
 def test_item_overlap_only_where_consumers_take_the_same_turns():

@@ -453,6 +453,26 @@ class MosaicConfig:
       128): +1.0-2.2% non-causal with 2048 keys, level at 1024, -4-5%
       causal from 4096 keys, and no gain with ``rescale_threshold``: not a
       default (docs/benchmarks/h200-2026-12-05-s35.md).
+    split_tail: on the persistent grid, the work items of the last,
+      partial wave are split along the keys into runs of equal length,
+      one per program (Stream-K's "data-parallel + one-tile stream-K"
+      hybrid, arXiv 2301.03598: each program takes whole items round
+      robin, then ``1/P`` of the remaining key-tile steps, which span at
+      most two items).  A run's normalised output and LSE go to a
+      workspace, in float32 as two 16-bit halves (``hi`` = the value
+      rounded, ``lo`` = the rest rounded), and are merged after the
+      kernel by FlashAttention's split-KV combine (weights
+      ``exp(lse_part - lse)``; :func:`jaxflash.mosaic_gpu.forward.merge_tail`).
+      Why: the benchmark's 16,384-token calls have 2048 work items at
+      head_dim 128 (1024 at 256, 4096 at 64) for 132 SMs, 15.5 waves
+      (7.8, 31.0): in the last one 64 SMs (100, 128) sit idle for an
+      item, about 3% of a call; cuDNN and tokamax lose the same.  Applies
+      to calls whose items all stream the same key tiles (no causal
+      mask, window or segment ids), on the default item order, without
+      clusters or ``item_overlap``, when the item count is not a
+      multiple of the program count; others run as without it.  Written
+      in s35 (no device time left that session): the interpreter runs
+      it (two programs) with race detection; untimed.
     kv_l2_prefetch: on the persistent grid, the producer prefetches each
       later item's first K and V tiles into L2 when it starts that
       item's loads (the other half of that wait's object; with
@@ -758,6 +778,7 @@ class MosaicConfig:
   q_double_buffer: bool = False
   item_overlap: bool = False
   unmasked_first_tile: bool = False
+  split_tail: bool = False
   lean_epilogue: bool = False
   no_auto_barriers: bool = False
   unpadded_kv: bool = False

@@ -261,13 +261,19 @@ class Problem:
 
 
 def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
-            n_programs: int | None, cluster: int):
+            n_programs: int | None, cluster: int,
+            tail: TailSplit | None = None):
   if prob.has_segments:
     q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, range_ref, *refs = refs
   else:
     q_ref, k_ref, v_ref, *refs = refs
     qseg_ref = kvseg_ref = range_ref = None
-  (o_ref, lse_ref, qo_smem2, k_smem, v_smem, lse_smem2, k_ready, v_ready,
+  o_ref, lse_ref, *refs = refs
+  # split_tail: the split items' segments' outputs and LSEs (TailSplit).
+  ows_ref, lsews_ref = (None, None) if tail is None else refs[:2]
+  if tail is not None:
+    refs = refs[2:]
+  (qo_smem2, k_smem, v_smem, lse_smem2, k_ready, v_ready,
    q_ready, k_free, v_free, *extra) = refs
   p_smem2 = extra.pop(0) if cfg.p_in_smem else None
   persistent = n_programs is not None
@@ -352,9 +358,11 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     n_steps = u_hi - u_lo
 
   def consume(b, h, group_start, u_lo, u_hi, first_step, item=None,
-              chain=None):
+              chain=None, part=None):
     """One work item on a consumer warpgroup: ring steps ``first_step +
     [0, u_hi - u_lo)``; ``item``: its number in the program's loop.
+    ``part=(is_segment, sm, k)`` with ``split_tail``: where
+    ``is_segment``, the output goes to workspace slot ``(sm, k)``.
     ``chain=(s_first, n_items)`` with ``item_overlap`` (``chained``):
     ``S`` of this item's first tile, issued and read back by the item
     before (valid from item 1), and the program's item count; returns
@@ -905,9 +913,12 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       run(hi, u_hi, lambda t, c: skip(first_step + t - u_lo, c), ())
       return acc, m, l
 
-    def epilogue(acc, m, l):
+    def epilogue(acc, m, l, part=None):
       """Normalise this consumer's rows of an item and store them and
-      their LSE (the variables of the item: :func:`consume`'s)."""
+      their LSE (the variables of the item: :func:`consume`'s).
+      ``part=(is_segment, sm, k)`` (``split_tail``): a segment's go to
+      workspace slot ``(sm, k)`` instead, the output as two 16-bit halves
+      (:func:`merge_tail` adds them in float32)."""
       l = finish_row_sum(l, deferred=deferred_sum)
       empty = l == 0.0
       l_safe = jnp.where(empty, 1.0, l)
@@ -920,7 +931,11 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       else:
         acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
       out = acc.astype(dtype)
+      # Natural-log LSE, -inf for rows that see no key (traced where it
+      # is stored).
+      lse = lambda: jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
       o_dst = o_ref.at[b, pl.ds(q_start, bq), h]
+      lse_dst = lse_ref.at[b, h, pl.ds(q_start, bq)]
       if late_store_wait:
         # The previous item's stores (issued a whole item ago) have read
         # the output slots and the LSE buffer: a wait for reads long
@@ -928,33 +943,20 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         # next item's first Q K^T.  The chunk loop's waits then count
         # this item's copies only.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      if o_smem2 is not None:
-        # 64-column chunks through alternating slots: a slot is
-        # rewritten once the copy that last read it has (at most slots -
-        # 1 copies of this consumer still reading).
-        n_chunks, slots = cfg.out_chunks(prob.head_dim_padded)
-        for c in range(n_chunks):
-          cols = slice(c * 64, (c + 1) * 64)
-          plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-          o_smem2[wg, c % slots] = out[:, cols]
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(o_smem2.at[wg, c % slots],
-                                  o_dst.at[:, pl.ds(c * 64, 64)])
+      if part is None:
+        store([out], [o_dst], lse, lse_dst)
       else:
-        if cfg.no_auto_barriers:
-          # The warpgroup barrier Pallas would put before this store:
-          # every warp's wgmma reads of Q, whose buffer O overwrites, are
-          # done.
-          plgpu.commit_smem()
-        qo_smem[...] = out
-      # Natural-log LSE, -inf for rows that see no key.
-      lse_smem[...] = jnp.where(empty, -jnp.inf,
-                                (m + jnp.log2(l_safe)) * LN2)
-      plgpu.commit_smem()
-      if o_smem2 is None:
-        plgpu.copy_smem_to_gmem(qo_smem, o_dst)
-      plgpu.copy_smem_to_gmem(lse_smem,
-                              lse_ref.at[b, h, pl.ds(q_start, bq)])
+        segment, sm, k = part
+        pl.when(jnp.logical_not(segment))(
+            lambda: store([out], [o_dst], lse, lse_dst))
+
+        @pl.when(segment)
+        def _():
+          rest = (acc - out.astype(jnp.float32)).astype(dtype)
+          rows = pl.ds(wg * bq, bq)
+          store([out, rest], [ows_ref.at[sm, k, 0, rows],
+                              ows_ref.at[sm, k, 1, rows]],
+                lse, lsews_ref.at[sm, k, rows])
       if late_store_wait:
         return  # the next item's epilogue (or the kernel's end) waits
       # Persistent: the next item may rewrite these buffers (Q/O's, or
@@ -966,6 +968,42 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       # completion publishes the writes.
       plgpu.wait_smem_to_gmem(
           0, wait_read_only=persistent or cfg.lean_epilogue)
+
+    def store(outs, dsts, lse, lse_dst):
+      """The epilogue's copies of ``outs`` (this consumer's rows, in the
+      input dtype) to ``dsts`` and of ``lse()`` to ``lse_dst``."""
+      if o_smem2 is not None:
+        # 64-column chunks through alternating slots: a slot is
+        # rewritten once the copy that last read it has (at most slots -
+        # 1 copies of this consumer still reading).
+        n_chunks, slots = cfg.out_chunks(prob.head_dim_padded)
+        for n, (c, (out, o_dst)) in enumerate(
+            (c, od) for od in zip(outs, dsts) for c in range(n_chunks)):
+          cols = slice(c * 64, (c + 1) * 64)
+          plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+          o_smem2[wg, n % slots] = out[:, cols]
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(o_smem2.at[wg, n % slots],
+                                  o_dst.at[:, pl.ds(c * 64, 64)])
+      for n, (out, o_dst) in enumerate(zip(outs, dsts)):
+        if o_smem2 is not None:
+          break
+        if n:  # the buffer's copy before this one has read it
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        if cfg.no_auto_barriers:
+          # The warpgroup barrier Pallas would put before this store:
+          # every warp's wgmma reads of Q, whose buffer O overwrites, are
+          # done.
+          plgpu.commit_smem()
+        qo_smem[...] = out
+        if n < len(outs) - 1:
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(qo_smem, o_dst)
+      lse_smem[...] = lse()
+      plgpu.commit_smem()
+      if o_smem2 is None:
+        plgpu.copy_smem_to_gmem(qo_smem, dsts[-1])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
 
     if chained:  # one alternation over the program's items
       pl.when(item == 0)(ping.start)
@@ -991,7 +1029,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     if prefetch and not early_q_release:
       # This consumer's last Q K^T completed: Q's buffer may be refilled.
       plgpu.barrier_arrive(q_done)
-    epilogue(acc, m, l)
+    epilogue(acc, m, l, part)
 
   def produce(b, h, u_lo, n_steps, first_step, group_start=None, item=None):
     """One work item on the producer: its K/V tiles into the ring (and
@@ -1098,6 +1136,8 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     item before, ``extra`` for the first) and ``n_items=``, and returns
     the next value."""
     sm = lax.axis_index("sm")
+    if tail is not None:
+      return for_each_item_and_segment(run, sm)
     units = prob.num_heads * n_units_per_bh * prob.batch
     n_items = lax.div(units - sm + n_programs - 1, n_programs)
     if pairs:
@@ -1147,6 +1187,38 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     total, _ = lax.fori_loop(0, n_items, body, (jnp.int32(0), extra))
     return total, n_items
 
+  def for_each_item_and_segment(run, sm):
+    """:attr:`MosaicConfig.split_tail` (:class:`TailSplit`): program
+    ``sm``'s ``tail.whole`` items round robin, then its segments of the
+    left items, ``run(i, b, h, group_start, lo, hi, first_step,
+    part=(is_segment, sm, k))`` for each (a segment's ``[lo, hi)`` the
+    key tiles of its run; its output goes to workspace slot ``(sm, k)``),
+    the ring's step count running on across them.  Returns the total
+    steps and the count of items and segments."""
+    steps = tail.steps
+    g0 = lax.div(sm * (tail.left * steps), tail.programs)
+    g1 = lax.div((sm + 1) * (tail.left * steps), tail.programs)
+    j0 = lax.div(g0, steps)
+    n_segments = jnp.where(g1 > g0, lax.div(g1 - 1, steps) - j0 + 1, 0)
+
+    def body(i, first_step):
+      segment = i >= tail.whole
+      k = jnp.maximum(i - tail.whole, 0)
+      j = j0 + k
+      w = jnp.where(segment, tail.first_left + j, sm + i * tail.programs)
+      h = lax.rem(w, prob.num_heads)
+      rest = lax.div(w, prob.num_heads)
+      b = lax.div(rest, n_units_per_bh)
+      group_start, u_lo, u_hi = item_ranges(b, lax.rem(rest, n_units_per_bh))
+      lo = jnp.where(segment, u_lo + jnp.maximum(g0 - j * steps, 0), u_lo)
+      hi = jnp.where(segment, u_lo + jnp.minimum(g1 - j * steps, steps),
+                     u_hi)
+      run(i, b, h, group_start, lo, hi, first_step, part=(segment, sm, k))
+      return first_step + (hi - lo)
+
+    n_items = tail.whole + n_segments
+    return lax.fori_loop(0, n_items, body, jnp.int32(0)), n_items
+
   @pl.when(wg < cfg.compute_wgs)
   def _consumer():
     pipeline.split_registers(False, cfg.compute_wgs, cfg.consumer_registers)
@@ -1160,7 +1232,8 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
                 *args, item=item, chain=(extra, n_items)),
             extra=zeros_s)
       else:
-        for_each_item(lambda item, *args: consume(*args, item=item))
+        for_each_item(lambda item, *args, **kw: consume(*args, item=item,
+                                                        **kw))
       plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.lean_epilogue)
     else:
       consume(b, h, group_start, u_lo, u_hi, 0)
@@ -1170,7 +1243,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     pipeline.split_registers(True, cfg.compute_wgs, cfg.consumer_registers)
     if persistent:
       total_steps, n_items = for_each_item(
-          lambda item, b, h, group_start, u_lo, u_hi, first: produce(
+          lambda item, b, h, group_start, u_lo, u_hi, first, **_: produce(
               b, h, u_lo, u_hi - u_lo, first, group_start, item))
       pipeline.drain(total_steps, stages, [k_free, v_free])
       if double_q:  # the last two items' "done with Q"
@@ -1251,6 +1324,119 @@ def _units_per_bh(cfg: MosaicConfig, prob: Problem, n_groups: int) -> int:
   if _paired(cfg, prob):
     return (n_groups + 1) // 2
   return n_groups // _cluster_size(cfg, prob, n_groups)
+
+
+@dataclasses.dataclass(frozen=True)
+class TailSplit:
+  """:attr:`MosaicConfig.split_tail`'s static schedule (Stream-K's hybrid,
+  arXiv 2301.03598): ``programs`` programs take ``whole`` work items each
+  round robin (units ``sm + i * programs``), then the ``left`` items after
+  them (units ``first_left + j``), ``steps`` key tiles each, are cut into
+  ``programs`` runs of consecutive key-tile steps: program ``sm`` takes
+  steps ``[run(sm)[0], run(sm)[1])`` of the ``left * steps`` in item-major
+  order, fewer than ``steps`` of them, so at most two items (its
+  segments ``k = 0, 1``).  Each segment's output goes to workspace slot
+  ``(sm, k)``."""
+
+  programs: int
+  whole: int
+  left: int
+  steps: int
+
+  @property
+  def first_left(self) -> int:
+    return self.whole * self.programs
+
+  def run(self, sm: int) -> tuple[int, int]:
+    total = self.left * self.steps
+    return sm * total // self.programs, (sm + 1) * total // self.programs
+
+  def parts(self) -> list[list[tuple[int, int, int, int]]]:
+    """Per left item ``j``: its segments ``(sm, k, lo, hi)`` (key tiles
+    ``[lo, hi)`` of the item), which cover ``[0, steps)`` once."""
+    out = [[] for _ in range(self.left)]
+    for sm in range(self.programs):
+      g0, g1 = self.run(sm)
+      for k in range(2):
+        j = g0 // self.steps + k
+        lo = max(g0 - j * self.steps, 0)
+        hi = min(g1 - j * self.steps, self.steps)
+        if j < self.left and lo < hi:
+          out[j].append((sm, k, lo, hi))
+    return out
+
+
+def tail_split(cfg: MosaicConfig, prob: Problem, n_programs: int | None,
+               units: int) -> TailSplit | None:
+  """The :class:`TailSplit` of a call, or None where
+  :attr:`MosaicConfig.split_tail` does not apply: not the persistent
+  grid; items that stream different key tiles (a causal mask, a window,
+  segment ids); another item order, clusters or ``item_overlap``; or an
+  item count that the programs divide (no partial wave)."""
+  mask = prob.mask
+  n_groups = prob.q_pad // (cfg.compute_wgs * cfg.block_q)
+  if (not cfg.split_tail or n_programs is None or mask.causal
+      or mask.window_left is not None or mask.window_right is not None
+      or prob.has_segments or cfg.groups_fastest or cfg.groups_slowest
+      or _paired(cfg, prob) or _cluster_size(cfg, prob, n_groups) > 1
+      or _chains_items(cfg, prob) or units % n_programs == 0):
+    return None
+  steps = -(-mask.kv_len // cfg.block_kv)  # every item's key tiles
+  if steps == 0:
+    return None
+  return TailSplit(programs=n_programs, whole=units // n_programs,
+                   left=units % n_programs, steps=steps)
+
+
+def merge_tail(out, lse, o_parts, lse_parts, plan: TailSplit, *,
+               num_heads: int, units_per_bh: int, group_rows: int):
+  """FlashAttention's split-KV combine of :class:`TailSplit`'s segments
+  into ``out [B, T, H, Dp]`` and ``lse [B, H, Tp]``.  ``o_parts [P, 2,
+  2, group_rows, Dp]``: each segment's normalised output as ``hi`` and
+  ``lo`` 16-bit halves (their float32 sum carries ~16 bits of mantissa);
+  ``lse_parts [P, 2, group_rows]`` their natural-log LSEs (``-inf``
+  where a row saw no key).  ``lse = log(sum_p exp(lse_p))`` and ``out =
+  sum_p exp(lse_p - lse) out_p`` in float32; rows that no segment saw
+  stay ``-inf`` with a zero output.  Rows past ``out``'s length (padding
+  of an unpadded ``Q``) are dropped."""
+  # The segments of left item j are those of programs sm_first(j) + i
+  # (i < width): the program whose run holds the item's first step and
+  # the next ones (where runs are shorter than a step, some of them
+  # empty).  Index arrays from iota, not NumPy constants: the op's
+  # custom_partitioning admits no closed-over constants.
+  width = max(segs[-1][0] - segs[0][0] + 1 for segs in plan.parts())
+  p_, t_, total = plan.programs, plan.steps, plan.left * plan.steps
+  j = lax.broadcasted_iota(jnp.int32, (plan.left, width), 0)
+  x = j * t_  # the item's first step in the left items' order
+  sm = ((x + 1) * p_ + total - 1) // total - 1 + lax.broadcasted_iota(
+      jnp.int32, (plan.left, width), 1)
+  g0, g1 = sm * total // p_, (sm + 1) * total // p_
+  k = j - g0 // t_
+  valid = ((sm < p_) & (jnp.maximum(g0 - x, 0) < jnp.minimum(g1 - x, t_))
+           & (k >= 0) & (k <= 1))
+  sm, k = jnp.clip(sm, 0, p_ - 1), jnp.clip(k, 0, 1)
+  halves = o_parts[sm, k].astype(jnp.float32)  # [r, w, 2, R, Dp]
+  o_p = halves[:, :, 0] + halves[:, :, 1]
+  lse_p = jnp.where(valid[:, :, None], lse_parts[sm, k], -jnp.inf)
+  top = jnp.max(lse_p, axis=1, keepdims=True)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  weight = jnp.exp(lse_p - top)  # 0 for a part whose rows saw no key
+  total_w = jnp.sum(weight, axis=1)  # [r, R]
+  merged_lse = jnp.where(total_w > 0, top[:, 0] + jnp.log(total_w),
+                         -jnp.inf)
+  merged = jnp.sum(weight[..., None] * o_p, axis=1) / jnp.where(
+      total_w > 0, total_w, 1.0)[..., None]
+  # Where each left item lives (the persistent grid's default order:
+  # heads fastest, then query groups, then batch).
+  w = plan.first_left + lax.iota(jnp.int32, plan.left)
+  h = (w % num_heads)[:, None]
+  b = (w // num_heads // units_per_bh)[:, None]
+  g = w // num_heads % units_per_bh
+  rows = g[:, None] * group_rows + lax.broadcasted_iota(
+      jnp.int32, (plan.left, group_rows), 1)
+  out = out.at[b, rows, h].set(merged.astype(out.dtype), mode="drop")
+  lse = lse.at[b, h, rows].set(merged_lse, mode="drop")
+  return out, lse
 
 
 class _PingPong:
@@ -1436,20 +1622,31 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
   elif cfg.groups_slowest:
     grid, grid_names = (n_programs_q, prob.num_heads, prob.batch), (
         "q_seq", "heads", "batch")
+  units = prob.num_heads * prob.batch * _units_per_bh(cfg, prob, n_groups)
   if cfg.persistent:
     # One program per SM (per cluster of SMs); interpreted runs use 2 so
     # that each program loops over several work items.
     n_sm = 2 if interpret else _sm_count() // cluster
-    n_programs = min(n_sm, prob.num_heads * prob.batch
-                     * _units_per_bh(cfg, prob, n_groups))
+    n_programs = min(n_sm, units)
     grid, grid_names = (n_programs,), ("sm",)
+  tail = tail_split(cfg, prob, n_programs, units)
+  group_rows = cfg.compute_wgs * bq
+  if tail is not None:  # the split items' outputs (hi, lo) and LSEs
+    out_type += [
+        out_struct((tail.programs, 2, 2, group_rows, dp), dtype, q, k, v),
+        out_struct((tail.programs, 2, group_rows), jnp.float32, q, k, v)]
   kernel = functools.partial(_kernel, prob=prob, cfg=cfg, dtype=dtype,
                              in_place=not interpret, n_programs=n_programs,
-                             cluster=cluster)
-  return pipeline.launch(
+                             cluster=cluster, tail=tail)
+  results = pipeline.launch(
       kernel, out_type=out_type, scratch=scratch, grid=grid,
       grid_names=grid_names, consumers=cfg.compute_wgs,
       interpret=interpret,
       reduction_scratch_bytes=cfg.fwd_reduction_scratch(dp),
       no_auto_barriers=cfg.no_auto_barriers, cluster=cluster,
   )(q, k, v, *(segments or ()))
+  if tail is None:
+    return results
+  return merge_tail(*results, tail, num_heads=prob.num_heads,
+                    units_per_bh=_units_per_bh(cfg, prob, n_groups),
+                    group_rows=group_rows)

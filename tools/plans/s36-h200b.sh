@@ -1,0 +1,18 @@
+# The next H200 call, second of two (docs/perf-notes.md, "Next
+# (thirty-fifth session's view)" items 1 and 3), about 450 s:
+#   JAXFLASH_COMMIT=<commit> bash tools/gpu_session.sh stages tools/plans/s36-h200b.sh
+# split_tail at head_dim 64 and 256 (the persistent non-causal calls), and
+# rtd at head_dim 64 (never timed there), each against a copy.
+I=jaxflash-mosaic_gpu,cudnn,tokamax-mosaic
+T="NVIDIA H200"
+R="rescale_threshold=8,deferred_row_sum=1"
+bench_stage d64-256nc-rounds 170 --impls $I --mode fwd --tuned-for "$T" \
+  --head-dims 64,256 --seqs 1024,2048 --causal off --samples 9 \
+  --mosaic-variants "h200:stages=2;x:stages=2;st:split_tail=1;rtd:$R"
+bench_stage d64-256nc-sust 150 --impls $I --mode fwd --tuned-for "$T" \
+  --head-dims 64,256 --seqs 1024,2048 --causal off --samples 4 \
+  --sample-seconds 0.5 --seed 1 \
+  --mosaic-variants "h200:stages=2;x:stages=2;st:split_tail=1;rtd:$R"
+bench_stage d64c-rtd 110 --impls $I --mode fwd --tuned-for "$T" \
+  --head-dims 64 --seqs 1024,2048,4096 --causal on --samples 7 \
+  --mosaic-variants "h200:stages=2;x:stages=2;rtd:$R"
