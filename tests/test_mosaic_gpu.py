@@ -465,7 +465,8 @@ def test_interpret_variant(variant, name):
 
 @pytest.mark.parametrize("programs,units,steps", [
     (132, 2048, 16), (132, 2048, 8), (132, 1024, 16), (132, 4096, 16),
-    (132, 100, 8), (2, 3, 5), (2, 3, 1), (2, 5, 2), (7, 30, 3)])
+    (132, 100, 8), (132, 152, 4), (132, 133, 2), (2, 3, 5), (2, 3, 1),
+    (2, 5, 2), (7, 30, 3)])
 def test_tail_split_plan_covers_every_step_once(programs, units, steps):
   """split_tail's schedule: each left item's key tiles are covered once by
   its segments; every program takes whole items alike and then a run of
@@ -553,16 +554,20 @@ def test_interpret_split_tail(case):
 
 @pytest.mark.parametrize("programs,whole,left,steps,heads,groups", [
     (2, 1, 1, 5, 3, 1), (132, 15, 68, 16, 16, 16), (132, 31, 4, 16, 32, 8),
-    (132, 7, 100, 16, 8, 16)])
+    (132, 7, 100, 16, 8, 16), (132, 1, 20, 4, 8, 19), (132, 1, 1, 2, 1,
+                                                         133)])
 def test_merge_tail_keeps_float32_precision(programs, whole, left, steps,
                                             heads, groups):
   """merge_tail against a NumPy split-KV combine over TailSplit.parts():
   the segments' outputs stored as 16-bit hi/lo halves merge to the
   float32 result within ~2^-16 (hi alone would be off by up to 2^-9),
   LSEs by logaddexp; rows no segment saw stay -inf with a zero output;
-  every other row keeps what the kernel wrote.  Plans of the benchmark's
-  head_dim 128, 64 and 256 calls (2048 items at 2048 keys, 4096 at 1024,
-  1024 at 1024 over 132 SMs) and one of the interpreter's."""
+  every other row keeps what the kernel wrote; slots no segment wrote
+  (NaN here: the workspace is not initialised) do not reach the output.
+  Plans of the benchmark's head_dim 128, 64 and 256 calls (2048 items at
+  2048 keys, 4096 at 1024, 1024 at 1024 over 132 SMs), two with fewer
+  left steps than programs (empty runs between an item's first and last
+  program) and one of the interpreter's."""
   from jaxflash.mosaic_gpu import forward
   plan = forward.TailSplit(programs, whole, left, steps)
   rows, dp = 4, 8
@@ -573,6 +578,12 @@ def test_merge_tail_keeps_float32_precision(programs, whole, left, steps,
   lse_f32 = rng.normal(size=(programs, 2, rows)).astype(np.float32) * 3
   lse_f32[:, :, -1] = -np.inf  # a padding row: no key seen
   o_f32[:, :, -1] = 0.0
+  written = np.zeros((programs, 2), bool)
+  for segs in plan.parts():
+    for sm, k, _, _ in segs:
+      written[sm, k] = True
+  o_f32[~written] = np.nan
+  lse_f32[~written] = np.nan
   hi = o_f32.astype(jnp.bfloat16)
   lo = (o_f32 - hi.astype(np.float32)).astype(jnp.bfloat16)
   o_parts = jnp.stack([hi, lo], axis=2)  # [P, 2, 2, rows, dp]

@@ -930,7 +930,9 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
       else:
         acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-      out = acc.astype(dtype)
+      # (split_tail: in each branch below, so that a segment's store does
+      # not hold the rounded output beside acc.)
+      out = acc.astype(dtype) if part is None else None
       # Natural-log LSE, -inf for rows that see no key (traced where it
       # is stored).
       lse = lambda: jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
@@ -944,18 +946,23 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         # this item's copies only.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       if part is None:
-        store([out], [o_dst], lse, lse_dst)
+        store([columns_of(out)], [o_dst], lse, lse_dst)
       else:
         segment, sm, k = part
-        pl.when(jnp.logical_not(segment))(
-            lambda: store([out], [o_dst], lse, lse_dst))
+        pl.when(jnp.logical_not(segment))(lambda: store(
+            [columns_of(acc.astype(dtype))], [o_dst], lse, lse_dst))
 
         @pl.when(segment)
         def _():
-          rest = (acc - out.astype(jnp.float32)).astype(dtype)
+          # hi = the value rounded, lo = the rest rounded, chunk by chunk
+          # from acc (its columns free as they are stored).
+          part_of = columns_of(acc)
+          hi = lambda cols: part_of(cols).astype(dtype)
+          lo = lambda cols: (part_of(cols)
+                             - hi(cols).astype(jnp.float32)).astype(dtype)
           rows = pl.ds(wg * bq, bq)
-          store([out, rest], [ows_ref.at[sm, k, 0, rows],
-                              ows_ref.at[sm, k, 1, rows]],
+          store([hi, lo], [ows_ref.at[sm, k, 0, rows],
+                           ows_ref.at[sm, k, 1, rows]],
                 lse, lsews_ref.at[sm, k, rows])
       if late_store_wait:
         return  # the next item's epilogue (or the kernel's end) waits
@@ -969,23 +976,29 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       plgpu.wait_smem_to_gmem(
           0, wait_read_only=persistent or cfg.lean_epilogue)
 
-    def store(outs, dsts, lse, lse_dst):
-      """The epilogue's copies of ``outs`` (this consumer's rows, in the
-      input dtype) to ``dsts`` and of ``lse()`` to ``lse_dst``."""
+    def columns_of(x):
+      """``x``'s columns ``cols`` (a slice; None: all of them)."""
+      return lambda cols: x if cols is None else x[:, cols]
+
+    def store(srcs, dsts, lse, lse_dst):
+      """The epilogue's copies of ``srcs`` (functions of a column slice,
+      None for all: this consumer's rows in the input dtype) to ``dsts``,
+      and of ``lse()`` to ``lse_dst``."""
       if o_smem2 is not None:
         # 64-column chunks through alternating slots: a slot is
         # rewritten once the copy that last read it has (at most slots -
-        # 1 copies of this consumer still reading).
+        # 1 copies of this consumer still reading).  Several sources go
+        # chunk by chunk, each chunk's from all of them.
         n_chunks, slots = cfg.out_chunks(prob.head_dim_padded)
-        for n, (c, (out, o_dst)) in enumerate(
-            (c, od) for od in zip(outs, dsts) for c in range(n_chunks)):
+        for n, (c, (src, o_dst)) in enumerate(
+            (c, sd) for c in range(n_chunks) for sd in zip(srcs, dsts)):
           cols = slice(c * 64, (c + 1) * 64)
           plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-          o_smem2[wg, n % slots] = out[:, cols]
+          o_smem2[wg, n % slots] = src(cols)
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(o_smem2.at[wg, n % slots],
                                   o_dst.at[:, pl.ds(c * 64, 64)])
-      for n, (out, o_dst) in enumerate(zip(outs, dsts)):
+      for n, (src, o_dst) in enumerate(zip(srcs, dsts)):
         if o_smem2 is not None:
           break
         if n:  # the buffer's copy before this one has read it
@@ -995,8 +1008,8 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
           # every warp's wgmma reads of Q, whose buffer O overwrites, are
           # done.
           plgpu.commit_smem()
-        qo_smem[...] = out
-        if n < len(outs) - 1:
+        qo_smem[...] = src(None)
+        if n < len(srcs) - 1:
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(qo_smem, o_dst)
       lse_smem[...] = lse()
@@ -1416,7 +1429,10 @@ def merge_tail(out, lse, o_parts, lse_parts, plan: TailSplit, *,
            & (k >= 0) & (k <= 1))
   sm, k = jnp.clip(sm, 0, p_ - 1), jnp.clip(k, 0, 1)
   halves = o_parts[sm, k].astype(jnp.float32)  # [r, w, 2, R, Dp]
-  o_p = halves[:, :, 0] + halves[:, :, 1]
+  # Slots no program wrote (an empty run between an item's first and last
+  # program) hold whatever the buffer held: zero them, not 0 * NaN.
+  o_p = jnp.where(valid[:, :, None, None], halves[:, :, 0] + halves[:, :, 1],
+                  0.0)
   lse_p = jnp.where(valid[:, :, None], lse_parts[sm, k], -jnp.inf)
   top = jnp.max(lse_p, axis=1, keepdims=True)
   top = jnp.where(jnp.isfinite(top), top, 0.0)
