@@ -10,6 +10,7 @@ Triton backward kernels.  A race the detector reports fails the test
 (the detector only prints; ``_no_races`` reads the output).
 """
 
+import contextlib
 import dataclasses
 import functools
 import zlib
@@ -510,6 +511,21 @@ _SPLIT_TAIL = [
 ]
 
 
+@contextlib.contextmanager
+def _merged_plans():
+  """The TailSplit plans forward.merge_tail is called with meanwhile (the
+  kernel ran split_tail's form)."""
+  from jaxflash.mosaic_gpu import forward
+  merged, merge = [], forward.merge_tail
+
+  def spy(*args, **kwargs):
+    merged.append(args[4])
+    return merge(*args, **kwargs)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(forward, "merge_tail", spy)
+    yield merged
+
+
 @pytest.mark.parametrize("case", _SPLIT_TAIL, ids=[c[0] for c in _SPLIT_TAIL])
 def test_interpret_split_tail(case):
   """split_tail: outputs, LSE and gradients by the numerics rule, with the
@@ -539,14 +555,7 @@ def test_interpret_split_tail(case):
     return mosaic_gpu.attention(q, k, v, mask=spec, softmax_scale=d ** -0.5,
                                 config=config, interpret=RACES)
 
-  merged = []
-  merge = forward.merge_tail
-
-  def spy(*a, **kw):
-    merged.append(a[4])
-    return merge(*a, **kw)
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(forward, "merge_tail", spy)
+  with _merged_plans() as merged:
     numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
                         causal=False)
   assert merged == [plan]  # the kernel ran the split
@@ -1311,22 +1320,14 @@ def test_gpu_split_tail(head_dim, kv_len):
   two-CTA clusters, which split_tail does not take): 2 x 2048 queries x 6
   heads make 192 items of 128 rows, so the last 60 are split along the
   keys; GQA, gradients too; the merge is checked to run."""
-  from jaxflash.mosaic_gpu import forward
   config = dataclasses.replace(
       mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=False,
                                 kv_len=kv_len), split_tail=True,
       kv_multicast=False)
   assert config.persistent
-  merged = []
-  merge = forward.merge_tail
-
-  def spy(*a, **kw):
-    merged.append(a[4])
-    return merge(*a, **kw)
   case = (f"split-tail-{head_dim}-{kv_len}", 2048, kv_len, 6, 2, head_dim,
           jnp.bfloat16, False, None, None)
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(forward, "merge_tail", spy)
+  with _merged_plans() as merged:
     _run(case, False, config)
   assert merged and merged[0].left > 0
 

@@ -998,20 +998,19 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(o_smem2.at[wg, n % slots],
                                   o_dst.at[:, pl.ds(c * 64, 64)])
-      for n, (src, o_dst) in enumerate(zip(srcs, dsts)):
-        if o_smem2 is not None:
-          break
-        if n:  # the buffer's copy before this one has read it
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        if cfg.no_auto_barriers:
-          # The warpgroup barrier Pallas would put before this store:
-          # every warp's wgmma reads of Q, whose buffer O overwrites, are
-          # done.
-          plgpu.commit_smem()
-        qo_smem[...] = src(None)
-        if n < len(srcs) - 1:
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(qo_smem, o_dst)
+      else:
+        for n, (src, o_dst) in enumerate(zip(srcs, dsts)):
+          if n:  # the buffer's copy before this one has read it
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          if cfg.no_auto_barriers:
+            # The warpgroup barrier Pallas would put before this store:
+            # every warp's wgmma reads of Q, whose buffer O overwrites,
+            # are done.
+            plgpu.commit_smem()
+          qo_smem[...] = src(None)
+          if n < len(srcs) - 1:
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo_smem, o_dst)
       lse_smem[...] = lse()
       plgpu.commit_smem()
       if o_smem2 is None:
@@ -1132,6 +1131,14 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     else:
       pipeline.produce_split(n_steps, stages, loads)
 
+  def unit_coords(w):
+    """Work unit ``w``'s (batch, head, unit of its (batch, head)) in the
+    persistent grid's default order: heads fastest, then query groups,
+    then batch."""
+    h = lax.rem(w, prob.num_heads)
+    rest = lax.div(w, prob.num_heads)
+    return lax.div(rest, n_units_per_bh), h, lax.rem(rest, n_units_per_bh)
+
   def for_each_item(run, extra=None):
     """Persistent grid: program ``sm`` takes work items ``sm, sm +
     n_programs, ...`` (heads fastest, then query groups, then batch; with
@@ -1173,10 +1180,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         b = lax.rem(rest, prob.batch)
         u = lax.div(rest, prob.batch)
       else:
-        h = lax.rem(w, prob.num_heads)
-        rest = lax.div(w, prob.num_heads)
-        b = lax.div(rest, n_units_per_bh)
-        u = lax.rem(rest, n_units_per_bh)
+        b, h, u = unit_coords(w)
       if not pairs:
         group_start, u_lo, u_hi = item_ranges(b, cluster_group(u))
         if extra is None:
@@ -1219,10 +1223,8 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       k = jnp.maximum(i - tail.whole, 0)
       j = j0 + k
       w = jnp.where(segment, tail.first_left + j, sm + i * tail.programs)
-      h = lax.rem(w, prob.num_heads)
-      rest = lax.div(w, prob.num_heads)
-      b = lax.div(rest, n_units_per_bh)
-      group_start, u_lo, u_hi = item_ranges(b, lax.rem(rest, n_units_per_bh))
+      b, h, u = unit_coords(w)
+      group_start, u_lo, u_hi = item_ranges(b, u)
       lo = jnp.where(segment, u_lo + jnp.maximum(g0 - j * steps, 0), u_lo)
       hi = jnp.where(segment, u_lo + jnp.minimum(g1 - j * steps, steps),
                      u_hi)
