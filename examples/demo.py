@@ -1,6 +1,6 @@
 """jaxflash in one screen: the kernel against the reference, error and time.
 
-    make demo            (or: python examples/demo.py)
+    make compare         (or: python examples/demo.py)
 
 On a CUDA GPU this runs the compiled Pallas kernels; elsewhere it runs the
 same kernels in Pallas interpret mode (correct but slow: the timing there is

@@ -1823,6 +1823,15 @@ def test_shared_dq_validation():
   with pytest.raises(ValueError, match="bwd_atomic_dq=True"):
     jaxflash.flash_attention(q, q, q, implementation="mosaic_gpu",
                              config=shared, deterministic=True)
+  # Above padded head_dim 128 the atomic dQ has no Hopper backward to run
+  # in: refused, not handed silently to the Triton backward.
+  wide = jnp.ones((1, 64, 2, 256), jnp.bfloat16)
+  for cfg in (shared, mosaic_gpu.MosaicConfig(bwd_atomic_dq=True)):
+    assert head_dim_problem(cfg, 128) is None
+    with pytest.raises(NotImplementedError,
+                       match="serve padded head_dim up to 128, got 256"):
+      jaxflash.flash_attention(wide, wide, wide, implementation="mosaic_gpu",
+                               interpret=True, config=cfg)
 
 
 @pytest.mark.gpu

@@ -1052,6 +1052,13 @@ def head_dim_problem(config: "MosaicConfig", head_dim_padded: int
   why = split_dq_problem(config, head_dim_padded)
   if why:
     return why
+  if config.bwd_atomic_dq and head_dim_padded > MAX_BWD_HEAD_DIM:
+    # Above 128 the Hopper backward runs only as bwd_split_dkv or
+    # bwd_paired_dkv, neither of which takes the atomic dQ: refused here
+    # rather than served silently by the Triton backward.
+    return (f"bwd_atomic_dq (and bwd_shared_dq / bwd_dq_halves) serve"
+            f" padded head_dim up to {MAX_BWD_HEAD_DIM}, got"
+            f" {head_dim_padded}")
   if config.compute_wgs == 3 and head_dim_padded > MAX_THREE_WG_HEAD_DIM:
     return (f"compute_wgs=3 serves padded head_dim up to"
             f" {MAX_THREE_WG_HEAD_DIM}, got {head_dim_padded}: three"
