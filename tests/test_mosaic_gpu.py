@@ -494,7 +494,7 @@ def test_tail_split_plan_covers_every_step_once(programs, units, steps):
 # split_tail in the interpreter (2 programs): one batch and an odd number
 # of work items, so that the last one is split between the two programs.
 # (name, q_len, kv_len, heads, kv_heads, head_dim, dtype, base config,
-#  fields): one and two consumers, the plain loop and the overlap with the
+#  fields): one, two and three consumers, the plain loop and the overlap with the
 # next Q prefetched (the H200's head_dim 128 form), key runs of one tile
 # and of several, a consumer whose rows are all padding (q 100 of 128),
 # padded keys, GQA, and Q read unpadded (rows past the output dropped).
@@ -508,6 +508,11 @@ _SPLIT_TAIL = [
                   early_q_release=True, lean_epilogue=True)),
     ("d64-2wg-lean-unpadded-q100-k130", 100, 130, 5, 5, 64, jnp.float16,
      TWO_WG, dict(lean_epilogue=True, unpadded_q=True, unpadded_kv=True)),
+    # Three consumers (192-row groups, the H200's head_dim 64 form from
+    # 4096 keys, there on the plain grid) with the next Q prefetched.
+    ("d64-3wg-prefetch-q-k260", 192, 260, 3, 1, 64, jnp.bfloat16, TWO_WG,
+     dict(compute_wgs=3, schedule_barrier=False, prefetch_q=True,
+          unpadded_kv=True)),
 ]
 
 
