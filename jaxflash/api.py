@@ -57,7 +57,7 @@ def _mosaic_attention(q, k, v, *, mask, arrays, softmax_scale,
 
 def _xla_attention(q, k, v, *, mask: MaskSpec, arrays: MaskArrays,
                    softmax_scale, logits_soft_cap, config, interpret,
-                   deterministic):
+                   deterministic, dense=(None, None)):
   del config, interpret, deterministic  # XLA's gradient has no atomics
   segs = None
   if arrays.q_segment_ids is not None:
@@ -67,7 +67,7 @@ def _xla_attention(q, k, v, *, mask: MaskSpec, arrays: MaskArrays,
       window=(mask.window_left, mask.window_right), segment_ids=segs,
       q_seq_lengths=arrays.q_seq_lengths,
       kv_seq_lengths=arrays.kv_seq_lengths, softmax_scale=softmax_scale,
-      logits_soft_cap=logits_soft_cap)
+      logits_soft_cap=logits_soft_cap, bias=dense[0], dense_mask=dense[1])
 
 
 def _triton_attention(q, k, v, *, mask, arrays, softmax_scale,
@@ -165,10 +165,20 @@ def _static_positive(name: str, val) -> float:
   if (isinstance(val, (jax.core.Tracer, bool, np.bool_)) or not scalar):
     raise ValueError(
         f"{name} must be a static Python number, got {type(val).__name__}")
-  val = float(val)
+  try:
+    val = float(val)
+  except OverflowError:
+    raise ValueError(f"{name}={val!r} must be finite and > 0") from None
+  # The kernels take it in float32: a value that float32 rounds to inf or
+  # flushes to zero (below the smallest normal) would give NaN.
+  f32 = np.finfo(np.float32)
   if not (math.isfinite(val) and val > 0):
     raise ValueError(f"{name}={val} must be finite and > 0")
-  return float(val)
+  if not float(f32.tiny) <= val <= float(f32.max):
+    raise ValueError(
+        f"{name}={val} must lie in float32's normal range"
+        f" [{float(f32.tiny):.3g}, {float(f32.max):.3g}]")
+  return val
 
 
 def window_sizes(local_window_size) -> tuple[int | None, int | None]:
@@ -276,15 +286,45 @@ def _mask_arrays(q, k, segment_ids, q_seq_lengths, kv_seq_lengths,
   return MaskArrays(q_seg, kv_seg, *lengths)
 
 
+def _dense_array(name: str, x, full: tuple[int, int, int, int],
+                 squeeze: bool, *, boolean: bool):
+  """``dot_product_attention``'s ``bias`` (floating) or ``mask`` (bool),
+  checked: rank 4 ``[B, N, T, S]`` (rank 3 ``[N, T, S]`` with rank-3
+  inputs), each axis full or 1 (broadcast); returned rank 4."""
+  if x is None:
+    return None
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    x = np.asarray(x)
+  x = jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x
+  rank = 3 if squeeze else 4
+  axes = "[N, T, S]" if squeeze else "[B, N, T, S]"
+  want = full[1:] if squeeze else full
+  if x.ndim != rank or any(n not in (1, f) for n, f in zip(x.shape, want)):
+    raise ValueError(
+        f"{name} must have shape {axes} = {want}, each axis full or 1,"
+        f" got {tuple(x.shape)}")
+  ok = (x.dtype == jnp.bool_ if boolean
+        else jnp.issubdtype(x.dtype, jnp.floating))
+  if not ok:
+    raise ValueError(
+        f"{name} must be a {'bool' if boolean else 'floating-point'} array,"
+        f" got dtype {jnp.dtype(x.dtype).name}")
+  return x[None] if squeeze else x
+
+
 def _candidates(implementation, config, interpret) -> tuple[list[str], bool]:
   """Backends to try, and whether the caller named them explicitly."""
-  if implementation is None:
-    if config is not None:
-      for name, (_, _, cfg_type) in _BACKENDS.items():
-        if cfg_type is not None and isinstance(config, cfg_type):
-          return [name], True
+  owner = None
+  if config is not None:
+    owner = next((name for name, (_, _, cfg_type) in _BACKENDS.items()
+                  if cfg_type is not None and isinstance(config, cfg_type)),
+                 None)
+    if owner is None:
       raise ValueError(
           f"config of type {type(config).__name__} belongs to no backend")
+  if implementation is None:
+    if owner is not None:
+      return [owner], True
     if interpret:
       return ["triton", "xla"], False
     return list(IMPLEMENTATIONS), False
@@ -357,7 +397,8 @@ def flash_attention(
       with ``implementation=None`` this selects the Triton kernels.
     deterministic: ``True`` makes the gradients bitwise reproducible run
       to run.  Only the Hopper backward has a non-deterministic fast path
-      (dQ summed by atomic adds, the H200 default at head_dim <= 64); with
+      (dQ summed by atomic adds, the default at head_dim <= 64 on the H200
+      and the H100 SXM); with
       ``True`` it uses its dQ kernel instead (measured cost in
       docs/backends.md).  ``None`` (default): ``True`` when ``XLA_FLAGS``
       holds ``--xla_gpu_deterministic_ops=true``, else ``False``.
@@ -382,14 +423,20 @@ def flash_attention(
 def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
                q_seq_lengths, kv_seq_lengths, logits_soft_cap, softmax_scale,
                return_lse, implementation, config, interpret, deterministic,
-               names=None):
+               names=None, dense=None):
   """Validation and dispatch shared by the public entry points.
 
   ``offset``: query ``i`` is aligned with key ``i + offset`` (None:
   bottom-right, as flash_attention documents; 0: top-left, as jax.nn).
   ``names``: the caller's argument names for the error messages.
+  ``dense``: ``(bias, mask)`` checked by :func:`_dense_array` (either may
+  be None), for the ``"xla"`` backend alone.
   """
   nm = (names or {}).get
+  # Host arrays take JAX's canonical dtype first, as every jnp function
+  # gives them (NumPy's float64 is float32 without jax_enable_x64).
+  q, k, v = (jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic))
+             else x for x in (q, k, v))
   _validate(q, k, v, names)
   _check_bools(names, causal=causal, return_lse=return_lse,
                interpret=interpret)
@@ -414,6 +461,9 @@ def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
     mosaic_backend.check_deterministic(config, deterministic)
 
   backends, explicit = _candidates(implementation, config, interpret)
+  extra = {}
+  if dense is not None:
+    backends, extra = ["xla"], {"dense": dense}
   reasons = []
   for name in backends:
     check, attend, cfg_type = _BACKENDS[name]
@@ -436,7 +486,8 @@ def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
     out, lse = attend(q, k, v, mask=mask, arrays=arrays,
                       softmax_scale=softmax_scale,
                       logits_soft_cap=logits_soft_cap, config=config,
-                      interpret=interpret, deterministic=deterministic)
+                      interpret=interpret, deterministic=deterministic,
+                      **extra)
     return (out, lse) if return_lse else out
   msg = "; ".join(reasons)
   if explicit:
@@ -475,20 +526,25 @@ def dot_product_attention(
   ``logits_soft_cap`` (see :func:`flash_attention`), ``config``,
   ``interpret`` and ``deterministic``.
 
-  ``implementation``: a jaxflash backend name (``"triton"``, ``"xla"``), a
-  sequence of them, or None (best available).  ``bias`` and a dense
-  ``mask`` are ``[B, N, T, S]`` arrays that the O(N) kernels cannot take:
-  they are served only when ``implementation`` names ``"xla"`` (alone or
-  in a sequence; through ``jax.nn.dot_product_attention``'s XLA path,
-  O(N^2) memory); otherwise NotImplementedError names the compact
-  alternatives (``is_causal``, ``segment_ids``, ``local_window_size``, the
-  sequence lengths).
+  ``implementation``: a jaxflash backend name (``"mosaic_gpu"``,
+  ``"triton"``, ``"xla"``), a sequence of them, or None (best available).
+  ``bias`` (floating) and a dense boolean ``mask`` are ``[B, N, T, S]``
+  arrays (``[N, T, S]`` with rank-3 inputs; any axis may be 1 and
+  broadcast) that the O(N) kernels cannot take: they are served only
+  when ``implementation`` names ``"xla"`` (alone or in a sequence), by
+  jaxflash's reference with the bias added to the scaled logits and the
+  mask combined with every other argument's, O(N^2) memory; otherwise
+  NotImplementedError names the compact alternatives (``is_causal``,
+  ``segment_ids``, ``local_window_size``, the sequence lengths).  Every
+  argument is checked as on the kernels' path; ``logits_soft_cap`` does
+  not combine with ``bias`` (NotImplementedError).
 
-  Documented differences (docs/flax.md): a query row that sees no key at
-  all gets output 0 here, where ``jax.nn`` averages all values of the row
-  (it masks with a large finite negative number); the residual is
-  differentiable (``jax.nn`` stops its gradient); ``scale`` must be a
-  static positive number and ``H`` a multiple of 8 in [8, 256].
+  Documented differences (docs/flax.md), on every path: a query row that
+  sees no key at all gets output 0 and residual ``-inf`` here, where
+  ``jax.nn`` averages all values of the row (it masks with a large finite
+  negative number); the residual is differentiable (``jax.nn`` stops its
+  gradient); ``scale`` must be a static positive number and ``H`` a
+  multiple of 8 in [8, 256].
   """
   query, key, value = (jnp.asarray(x) if not hasattr(x, "ndim") else x
                        for x in (query, key, value))
@@ -513,27 +569,25 @@ def dot_product_attention(
           " mask with is_causal, segment_ids, local_window_size or"
           " query_seq_lengths/key_value_seq_lengths, or pass"
           " implementation='xla' for the dense O(N^2) path")
-    if segment_ids is not None or logits_soft_cap is not None:
+    if bias is not None and logits_soft_cap is not None:
       raise NotImplementedError(
-          "implementation='xla' with a dense bias/mask does not combine with"
-          " segment_ids or logits_soft_cap")
+          "implementation='xla' with a dense bias does not combine with"
+          " logits_soft_cap (which of the two applies first is undefined)")
     _validate(query, key, value, _DPA_NAMES)
-    result = jax.nn.dot_product_attention(
-        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-        query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths,
-        local_window_size=local_window_size, implementation="xla",
-        return_residual=return_residual)
-    out, res = result if return_residual else (result, None)
+    full = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+    dense = (_dense_array("bias", bias, full, squeeze, boolean=False),
+             _dense_array("mask", mask, full, squeeze, boolean=True))
+    config = None  # a kernel's config does not serve the dense path
   else:
-    out, lse = _attention(
-        query, key, value, causal=is_causal, offset=0,
-        segment_ids=segment_ids, local_window_size=local_window_size,
-        q_seq_lengths=query_seq_lengths, kv_seq_lengths=key_value_seq_lengths,
-        logits_soft_cap=logits_soft_cap, softmax_scale=scale,
-        return_lse=True, implementation=implementation, config=config,
-        interpret=interpret, deterministic=deterministic, names=_DPA_NAMES)
-    res = jnp.swapaxes(lse, 1, 2).astype(out.dtype)  # [B, N, T] -> [B, T, N]
+    dense = None
+  out, lse = _attention(
+      query, key, value, causal=is_causal, offset=0, segment_ids=segment_ids,
+      local_window_size=local_window_size, q_seq_lengths=query_seq_lengths,
+      kv_seq_lengths=key_value_seq_lengths, logits_soft_cap=logits_soft_cap,
+      softmax_scale=scale, return_lse=True, implementation=implementation,
+      config=config, interpret=interpret, deterministic=deterministic,
+      names=_DPA_NAMES, dense=dense)
+  res = jnp.swapaxes(lse, 1, 2).astype(out.dtype)  # [B, N, T] -> [B, T, N]
   if squeeze:
     out = out[0]
     res = None if res is None else res[0]

@@ -147,8 +147,11 @@ def make_attention_fn(
             "a key-padding mask and segment_ids together: fold the padding"
             " into the segment ids (PAD_SEGMENT_ID)")
       seg = seg_from_mask
-    elif seg is not None and not isinstance(seg, (tuple, list)):
-      seg = seg.reshape(-1, seg.shape[-1])
+    elif isinstance(seg, (tuple, list)):  # (q ids, kv ids), each flattened
+      seg = tuple(x if x is None or jnp.ndim(x) < 2
+                  else jnp.reshape(x, (-1, jnp.shape(x)[-1])) for x in seg)
+    elif seg is not None:
+      seg = jnp.reshape(seg, (-1, jnp.shape(seg)[-1]))
     if dtype is not None:
       query, key, value = (x.astype(dtype) for x in (query, key, value))
     # Lengths, like segment ids, follow the batch dims flattened into one.

@@ -29,6 +29,8 @@ def attention(
     q_seq_lengths: jax.Array | None = None,
     kv_seq_lengths: jax.Array | None = None,
     logits_soft_cap: float | None = None,
+    bias: jax.Array | None = None,
+    dense_mask: jax.Array | None = None,
     upcast: bool = True,
     precision=lax.Precision.HIGHEST,
 ) -> tuple[jax.Array, jax.Array]:
@@ -45,6 +47,10 @@ def attention(
       ids attend nowhere.
     q_seq_lengths, kv_seq_lengths: ``[B]`` valid lengths (right padding).
     logits_soft_cap: ``cap * tanh(logits / cap)`` before the softmax.
+    bias, dense_mask: ``[B | 1, H | 1, T | 1, S | 1]`` arrays (each axis
+      full or broadcast): ``bias`` is added to the scaled (and capped)
+      logits, a key where the boolean ``dense_mask`` is False is masked,
+      as ``jax.nn.dot_product_attention``'s ``bias`` and ``mask``.
     upcast: compute in float32, or float64 for float64 inputs (the
       oracle, ``ref32``).  ``False`` runs every
       step in the input dtype, as a low-precision implementation would
@@ -79,6 +85,10 @@ def attention(
                     q_seg=q_seg, k_seg=kv_seg)
   mask = mask.reshape((-1, 1, 1, T, S) if mask.ndim == 3 else (T, S))
   logits = logits.astype(sdtype)
+  if bias is not None:
+    logits = logits + _heads_to_groups(bias, K, G).astype(sdtype)
+  if dense_mask is not None:
+    mask = mask & _heads_to_groups(dense_mask, K, G)
   logits = jnp.where(mask, logits, -jnp.inf)
   # Safe softmax: rows with no visible key keep max 0, so exp gives 0s
   # rather than exp(-inf - -inf) = NaN.
@@ -94,3 +104,10 @@ def attention(
   out = out.reshape(B, T, H, D).astype(dtype)
   lse = lse[..., 0].reshape(B, H, T)
   return out, lse
+
+
+def _heads_to_groups(x, K: int, G: int):
+  """A ``[b, H | 1, t, s]`` array as the logits' ``[b, K | 1, G | 1, t,
+  s]`` (query head ``h = k * G + g``)."""
+  b, n, t, s = x.shape
+  return x.reshape((b, 1, 1, t, s) if n == 1 else (b, K, G, t, s))

@@ -55,6 +55,13 @@ def test_bad_input_raises_value_error(q, k, v, match):
     (dict(implementation="cuda"), r"implementation='cuda' is not one of"),
     (dict(implementation=[]), r"must not be an empty sequence"),
     (dict(config=object()), r"config of type object belongs to no backend"),
+    (dict(config=object(), implementation="xla"),
+     r"config of type object belongs to no backend"),
+    # Finite as a float64 but not in the kernels' float32: inf, or flushed
+    # to zero (NaN from 0/0 in the soft cap); too large for a float.
+    (dict(softmax_scale=1e39), r"softmax_scale=1e\+39 must lie in float32"),
+    (dict(softmax_scale=10**400), r"softmax_scale=1000.* must be finite"),
+    (dict(logits_soft_cap=1e-39), r"logits_soft_cap=1e-39 must lie in"),
 ])
 def test_bad_arguments(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -263,3 +270,19 @@ def test_empty_batch(backend):
 def test_one_segment_array_needs_self_attention():
   with pytest.raises(ValueError, match="q_len == kv_len, got 16 and 8"):
     jaxflash.flash_attention(Q, KV[:, :8], KV[:, :8], segment_ids=SEG)
+
+
+def test_numpy_inputs_take_jax_dtypes():
+  """NumPy float64 arrays are float32 to JAX without jax_enable_x64 (as
+  every jnp function takes them), so the kernels serve them instead of
+  refusing float64 (and implementation=None falling back to "xla")."""
+  rng = np.random.default_rng(0)
+  q, k, v = (rng.standard_normal((1, 24, 2, 16)) for _ in range(3))
+  got = jaxflash.flash_attention(q, k, v, causal=True,
+                                 implementation="triton", interpret=True)
+  want = jaxflash.flash_attention(*(jnp.asarray(x, jnp.float32)
+                                    for x in (q, k, v)), causal=True,
+                                  implementation="xla")
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5,
+                             rtol=2e-5)

@@ -247,6 +247,21 @@ def test_attention_fn_lengths_follow_extra_batch_dims():
   _close(got.reshape(flat.shape), want)
 
 
+def test_attention_fn_segment_pairs_follow_extra_batch_dims():
+  """A (q ids, kv ids) pair shaped like the leading batch dims is
+  flattened with them, as one ids array is."""
+  x = _x((3, 2, 12, 4, 16))
+  q_seg = jax.random.randint(jax.random.key(5), (3, 2, 12), -1, 3)
+  kv_seg = jax.random.randint(jax.random.key(6), (3, 2, 12), -1, 3)
+  got = make_attention_fn(segment_ids=(q_seg, kv_seg), **KERNEL)(x, x, x)
+  flat = x.reshape(6, 12, 4, 16)
+  want = jaxflash.flash_attention(
+      flat, flat, flat, segment_ids=(q_seg.reshape(6, 12),
+                                     kv_seg.reshape(6, 12)),
+      implementation="xla")
+  _close(got.reshape(flat.shape), want)
+
+
 # -- a small transformer trains the same with either attention ---------------
 
 class _Block(nn.Module):
@@ -349,6 +364,110 @@ def test_dot_product_attention_dense_paths():
                                    implementation=["triton"])
   with pytest.raises(ValueError, match="implementation='cuda' is not one"):
     jaxflash.dot_product_attention(q, q, q, bias=bias, implementation="cuda")
+
+
+@pytest.mark.parametrize("kw", [
+    dict(bias_shape=(2, 4, 12, 20)),
+    dict(bias_shape=(1, 1, 12, 20), is_causal=True),       # broadcast
+    dict(bias_shape=(2, 4, 1, 20), kv_heads=1),            # MQA, one row
+    dict(mask_shape=(2, 1, 12, 20), local_window_size=(3, 2)),
+    dict(mask_shape=(1, 4, 12, 20), bias_shape=(2, 1, 12, 1),
+         key_value_seq_lengths=[20, 9], query_seq_lengths=[12, 7]),
+    dict(bias_shape=(4, 12, 20), mask_shape=(1, 12, 20), rank3=True),
+], ids=["bias", "bias-broadcast-causal", "bias-mqa-row", "mask-window",
+        "mask-bias-lengths", "rank3"])
+def test_dot_product_attention_dense_matches_jax_nn(kw):
+  """bias and mask on the "xla" path: jax.nn's results wherever a row
+  sees a key, with its gradients (the bias's too); rows that see none
+  give 0 and residual -inf (jax.nn: the mean of V and about -2.4e38), as
+  on the kernels' path."""
+  kw = dict(kw)
+  bias_shape, mask_shape = kw.pop("bias_shape", None), kw.pop("mask_shape",
+                                                              None)
+  kv_heads, rank3 = kw.pop("kv_heads", 2), kw.pop("rank3", False)
+  for name in ("key_value_seq_lengths", "query_seq_lengths"):
+    if name in kw:
+      kw[name] = jnp.array(kw[name], jnp.int32)
+  key = iter(jax.random.split(jax.random.key(3), 6))
+  q = jax.random.normal(next(key), (2, 12, 4, 16))
+  k = jax.random.normal(next(key), (2, 20, kv_heads, 16))
+  v = jax.random.normal(next(key), (2, 20, kv_heads, 16))
+  if rank3:
+    q, k, v = q[0], k[0], v[0]
+  bias = None if bias_shape is None else jax.random.normal(next(key),
+                                                           bias_shape)
+  mask = None
+  if mask_shape is not None:  # every row of the mask keeps some keys
+    mask = jax.random.bernoulli(next(key), 0.7, mask_shape)
+    mask = mask.at[..., 0].set(True).at[..., 0, :].set(False)
+
+  def call(f, q, k, v, bias):
+    return f(q, k, v, bias=bias, mask=mask, return_residual=True, **kw)
+
+  ours = functools.partial(jaxflash.dot_product_attention,
+                           implementation="xla")
+  out, res = call(ours, q, k, v, bias)
+  want, want_res = call(jax.nn.dot_product_attention, q, k, v, bias)
+  empty = np.isneginf(np.asarray(res))
+  assert np.all(np.asarray(want_res)[empty] < -1e30)
+  assert not np.any(np.isnan(np.asarray(out)))
+  seen = ~empty[..., None]
+  np.testing.assert_array_equal(np.where(seen, 0, np.asarray(out)), 0)
+  _close(np.where(seen, out, 0), np.where(seen, want, 0))
+  _close(np.where(empty, 0, res), np.where(empty, 0, want_res))
+  # Gradients of the rows that see a key (jax.nn's empty rows are
+  # averages with gradients of their own).
+  weight = jnp.asarray(seen, jnp.float32)
+  args = (q, k, v) + (() if bias is None else (bias,))
+  loss = lambda f: lambda *a: jnp.sum(weight * call(
+      f, *a[:3], a[3] if len(a) > 3 else None)[0] ** 2)
+  argnums = tuple(range(len(args)))
+  _close(jax.grad(loss(ours), argnums)(*args),
+         jax.grad(loss(jax.nn.dot_product_attention), argnums)(*args),
+         atol=1e-4, rtol=1e-4)
+  # The residual is differentiable here (jax.nn stops its gradient).
+  g = jax.grad(lambda q: jnp.sum(jnp.where(
+      empty, 0, call(ours, q, k, v, bias)[1])))(q)
+  assert np.abs(np.asarray(g)).max() > 0
+
+
+def test_dot_product_attention_dense_checks_its_arguments():
+  """The dense path checks every argument as the kernels' path does."""
+  q = jax.random.normal(jax.random.key(0), (1, 8, 4, 16))
+  kv = jax.random.normal(jax.random.key(1), (1, 8, 2, 16))
+  zb = jnp.zeros((1, 1, 8, 8))
+  dpa = functools.partial(jaxflash.dot_product_attention,
+                          implementation="xla")
+  for kwargs, match in [
+      (dict(bias=jnp.zeros((1, 2, 8, 8))), r"bias must have shape \[B, N,"
+       r" T, S\] = \(1, 4, 8, 8\), each axis full or 1, got \(1, 2, 8,"
+       r" 8\)"),
+      (dict(bias=jnp.zeros((4, 8, 8))), r"bias must have shape"),
+      (dict(mask=jnp.ones((1, 1, 8, 8), jnp.int32)),
+       r"mask must be a bool array, got dtype int32"),
+      (dict(bias=jnp.zeros((1, 1, 8, 8), jnp.int32)),
+       r"bias must be a floating-point array"),
+      (dict(bias=zb, scale=0.0), r"scale=0.0 must be finite and > 0"),
+      (dict(bias=zb, local_window_size=(-1, 0)), r"window sizes must be"),
+      (dict(bias=zb, is_causal=1), r"is_causal must be a bool"),
+      (dict(bias=zb, key_value_seq_lengths=jnp.array([100])),
+       r"key_value_seq_lengths must lie in \[0, 8\]"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      dpa(q, kv, kv, **kwargs)
+  with pytest.raises(NotImplementedError, match="logits_soft_cap"):
+    dpa(q, kv, kv, bias=zb, logits_soft_cap=5.0)
+  # A window side past every key is unbounded (no int32 wrap).
+  _close(dpa(q, kv, kv, bias=zb, local_window_size=2**31 - 1),
+         dpa(q, kv, kv, bias=zb))
+  _close(dpa(q, kv, kv, bias=zb, local_window_size=10**12),
+         dpa(q, kv, kv, bias=zb))
+  # Segment ids and a soft cap combine with a dense mask.
+  seg = jnp.array([[0, 0, 0, 1, 1, 1, 1, 2]])
+  mask = jnp.ones((1, 1, 8, 8), bool)
+  _close(dpa(q, kv, kv, mask=mask, segment_ids=seg, logits_soft_cap=5.0),
+         jaxflash.dot_product_attention(q, kv, kv, segment_ids=seg,
+                                        logits_soft_cap=5.0, **KERNEL))
 
 
 @pytest.mark.parametrize("kwargs,match", [

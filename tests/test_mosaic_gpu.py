@@ -494,10 +494,11 @@ def test_tail_split_plan_covers_every_step_once(programs, units, steps):
 # split_tail in the interpreter (2 programs): one batch and an odd number
 # of work items, so that the last one is split between the two programs.
 # (name, q_len, kv_len, heads, kv_heads, head_dim, dtype, base config,
-#  fields): one, two and three consumers, the plain loop and the overlap with the
-# next Q prefetched (the H200's head_dim 128 form), key runs of one tile
-# and of several, a consumer whose rows are all padding (q 100 of 128),
-# padded keys, GQA, and Q read unpadded (rows past the output dropped).
+#  fields): one, two and three consumers, the plain loop and the overlap
+# with the next Q prefetched (the H200's head_dim 128 form), key runs of
+# one tile and of several, a consumer whose rows are all padding (q 100
+# of 128), padded keys, GQA, and Q read unpadded (rows past the output
+# dropped).
 _SPLIT_TAIL = [
     ("d64-1wg-k320", 64, 320, 3, 3, 64, jnp.bfloat16, PERSISTENT, {}),
     ("d64-1wg-k64-one-tile", 64, 64, 3, 1, 64, jnp.float16, PERSISTENT, {}),
