@@ -303,6 +303,23 @@ INTERPRET_VARIANTS.update({
     "item_overlap+q_double_buffer": (
         dict(_ITEM_OVERLAP, q_double_buffer=True),
         ["d64-full", "d128-full-6tiles", "d192-q113-k17"]),
+    # The default (plain) loop run on across items (item_overlap without
+    # intra_wg_overlap, the head_dim 64 form): two consumers with the
+    # ping-pong, one consumer, three without it; several key tiles and
+    # four items per program (d64), one key tile per item (k17), six; one
+    # Q buffer and two.  A causal call runs as without it.
+    "item_overlap_plain": (
+        dict(_PQ, item_overlap=True, compute_wgs=2, schedule_barrier=True),
+        ["d64-full", "d192-q113-k17", "d128-full-6tiles", "d64-causal-2wg"]),
+    "item_overlap_plain+q_double_buffer": (
+        dict(_PQ, item_overlap=True, q_double_buffer=True, compute_wgs=2,
+             schedule_barrier=True),
+        ["d64-full", "d192-q113-k17"]),
+    "item_overlap_plain_one_wg": (dict(_PQ, item_overlap=True),
+                                  ["d64-full", "d128-full-6tiles"]),
+    "three_wgs+item_overlap_plain": (
+        dict(_PQ, item_overlap=True, compute_wgs=3, schedule_barrier=False),
+        ["d64-full"]),
     # Pairs of query groups per unit on the causal persistent grid (the
     # p-th longest, then the p-th shortest): an odd group count's middle
     # group alone (d256, 5 groups), GQA, two consumers, the Q prefetch
@@ -909,6 +926,19 @@ GPU_CONFIGS = {
         _D128_PERSISTENT, item_overlap=True),
     "named-overlap-persistent-double-q-item-overlap": dataclasses.replace(
         _D128_PERSISTENT, q_double_buffer=True, item_overlap=True),
+    # The default loop run on across items (item_overlap without the
+    # overlap; s36, not yet run on a GPU): the head_dim 64 persistent
+    # default with one Q buffer and two, and three consumers (the
+    # head_dim 64 form from 4096 keys) without the ping-pong.
+    "named-persistent-item-overlap": mosaic_gpu.MosaicConfig(
+        named_barriers=True, block_kv=128, persistent=True, prefetch_q=True,
+        item_overlap=True),
+    "named-persistent-double-q-item-overlap": mosaic_gpu.MosaicConfig(
+        named_barriers=True, block_kv=128, persistent=True, prefetch_q=True,
+        q_double_buffer=True, item_overlap=True),
+    "named-three-wg-prefetch-q-item-overlap": mosaic_gpu.MosaicConfig(
+        named_barriers=True, compute_wgs=3, block_kv=128, unpadded_kv=True,
+        persistent=True, prefetch_q=True, item_overlap=True),
     # The overlapped loop's first tile unmasked where fully visible
     # (unmasked_first_tile; s34): the head_dim 128 persistent default.
     "named-overlap-persistent-early-q-unmasked-first":
@@ -1302,10 +1332,9 @@ def test_gpu_long_persistent_items(head_dim, options):
   runs three or four and every Q buffer is refilled (the CASES give a
   program one item at most on a GPU); GQA, gradients too.  split_tail
   splits the last 116 items (512 - 3 x 132) along the keys.  item_overlap
-  and unmasked_first_tile need the overlapped loop: head_dim 128's
-  default, not 64's."""
-  overlap_only = ("item_overlap", "unmasked_first_tile")
-  if head_dim == 64 and any(options.get(o) for o in overlap_only):
+  chains the overlapped loop (head_dim 128's default) or the plain one
+  (64's, s36); unmasked_first_tile needs the overlapped loop."""
+  if head_dim == 64 and options.get("unmasked_first_tile"):
     pytest.skip(f"{options}: head_dim 64's default has no overlap")
   config = dataclasses.replace(
       mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=False,
@@ -1339,10 +1368,13 @@ def test_gpu_split_tail(head_dim, kv_len):
 
 
 def test_item_overlap_only_where_consumers_take_the_same_turns():
-  """item_overlap chains the items of calls on which both consumers
-  compute every key tile of every item (no causal mask, window, segment
-  ids, or consumer of padding rows only), with the next Q loadable
-  before an item's last turn (early_q_release or q_double_buffer)."""
+  """item_overlap chains the items of calls on which every consumer
+  computes every key tile of every item (no causal mask, window, segment
+  ids, or consumer of padding rows only), on the persistent grid with
+  the Q prefetch; the overlapped loop with the ping-pong and the next Q
+  loadable before an item's last turn (early_q_release or
+  q_double_buffer), the plain loop with any consumer count, not with
+  early_k_wait or pv_then_qk."""
   from jaxflash.mosaic_gpu import forward as fwd
   on = mosaic_gpu.MosaicConfig(
       item_overlap=True, intra_wg_overlap=True, persistent=True,
@@ -1367,8 +1399,18 @@ def test_item_overlap_only_where_consumers_take_the_same_turns():
               dict(prefetch_q=False), dict(persistent=False),
               dict(schedule_barrier=False)):
     assert not chains(dataclasses.replace(on, **off)), off
-  assert not chains(dataclasses.replace(
-      on, intra_wg_overlap=False, early_q_release=False))
+  plain = dataclasses.replace(on, intra_wg_overlap=False,
+                              early_q_release=False)
+  for cfg in (plain, dataclasses.replace(plain, compute_wgs=1),
+              dataclasses.replace(plain, compute_wgs=3,
+                                  schedule_barrier=False)):
+    assert chains(cfg)
+  assert not chains(plain, causal=True)
+  assert not chains(plain, q_len=1984, q_pad=2048)
+  for off in (dict(early_k_wait=True), dict(pv_then_qk=True),
+              dict(prefetch_q=False), dict(persistent=False),
+              dict(item_overlap=False)):
+    assert not chains(dataclasses.replace(plain, **off)), off
 
 
 def test_multicast_clusters_only_where_both_ctas_stream_the_same_tiles():

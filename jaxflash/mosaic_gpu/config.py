@@ -438,6 +438,22 @@ class MosaicConfig:
       Untimed: the H100 runs of s33/s34 set it on the H100's then untuned
       config (no persistent grid), where it builds the default's
       kernel.
+      Without ``intra_wg_overlap`` (s36, any consumer count, not with
+      ``early_k_wait`` or ``pv_then_qk``) the default loop runs on across
+      the items the same way: the last step's turn issues its ``P V``
+      and the next item's first ``Q K^T``, the epilogue runs under them,
+      and the other consumer's last ``P V`` (which waits for that
+      ``Q K^T``) overlaps this epilogue instead of both consumers'
+      epilogues leaving the tensor cores idle together.  "Done with Q" is
+      signalled once the item's last ``S`` is read back.  For head_dim
+      64's short items, where the per-item cost is (a two-point fit to
+      the s35 grid at 1024 and 2048 keys: 2.0 us per item against
+      tokamax's 0.5, docs/backends.md).  The interpreter runs it
+      (mbarrier ping-pong, one, two and three consumers, one and two Q
+      buffers) with race detection; on the
+      CPU's ptxas (sm_90a) it has no spill at head_dim 64 (main loop 435
+      instructions per trip, 429 with two Q buffers, against 426) and
+      460/584 bytes at 256.  Not yet run on a GPU.
     unmasked_first_tile: with ``intra_wg_overlap``, the first key tile
       of an item (whose softmax the overlapped loop computes before the
       loop, at the item's start) takes the element mask only where it is

@@ -542,14 +542,23 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
           pv, plgpu.ACC((bq, prob.head_dim_padded), jnp.float32))
       return acc + pv_out if row_sum is None else (acc + pv_out, l_next)
 
-    def softmax_turn(s, t, carry, slot, *, masked: bool):
+    def softmax_turn(s, t, carry, slot, *, masked):
       """Tile ``t``'s online-softmax step from its ``S``, up to this
-      consumer's turn on the tensor cores (V waited for):
+      consumer's turn on the tensor cores (V waited for); ``masked`` a
+      bool, or ``(full_lo, full_hi)``: the element mask where ``t`` lies
+      outside those fully visible tiles (a ``lax.cond``):
       ``(acc, m, l, P16, P)``, ``P`` (float32) returned when its row sum
       is still to be added while ``P V`` runs (``row_sum_in_pv``), else
       None."""
       acc, m, l = carry
-      p, m_next, alpha = probs(s, t, m, masked=masked)
+      if isinstance(masked, tuple):  # (full_lo, full_hi): at run time
+        full_lo, full_hi = masked
+        p, m_next, alpha = lax.cond(
+            (full_lo <= t) & (t < full_hi),
+            lambda: probs(s, t, m, masked=False),
+            lambda: probs(s, t, m, masked=True))
+      else:
+        p, m_next, alpha = probs(s, t, m, masked=masked)
       l = l * alpha
       p16 = p.astype(dtype)
       rescale_early = in_place and not cfg.late_rescale
@@ -598,6 +607,144 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       ping.before_pv()
       wait_next_k(step)
       return carry
+
+    def next_item_turn(acc, m, l, p_src, slot, *, turn_start: bool):
+      """``item_overlap`` (``chained``), an item with a next one: its
+      last ``P V`` (tile ``slot``'s V, ``P`` from ``p_src``) and the next
+      item's first ``S`` in one turn, this item's epilogue while that
+      ``S`` is computed (``P V`` waited for alone).  ``turn_start``: the
+      turn (and the wait for V) starts here, as in the overlapped loop;
+      the plain loop's :func:`softmax_turn` has started it already.
+      Returns ``S``; its K slot released."""
+      nxt = lax.rem(first_step + (u_hi - u_lo), stages)
+      q_next = qo_smem2.at[next_q_slot]
+      if turn_start:
+        plgpu.barrier_wait(v_ready.at[slot])
+
+      def issue(o_acc, s_acc):
+        if turn_start:
+          ping.turn_start()
+        # The next item's Q and first K are waited for in this turn:
+        # with one Q buffer that Q loads after both consumers' "done
+        # with Q", which the other consumer signals after its own turn
+        # ends (in the interpreter's mbarrier form that end is a
+        # rendezvous with this turn's start: a wait before it would
+        # never end).  With one buffer the last P V goes first, so the
+        # tensor cores are not idle while Q lands (ptxas then fences
+        # the second wgmma after the waits: its C7519 note); with two,
+        # Q landed an item ago and both are issued back to back.
+        last_pv = lambda: plgpu.wgmma(o_acc, p_src, v_smem.at[slot])
+        if not double_q:
+          last_pv()
+        plgpu.barrier_wait(q_ready.at[next_q_slot])
+        plgpu.barrier_wait(k_ready.at[nxt])
+        if double_q:
+          last_pv()
+        plgpu.wgmma(s_acc, q_next, k_smem.at[nxt].T)  # next item's S
+        ping.issued()
+
+      if in_place:
+        def body(refs):
+          o_acc, s_ref = refs
+
+          def with_s(s_acc):  # a fresh accumulator: nothing to load
+            issue(o_acc, s_acc)
+            o = plgpu.wgmma_accumulator_load(o_acc, wait_n=1)
+            v_free.arrive(slot)
+            epilogue(o, m, l)  # the next S still in flight
+            return s_acc[...]
+          s_ref[...] = pl.run_scoped(
+              with_s, plgpu.ACC((bq, bk), jnp.float32))
+
+        zeros_s = plgpu.layout_cast(jnp.full((bq, bk), 0.0, jnp.float32),
+                                    plgpu.Layout.WGMMA)
+        _, s_next = pl.run_state(body)((plgpu.ACC.init(acc), zeros_s))
+      else:  # interpretable form: fresh accumulators
+        def both(o_acc, s_acc):
+          issue(o_acc, s_acc)
+          o = acc + o_acc[...]
+          v_free.arrive(slot)
+          epilogue(o, m, l)
+          return s_acc[...]
+
+        s_next = pl.run_scoped(
+            both, plgpu.ACC((bq, prob.head_dim_padded), jnp.float32),
+            plgpu.ACC((bq, bk), jnp.float32))
+      k_free.arrive(nxt)
+      return s_next
+
+    def chained_loop(own, carry):
+      """``item_overlap`` without ``intra_wg_overlap`` (``chained``): the
+      default loop (:func:`compute`'s steps: ``Q K^T``, the softmax, then
+      in this consumer's turn ``P V``) run on across the program's work
+      items.  An item's last turn issues its last ``P V`` and the next
+      item's first ``Q K^T`` (:func:`next_item_turn`), and its epilogue
+      runs while they compute, so the other consumer's last ``P V`` (which
+      waits for that ``Q K^T``) and this epilogue overlap; the next item
+      starts from that ``S``.  Every consumer computes every tile of
+      every item (:func:`_chains_items`), so each takes the same steps
+      as in one long item: the alternation's counts are those of one
+      item (``ping.start`` before the program's first, ``ping.finish``
+      after its last).  "Done with Q" comes once the item's last ``S``
+      is read back, before that turn, and the producer loads the next Q
+      before the next item's K/V.  The first and last tiles take the
+      element mask where they are not fully visible (a ``lax.cond``; the
+      middle ones as :func:`pipeline.tile_loop` runs them).  Returns the
+      next item's first ``S`` (zeros after the last item)."""
+      _, full_lo, full_hi, _ = pipeline.computed_tiles(
+          u_lo, u_hi, own, range_ref is not None)
+      auto = (full_lo, full_hi)
+      slot_of = lambda t: lax.rem(first_step + t - u_lo, stages)
+      step_of = lambda t: first_step + t - u_lo
+
+      def with_row_sum(acc, m, l, p16, p_sum):
+        return acc, m, (l if p_sum is None else l + rsum(p_sum)), p16
+
+      # "Done with Q" once the item's last S is read back, before this
+      # consumer's turn starts: with one Q buffer the other consumer's
+      # last turn waits (for this consumer's next Q K^T) behind the load
+      # of the next Q, which waits for it.
+      done_with_q = lambda: plgpu.barrier_arrive(q_done)
+      # From item 1 on, the first S was issued in the item before's turn.
+      s0 = lax.cond(item > 0, lambda: chain[0],
+                    lambda: scores(slot_of(u_lo)))
+      pl.when(u_hi - u_lo == 1)(done_with_q)
+      acc, m, l, p16 = with_row_sum(*softmax_turn(
+          s0, u_lo, carry, slot_of(u_lo), masked=auto))
+
+      def more(acc, m, l, p16):
+        """Tile u_lo's P V, the middle tiles, the last one's softmax."""
+        acc = add_pv(acc, p16, slot_of(u_lo))
+        v_free.arrive(slot_of(u_lo))
+        last = u_hi - 1
+        acc, m, l = _masked_ranges(
+            u_lo + 1, last, full_lo, full_hi,
+            lambda t, c, masked: compute(step_of(t), t, c, masked=masked),
+            (acc, m, l))
+        s = scores(slot_of(last))
+        done_with_q()
+        return with_row_sum(*softmax_turn(s, last, (acc, m, l),
+                                          slot_of(last), masked=auto))
+
+      acc, m, l, p16 = lax.cond(u_hi - u_lo > 1, more, lambda *c: c,
+                                acc, m, l, p16)
+      slot = slot_of(u_hi - 1)
+
+      def final(acc, m, l, p16):
+        """The program's last item: the plain last P V, the end of the
+        alternation, the epilogue."""
+        acc = add_pv(acc, p16, slot)
+        v_free.arrive(slot)
+        ping.finish()
+        epilogue(acc, m, l)
+        return plgpu.layout_cast(jnp.full((bq, bk), 0.0, jnp.float32),
+                                 plgpu.Layout.WGMMA)
+
+      return lax.cond(
+          item + 1 < chain[1],
+          lambda *c: next_item_turn(*c[:3], p_operand(c[3]), slot,
+                                    turn_start=False),
+          final, acc, m, l, p16)
 
     def overlapped_loop(own, carry):
       """``intra_wg_overlap`` (FlashAttention-3 §3.2, arXiv 2407.08608,
@@ -758,62 +905,10 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
 
       def chained_last(acc, m, l):
         """``chained``, an item with a next one: the last ``P V`` and
-        the next item's first ``S`` in one turn, the epilogue while
-        ``S`` is computed (``P V`` waited for alone).  Returns ``S``."""
-        slot = slot_of(hi - 1)
-        nxt = lax.rem(first_step + (u_hi - u_lo), stages)
-        q_next = qo_smem2.at[next_q_slot]
-        plgpu.barrier_wait(v_ready.at[slot])
-
-        def issue(o_acc, s_acc):
-          ping.turn_start()
-          # The next item's Q and first K are waited for in this turn:
-          # with one Q buffer that Q loads after both consumers' "done
-          # with Q", which the other consumer signals after its own turn
-          # ends (in the interpreter's mbarrier form that end is a
-          # rendezvous with this turn's start: a wait before it would
-          # never end).  With one buffer the last P V goes first, so the
-          # tensor cores are not idle while Q lands (ptxas then fences
-          # the second wgmma after the waits: its C7519 note); with two,
-          # Q landed an item ago and both are issued back to back.
-          last_pv = lambda: plgpu.wgmma(o_acc, operand(p16),
-                                        v_smem.at[slot])
-          if not double_q:
-            last_pv()
-          plgpu.barrier_wait(q_ready.at[next_q_slot])
-          plgpu.barrier_wait(k_ready.at[nxt])
-          if double_q:
-            last_pv()
-          plgpu.wgmma(s_acc, q_next, k_smem.at[nxt].T)  # next item's S
-          ping.issued()
-
-        if in_place:
-          def body(refs):
-            o_acc, s_ref = refs
-
-            def with_s(s_acc):  # a fresh accumulator: nothing to load
-              issue(o_acc, s_acc)
-              o = plgpu.wgmma_accumulator_load(o_acc, wait_n=1)
-              v_free.arrive(slot)
-              epilogue(o, m, l)  # the next S still in flight
-              return s_acc[...]
-            s_ref[...] = pl.run_scoped(
-                with_s, plgpu.ACC((bq, bk), jnp.float32))
-
-          _, s_next = pl.run_state(body)((plgpu.ACC.init(acc), zeros_s))
-        else:  # interpretable form: fresh accumulators
-          def both(o_acc, s_acc):
-            issue(o_acc, s_acc)
-            o = acc + o_acc[...]
-            v_free.arrive(slot)
-            epilogue(o, m, l)
-            return s_acc[...]
-
-          s_next = pl.run_scoped(
-              both, plgpu.ACC((bq, prob.head_dim_padded), jnp.float32),
-              plgpu.ACC((bq, bk), jnp.float32))
-        k_free.arrive(nxt)
-        return s_next
+        the next item's first ``S`` in one turn (:func:`next_item_turn`).
+        Returns ``S``."""
+        return next_item_turn(acc, m, l, operand(p16), slot_of(hi - 1),
+                              turn_start=True)
 
       if early_q_release or chained:
         # Every own S (the last one included) has been read back: Q is
@@ -1027,7 +1122,8 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
           lambda: plgpu.barrier_wait(k_ready.at[lax.rem(first_step, stages)]))
     own = mask.kv_block_range(q_start, bq, bk)
     if chained:  # the epilogue runs inside the loop's last turn
-      return overlapped_loop(own, (acc, m, l))
+      loop = overlapped_loop if cfg.intra_wg_overlap else chained_loop
+      return loop(own, (acc, m, l))
     if cfg.intra_wg_overlap:
       acc, m, l = overlapped_loop(own, (acc, m, l))
     elif cfg.pv_then_qk:
@@ -1111,7 +1207,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       # q_double_buffer: the buffer this item's Q goes to was read by the
       # item before last, long done, so Q goes first and waits for nothing
       # in practice; the first K/V tiles follow as their slots free up.
-      head = (0 if early_q_release or double_q else
+      head = (0 if early_q_release or double_q or chained else
               jnp.where(item == 0, 0, jnp.minimum(n_steps, stages)))
       pipeline.produce_continuing(first_step, head, stages, loads)
       # The buffer was last read by the item before (two before with
@@ -1294,20 +1390,27 @@ def _double_q(cfg: MosaicConfig, prob: Problem) -> bool:
 
 
 def _chains_items(cfg: MosaicConfig, prob: Problem) -> bool:
-  """Whether the forward's overlapped loop runs on across work items
-  (:attr:`MosaicConfig.item_overlap`).  The two consumers must then take
-  the same turns in every item, each computing every key tile: calls
-  without a causal mask, window or segment ids, on which no consumer's
-  query rows are all padding.  The next item's Q must be loadable before
-  this item's last turn (``early_q_release`` or ``q_double_buffer``)."""
+  """Whether the forward's loop runs on across work items
+  (:attr:`MosaicConfig.item_overlap`, on the persistent grid with the Q
+  prefetch).  Every consumer must then compute every key tile of every
+  item: calls without a causal mask, window or segment ids, on which no
+  consumer's query rows are all padding.  The overlapped loop
+  (``intra_wg_overlap``) also needs the two consumers' ping-pong and the
+  next Q loadable before the item's last turn (``early_q_release`` or
+  ``q_double_buffer``); the plain one (:func:`_kernel`'s
+  ``chained_loop``) signals "done with Q" before that turn itself, and
+  does not take ``early_k_wait`` (its first K of an item is waited for
+  in the item before) or ``pv_then_qk``."""
   mask = prob.mask
-  return bool(
-      cfg.item_overlap and cfg.prefetches_q and cfg.intra_wg_overlap
-      and _use_schedule(cfg)
-      and (cfg.early_q_release or _double_q(cfg, prob))
-      and not mask.causal and mask.window_left is None
-      and mask.window_right is None and not prob.has_segments
-      and mask.q_len > prob.q_pad - cfg.block_q)
+  uniform = (not mask.causal and mask.window_left is None
+             and mask.window_right is None and not prob.has_segments
+             and mask.q_len > prob.q_pad - cfg.block_q)
+  if not (cfg.item_overlap and cfg.prefetches_q and uniform):
+    return False
+  if cfg.intra_wg_overlap:
+    return bool(_use_schedule(cfg)
+                and (cfg.early_q_release or _double_q(cfg, prob)))
+  return not (cfg.early_k_wait or cfg.pv_then_qk)
 
 
 def _cluster_size(cfg: MosaicConfig, prob: Problem, n_groups: int) -> int:

@@ -1,4 +1,4 @@
-# The next H200 call, first of two (docs/perf-notes.md, "Next
+# The next H200 call, first of four (docs/perf-notes.md, "Next
 # (thirty-fifth session's view)" items 0 and 1), about 520 s of device
 # time:
 #   JAXFLASH_COMMIT=<commit> bash tools/gpu_session.sh stages tools/plans/s36-h200a.sh
