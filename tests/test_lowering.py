@@ -593,3 +593,27 @@ def test_item_overlap_chains_the_items_in_the_kernel(monkeypatch):
   assert chain.count(wgmma) == base.count(wgmma) + 16
   assert _store_order(base) == "W1 O W1 O L W0 W0"
   assert _store_order(chain) == "W1 O W1 O L W0 W1 O W1 O L W0 W0"
+
+
+def test_item_overlap_chains_the_plain_loop_in_the_kernel(monkeypatch):
+  """``item_overlap`` without the overlapped loop (head_dim 64's
+  persistent form: two consumers, 128-key tiles; s36): the first and last
+  tiles leave the loops (their ``Q K^T``, 4 wgmma instructions each at
+  head_dim 64, and ``P V``, 8 each), and the chained last turn adds a
+  ``P V`` and the next item's ``Q K^T`` (8 + 4) with a second epilogue
+  inside it; the kernel's last wait stays after both.  The interpreter
+  runs the chain's mbarrier form; this checks the kernel the GPU gets.
+  With three consumers at power-of-two lengths the last group's last
+  consumers hold padding rows only, so it does not chain there."""
+  monkeypatch.syspath_prepend(pathlib.Path(__file__).parents[1] / "tools")
+  two = "persistent=1,compute_wgs=2"
+  base = _forward_kernel_ops(64, False, two + ",item_overlap=0")
+  chain = _forward_kernel_ops(64, False, two + ",item_overlap=1")
+  wgmma = "wgmma.mma_async"
+  assert chain.count(wgmma) == base.count(wgmma) + 2 * (4 + 8) + 8 + 4
+  assert _store_order(base) == "W0 O L W0 W0"
+  assert _store_order(chain) == "W0 O L W0 W0 O L W0 W0"
+  three = [_forward_kernel_ops(64, False, f"persistent=1,item_overlap={i}")
+           for i in (0, 1)]
+  assert ([m.count(wgmma) for m in three] == [base.count(wgmma)] * 2
+          and {_store_order(m) for m in three} == {_store_order(base)})

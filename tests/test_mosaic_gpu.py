@@ -317,9 +317,9 @@ INTERPRET_VARIANTS.update({
         ["d64-full", "d192-q113-k17"]),
     "item_overlap_plain_one_wg": (dict(_PQ, item_overlap=True),
                                   ["d64-full", "d128-full-6tiles"]),
-    "three_wgs+item_overlap_plain": (
+    "three_wgs+item_overlap_plain": (  # (q130: 192-row groups chain)
         dict(_PQ, item_overlap=True, compute_wgs=3, schedule_barrier=False),
-        ["d64-full"]),
+        ["d128-mqa-2wg"]),
     # Pairs of query groups per unit on the causal persistent grid (the
     # p-th longest, then the p-th shortest): an odd group count's middle
     # group alone (d256, 5 groups), GQA, two consumers, the Q prefetch
