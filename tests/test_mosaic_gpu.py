@@ -317,6 +317,10 @@ INTERPRET_VARIANTS.update({
         ["d64-full", "d192-q113-k17"]),
     "item_overlap_plain_one_wg": (dict(_PQ, item_overlap=True),
                                   ["d64-full", "d128-full-6tiles"]),
+    "kv_multicast+item_overlap_plain": (
+        dict(_PQ, item_overlap=True, kv_multicast=True, compute_wgs=2,
+             schedule_barrier=True),
+        ["d64-full"]),
     "three_wgs+item_overlap_plain": (  # (q130: 192-row groups chain)
         dict(_PQ, item_overlap=True, compute_wgs=3, schedule_barrier=False),
         ["d128-mqa-2wg"]),
@@ -1343,6 +1347,37 @@ def test_gpu_long_persistent_items(head_dim, options):
   case = (f"long-items-{head_dim}", 8192, 1024, 4, 2, head_dim,
           jnp.bfloat16, False, None, None)
   _run(case, False, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len,kv_len,fields", [
+    (8192, 100, {}), (8192, 100, dict(q_double_buffer=True)),
+    (8192, 1000, dict(compute_wgs=1)), (8256, 1000, dict(compute_wgs=3)),
+    (8192, 1000, dict(kv_multicast=True))],
+    ids=["one-tile", "one-tile-double-q", "one-wg", "three-wg",
+         "multicast"])
+def test_gpu_item_overlap_plain_chains(q_len, kv_len, fields):
+  """item_overlap's plain-loop chain (s36) across several items per
+  program on the H200's head_dim 64 non-causal config: items of one key
+  tile (the chain without middle tiles), one consumer, three (8256
+  queries: whole 192-row groups, so no consumer of padding only) and
+  two-CTA clusters; GQA, gradients too.  The chain is checked to be in
+  force."""
+  from jaxflash.mosaic_gpu import forward
+  config = dataclasses.replace(
+      mosaic_gpu.default_config("NVIDIA H200", 64, causal=False,
+                                kv_len=1024), item_overlap=True, **fields)
+  seen, chains = [], forward._chains_items
+
+  def spy(cfg, prob):
+    seen.append(chains(cfg, prob))
+    return seen[-1]
+  case = (f"chain-{q_len}-{kv_len}", q_len, kv_len, 4, 2, 64, jnp.bfloat16,
+          False, None, None)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(forward, "_chains_items", spy)
+    _run(case, False, config)
+  assert seen and all(seen)
 
 
 @pytest.mark.gpu

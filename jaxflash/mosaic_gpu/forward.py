@@ -682,8 +682,10 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       runs while they compute, so the other consumer's last ``P V`` (which
       waits for that ``Q K^T``) and this epilogue overlap; the next item
       starts from that ``S``.  Every consumer computes every tile of
-      every item (:func:`_chains_items`), so each takes the same steps
-      as in one long item: the alternation's counts are those of one
+      every item, ``[u_lo, u_hi)``, with no skip steps: this relies on
+      :func:`_chains_items` (a consumer skipping tiles here would hang
+      the ring, not fail), and each consumer takes the same steps as in
+      one long item: the alternation's counts are those of one
       item (``ping.start`` before the program's first, ``ping.finish``
       after its last).  "Done with Q" comes once the item's last ``S``
       is read back, before that turn, and the producer loads the next Q
