@@ -1659,6 +1659,11 @@ def test_default_config_rules():
   # grid from 4096 (+3-5% under sustained load, s29).
   assert dflt(64, causal=False, kv_len=2048).prefetches_q
   assert not dflt(64, causal=False, kv_len=2049).persistent
+  # ... with two Q buffers up to 1024 keys (+6.3% in rounds, +4.5%
+  # sustained at 1024 keys; level at 2048, s36).
+  assert dflt(64, causal=False, kv_len=1024).q_double_buffer
+  assert not dflt(64, causal=False, kv_len=1025).q_double_buffer
+  assert not dflt(64, causal=True, kv_len=1024).q_double_buffer
   assert not dflt(64, causal=False, kv_len=16384).persistent
   # d256 non-causal: persistent with prefetch_q up to 1024 keys; from 1025
   # the plain grid in two-CTA clusters with K/V multicast and the lean
