@@ -408,10 +408,10 @@ class MosaicConfig:
       causal calls (their skipped items would break the alternation;
       shared memory is still counted).  Written in s33 (no GPU that
       session) for the item-start waits; the interpreter runs it with
-      race detection.
-      Untimed: the H100 runs of s33/s34 set it on the H100's then untuned
-      config (no persistent grid), where it builds the default's
-      kernel.
+      race detection.  Timed first in s36 (the H100 runs of s33/s34 had
+      built the default's kernel): on the H200 +6.3% in 20 ms rounds and
+      +4.5% sustained at head_dim 64 non-causal with 1024 keys, level at
+      2048, so the H200 default there up to 1024 keys (tuning.json).
     item_overlap: with ``intra_wg_overlap``, two consumers and
       ``prefetch_q`` (with ``early_q_release`` or ``q_double_buffer``) on
       the persistent grid, the overlapped loop runs on across a
@@ -453,7 +453,9 @@ class MosaicConfig:
       buffers) with race detection; on the
       CPU's ptxas (sm_90a) it has no spill at head_dim 64 (main loop 435
       instructions per trip, 429 with two Q buffers, against 426) and
-      460/584 bytes at 256.  Not yet run on a GPU.
+      460/584 bytes at 256.  On the H200 (s36): its GPU tests pass;
+      +4.8% at head_dim 64 with 1024 keys, -1-2% at 2048, below
+      ``q_double_buffer`` alone (+6.3%): not a default.
     unmasked_first_tile: with ``intra_wg_overlap``, the first key tile
       of an item (whose softmax the overlapped loop computes before the
       loop, at the item's start) takes the element mask only where it is
@@ -488,7 +490,9 @@ class MosaicConfig:
       clusters or ``item_overlap``, when the item count is not a
       multiple of the program count; others run as without it.  Written
       in s35 (no device time left that session): the interpreter runs
-      it (two programs) with race detection; untimed.
+      it (two programs) with race detection.  On an H100 (s36) its GPU
+      tests pass and it runs 3.4-7.5% slower at head_dim 128 with 2048
+      keys: the merge in XLA costs more than the tail gives back.
     kv_l2_prefetch: on the persistent grid, the producer prefetches each
       later item's first K and V tiles into L2 when it starts that
       item's loads (the other half of that wait's object; with
