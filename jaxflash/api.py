@@ -293,9 +293,7 @@ def _dense_array(name: str, x, full: tuple[int, int, int, int],
   inputs), each axis full or 1 (broadcast); returned rank 4."""
   if x is None:
     return None
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    x = np.asarray(x)
-  x = jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x
+  x = x if isinstance(x, jax.Array) else jnp.asarray(x)
   rank = 3 if squeeze else 4
   axes = "[N, T, S]" if squeeze else "[B, N, T, S]"
   want = full[1:] if squeeze else full

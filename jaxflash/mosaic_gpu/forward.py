@@ -463,21 +463,29 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         p = jnp.exp2(x)
       return p, m_next, alpha
 
-    def probs_at(s, t, m, full_lo, full_hi):
-      """:func:`probs` for a tile whose masking is known only at run time
-      (the overlapped loop's first tile).  ``unmasked_first_tile``:
+    def probs_where_visible(s, t, m, full_lo, full_hi):
+      """:func:`probs` for a tile whose masking is known only at run time:
       without the element mask where ``t`` lies in the fully visible
-      ``[full_lo, full_hi)``, as :func:`_masked_ranges` runs the other
-      tiles, so that the first tile of an unmasked call skips the mask's
-      compares and selects.  The start value ``m = -inf`` needs no guard
-      there: a visible tile's row max is finite, so ``alpha = exp2(-inf)
-      = 0``."""
-      if not cfg.unmasked_first_tile or range_ref is not None:
+      ``[full_lo, full_hi)``, as :func:`_masked_ranges` runs the tiles of
+      a loop (a ``lax.cond``).  The start value ``m = -inf`` needs no
+      guard there: a visible tile's row max is finite, so ``alpha =
+      exp2(-inf) = 0``."""
+      if range_ref is not None:
         # (segment ids: every computed tile takes the element mask)
         return probs(s, t, m, masked=True)
       return lax.cond((full_lo <= t) & (t < full_hi),
                       lambda: probs(s, t, m, masked=False),
                       lambda: probs(s, t, m, masked=True))
+
+    def probs_at(s, t, m, full_lo, full_hi):
+      """:func:`probs` for the overlapped loop's first tile: with the
+      element mask, or with ``unmasked_first_tile`` only where the tile
+      is not fully visible (:func:`probs_where_visible`), so that the
+      first tile of an unmasked call skips the mask's compares and
+      selects."""
+      if not cfg.unmasked_first_tile:
+        return probs(s, t, m, masked=True)
+      return probs_where_visible(s, t, m, full_lo, full_hi)
 
     def scores(slot, *, waited=False):
       """``S = Q K^T`` with tile ``slot``'s K (waited for unless
@@ -552,11 +560,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       None."""
       acc, m, l = carry
       if isinstance(masked, tuple):  # (full_lo, full_hi): at run time
-        full_lo, full_hi = masked
-        p, m_next, alpha = lax.cond(
-            (full_lo <= t) & (t < full_hi),
-            lambda: probs(s, t, m, masked=False),
-            lambda: probs(s, t, m, masked=True))
+        p, m_next, alpha = probs_where_visible(s, t, m, *masked)
       else:
         p, m_next, alpha = probs(s, t, m, masked=masked)
       l = l * alpha
