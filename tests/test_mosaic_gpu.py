@@ -1350,6 +1350,29 @@ def test_gpu_long_persistent_items(head_dim, options):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("options", [
+    dict(prefetch_q=True),
+    dict(prefetch_q=True, q_double_buffer=True),
+], ids=["prefetch-q", "double-q"])
+@pytest.mark.parametrize("kv_len", [1024, 4096])
+def test_gpu_long_persistent_causal_items(kv_len, options):
+  """The next item's Q loaded ahead (one buffer, and two used by
+  alternate items) on head_dim 64's persistent causal grid, the H200's
+  default up to 4096 keys: 32 heads at 1024 keys and 8 at 4096 make 512
+  items of 128 queries over 132 SMs, so every program runs three or four
+  items of unequal length (along the causal diagonal) and every Q buffer
+  is refilled; GQA, gradients too."""
+  config = dataclasses.replace(
+      mosaic_gpu.default_config("NVIDIA H200", 64, causal=True,
+                                kv_len=kv_len), **options)
+  assert config.persistent and config.prefetches_q
+  heads = 32 * 1024 // kv_len
+  case = (f"long-causal-items-{kv_len}", kv_len, kv_len, heads, 2, 64,
+          jnp.bfloat16, True, None, None)
+  _run(case, False, config)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("q_len,kv_len,fields", [
     (8192, 100, {}), (8192, 100, dict(q_double_buffer=True)),
     (8192, 1000, dict(compute_wgs=1)), (8256, 1000, dict(compute_wgs=3)),
