@@ -412,6 +412,11 @@ class MosaicConfig:
       built the default's kernel): on the H200 +6.3% in 20 ms rounds and
       +4.5% sustained at head_dim 64 non-causal with 1024 keys, level at
       2048, so the H200 default there up to 1024 keys (tuning.json).
+      With ``prefetch_q`` on head_dim 64's persistent causal grid (s37,
+      an H100): +4.0% in rounds and +1.7% sustained at 1024 keys (where
+      ``prefetch_q`` alone loses 3%), +1.4% / -0.5% at 2048, level at
+      4096; so both are the H200 default on causal calls of at most 1024
+      keys too.
     item_overlap: with ``intra_wg_overlap``, two consumers and
       ``prefetch_q`` (with ``early_q_release`` or ``q_double_buffer``) on
       the persistent grid, the overlapped loop runs on across a
@@ -1281,7 +1286,9 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
   8192 keys (it acts only on the persistent ones, up to 2048 keys); and
   ``kv_multicast`` on non-causal calls of at most 1024 keys at 128; and
   at 128 ``rescale_threshold`` 8 with ``deferred_row_sum`` on causal calls
-  up to 8192 keys and non-causal calls of 1025-2048 keys.
+  up to 8192 keys and non-causal calls of 1025-2048 keys; at 64
+  ``q_double_buffer`` on non-causal calls of at most 1024 keys, and with
+  ``prefetch_q`` on causal calls of at most 1024 keys.
   Where the benchmark's 20 ms samples and sustained load (0.5-1 s
   samples, the card at its power cap) disagree, the rules follow
   sustained load (docs/benchmarks/h200-2026-12-04-s29.md).
