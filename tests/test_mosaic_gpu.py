@@ -445,7 +445,9 @@ INTERPRET_VARIANTS.update({
 # each, the rest with the `slow` marker (`make test-all`).  The defaults'
 # options (bwd_paired_dkv, bwd_paired_dq, prefetch_q, lean_epilogue,
 # bwd_softmax_overlap, bwd_early_dv, three_wgs, intra_wg_overlap,
-# early_q_release, persistent_pairs, kv_multicast) run every case.
+# early_q_release, persistent_pairs, kv_multicast, and since s37
+# prefetch_q with q_double_buffer: head_dim 64's default at up to 1024
+# keys) run every case.
 EXPERIMENTS = {"three_wgs+intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "split_kv_release", "pv_then_qk", "pv_then_qk+row_sum_in_pv",
                "bwd_dq_late_release", "bwd_dkv_late_release",
@@ -459,7 +461,6 @@ EXPERIMENTS = {"three_wgs+intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
                "prefetch_q+l2_prefetch",
                "intra_wg_overlap+prefetch_q+early_q_release+l2_prefetch",
                "kv_multicast+persistent+l2_prefetch",
-               "prefetch_q+q_double_buffer",
                "intra_wg_overlap+prefetch_q+early_q_release+q_double_buffer",
                "kv_multicast+persistent+q_double_buffer",
                "persistent_pairs+prefetch_q+q_double_buffer",
