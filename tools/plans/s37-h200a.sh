@@ -3,7 +3,7 @@
 # The item-start lever of s36 (q_double_buffer: +6.3% at head_dim 64
 # non-causal 1024 keys) where it was never tried: head_dim 64 causal,
 # whose persistent grid (the default up to 4096 keys) runs without the
-# next Q prefetched since s20 (prefetch_q lost there, 266 against 282
+# next Q prefetched since 2026-12-01 (ece69db: prefetch_q lost there, 266 against 282
 # TFLOP/s at 1024 keys, before most of today's kernel); and head_dim 128
 # non-causal 1024/2048 keys, where it was timed only with item_overlap.
 # First their gpu tests (the causal ones new in s37), then each variant
