@@ -115,6 +115,15 @@ def test_interpret_with_race_detection(case):
   _run(case, RACES, case[-1])
 
 
+# Cases that only INTERPRET_VARIANTS name (the gpu tests' cross product
+# of CASES and configs leaves them out).  d64-gqa-k300: non-causal GQA
+# whose last key tile runs past the keys (TMA zero-fills it, the mask
+# drops it) with every query row real, so the loop run on across items
+# chains there (head_dim 64's default at 1025-2048 keys, s38).
+VARIANT_CASES = [
+    ("d64-gqa-k300", 256, 300, 4, 2, 64, jnp.bfloat16, False, None, TWO_WG),
+]
+
 # Options of the Hopper kernels, each run in the interpreter (race
 # detection) over the CASES that exercise it: {id: (MosaicConfig fields
 # over the case's own config, case names)}.
@@ -311,10 +320,11 @@ INTERPRET_VARIANTS.update({
     "item_overlap_plain": (
         dict(_PQ, item_overlap=True, compute_wgs=2, schedule_barrier=True),
         ["d64-full", "d192-q113-k17", "d128-full-6tiles", "d64-causal-2wg"]),
-    "item_overlap_plain+q_double_buffer": (
+    "item_overlap_plain+q_double_buffer": (  # (head_dim 64's default
+        # at 1025-2048 non-causal keys: GQA, a zero-filled last key tile)
         dict(_PQ, item_overlap=True, q_double_buffer=True, compute_wgs=2,
              schedule_barrier=True),
-        ["d64-full", "d192-q113-k17"]),
+        ["d64-full", "d192-q113-k17", "d64-gqa-k300"]),
     "item_overlap_plain_one_wg": (dict(_PQ, item_overlap=True),
                                   ["d64-full", "d128-full-6tiles"]),
     "kv_multicast+item_overlap_plain": (
@@ -481,7 +491,7 @@ def _variant_params():
 def test_interpret_variant(variant, name):
   """One kernel option on one case, in the interpreter with race
   detection (INTERPRET_VARIANTS says which cases and why)."""
-  case = next(c for c in CASES if c[0] == name)
+  case = next(c for c in CASES + VARIANT_CASES if c[0] == name)
   config = dataclasses.replace(case[-1], **INTERPRET_VARIANTS[variant][0])
   _run(case, RACES, config)
 
@@ -1351,6 +1361,24 @@ def test_gpu_long_persistent_items(head_dim, options):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_len", [1024, 2000, 2048])
+def test_gpu_long_persistent_default_items(kv_len):
+  """head_dim 64's tuned non-causal default on the persistent grid with
+  many items per program: two Q buffers up to 2048 keys and, from 1025,
+  the plain loop run on across items (s38's rule; at 2000 keys the last
+  key tile is zero-filled by TMA, and the loop still chains).  8192
+  queries make 512 items over 132 SMs (three or four per program, every
+  Q buffer refilled); GQA, gradients too."""
+  config = mosaic_gpu.default_config("NVIDIA H200", 64, causal=False,
+                                     kv_len=kv_len)
+  assert config.prefetches_q and config.q_double_buffer
+  assert config.item_overlap == (kv_len > 1024)
+  case = (f"long-items-default-{kv_len}", 8192, kv_len, 4, 2, 64,
+          jnp.bfloat16, False, None, None)
+  _run(case, False, config)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("options", [
     dict(prefetch_q=True),
     dict(prefetch_q=True, q_double_buffer=True),
@@ -1686,7 +1714,16 @@ def test_default_config_rules():
   # ... with two Q buffers up to 1024 keys (+6.3% in rounds, +4.5%
   # sustained at 1024 keys; level at 2048, s36).
   assert dflt(64, causal=False, kv_len=1024).q_double_buffer
-  assert not dflt(64, causal=False, kv_len=1025).q_double_buffer
+  assert not dflt(64, causal=False, kv_len=1024).item_overlap
+  # ... and from 1025 to 2048 keys with the loop run on across items too
+  # (+2.3% / +2.6% in rounds, +0.4% / +1.2% sustained at 2048 keys on the
+  # H200 in s36 / an H100 in s38).
+  for kv_len in (1025, 2048):
+    d64nc = dflt(64, causal=False, kv_len=kv_len)
+    assert d64nc.prefetches_q and d64nc.q_double_buffer
+    assert d64nc.item_overlap
+  assert not dflt(64, causal=False, kv_len=2049).q_double_buffer
+  assert not dflt(64, causal=False, kv_len=2049).item_overlap
   assert not dflt(64, causal=False, kv_len=16384).persistent
   # d256 non-causal: persistent with prefetch_q up to 1024 keys; from 1025
   # the plain grid in two-CTA clusters with K/V multicast and the lean
