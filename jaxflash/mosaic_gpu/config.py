@@ -411,7 +411,8 @@ class MosaicConfig:
       race detection.  Timed first in s36 (the H100 runs of s33/s34 had
       built the default's kernel): on the H200 +6.3% in 20 ms rounds and
       +4.5% sustained at head_dim 64 non-causal with 1024 keys, level at
-      2048, so the H200 default there up to 1024 keys (tuning.json).
+      2048, so the H200 default there up to 1024 keys (tuning.json);
+      with ``item_overlap`` at 1025-2048 keys since s38 (see there).
       With ``prefetch_q`` on head_dim 64's persistent causal grid (s37,
       an H100): +4.0% in rounds and +1.7% sustained at 1024 keys (where
       ``prefetch_q`` alone loses 3%), +1.4% / -0.5% at 2048, level at
@@ -460,7 +461,10 @@ class MosaicConfig:
       instructions per trip, 429 with two Q buffers, against 426) and
       460/584 bytes at 256.  On the H200 (s36): its GPU tests pass;
       +4.8% at head_dim 64 with 1024 keys, -1-2% at 2048, below
-      ``q_double_buffer`` alone (+6.3%): not a default.
+      ``q_double_buffer`` alone (+6.3%).  With ``q_double_buffer`` at
+      2048 keys: +2.3% in rounds and +0.4% sustained on the H200 (s36),
+      +2.6% / +1.2% on an H100 (s38), so both are the H200 default on
+      head_dim 64 non-causal calls of 1025-2048 keys (tuning.json).
     unmasked_first_tile: with ``intra_wg_overlap``, the first key tile
       of an item (whose softmax the overlapped loop computes before the
       loop, at the item's start) takes the element mask only where it is
@@ -1287,8 +1291,9 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
   ``kv_multicast`` on non-causal calls of at most 1024 keys at 128; and
   at 128 ``rescale_threshold`` 8 with ``deferred_row_sum`` on causal calls
   up to 8192 keys and non-causal calls of 1025-2048 keys; at 64
-  ``q_double_buffer`` on non-causal calls of at most 1024 keys, and with
-  ``prefetch_q`` on causal calls of at most 1024 keys.
+  ``q_double_buffer`` on non-causal calls of at most 2048 keys (with
+  ``item_overlap`` from 1025), and with ``prefetch_q`` on causal calls
+  of at most 1024 keys.
   Where the benchmark's 20 ms samples and sustained load (0.5-1 s
   samples, the card at its power cap) disagree, the rules follow
   sustained load (docs/benchmarks/h200-2026-12-04-s29.md).
