@@ -110,6 +110,22 @@ def _run(case, interpret, config):
                       window=window or (None, None))
 
 
+@contextlib.contextmanager
+def _chain_decisions():
+  """Records each answer of ``forward._chains_items`` (whether the
+  forward's loop runs on across work items, ``item_overlap``) while the
+  block traces kernels: a list of bools."""
+  from jaxflash.mosaic_gpu import forward
+  seen, chains = [], forward._chains_items
+
+  def spy(cfg, prob):
+    seen.append(chains(cfg, prob))
+    return seen[-1]
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(forward, "_chains_items", spy)
+    yield seen
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_interpret_with_race_detection(case):
   _run(case, RACES, case[-1])
@@ -494,6 +510,24 @@ def test_interpret_variant(variant, name):
   case = next(c for c in CASES + VARIANT_CASES if c[0] == name)
   config = dataclasses.replace(case[-1], **INTERPRET_VARIANTS[variant][0])
   _run(case, RACES, config)
+
+
+def test_interpret_variant_d64_gqa_k300_chains():
+  """The interpreter case of head_dim 64's 1025-2048-key default form
+  (``item_overlap_plain+q_double_buffer`` on d64-gqa-k300) runs the
+  chained loop, as VARIANT_CASES says: traced only (the chain is decided
+  while the kernel traces)."""
+  _, t, s, h, kh, d, dtype, causal, _, cfg = VARIANT_CASES[0]
+  config = dataclasses.replace(
+      cfg, **INTERPRET_VARIANTS["item_overlap_plain+q_double_buffer"][0])
+  spec = masks.MaskSpec(t, s, causal, None, None, None)
+  q = jax.ShapeDtypeStruct((2, t, h, d), dtype)
+  kv = jax.ShapeDtypeStruct((2, s, kh, d), dtype)
+  with _chain_decisions() as seen:
+    jax.jit(lambda q, k, v: mosaic_gpu.attention(
+        q, k, v, mask=spec, softmax_scale=d ** -0.5, config=config,
+        interpret=RACES)).trace(q, kv, kv)
+  assert seen and all(seen)
 
 
 @pytest.mark.parametrize("programs,units,steps", [
@@ -1368,14 +1402,17 @@ def test_gpu_long_persistent_default_items(kv_len):
   the plain loop run on across items (s38's rule; at 2000 keys the last
   key tile is zero-filled by TMA, and the loop still chains).  8192
   queries make 512 items over 132 SMs (three or four per program, every
-  Q buffer refilled); GQA, gradients too."""
+  Q buffer refilled); GQA, gradients too.  The chain is checked to be in
+  force from 1025 keys."""
   config = mosaic_gpu.default_config("NVIDIA H200", 64, causal=False,
                                      kv_len=kv_len)
   assert config.prefetches_q and config.q_double_buffer
   assert config.item_overlap == (kv_len > 1024)
   case = (f"long-items-default-{kv_len}", 8192, kv_len, 4, 2, 64,
           jnp.bfloat16, False, None, None)
-  _run(case, False, config)
+  with _chain_decisions() as seen:
+    _run(case, False, config)
+  assert seen and all(seen) == config.item_overlap
 
 
 @pytest.mark.gpu
@@ -1415,19 +1452,12 @@ def test_gpu_item_overlap_plain_chains(q_len, kv_len, fields):
   queries: whole 192-row groups, so no consumer of padding only) and
   two-CTA clusters; GQA, gradients too.  The chain is checked to be in
   force."""
-  from jaxflash.mosaic_gpu import forward
   config = dataclasses.replace(
       mosaic_gpu.default_config("NVIDIA H200", 64, causal=False,
                                 kv_len=1024), item_overlap=True, **fields)
-  seen, chains = [], forward._chains_items
-
-  def spy(cfg, prob):
-    seen.append(chains(cfg, prob))
-    return seen[-1]
   case = (f"chain-{q_len}-{kv_len}", q_len, kv_len, 4, 2, 64, jnp.bfloat16,
           False, None, None)
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(forward, "_chains_items", spy)
+  with _chain_decisions() as seen:
     _run(case, False, config)
   assert seen and all(seen)
 
