@@ -94,18 +94,24 @@ CASES = [
 ]
 
 
-def _run(case, interpret, config):
-  _, t, s, h, kh, d, dtype, causal, window, _ = case
-  args = numerics.random_inputs(
-      jax.random.key(zlib.crc32(case[0].encode())), batch=2, q_len=t,
-      kv_len=s, heads=h, kv_heads=kh, head_dim=d, dtype=dtype)
+def _case_fn(case, interpret, config):
+  """The Hopper attention of a case (its mask and scale): ``(q, k, v) ->
+  (out, lse)``."""
+  _, t, s, _, _, d, _, causal, window, _ = case
   spec = masks.MaskSpec(t, s, causal, None, *(window or (None, None)))
 
   def fn(q, k, v):
     return mosaic_gpu.attention(q, k, v, mask=spec, softmax_scale=d ** -0.5,
                                 config=config, interpret=interpret)
+  return fn
 
-  got = numerics.outputs_and_grads(fn, *args)
+
+def _run(case, interpret, config):
+  _, t, s, h, kh, d, dtype, causal, window, _ = case
+  args = numerics.random_inputs(
+      jax.random.key(zlib.crc32(case[0].encode())), batch=2, q_len=t,
+      kv_len=s, heads=h, kv_heads=kh, head_dim=d, dtype=dtype)
+  got = numerics.outputs_and_grads(_case_fn(case, interpret, config), *args)
   numerics.check_rule(got, *args, causal=causal,
                       window=window or (None, None))
 
@@ -517,16 +523,14 @@ def test_interpret_variant_d64_gqa_k300_chains():
   (``item_overlap_plain+q_double_buffer`` on d64-gqa-k300) runs the
   chained loop, as VARIANT_CASES says: traced only (the chain is decided
   while the kernel traces)."""
-  _, t, s, h, kh, d, dtype, causal, _, cfg = VARIANT_CASES[0]
+  case = VARIANT_CASES[0]
+  _, t, s, h, kh, d, dtype, _, _, cfg = case
   config = dataclasses.replace(
       cfg, **INTERPRET_VARIANTS["item_overlap_plain+q_double_buffer"][0])
-  spec = masks.MaskSpec(t, s, causal, None, None, None)
   q = jax.ShapeDtypeStruct((2, t, h, d), dtype)
   kv = jax.ShapeDtypeStruct((2, s, kh, d), dtype)
   with _chain_decisions() as seen:
-    jax.jit(lambda q, k, v: mosaic_gpu.attention(
-        q, k, v, mask=spec, softmax_scale=d ** -0.5, config=config,
-        interpret=RACES)).trace(q, kv, kv)
+    jax.jit(_case_fn(case, RACES, config)).trace(q, kv, kv)
   assert seen and all(seen)
 
 
