@@ -432,6 +432,11 @@ INTERPRET_VARIANTS.update({
     "three_wgs+prefetch_q": (dict(compute_wgs=3, schedule_barrier=False,
                                   persistent=True, prefetch_q=True),
                              ["d64-persistent-2wg-causal", "d64-full"]),
+    # ... and without the prefetch (the H100's head_dim 64 causal default
+    # at 4096 keys).
+    "three_wgs+persistent": (dict(compute_wgs=3, schedule_barrier=False,
+                                  persistent=True),
+                             ["d64-persistent-2wg-causal"]),
     # The intra-warpgroup overlap in three consumers (no ping-pong).
     "three_wgs+intra_wg_overlap": (dict(compute_wgs=3, schedule_barrier=False,
                                         intra_wg_overlap=True),
@@ -1420,6 +1425,25 @@ def test_gpu_long_persistent_default_items(kv_len):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_len", [4096, 8192])
+def test_gpu_h100_causal_three_consumers(kv_len):
+  """The H100 SXM's head_dim 64 causal default from 4096 keys (its
+  kind_kv_rules in tuning.json): three consumers of 192 query rows, on
+  the persistent grid at 4096 keys (22 groups a head, 16 heads and a
+  batch of 2 make 704 items of unequal length over 132 SMs) and on the
+  plain grid at 8192; GQA, gradients too, on whichever Hopper card runs
+  the test."""
+  config = mosaic_gpu.default_config("NVIDIA H100 80GB HBM3", 64,
+                                     causal=True, kv_len=kv_len)
+  assert config.compute_wgs == 3
+  assert config.persistent == (kv_len <= 4096)
+  heads = 16 * 4096 // kv_len
+  case = (f"long-causal-three-wg-{kv_len}", kv_len, kv_len, heads, 2, 64,
+          jnp.bfloat16, True, None, None)
+  _run(case, False, config)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("options", [
     dict(prefetch_q=True),
     dict(prefetch_q=True, q_double_buffer=True),
@@ -1910,6 +1934,18 @@ def test_default_config_rules():
                                                                 None)]:
     assert h100(d, causal=causal, kv_len=kv) == dflt(d, causal=causal,
                                                      kv_len=kv)
+  # ... with its own kv_rules after the entry's (kind_kv_rules): three
+  # head_dim 64 consumers on causal calls from 4096 keys (+8.7% / +5.6%
+  # at 4096 / 8192 on an H100, s39; they lost there on the H200).
+  for kv in (4096, 8192):
+    assert h100(64, causal=True, kv_len=kv) == dataclasses.replace(
+        dflt(64, causal=True, kv_len=kv), compute_wgs=3)
+    assert dflt(64, causal=True, kv_len=kv).compute_wgs == 2
+  assert h100(64, causal=True, kv_len=4096).persistent
+  assert h100(64, causal=True, kv_len=16384) == dflt(64, causal=True,
+                                                     kv_len=16384)
+  assert h100(64, causal=False, kv_len=4096) == dflt(64, causal=False,
+                                                     kv_len=4096)
   assert h100(128, kv_len=1024).persistent
   assert not mosaic_gpu.default_config("NVIDIA H100 PCIe", 128,
                                        kv_len=1024).persistent

@@ -1248,10 +1248,22 @@ def tuned_device_kinds() -> list[str]:
 def _entries(device_kind: str | None) -> dict:
   """tuning.json's entry for this device kind: its own, the one its alias
   names (the H100 SXM runs the H200's: 1.05-1.30x of the default entry's
-  forward on an H100, s35), else ``default``."""
+  forward on an H100, s35), else ``default``; with the kind's own
+  ``kind_kv_rules`` after each head_dim's ``kv_rules`` (the H100 SXM's
+  three head_dim 64 consumers on causal calls from 4096 keys, where
+  they lost on the H200: s39)."""
   tuning = _tuning()
   kind = tuning.get("aliases", {}).get(device_kind, device_kind)
-  return tuning["devices"].get(kind or "", tuning["devices"]["default"])
+  entries = tuning["devices"].get(kind or "", tuning["devices"]["default"])
+  extra = tuning.get("kind_kv_rules", {}).get(device_kind or "", {})
+  unknown = sorted(set(extra) - set(entries))
+  if unknown:
+    raise ValueError(f"tuning.json kind_kv_rules for {device_kind!r}: head"
+                     f" dims {unknown} have no entry")
+  return {dim: ({**fields, "kv_rules": [*fields.get("kv_rules", []),
+                                        *extra[dim]]}
+                if dim in extra else fields)
+          for dim, fields in entries.items()}
 
 
 def default_config(device_kind: str | None, head_dim_padded: int, *,
