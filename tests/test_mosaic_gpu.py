@@ -144,6 +144,10 @@ def test_interpret_with_race_detection(case):
 # chains there (head_dim 64's default at 1025-2048 keys, s38).
 VARIANT_CASES = [
     ("d64-gqa-k300", 256, 300, 4, 2, 64, jnp.bfloat16, False, None, TWO_WG),
+    # (330 queries: three consumers' 192-row groups chain only where no
+    # consumer's rows are all padding, more than 384 - 64 queries.)
+    ("d64-gqa-q330-k300", 330, 300, 4, 2, 64, jnp.bfloat16, False, None,
+     TWO_WG),
 ]
 
 # Options of the Hopper kernels, each run in the interpreter (race
@@ -356,6 +360,11 @@ INTERPRET_VARIANTS.update({
     "three_wgs+item_overlap_plain": (  # (q130: 192-row groups chain)
         dict(_PQ, item_overlap=True, compute_wgs=3, schedule_barrier=False),
         ["d128-mqa-2wg"]),
+    "three_wgs+item_overlap_plain+q_double_buffer": (  # (the H100's head_dim
+        # 64 non-causal default at 1025-2048 keys)
+        dict(_PQ, item_overlap=True, q_double_buffer=True, compute_wgs=3,
+             schedule_barrier=False),
+        ["d64-gqa-q330-k300"]),
     # Pairs of query groups per unit on the causal persistent grid (the
     # p-th longest, then the p-th shortest): an odd group count's middle
     # group alone (d256, 5 groups), GQA, two consumers, the Q prefetch
@@ -432,11 +441,15 @@ INTERPRET_VARIANTS.update({
     "three_wgs+prefetch_q": (dict(compute_wgs=3, schedule_barrier=False,
                                   persistent=True, prefetch_q=True),
                              ["d64-persistent-2wg-causal", "d64-full"]),
-    # ... and without the prefetch (the H100's head_dim 64 causal default
-    # at 4096 keys).
+    # ... without it and with two Q buffers (the H100's head_dim 64
+    # causal defaults at 2048-4096 keys and at 1024).
     "three_wgs+persistent": (dict(compute_wgs=3, schedule_barrier=False,
                                   persistent=True),
                              ["d64-persistent-2wg-causal"]),
+    "three_wgs+q_double_buffer": (dict(_PQ, compute_wgs=3,
+                                       schedule_barrier=False,
+                                       q_double_buffer=True),
+                                  ["d64-persistent-2wg-causal"]),
     # The intra-warpgroup overlap in three consumers (no ping-pong).
     "three_wgs+intra_wg_overlap": (dict(compute_wgs=3, schedule_barrier=False,
                                         intra_wg_overlap=True),
@@ -523,15 +536,17 @@ def test_interpret_variant(variant, name):
   _run(case, RACES, config)
 
 
-def test_interpret_variant_d64_gqa_k300_chains():
-  """The interpreter case of head_dim 64's 1025-2048-key default form
-  (``item_overlap_plain+q_double_buffer`` on d64-gqa-k300) runs the
-  chained loop, as VARIANT_CASES says: traced only (the chain is decided
-  while the kernel traces)."""
-  case = VARIANT_CASES[0]
+@pytest.mark.parametrize("variant,name", [
+    ("item_overlap_plain+q_double_buffer", "d64-gqa-k300"),
+    ("three_wgs+item_overlap_plain+q_double_buffer", "d64-gqa-q330-k300")])
+def test_interpret_variant_d64_gqa_chains(variant, name):
+  """The interpreter cases of head_dim 64's 1025-2048-key default forms
+  (the H200's two consumers and the H100's three) run the chained loop,
+  as VARIANT_CASES says: traced only (the chain is decided while the
+  kernel traces)."""
+  case = next(c for c in VARIANT_CASES if c[0] == name)
   _, t, s, h, kh, d, dtype, _, _, cfg = case
-  config = dataclasses.replace(
-      cfg, **INTERPRET_VARIANTS["item_overlap_plain+q_double_buffer"][0])
+  config = dataclasses.replace(cfg, **INTERPRET_VARIANTS[variant][0])
   q = jax.ShapeDtypeStruct((2, t, h, d), dtype)
   kv = jax.ShapeDtypeStruct((2, s, kh, d), dtype)
   with _chain_decisions() as seen:
@@ -1425,22 +1440,34 @@ def test_gpu_long_persistent_default_items(kv_len):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_len", [4096, 8192])
-def test_gpu_h100_causal_three_consumers(kv_len):
-  """The H100 SXM's head_dim 64 causal default from 4096 keys (its
-  kind_kv_rules in tuning.json): three consumers of 192 query rows, on
-  the persistent grid at 4096 keys (22 groups a head, 16 heads and a
-  batch of 2 make 704 items of unequal length over 132 SMs) and on the
-  plain grid at 8192; GQA, gradients too, on whichever Hopper card runs
-  the test."""
+@pytest.mark.parametrize("causal,q_len,kv_len,chains", [
+    (False, 8192, 1024, False), (False, 8192, 2048, False),
+    (False, 8250, 2000, True), (True, 1024, 1024, False),
+    (True, 2048, 2048, False), (True, 4096, 4096, False),
+    (True, 8192, 8192, False)])
+def test_gpu_h100_three_consumers(causal, q_len, kv_len, chains):
+  """The H100 SXM's head_dim 64 default from 1024 keys (its kind_kv_rules
+  in tuning.json): three consumers of 192 query rows over each call's
+  H200 form.  Non-causal: 8192 queries on the persistent grid with the Q
+  prefetch and two Q buffers (43 items of 192 rows a head over 132 SMs);
+  at 1025-2048 keys the loop runs on across items only where no
+  consumer's rows are all padding (8250 queries, not 8192: ``chains``),
+  the last key tile zero-filled by TMA at 2000 keys.  Causal: on the
+  persistent grid up to 4096 keys (two Q buffers at 1024) and the plain
+  grid at 8192, 16 heads at 4096 keys (8 at 8192, 64 at 1024 and 32 at
+  2048) and a batch of 2, so programs run items of unequal length.  GQA,
+  gradients too, on whichever Hopper card runs the test."""
   config = mosaic_gpu.default_config("NVIDIA H100 80GB HBM3", 64,
-                                     causal=True, kv_len=kv_len)
+                                     causal=causal, kv_len=kv_len)
   assert config.compute_wgs == 3
-  assert config.persistent == (kv_len <= 4096)
-  heads = 16 * 4096 // kv_len
-  case = (f"long-causal-three-wg-{kv_len}", kv_len, kv_len, heads, 2, 64,
-          jnp.bfloat16, True, None, None)
-  _run(case, False, config)
+  assert config.persistent == (not causal or kv_len <= 4096)
+  assert config.item_overlap == (not causal and kv_len > 1024)
+  heads = 4 if not causal else 16 * 4096 // kv_len
+  case = (f"h100-three-wg-{causal}-{q_len}-{kv_len}", q_len, kv_len, heads,
+          2, 64, jnp.bfloat16, causal, None, None)
+  with _chain_decisions() as seen:
+    _run(case, False, config)
+  assert seen and all(seen) == chains
 
 
 @pytest.mark.gpu
@@ -1929,23 +1956,24 @@ def test_default_config_rules():
   # The H100 SXM runs the H200's entry (aliases: 1.05-1.30x of the default
   # entry's forward on an H100, s35); other Hopper parts keep the default.
   h100 = functools.partial(mosaic_gpu.default_config, "NVIDIA H100 80GB HBM3")
-  for d, causal, kv in [(64, True, 2048), (128, False, 2048),
+  for d, causal, kv in [(64, True, 1000), (128, False, 2048),
                         (128, True, 4096), (256, False, 8192), (128, True,
                                                                 None)]:
     assert h100(d, causal=causal, kv_len=kv) == dflt(d, causal=causal,
                                                      kv_len=kv)
   # ... with its own kv_rules after the entry's (kind_kv_rules): three
-  # head_dim 64 consumers on causal calls from 4096 keys (+8.7% / +5.6%
-  # at 4096 / 8192 on an H100, s39; they lost there on the H200).
-  for kv in (4096, 8192):
-    assert h100(64, causal=True, kv_len=kv) == dataclasses.replace(
-        dflt(64, causal=True, kv_len=kv), compute_wgs=3)
-    assert dflt(64, causal=True, kv_len=kv).compute_wgs == 2
-  assert h100(64, causal=True, kv_len=4096).persistent
-  assert h100(64, causal=True, kv_len=16384) == dflt(64, causal=True,
-                                                     kv_len=16384)
-  assert h100(64, causal=False, kv_len=4096) == dflt(64, causal=False,
-                                                     kv_len=4096)
+  # head_dim 64 consumers from 1024 keys (+5-10% on an H100, s39; they
+  # lost there on the H200 in s16), with the rest of each call's form.
+  for causal in (False, True):
+    for kv in (1024, 2048, 4096, 8192):
+      assert h100(64, causal=causal, kv_len=kv) == dataclasses.replace(
+          dflt(64, causal=causal, kv_len=kv), compute_wgs=3)
+    assert dflt(64, causal=causal, kv_len=2048).compute_wgs == 2
+    assert h100(64, causal=causal, kv_len=1000) == dflt(
+        64, causal=causal, kv_len=1000)
+    assert h100(64, causal=causal) == dflt(64, causal=causal)
+  assert h100(64, causal=True, kv_len=1024).q_double_buffer
+  assert h100(64, kv_len=2048).item_overlap
   assert h100(128, kv_len=1024).persistent
   assert not mosaic_gpu.default_config("NVIDIA H100 PCIe", 128,
                                        kv_len=1024).persistent

@@ -1250,8 +1250,8 @@ def _entries(device_kind: str | None) -> dict:
   names (the H100 SXM runs the H200's: 1.05-1.30x of the default entry's
   forward on an H100, s35), else ``default``; with the kind's own
   ``kind_kv_rules`` after each head_dim's ``kv_rules`` (the H100 SXM's
-  three head_dim 64 consumers on causal calls from 4096 keys, where
-  they lost on the H200: s39)."""
+  three head_dim 64 consumers from 1024 keys, +5-10% there in s39; on
+  the H200 they lost below 4096 keys in s16)."""
   tuning = _tuning()
   kind = tuning.get("aliases", {}).get(device_kind, device_kind)
   entries = tuning["devices"].get(kind or "", tuning["devices"]["default"])
