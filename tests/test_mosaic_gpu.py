@@ -1444,7 +1444,7 @@ def test_gpu_long_persistent_default_items(kv_len):
     (False, 8192, 1024, False), (False, 8192, 2048, False),
     (False, 8250, 2000, True), (True, 1024, 1024, False),
     (True, 2048, 2048, False), (True, 4096, 4096, False),
-    (True, 8192, 8192, False)])
+    (True, 8192, 8192, False), (True, 16384, 16384, False)])
 def test_gpu_h100_three_consumers(causal, q_len, kv_len, chains):
   """The H100 SXM's head_dim 64 default from 1024 keys (its kind_kv_rules
   in tuning.json): three consumers of 192 query rows over each call's
@@ -1453,14 +1453,15 @@ def test_gpu_h100_three_consumers(causal, q_len, kv_len, chains):
   at 1025-2048 keys the loop runs on across items only where no
   consumer's rows are all padding (8250 queries, not 8192: ``chains``),
   the last key tile zero-filled by TMA at 2000 keys.  Causal: on the
-  persistent grid up to 4096 keys (two Q buffers at 1024) and the plain
-  grid at 8192, 16 heads at 4096 keys (8 at 8192, 64 at 1024 and 32 at
-  2048) and a batch of 2, so programs run items of unequal length.  GQA,
-  gradients too, on whichever Hopper card runs the test."""
+  persistent grid up to 4096 keys (two Q buffers at 1024) and at 16384,
+  the plain grid at 8192; 16 heads at 4096 keys (64 at 1024, 32 at 2048,
+  8 at 8192, 4 at 16384) and a batch of 2, so programs run items of
+  unequal length.  GQA, gradients too, on whichever Hopper card runs the
+  test."""
   config = mosaic_gpu.default_config("NVIDIA H100 80GB HBM3", 64,
                                      causal=causal, kv_len=kv_len)
   assert config.compute_wgs == 3
-  assert config.persistent == (not causal or kv_len <= 4096)
+  assert config.persistent == (not causal or kv_len != 8192)
   assert config.item_overlap == (not causal and kv_len > 1024)
   heads = 4 if not causal else 16 * 4096 // kv_len
   case = (f"h100-three-wg-{causal}-{q_len}-{kv_len}", q_len, kv_len, heads,
@@ -1972,6 +1973,9 @@ def test_default_config_rules():
     assert h100(64, causal=causal, kv_len=1000) == dflt(
         64, causal=causal, kv_len=1000)
     assert h100(64, causal=causal) == dflt(64, causal=causal)
+  # ... and the persistent grid on causal calls from 16384 keys.
+  assert h100(64, causal=True, kv_len=16384) == dataclasses.replace(
+      dflt(64, causal=True, kv_len=16384), persistent=True)
   assert h100(64, causal=True, kv_len=1024).q_double_buffer
   assert h100(64, kv_len=2048).item_overlap
   assert h100(128, kv_len=1024).persistent
