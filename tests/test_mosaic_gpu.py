@@ -1455,17 +1455,19 @@ def test_gpu_h100_three_consumers(causal, q_len, kv_len, chains):
   the last key tile zero-filled by TMA at 2000 keys.  Causal: on the
   persistent grid at every length (two Q buffers at 1024; by the H200
   entry up to 4096 keys, by the H100's own rule from 8192); 16 heads at
-  4096 keys (64 at 1024, 32 at 2048, 8 at 8192, 4 at 16384) and a batch of 2, so programs run items of
-  unequal length.  GQA, gradients too, on whichever Hopper card runs the
+  4096 keys (64 at 1024, 32 at 2048, 8 at 8192; 2 heads of one K/V head
+  at 16384, the reference's memory) and a batch of 2, so programs run
+  items of unequal length.  GQA, gradients too, on whichever Hopper card runs the
   test."""
   config = mosaic_gpu.default_config("NVIDIA H100 80GB HBM3", 64,
                                      causal=causal, kv_len=kv_len)
   assert config.compute_wgs == 3
   assert config.persistent
   assert config.item_overlap == (not causal and kv_len > 1024)
-  heads = 4 if not causal else 16 * 4096 // kv_len
+  heads, kv_heads = ((4, 2) if not causal else (2, 1) if kv_len > 8192
+                     else (16 * 4096 // kv_len, 2))
   case = (f"h100-three-wg-{causal}-{q_len}-{kv_len}", q_len, kv_len, heads,
-          2, 64, jnp.bfloat16, causal, None, None)
+          kv_heads, 64, jnp.bfloat16, causal, None, None)
   with _chain_decisions() as seen:
     _run(case, False, config)
   assert seen and all(seen) == chains
