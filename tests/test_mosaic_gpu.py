@@ -1457,8 +1457,8 @@ def test_gpu_h100_three_consumers(causal, q_len, kv_len, chains):
   entry up to 4096 keys, by the H100's own rule from 8192); 16 heads at
   4096 keys (64 at 1024, 32 at 2048, 8 at 8192; 2 heads of one K/V head
   at 16384, the reference's memory) and a batch of 2, so programs run
-  items of unequal length.  GQA, gradients too, on whichever Hopper card runs the
-  test."""
+  items of unequal length.  GQA, gradients too, on whichever Hopper card
+  runs the test."""
   config = mosaic_gpu.default_config("NVIDIA H100 80GB HBM3", 64,
                                      causal=causal, kv_len=kv_len)
   assert config.compute_wgs == 3
