@@ -220,6 +220,16 @@ def test_merge_runs(tmp_path):
   report.write_json(c, {**meta, "commit": "other"}, rows)
   with pytest.raises(ValueError, match="different commit"):
     report.merge([a, c])
+  # Several commits merge only when asked, each row keeping its own.
+  assert report.main(["--mixed-commits", str(tmp_path / "x"), a, c]) == 0
+  mixed_meta, mixed = report.read_json(str(tmp_path / "x.json"))
+  assert mixed_meta["commit"] == "abc1234+other"
+  assert sorted(r["commit"] for r in mixed) == (
+      ["abc1234"] + ["other"] * len(rows))
+  d = str(tmp_path / "d.json")
+  report.write_json(d, {**meta, "device_kind": "other"}, rows)
+  with pytest.raises(ValueError, match="different device_kind"):
+    report.merge([a, d], mixed_commits=True)
 
 
 def test_failing_implementation_is_a_row(monkeypatch):

@@ -1000,7 +1000,7 @@ GPU_CONFIGS = {
     "named-overlap-persistent-double-q-item-overlap": dataclasses.replace(
         _D128_PERSISTENT, q_double_buffer=True, item_overlap=True),
     # The default loop run on across items (item_overlap without the
-    # overlap; s36, not yet run on a GPU): the head_dim 64 persistent
+    # overlap; s36, first run on the H200 in s36): the head_dim 64 persistent
     # default with one Q buffer and two, and three consumers (the
     # head_dim 64 form from 4096 keys) without the ping-pong.
     "named-persistent-item-overlap": mosaic_gpu.MosaicConfig(

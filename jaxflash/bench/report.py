@@ -205,11 +205,15 @@ def read_json(path: str) -> tuple[dict, list[dict]]:
   return data, results
 
 
-def merge(paths: list[str]) -> tuple[dict, list[dict]]:
+def merge(paths: list[str], mixed_commits: bool = False
+          ) -> tuple[dict, list[dict]]:
   """One record from several runs of the same commit on the same card
   (a grid split across calls), each row tagged with its run's index in
   ``paths`` (``run``).  Refuses runs that differ in commit, device kind
-  or jax version."""
+  or jax version; with ``mixed_commits`` runs of several commits (whose
+  kernels for those rows are the same: say why in the record) merge, the
+  record's commit lists them in order and each row keeps its run's
+  (``commit``)."""
   metas, results = [], []
   for i, p in enumerate(paths):
     meta, rows = read_json(p)
@@ -217,15 +221,20 @@ def merge(paths: list[str]) -> tuple[dict, list[dict]]:
     # Each row keeps its run (the paired ratios compare rows of one run
     # only): the file's index, before a merged file's own run numbers.
     results += [{**r, "run": f"{i}" if r.get("run") is None
-                 else f"{i}.{r['run']}"} for r in rows]
+                 else f"{i}.{r['run']}",
+                 **({"commit": r.get("commit", meta.get("commit"))}
+                    if mixed_commits else {})} for r in rows]
   for key in ("commit", "device_kind", "jax_version"):
     values = sorted({str(m.get(key)) for m in metas})
-    if len(values) > 1:
+    if len(values) > 1 and not (key == "commit" and mixed_commits):
       raise ValueError(f"cannot merge runs with different {key}: {values}")
   # Grid order (head_dim, seq, causal), each run's order kept within.
   results.sort(key=lambda r: (r["head_dim"], r["seq_q"], r["causal"]))
   meta = dict(metas[0])
   meta["date"] = max(m["date"] for m in metas)
+  if mixed_commits:
+    meta["commit"] = "+".join(dict.fromkeys(str(m.get("commit"))
+                                            for m in metas))
   meta.pop("partial", None)
   if any(m.get("partial") for m in metas):
     meta["partial"] = True
@@ -233,14 +242,17 @@ def merge(paths: list[str]) -> tuple[dict, list[dict]]:
 
 
 def main(argv=None) -> int:
-  """``python -m jaxflash.bench.report OUT_STEM RUN.json...``: merge runs
-  into OUT_STEM.json/.md/.png."""
+  """``python -m jaxflash.bench.report [--mixed-commits] OUT_STEM
+  RUN.json...``: merge runs into OUT_STEM.json/.md/.png (runs of several
+  commits only with ``--mixed-commits``: see :func:`merge`)."""
   import sys
-  args = sys.argv[1:] if argv is None else argv
+  args = list(sys.argv[1:] if argv is None else argv)
+  mixed = "--mixed-commits" in args
+  args = [a for a in args if a != "--mixed-commits"]
   if len(args) < 2:
     print(main.__doc__, file=sys.stderr)
     return 2
-  meta, results = merge(args[1:])
+  meta, results = merge(args[1:], mixed_commits=mixed)
   write_json(args[0] + ".json", meta, results)
   with open(args[0] + ".md", "w") as f:
     f.write(markdown(meta, results))

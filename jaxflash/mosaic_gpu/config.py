@@ -91,7 +91,10 @@ class MosaicConfig:
       ``O`` tiles or 192-key tiles spill (876 bytes measured at
       ``block_kv=192``, head_dim 64).  Refused above padded head_dim
       192 (:data:`MAX_THREE_WG_HEAD_DIM`: ptxas cannot fit the 64 x 256
-      accumulator).
+      accumulator).  The default for long head_dim 64 calls on the H200
+      and, by tuning.json's ``kind_kv_rules``, for every head_dim 64 call
+      from 1024 keys on the H100 SXM (+3-10% over two consumers there,
+      s39).
     consumer_registers: registers per thread of each forward consumer
       warpgroup (``setmaxnreg``), None for the default: 232 with two
       consumers (tokamax's split, the producer 40), 160 with three.  240
