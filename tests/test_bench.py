@@ -223,9 +223,22 @@ def test_merge_runs(tmp_path):
   # Several commits merge only when asked, each row keeping its own.
   assert report.main(["--mixed-commits", str(tmp_path / "x"), a, c]) == 0
   mixed_meta, mixed = report.read_json(str(tmp_path / "x.json"))
-  assert mixed_meta["commit"] == "abc1234+other"
+  assert mixed_meta["commits"] == ["abc1234", "other"]
+  assert mixed_meta["commit"] == "abc1234, other"
   assert sorted(r["commit"] for r in mixed) == (
       ["abc1234"] + ["other"] * len(rows))
+  # A merged record merges again: its rows keep their commits.
+  _, again = report.merge([str(tmp_path / "x.json"), b],
+                          mixed_commits=True)
+  assert sorted(r["commit"] for r in again) == (
+      ["abc1234"] * len(rows) + ["other"] * len(rows))
+  # A setting the runs differ in moves into the rows.
+  e = str(tmp_path / "e.json")
+  report.write_json(e, {**meta, "tuned_for": "NVIDIA H200"}, rows[1:])
+  tuned_meta, tuned = report.merge([a, e])
+  assert tuned_meta["tuned_for"] is None
+  assert [r["tuned_for"] for r in tuned] == [None] + ["NVIDIA H200"] * (
+      len(rows) - 1)
   d = str(tmp_path / "d.json")
   report.write_json(d, {**meta, "device_kind": "other"}, rows)
   with pytest.raises(ValueError, match="different device_kind"):

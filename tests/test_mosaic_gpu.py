@@ -445,11 +445,13 @@ INTERPRET_VARIANTS.update({
     # causal defaults at 2048-4096 keys and at 1024).
     "three_wgs+persistent": (dict(compute_wgs=3, schedule_barrier=False,
                                   persistent=True),
-                             ["d64-persistent-2wg-causal"]),
+                             ["d64-persistent-2wg-causal",
+                              "d64-stages4-window-far"]),
     "three_wgs+q_double_buffer": (dict(_PQ, compute_wgs=3,
                                        schedule_barrier=False,
                                        q_double_buffer=True),
-                                  ["d64-persistent-2wg-causal"]),
+                                  ["d64-persistent-2wg-causal",
+                                   "d64-stages4-window-far"]),
     # The intra-warpgroup overlap in three consumers (no ping-pong).
     "three_wgs+intra_wg_overlap": (dict(compute_wgs=3, schedule_barrier=False,
                                         intra_wg_overlap=True),
@@ -1280,6 +1282,17 @@ GPU_CONFIGS = {
     "named-three-wg-prefetch-q-unpadded-q": mosaic_gpu.MosaicConfig(
         named_barriers=True, compute_wgs=3, block_kv=128, persistent=True,
         prefetch_q=True, unpadded_kv=True, unpadded_q=True),
+    # The H100 SXM's head_dim 64 forms from 1024 keys (s39; not yet run
+    # over these cases on a GPU): three consumers on the persistent grid
+    # (causal calls from 2048 keys), and with the next Q in a second
+    # buffer and the loop run on across items (non-causal 1025-2048).
+    "named-three-wg-persistent-unpadded-q": mosaic_gpu.MosaicConfig(
+        named_barriers=True, compute_wgs=3, block_kv=128, persistent=True,
+        unpadded_kv=True, unpadded_q=True),
+    "named-three-wg-double-q-item-overlap-unpadded-q": mosaic_gpu.MosaicConfig(
+        named_barriers=True, compute_wgs=3, block_kv=128, persistent=True,
+        prefetch_q=True, q_double_buffer=True, item_overlap=True,
+        unpadded_kv=True, unpadded_q=True),
     # The dK/dV kernel's dK wgmma left in flight into the next step, over
     # the d128 default with two and three stages, and the split passes.
     "bwd-d128-dkv-late": mosaic_gpu.MosaicConfig(
@@ -1454,7 +1467,7 @@ def test_gpu_h100_three_consumers(causal, q_len, kv_len, chains):
   consumer's rows are all padding (8250 queries, not 8192: ``chains``),
   the last key tile zero-filled by TMA at 2000 keys.  Causal: on the
   persistent grid at every length (two Q buffers at 1024; by the H200
-  entry up to 4096 keys, by the H100's own rule from 8192); 16 heads at
+  entry up to 4096 keys, by the H100's own rule from 4097); 16 heads at
   4096 keys (64 at 1024, 32 at 2048, 8 at 8192; 2 heads of one K/V head
   at 16384, the reference's memory) and a batch of 2, so programs run
   items of unequal length.  GQA, gradients too, on whichever Hopper card
@@ -1966,7 +1979,8 @@ def test_default_config_rules():
                                                      kv_len=kv)
   # ... with its own kv_rules after the entry's (kind_kv_rules): three
   # head_dim 64 consumers from 1024 keys (+5-10% on an H100, s39; they
-  # lost there on the H200 in s16), with the rest of each call's form.
+  # lost at most of these lengths on the H200 in s16), with the rest of
+  # each call's form.
   for causal in (False, True):
     for kv in (1024, 2048, 4096) + ((8192,) if not causal else ()):
       assert h100(64, causal=causal, kv_len=kv) == dataclasses.replace(
@@ -1975,16 +1989,53 @@ def test_default_config_rules():
     assert h100(64, causal=causal, kv_len=1000) == dflt(
         64, causal=causal, kv_len=1000)
     assert h100(64, causal=causal) == dflt(64, causal=causal)
-  # ... and the persistent grid on causal calls from 8192 keys.
-  for kv in (8192, 16384):
+  # ... and the persistent grid on causal calls from 4097 keys (after the
+  # entry's persistent_max_kv of 4096: every causal call).
+  for kv in (4097, 6144, 8192, 16384):
     assert h100(64, causal=True, kv_len=kv) == dataclasses.replace(
         dflt(64, causal=True, kv_len=kv), persistent=True, compute_wgs=3)
+    assert not dflt(64, causal=True, kv_len=kv).persistent
   assert h100(64, causal=True, kv_len=1024).q_double_buffer
   assert h100(64, kv_len=2048).item_overlap
   assert h100(128, kv_len=1024).persistent
   assert not mosaic_gpu.default_config("NVIDIA H100 PCIe", 128,
                                        kv_len=1024).persistent
   assert "NVIDIA H100 80GB HBM3" in mosaic_gpu.config.tuned_device_kinds()
+
+
+def test_tuning_rules_checked():
+  """tuning.json's rules are checked when it is read (this file's
+  passes), and a malformed rule, a misspelt kind or a head_dim without
+  an entry is a ValueError naming it."""
+  import copy
+
+  from jaxflash.mosaic_gpu import config
+  good = config._tuning()
+  config.check_tuning(good)
+  h100 = "NVIDIA H100 80GB HBM3"
+  assert h100 in good["kind_kv_rules"]
+
+  def bad(edit, match):
+    tuning = copy.deepcopy(good)
+    edit(tuning)
+    with pytest.raises(ValueError, match=match):
+      config.check_tuning(tuning)
+
+  rules = lambda t: t["kind_kv_rules"][h100]["64"]  # noqa: E731
+  bad(lambda t: t["kind_kv_rules"].update({"NVIDIA H100": {}}),
+      "'NVIDIA H100' has no entry and no alias")
+  bad(lambda t: t["kind_kv_rules"][h100].update({"32": []}),
+      "head_dim 32 has no entry in 'NVIDIA H200'")
+  bad(lambda t: t["kind_kv_rules"][h100].update({"64": {"causal": True}}),
+      "a list of rules")
+  bad(lambda t: rules(t)[0].update(min_kv="1024"), "is not")
+  bad(lambda t: rules(t)[0].update(causal=1), "is not")
+  bad(lambda t: rules(t)[0]["fields"].update(compute_wg=3),
+      r"\['compute_wg'\] are not MosaicConfig fields")
+  bad(lambda t: t["devices"]["NVIDIA H200"]["64"]["kv_rules"].append(
+      {"causal": False, "min_kv": -1, "fields": {}}),
+      "NVIDIA H200 64 kv_rules")
+
 
 
 def test_deterministic_turns_off_atomic_dq(monkeypatch):

@@ -212,29 +212,44 @@ def merge(paths: list[str], mixed_commits: bool = False
   ``paths`` (``run``).  Refuses runs that differ in commit, device kind
   or jax version; with ``mixed_commits`` runs of several commits (whose
   kernels for those rows are the same: say why in the record) merge, the
-  record's commit lists them in order and each row keeps its run's
-  (``commit``)."""
-  metas, results = [], []
-  for i, p in enumerate(paths):
+  record lists them in order (``commits``; ``commit`` joins them with
+  ", ") and each row keeps its run's (``commit``).  A setting the runs
+  differ in (``samples``, ``tuned_for``, ...) moves into each row, the
+  record's set to None."""
+  fixed = {"date", "partial", "commit", "commits", "device_kind",
+           "jax_version"}
+  metas, runs = [], []
+  for p in paths:
     meta, rows = read_json(p)
     metas.append(meta)
-    # Each row keeps its run (the paired ratios compare rows of one run
-    # only): the file's index, before a merged file's own run numbers.
-    results += [{**r, "run": f"{i}" if r.get("run") is None
-                 else f"{i}.{r['run']}",
-                 **({"commit": r.get("commit", meta.get("commit"))}
-                    if mixed_commits else {})} for r in rows]
+    runs.append(rows)
+  differ = {k for m in metas for k in m
+            if k not in fixed
+            and len({json.dumps(n.get(k), sort_keys=True)
+                     for n in metas}) > 1}
   for key in ("commit", "device_kind", "jax_version"):
     values = sorted({str(m.get(key)) for m in metas})
     if len(values) > 1 and not (key == "commit" and mixed_commits):
       raise ValueError(f"cannot merge runs with different {key}: {values}")
+  results = []
+  for i, (meta, rows) in enumerate(zip(metas, runs)):
+    # Each row keeps its run (the paired ratios compare rows of one run
+    # only): the file's index, before a merged file's own run numbers.
+    own = {k: meta.get(k) for k in differ}
+    if mixed_commits:
+      own["commit"] = meta.get("commit")
+    results += [{**own, **r, "run": f"{i}" if r.get("run") is None
+                 else f"{i}.{r['run']}"} for r in rows]
   # Grid order (head_dim, seq, causal), each run's order kept within.
   results.sort(key=lambda r: (r["head_dim"], r["seq_q"], r["causal"]))
   meta = dict(metas[0])
   meta["date"] = max(m["date"] for m in metas)
+  meta.update({k: None for k in differ})
   if mixed_commits:
-    meta["commit"] = "+".join(dict.fromkeys(str(m.get("commit"))
-                                            for m in metas))
+    commits = [c for m in metas
+               for c in (m.get("commits") or [str(m.get("commit"))])]
+    meta["commits"] = list(dict.fromkeys(commits))
+    meta["commit"] = ", ".join(meta["commits"])
   meta.pop("partial", None)
   if any(m.get("partial") for m in metas):
     meta["partial"] = True

@@ -130,7 +130,9 @@ class MosaicConfig:
       calls up to 4096 keys at head_dim 64 (+7.5% at 2048 keys, +2% at
       4096, 2026-12-04) and, with ``persistent_pairs``, up to 1024 keys
       at head_dim 128; without the pairs it is slower on causal calls at
-      head_dim >= 128.
+      head_dim >= 128.  On the H100 SXM (tuning.json's ``kind_kv_rules``)
+      every head_dim 64 causal call runs it: from 4097 keys with three
+      consumers, +5% at 8192 keys and +2.4-5.6% at 16384 (s39).
     intra_wg_overlap: FlashAttention-3's intra-warpgroup overlap
       (arXiv 2407.08608 §3.2): each consumer issues ``S_t = Q K_t^T`` and
       ``O += P_{t-1} V_{t-1}`` back to back and computes tile ``t``'s
@@ -1237,7 +1239,9 @@ INTERPRET_CONFIG = MosaicConfig(block_q=64, block_kv=64, stages=2,
 @functools.cache
 def _tuning() -> dict:
   with open(os.path.join(os.path.dirname(__file__), "tuning.json")) as f:
-    return json.load(f)
+    tuning = json.load(f)
+  check_tuning(tuning)
+  return tuning
 
 
 def tuned_device_kinds() -> list[str]:
@@ -1253,20 +1257,63 @@ def _entries(device_kind: str | None) -> dict:
   names (the H100 SXM runs the H200's: 1.05-1.30x of the default entry's
   forward on an H100, s35), else ``default``; with the kind's own
   ``kind_kv_rules`` after each head_dim's ``kv_rules`` (the H100 SXM's
-  three head_dim 64 consumers from 1024 keys, +5-10% there in s39; on
-  the H200 they lost below 4096 keys in s16)."""
+  three head_dim 64 consumers from 1024 keys, +3-10% there in s39, and
+  its persistent causal calls from 4097 keys; on the H200 three
+  consumers lost below 4096 keys non-causal and below 16384 causal in
+  s16)."""
   tuning = _tuning()
   kind = tuning.get("aliases", {}).get(device_kind, device_kind)
   entries = tuning["devices"].get(kind or "", tuning["devices"]["default"])
   extra = tuning.get("kind_kv_rules", {}).get(device_kind or "", {})
-  unknown = sorted(set(extra) - set(entries))
-  if unknown:
-    raise ValueError(f"tuning.json kind_kv_rules for {device_kind!r}: head"
-                     f" dims {unknown} have no entry")
   return {dim: ({**fields, "kv_rules": [*fields.get("kv_rules", []),
                                         *extra[dim]]}
                 if dim in extra else fields)
           for dim, fields in entries.items()}
+
+
+def check_tuning(tuning: dict) -> None:
+  """ValueError, naming the place and the offending value, where
+  tuning.json's rules are malformed: each ``kv_rules`` and
+  ``kind_kv_rules`` item must be ``{"causal": bool, "min_kv": int >= 0,
+  "fields": {MosaicConfig field: value}}``; a ``kind_kv_rules`` kind
+  must have an entry or an alias (a misspelt kind would be ignored), and
+  its head_dims must be in that entry."""
+  names = {f.name for f in dataclasses.fields(MosaicConfig)}
+
+  def check(rules, where):
+    if not isinstance(rules, list):
+      raise ValueError(f"tuning.json {where}: a list of rules, not"
+                       f" {rules!r}")
+    for rule in rules:
+      ok = (isinstance(rule, dict)
+            and set(rule) == {"causal", "min_kv", "fields"}
+            and isinstance(rule["causal"], bool)
+            and isinstance(rule["min_kv"], int)
+            and not isinstance(rule["min_kv"], bool)
+            and rule["min_kv"] >= 0 and isinstance(rule["fields"], dict))
+      if not ok:
+        raise ValueError(f"tuning.json {where}: {rule!r} is not"
+                         ' {"causal": bool, "min_kv": int >= 0,'
+                         ' "fields": {...}}')
+      unknown = sorted(set(rule["fields"]) - names)
+      if unknown:
+        raise ValueError(f"tuning.json {where}: {unknown} are not"
+                         " MosaicConfig fields")
+
+  for kind, entries in tuning["devices"].items():
+    for dim, fields in entries.items():
+      check(fields.get("kv_rules", []), f"{kind} {dim} kv_rules")
+  aliases = tuning.get("aliases", {})
+  for kind, dims in tuning.get("kind_kv_rules", {}).items():
+    target = aliases.get(kind, kind)
+    if target not in tuning["devices"]:
+      raise ValueError(f"tuning.json kind_kv_rules: {kind!r} has no entry"
+                       " and no alias")
+    for dim, rules in dims.items():
+      if dim not in tuning["devices"][target]:
+        raise ValueError(f"tuning.json kind_kv_rules {kind!r}: head_dim"
+                         f" {dim} has no entry in {target!r}")
+      check(rules, f"kind_kv_rules {kind!r} {dim}")
 
 
 def default_config(device_kind: str | None, head_dim_padded: int, *,
@@ -1288,27 +1335,28 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
   128 entry runs causal calls of up to 1024 keys persistent with pairs.
 
   An entry's ``kv_rules`` (a list of ``{"causal": bool, "min_kv": int,
-  "fields": {...}}``) replace those fields for calls of that causal
-  setting with at least ``min_kv`` keys (none applies where ``kv_len``
-  is not given): on the H200 the head_dim 64 backward's 128-query tiles
-  pay on every non-causal call and on causal calls from 4096 keys, the
-  head_dim 64 forward's three consumers on non-causal calls from 4096
-  keys and causal ones from 16384, the forward's 176-key tiles at
-  head_dim 128 on non-causal calls from 8192 keys (without the
-  intra-warpgroup overlap, which the head_dim 128 entry sets for the
-  other calls), and the overlap at head_dim 256 on causal calls and on
-  non-causal ones from 1025 keys (the persistent grid without it below),
-  and at head_dim 256 the lean epilogue and ``kv_multicast`` on
-  non-causal calls from 1025 keys (the plain grid); the lean epilogue on
-  every causal call at 256 and on non-causal calls below 8192 keys at
-  128; ``early_q_release`` on non-causal calls at head_dim 128 below
-  8192 keys (it acts only on the persistent ones, up to 2048 keys); and
-  ``kv_multicast`` on non-causal calls of at most 1024 keys at 128; and
+  "fields": {...}}``) replace those fields for calls of that causal setting
+  with at least ``min_kv`` keys (none applies where ``kv_len`` is not
+  given), and then a device kind's own ``kind_kv_rules`` (the H100 SXM's:
+  three head_dim 64 consumers from 1024 keys, persistent causal calls from
+  4097, s39). On the H200 the head_dim 64 backward's 128-query tiles pay on
+  every non-causal call and on causal calls from 4096 keys, the head_dim 64
+  forward's three consumers on non-causal calls from 4096 keys and causal
+  ones from 16384, the forward's 176-key tiles at head_dim 128 on non-causal
+  calls from 8192 keys (without the intra-warpgroup overlap, which the
+  head_dim 128 entry sets for the other calls), and the overlap at head_dim
+  256 on causal calls and on non-causal ones from 1025 keys (the persistent
+  grid without it below), and at head_dim 256 the lean epilogue and
+  ``kv_multicast`` on non-causal calls from 1025 keys (the plain grid); the
+  lean epilogue on every causal call at 256 and on non-causal calls below
+  8192 keys at 128; ``early_q_release`` on non-causal calls at head_dim 128
+  below 8192 keys (it acts only on the persistent ones, up to 2048 keys);
+  and ``kv_multicast`` on non-causal calls of at most 1024 keys at 128; and
   at 128 ``rescale_threshold`` 8 with ``deferred_row_sum`` on causal calls
   up to 8192 keys and non-causal calls of 1025-2048 keys; at 64
   ``q_double_buffer`` on non-causal calls of at most 2048 keys (with
-  ``item_overlap`` from 1025), and with ``prefetch_q`` on causal calls
-  of at most 1024 keys.
+  ``item_overlap`` from 1025), and with ``prefetch_q`` on causal calls of at
+  most 1024 keys.
   Where the benchmark's 20 ms samples and sustained load (0.5-1 s
   samples, the card at its power cap) disagree, the rules follow
   sustained load (docs/benchmarks/h200-2026-12-04-s29.md).
