@@ -2035,6 +2035,9 @@ def test_tuning_rules_checked():
   bad(lambda t: t["devices"]["NVIDIA H200"]["64"]["kv_rules"].append(
       {"causal": False, "min_kv": -1, "fields": {}}),
       "NVIDIA H200 64 kv_rules")
+  # A key given twice (json.loads would keep the last silently).
+  with pytest.raises(ValueError, match=r"given twice.*\['status'\]"):
+    config.load_tuning('{"status": {}, "devices": {}, "status": {}}')
 
 
 

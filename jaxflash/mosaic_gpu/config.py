@@ -1236,12 +1236,28 @@ INTERPRET_CONFIG = MosaicConfig(block_q=64, block_kv=64, stages=2,
                                 schedule_barrier=False, bwd_compute_wgs=1)
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+  """json's object hook: a key given twice is a ValueError (json.load
+  would keep the last one silently)."""
+  keys = [k for k, _ in pairs]
+  twice = sorted({k for k in keys if keys.count(k) > 1})
+  if twice:
+    raise ValueError(f"tuning.json: keys given twice in one object: {twice}")
+  return dict(pairs)
+
+
+def load_tuning(text: str) -> dict:
+  """tuning.json's text, parsed (no key given twice in an object) and
+  checked (:func:`check_tuning`)."""
+  tuning = json.loads(text, object_pairs_hook=_unique_keys)
+  check_tuning(tuning)
+  return tuning
+
+
 @functools.cache
 def _tuning() -> dict:
   with open(os.path.join(os.path.dirname(__file__), "tuning.json")) as f:
-    tuning = json.load(f)
-  check_tuning(tuning)
-  return tuning
+    return load_tuning(f.read())
 
 
 def tuned_device_kinds() -> list[str]:
@@ -1252,6 +1268,7 @@ def tuned_device_kinds() -> list[str]:
           + list(tuning.get("aliases", {})))
 
 
+@functools.cache
 def _entries(device_kind: str | None) -> dict:
   """tuning.json's entry for this device kind: its own, the one its alias
   names (the H100 SXM runs the H200's: 1.05-1.30x of the default entry's
