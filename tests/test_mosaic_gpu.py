@@ -31,11 +31,32 @@ RACES = plgpu.InterpretGPUParams(detect_races=True)
 
 
 @pytest.fixture(autouse=True)
-def _no_races(capfd):
-  """jax's race detector prints "RACE DETECTED" and carries on: fail on it."""
+def _no_races(capfd, request):
+  """jax's race detector prints "RACE DETECTED" and carries on: fail on it
+  (split_tail's tests: on any race but the merge's, _tail_merge_race)."""
   yield
   out, err = capfd.readouterr()
-  assert "RACE DETECTED" not in out + err, out + err
+  races = (out + err).split("RACE DETECTED")[1:]
+  if "split_tail" in request.node.name:
+    races = [r for r in races if not _tail_merge_race(r)]
+  assert not races, out + err
+
+
+def _tail_merge_race(report: str) -> bool:
+  """Whether a race report is split_tail's merge: an item's owner reading
+  the workspace rows that a part in an earlier program wrote.  On a GPU
+  the part's semaphore signal and the owner's wait order the two; the
+  interpreter runs no semaphores (the kernel leaves them out there), runs
+  the programs one after the other, which orders them as well, but
+  starts each program's clocks afresh, so its detector reports the pair.
+  Any other pair of accesses is still a race."""
+  accesses = [line for line in report.splitlines()
+              if line.strip().startswith(("read of", "write of"))][:2]
+  return (len(accesses) == 2
+          and "merge_parts.<locals>.add_part)" in accesses[0]
+          and accesses[0].strip().startswith("read of")
+          and "epilogue.<locals>._)" in accesses[1]
+          and accesses[1].strip().startswith("write of"))
 ONE_WG = mosaic_gpu.INTERPRET_CONFIG
 TWO_WG = mosaic_gpu.MosaicConfig(block_q=64, block_kv=64, stages=2,
                                  compute_wgs=2, p_in_smem=True,
@@ -610,18 +631,18 @@ _SPLIT_TAIL = [
 
 
 @contextlib.contextmanager
-def _merged_plans():
-  """The TailSplit plans forward.merge_tail is called with meanwhile (the
-  kernel ran split_tail's form)."""
+def _split_plans():
+  """The TailSplit plans the forward's launches meanwhile ran (None where
+  split_tail did not apply)."""
   from jaxflash.mosaic_gpu import forward
-  merged, merge = [], forward.merge_tail
+  plans, plan_of = [], forward.tail_split
 
   def spy(*args, **kwargs):
-    merged.append(args[4])
-    return merge(*args, **kwargs)
+    plans.append(plan_of(*args, **kwargs))
+    return plans[-1]
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(forward, "merge_tail", spy)
-    yield merged
+    mp.setattr(forward, "tail_split", spy)
+    yield plans
 
 
 @pytest.mark.parametrize("case", _SPLIT_TAIL, ids=[c[0] for c in _SPLIT_TAIL])
@@ -653,76 +674,49 @@ def test_interpret_split_tail(case):
     return mosaic_gpu.attention(q, k, v, mask=spec, softmax_scale=d ** -0.5,
                                 config=config, interpret=RACES)
 
-  with _merged_plans() as merged:
+  with _split_plans() as plans:
     numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
                         causal=False)
-  assert merged == [plan]  # the kernel ran the split
+  assert plans and set(plans) == {plan}  # the kernel ran the split
 
 
-@pytest.mark.parametrize("programs,whole,left,steps,heads,groups", [
-    (2, 1, 1, 5, 3, 1), (132, 15, 68, 16, 16, 16), (132, 31, 4, 16, 32, 8),
-    (132, 7, 100, 16, 8, 16), (132, 1, 20, 4, 8, 19), (132, 1, 1, 2, 1,
-                                                         133)])
-def test_merge_tail_keeps_float32_precision(programs, whole, left, steps,
-                                            heads, groups):
-  """merge_tail against a NumPy split-KV combine over TailSplit.parts():
-  the segments' outputs stored as 16-bit hi/lo halves merge to the
-  float32 result within ~2^-16 (hi alone would be off by up to 2^-9),
-  LSEs by logaddexp; rows no segment saw stay -inf with a zero output;
-  every other row keeps what the kernel wrote; slots no segment wrote
-  (NaN here: the workspace is not initialised) do not reach the output.
-  Plans of the benchmark's head_dim 128, 64 and 256 calls (2048 items at
-  2048 keys, 4096 at 1024, 1024 at 1024 over 132 SMs), two with fewer
-  left steps than programs (empty runs between an item's first and last
-  program) and one of the interpreter's."""
+@pytest.mark.parametrize("programs,units,steps", [
+    (132, 2048, 16), (132, 2048, 47), (132, 1024, 16), (132, 4096, 16),
+    (132, 4096, 64), (132, 100, 8), (132, 152, 4), (132, 133, 2),
+    (132, 133, 132), (2, 3, 5), (2, 3, 1), (2, 3, 2), (2, 5, 2), (7, 30, 3),
+    (7, 30, 4)])
+def test_tail_split_owners(programs, units, steps):
+  """The kernel's merge order (TailSplit's formulas, which the kernel
+  evaluates on int32 arrays): every left item has one owner, the program
+  that holds its last step, whose run's first segment (k = 0) it is;
+  its other parts are those of the programs first_program(j) .. owner -
+  1 whose runs are not empty (n_other_parts of them), each the slot k =
+  j - run(s)[0] // steps of its program.  A run's second segment never
+  owns its item, so each program signals that part before it waits as
+  an owner: waits go from later programs to earlier ones only (no
+  cycle).  With fewer left steps than programs (4096 items of 16 steps,
+  133 of 2, ...) some runs are empty."""
   from jaxflash.mosaic_gpu import forward
-  plan = forward.TailSplit(programs, whole, left, steps)
-  rows, dp = 4, 8
-  units = whole * programs + left
-  batch = -(-units // (heads * groups))
-  rng = np.random.default_rng(units)
-  o_f32 = rng.normal(size=(programs, 2, rows, dp)).astype(np.float32)
-  lse_f32 = rng.normal(size=(programs, 2, rows)).astype(np.float32) * 3
-  lse_f32[:, :, -1] = -np.inf  # a padding row: no key seen
-  o_f32[:, :, -1] = 0.0
-  written = np.zeros((programs, 2), bool)
-  for segs in plan.parts():
-    for sm, k, _, _ in segs:
-      written[sm, k] = True
-  o_f32[~written] = np.nan
-  lse_f32[~written] = np.nan
-  hi = o_f32.astype(jnp.bfloat16)
-  lo = (o_f32 - hi.astype(np.float32)).astype(jnp.bfloat16)
-  o_parts = jnp.stack([hi, lo], axis=2)  # [P, 2, 2, rows, dp]
-  out = jnp.full((batch, groups * rows, heads, dp), 7.0, jnp.float32)
-  lse = jnp.full((batch, heads, groups * rows), 7.0, jnp.float32)
-  got_o, got_lse = forward.merge_tail(
-      out, lse, o_parts, jnp.asarray(lse_f32), plan, num_heads=heads,
-      units_per_bh=groups, group_rows=rows)
-  got_o, got_lse = np.asarray(got_o), np.asarray(got_lse)
-  touched = np.zeros(got_lse.shape, bool)
+  plan = forward.TailSplit(programs, units // programs, units % programs,
+                           steps)
   for j, segs in enumerate(plan.parts()):
-    w = plan.first_left + j
-    h, b, g = w % heads, w // heads // groups, w // heads % groups
-    rs = slice(g * rows, (g + 1) * rows)
-    parts_lse = np.stack([lse_f32[sm, k] for sm, k, _, _ in segs])
-    parts_o = np.stack([o_f32[sm, k] for sm, k, _, _ in segs])
-    want_lse = np.logaddexp.reduce(parts_lse, axis=0)
-    wt = np.exp(parts_lse[:, :-1] - want_lse[None, :-1])
-    want_o = (wt[..., None] * parts_o[:, :-1]).sum(0)
-    np.testing.assert_allclose(got_lse[b, h, rs][:-1], want_lse[:-1],
-                               rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(got_o[b, rs, h][:-1], want_o, rtol=2e-5,
-                               atol=2e-5)
-    assert got_lse[b, h, rs][-1] == -np.inf and not got_o[b, rs, h][-1].any()
-    touched[b, h, rs] = True
-  assert (got_lse[~touched] == 7.0).all()
-  assert (got_o.transpose(0, 2, 1, 3)[~touched] == 7.0).all()
+    owners = [(sm, k) for sm, k, _, hi in segs if hi == steps]
+    assert len(owners) == 1 and owners[0][1] == 0
+    owner = owners[0][0]
+    g0, g1 = plan.run(owner)
+    assert g1 - j * steps >= steps  # the kernel's owner test
+    first = plan.first_program(j)
+    others = sorted((sm, k) for sm, k, _, _ in segs if sm != owner)
+    assert [sm for sm, _ in others] == [
+        s for s in range(first, owner) if plan.run(s)[1] > plan.run(s)[0]]
+    assert len(others) == plan.n_other_parts(owner, first)
+    assert all(k == j - plan.run(sm)[0] // steps for sm, k in others)
 
 
 def test_split_tail_applies_only_to_uniform_items():
   """No plan where items differ (causal, windows, segment ids), on the
-  plain grid, or where the programs divide the items."""
+  plain grid, where the programs divide the items, or without Pallas'
+  barriers."""
   from jaxflash.mosaic_gpu import forward
   cfg = dataclasses.replace(TWO_WG, persistent=True, split_tail=True)
 
@@ -739,6 +733,8 @@ def test_split_tail_applies_only_to_uniform_items():
   assert forward.tail_split(cfg, prob(), 2, 4) is None
   off = dataclasses.replace(cfg, split_tail=False)
   assert forward.tail_split(off, prob(), 2, 3) is None
+  no_bar = dataclasses.replace(cfg, no_auto_barriers=True, p_in_smem=False)
+  assert forward.tail_split(no_bar, prob(), 2, 3) is None
 
 
 def _max_jump_inputs(t, h, d, jump_key, jump_query):
@@ -1534,25 +1530,29 @@ def test_gpu_item_overlap_plain_chains(q_len, kv_len, fields):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim,kv_len", [(64, 1024), (64, 2048),
-                                             (128, 1024), (128, 2048),
-                                             (256, 1024)])
-def test_gpu_split_tail(head_dim, kv_len):
+@pytest.mark.parametrize("head_dim,kv_len,q_len,heads", [
+    (64, 1024, 2048, 6), (64, 2048, 2048, 6), (128, 1024, 2048, 6),
+    (128, 2048, 2048, 6), (256, 1024, 2048, 6), (64, 1024, 2176, 4)])
+def test_gpu_split_tail(head_dim, kv_len, q_len, heads):
   """split_tail on the H200's tuned non-causal config of the benchmark's
   persistent calls (132 programs; head_dim 128 with 1024 keys without its
   two-CTA clusters, which split_tail does not take): 2 x 2048 queries x 6
   heads make 192 items of 128 rows, so the last 60 are split along the
-  keys; GQA, gradients too; the merge is checked to run."""
+  keys, between two or three programs each, whose parts the owner merges
+  in the kernel after its semaphore wait.  2 x 2176 queries x 4 heads
+  make 136 items: the last 4, of 8 key tiles each, go to 32 programs of
+  one tile (the others' runs are empty), 8 parts per item.  GQA,
+  gradients too; the split is checked to run."""
   config = dataclasses.replace(
       mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=False,
                                 kv_len=kv_len), split_tail=True,
       kv_multicast=False)
   assert config.persistent
-  case = (f"split-tail-{head_dim}-{kv_len}", 2048, kv_len, 6, 2, head_dim,
-          jnp.bfloat16, False, None, None)
-  with _merged_plans() as merged:
+  case = (f"split-tail-{head_dim}-{kv_len}-{q_len}", q_len, kv_len, heads,
+          2, head_dim, jnp.bfloat16, False, None, None)
+  with _split_plans() as plans:
     _run(case, False, config)
-  assert merged and merged[0].left > 0
+  assert plans and all(p is not None and p.left > 0 for p in plans)
 
 
 def test_item_overlap_only_where_consumers_take_the_same_turns():

@@ -490,11 +490,13 @@ class MosaicConfig:
       one per program (Stream-K's "data-parallel + one-tile stream-K"
       hybrid, arXiv 2301.03598: each program takes whole items round
       robin, then ``1/P`` of the remaining key-tile steps, which span at
-      most two items).  A run's normalised output and LSE go to a
-      workspace, in float32 as two 16-bit halves (``hi`` = the value
-      rounded, ``lo`` = the rest rounded), and are merged after the
-      kernel by FlashAttention's split-KV combine (weights
-      ``exp(lse_part - lse)``; :func:`jaxflash.mosaic_gpu.forward.merge_tail`).
+      most two items).  An item's last part owns it; the others write
+      their unnormalised accumulator, running max and row sum to a
+      float32 workspace in global memory and signal a semaphore, and
+      the owner waits for them and merges them into its own accumulator
+      in the kernel, as FlashAttention's split-KV combine
+      (``forward.TailSplit``; until s40 the merge ran after the kernel,
+      in XLA).
       Why: the benchmark's 16,384-token calls have 2048 work items at
       head_dim 128 (1024 at 256, 4096 at 64) for 132 SMs, 15.5 waves
       (7.8, 31.0): in the last one 64 SMs (100, 128) sit idle for an

@@ -269,10 +269,23 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     q_ref, k_ref, v_ref, *refs = refs
     qseg_ref = kvseg_ref = range_ref = None
   o_ref, lse_ref, *refs = refs
-  # split_tail: the split items' segments' outputs and LSEs (TailSplit).
-  ows_ref, lsews_ref = (None, None) if tail is None else refs[:2]
+  # split_tail: the workspace of the split items' segments (TailSplit):
+  # each consumer's rows of a segment's unnormalised output and their
+  # running max and row sum, in float32.
+  accws_ref, mlws_ref = (None, None) if tail is None else refs[:2]
   if tail is not None:
     refs = refs[2:]
+  # split_tail on a GPU: one semaphore per split item and consumer, which
+  # each part that does not own the item signals once its workspace rows
+  # are written (global memory, kept across calls: each wait takes back
+  # what it waited for, so that every call starts from zero).  The
+  # interpreter runs no semaphores; it runs the programs one after the
+  # other, so that an item's owner (its last part) reads what the others
+  # wrote before.
+  tail_sems = None
+  if tail is not None and in_place:
+    tail_sems = pl.get_global(
+        plgpu.SemaphoreType.REGULAR((tail.left * cfg.compute_wgs,)))
   (qo_smem2, k_smem, v_smem, lse_smem2, k_ready, v_ready,
    q_ready, k_free, v_free, *extra) = refs
   p_smem2 = extra.pop(0) if cfg.p_in_smem else None
@@ -1014,13 +1027,84 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       run(hi, u_hi, lambda t, c: skip(first_step + t - u_lo, c), ())
       return acc, m, l
 
+    def merge_parts(acc, m, l, *, sm, j, first_sm):
+      """``split_tail``: the owner of left item ``j`` (program ``sm``,
+      holding its last key tiles) adds the parts of programs ``first_sm
+      .. sm - 1`` to its own, as FlashAttention's split-KV combine but on
+      the unnormalised accumulators (each part's ``acc`` and row sum
+      ``l`` against its own running max ``m``, base 2): against the
+      larger max ``M``, ``acc = acc 2^(m - M) + acc_p 2^(m_p - M)``,
+      likewise ``l``.  Parts are added in program order, one at a time
+      (one part's accumulator in registers beside this one's)."""
+      rows = pl.ds(wg * bq, bq)
+      n_others = tail.n_other_parts(sm, first_sm)
+      if tail_sems is not None:
+        # One thread spins until the others have signalled, then an
+        # acquire fence and the warpgroup barrier (CUTLASS's
+        # GenericBarrier::wait_eq); the wait takes the signals back.
+        pl.when(jnp.asarray(n_others) > 0)(lambda: plgpu.semaphore_wait(
+            tail_sems.at[j * cfg.compute_wgs + wg], n_others,
+            decrement=True, memory_scope="gpu"))
+
+      def add_part(s, carry):
+        acc, m, l = carry
+        k = j - lax.div(tail.run(s)[0], tail.steps)  # s's slot of item j
+        m_p = plgpu.load(mlws_ref.at[s, k, 0, rows], layout=row,
+                         optimized=False)
+        l_p = plgpu.load(mlws_ref.at[s, k, 1, rows], layout=row,
+                         optimized=False)
+        top = jnp.maximum(m, m_p)
+        # Rows that no part saw a key of keep -inf: 2^(-inf - 0) = 0.
+        top_safe = jnp.where(top == -jnp.inf, 0.0, top)
+        a, a_p = jnp.exp2(m - top_safe), jnp.exp2(m_p - top_safe)
+        acc_p = plgpu.load(accws_ref.at[s, k, rows],
+                           layout=plgpu.Layout.WGMMA, optimized=False)
+        acc = (acc * lax.broadcast_in_dim(a, acc.shape, [0])
+               + acc_p * lax.broadcast_in_dim(a_p, acc.shape, [0]))
+        return acc, top, l * a + l_p * a_p
+
+      def add(s, carry):
+        if tail.total >= tail.programs:  # every run has a step
+          return add_part(s, carry)
+        g0, g1 = tail.run(s)  # runs of one step or none
+        return lax.cond(g1 > g0, lambda c: add_part(s, c), lambda c: c,
+                        carry)
+
+      return lax.fori_loop(first_sm, sm, add, (acc, m, l))
+
     def epilogue(acc, m, l, part=None):
       """Normalise this consumer's rows of an item and store them and
       their LSE (the variables of the item: :func:`consume`'s).
-      ``part=(is_segment, sm, k)`` (``split_tail``): a segment's go to
-      workspace slot ``(sm, k)`` instead, the output as two 16-bit halves
-      (:func:`merge_tail` adds them in float32)."""
+      ``part=(is_segment, sm, k, j, owner, first_sm)`` (``split_tail``):
+      a segment that does not own its item writes ``acc``, ``m`` and
+      ``l`` to workspace slot ``(sm, k)`` and signals; the owner (the
+      item's last part) first merges the other parts into its own
+      (:func:`merge_parts`)."""
       l = finish_row_sum(l, deferred=deferred_sum)
+      stores = None
+      if part is not None:
+        segment, sm, k, j, owner, first_sm = part
+        stores = jnp.logical_not(segment) | owner
+        rows = pl.ds(wg * bq, bq)
+
+        @pl.when(jnp.logical_not(stores))
+        def _():
+          # Straight from registers into global memory (the float32
+          # accumulator has no shared-memory slot of its own).
+          accws_ref[sm, k, rows] = acc
+          mlws_ref[sm, k, 0, rows] = m
+          mlws_ref[sm, k, 1, rows] = l
+          if tail_sems is not None:
+            # After Pallas' warpgroup barrier (every thread's stores
+            # issued), one thread's release add at GPU scope: CUTLASS's
+            # GenericBarrier::arrive_inc.
+            plgpu.semaphore_signal(tail_sems.at[j * cfg.compute_wgs + wg],
+                                   memory_scope="gpu")
+
+        acc, m, l = lax.cond(
+            segment & owner,
+            lambda c: merge_parts(*c, sm=sm, j=j, first_sm=first_sm),
+            lambda c: c, (acc, m, l))
       empty = l == 0.0
       l_safe = jnp.where(empty, 1.0, l)
       if cfg.lean_epilogue:
@@ -1031,8 +1115,8 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
       else:
         acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-      # (split_tail: in each branch below, so that a segment's store does
-      # not hold the rounded output beside acc.)
+      # Rounded here, or with split_tail chunk by chunk inside the store's
+      # branch (not held beside acc where a part writes acc instead).
       out = acc.astype(dtype) if part is None else None
       # Natural-log LSE, -inf for rows that see no key (traced where it
       # is stored).
@@ -1046,25 +1130,11 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         # next item's first Q K^T.  The chunk loop's waits then count
         # this item's copies only.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      if part is None:
+      if stores is None:
         store([columns_of(out)], [o_dst], lse, lse_dst)
       else:
-        segment, sm, k = part
-        pl.when(jnp.logical_not(segment))(lambda: store(
-            [columns_of(acc.astype(dtype))], [o_dst], lse, lse_dst))
-
-        @pl.when(segment)
-        def _():
-          # hi = the value rounded, lo = the rest rounded, chunk by chunk
-          # from acc (its columns free as they are stored).
-          part_of = columns_of(acc)
-          hi = lambda cols: part_of(cols).astype(dtype)
-          lo = lambda cols: (part_of(cols)
-                             - hi(cols).astype(jnp.float32)).astype(dtype)
-          rows = pl.ds(wg * bq, bq)
-          store([hi, lo], [ows_ref.at[sm, k, 0, rows],
-                           ows_ref.at[sm, k, 1, rows]],
-                lse, lsews_ref.at[sm, k, rows])
+        rounded = lambda cols: columns_of(acc)(cols).astype(dtype)
+        pl.when(stores)(lambda: store([rounded], [o_dst], lse, lse_dst))
       if late_store_wait:
         return  # the next item's epilogue (or the kernel's end) waits
       # Persistent: the next item may rewrite these buffers (Q/O's, or
@@ -1310,27 +1380,35 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     """:attr:`MosaicConfig.split_tail` (:class:`TailSplit`): program
     ``sm``'s ``tail.whole`` items round robin, then its segments of the
     left items, ``run(i, b, h, group_start, lo, hi, first_step,
-    part=(is_segment, sm, k))`` for each (a segment's ``[lo, hi)`` the
-    key tiles of its run; its output goes to workspace slot ``(sm, k)``),
-    the ring's step count running on across them.  Returns the total
-    steps and the count of items and segments."""
-    steps = tail.steps
-    g0 = lax.div(sm * (tail.left * steps), tail.programs)
-    g1 = lax.div((sm + 1) * (tail.left * steps), tail.programs)
+    part=(is_segment, sm, k, j, owner, first_sm))`` for each (a
+    segment's ``[lo, hi)`` the key tiles of its run, ``k`` its workspace
+    slot, ``j`` its left item, ``owner`` whether it holds the item's last
+    tile, ``first_sm`` the program that holds the first), the ring's
+    step count running on across them.  A run spans at most two items
+    and is shorter than one: its first segment ends an item (it owns
+    it, or a later program does), its second begins one that later
+    programs finish.  The second goes first, so that every program
+    signals the part it does not own before it waits as an owner: the
+    waits run from later programs to earlier ones only.  Returns the
+    total steps and the count of items and segments."""
+    steps, programs = tail.steps, tail.programs
+    g0, g1 = tail.run(sm)
     j0 = lax.div(g0, steps)
     n_segments = jnp.where(g1 > g0, lax.div(g1 - 1, steps) - j0 + 1, 0)
 
     def body(i, first_step):
       segment = i >= tail.whole
-      k = jnp.maximum(i - tail.whole, 0)
+      k = jnp.maximum(n_segments - 1 - (i - tail.whole), 0)
       j = j0 + k
-      w = jnp.where(segment, tail.first_left + j, sm + i * tail.programs)
+      w = jnp.where(segment, tail.first_left + j, sm + i * programs)
       b, h, u = unit_coords(w)
       group_start, u_lo, u_hi = item_ranges(b, u)
       lo = jnp.where(segment, u_lo + jnp.maximum(g0 - j * steps, 0), u_lo)
       hi = jnp.where(segment, u_lo + jnp.minimum(g1 - j * steps, steps),
                      u_hi)
-      run(i, b, h, group_start, lo, hi, first_step, part=(segment, sm, k))
+      owner = g1 - j * steps >= steps
+      run(i, b, h, group_start, lo, hi, first_step,
+          part=(segment, sm, k, j, owner, tail.first_program(j)))
       return first_step + (hi - lo)
 
     n_items = tail.whole + n_segments
@@ -1459,8 +1537,12 @@ class TailSplit:
   ``programs`` runs of consecutive key-tile steps: program ``sm`` takes
   steps ``[run(sm)[0], run(sm)[1])`` of the ``left * steps`` in item-major
   order, fewer than ``steps`` of them, so at most two items (its
-  segments ``k = 0, 1``).  Each segment's output goes to workspace slot
-  ``(sm, k)``."""
+  segments ``k = 0, 1``).  A left item's last part (the segment that
+  holds its last key tile) owns it: it merges the others' workspace
+  slots ``(sm, k)`` into its own accumulator in the kernel and stores the
+  item's output.  Where there are fewer left steps than programs, some
+  runs are empty (of the programs between an item's first and last
+  part, only those with a step hold a part)."""
 
   programs: int
   whole: int
@@ -1471,9 +1553,30 @@ class TailSplit:
   def first_left(self) -> int:
     return self.whole * self.programs
 
-  def run(self, sm: int) -> tuple[int, int]:
-    total = self.left * self.steps
-    return sm * total // self.programs, (sm + 1) * total // self.programs
+  @property
+  def total(self) -> int:
+    return self.left * self.steps
+
+  def run(self, sm):
+    """Program ``sm``'s steps ``[g0, g1)`` of the left items' (ints, or
+    int32 arrays in the kernel)."""
+    return (sm * self.total // self.programs,
+            (sm + 1) * self.total // self.programs)
+
+  def n_other_parts(self, owner, first):
+    """How many parts of an item other than its owner's there are: those
+    of programs ``first .. owner - 1`` whose runs are not empty (all of
+    them, unless there are fewer left steps than programs; then every
+    run has one step or none, and an item ``steps`` parts)."""
+    if self.total >= self.programs:
+      return owner - first
+    return self.steps - 1
+
+  def first_program(self, j):
+    """The program whose run holds left item ``j``'s first step: the
+    last ``sm`` with ``run(sm)[0] <= j * steps``."""
+    return ((j * self.steps + 1) * self.programs + self.total - 1
+            ) // self.total - 1
 
   def parts(self) -> list[list[tuple[int, int, int, int]]]:
     """Per left item ``j``: its segments ``(sm, k, lo, hi)`` (key tiles
@@ -1495,75 +1598,24 @@ def tail_split(cfg: MosaicConfig, prob: Problem, n_programs: int | None,
   """The :class:`TailSplit` of a call, or None where
   :attr:`MosaicConfig.split_tail` does not apply: not the persistent
   grid; items that stream different key tiles (a causal mask, a window,
-  segment ids); another item order, clusters or ``item_overlap``; or an
-  item count that the programs divide (no partial wave)."""
+  segment ids); another item order, clusters or ``item_overlap``;
+  ``no_auto_barriers`` (a part's signal relies on Pallas' warpgroup
+  barrier after its stores); or an item count that the programs divide
+  (no partial wave)."""
   mask = prob.mask
   n_groups = prob.q_pad // (cfg.compute_wgs * cfg.block_q)
   if (not cfg.split_tail or n_programs is None or mask.causal
       or mask.window_left is not None or mask.window_right is not None
       or prob.has_segments or cfg.groups_fastest or cfg.groups_slowest
       or _paired(cfg, prob) or _cluster_size(cfg, prob, n_groups) > 1
-      or _chains_items(cfg, prob) or units % n_programs == 0):
+      or _chains_items(cfg, prob) or cfg.no_auto_barriers
+      or units % n_programs == 0):
     return None
   steps = -(-mask.kv_len // cfg.block_kv)  # every item's key tiles
   if steps == 0:
     return None
   return TailSplit(programs=n_programs, whole=units // n_programs,
                    left=units % n_programs, steps=steps)
-
-
-def merge_tail(out, lse, o_parts, lse_parts, plan: TailSplit, *,
-               num_heads: int, units_per_bh: int, group_rows: int):
-  """FlashAttention's split-KV combine of :class:`TailSplit`'s segments
-  into ``out [B, T, H, Dp]`` and ``lse [B, H, Tp]``.  ``o_parts [P, 2,
-  2, group_rows, Dp]``: each segment's normalised output as ``hi`` and
-  ``lo`` 16-bit halves (their float32 sum carries ~16 bits of mantissa);
-  ``lse_parts [P, 2, group_rows]`` their natural-log LSEs (``-inf``
-  where a row saw no key).  ``lse = log(sum_p exp(lse_p))`` and ``out =
-  sum_p exp(lse_p - lse) out_p`` in float32; rows that no segment saw
-  stay ``-inf`` with a zero output.  Rows past ``out``'s length (padding
-  of an unpadded ``Q``) are dropped."""
-  # The segments of left item j are those of programs sm_first(j) + i
-  # (i < width): the program whose run holds the item's first step and
-  # the next ones (where runs are shorter than a step, some of them
-  # empty).  Index arrays from iota, not NumPy constants: the op's
-  # custom_partitioning admits no closed-over constants.
-  width = max(segs[-1][0] - segs[0][0] + 1 for segs in plan.parts())
-  p_, t_, total = plan.programs, plan.steps, plan.left * plan.steps
-  j = lax.broadcasted_iota(jnp.int32, (plan.left, width), 0)
-  x = j * t_  # the item's first step in the left items' order
-  sm = ((x + 1) * p_ + total - 1) // total - 1 + lax.broadcasted_iota(
-      jnp.int32, (plan.left, width), 1)
-  g0, g1 = sm * total // p_, (sm + 1) * total // p_
-  k = j - g0 // t_
-  valid = ((sm < p_) & (jnp.maximum(g0 - x, 0) < jnp.minimum(g1 - x, t_))
-           & (k >= 0) & (k <= 1))
-  sm, k = jnp.clip(sm, 0, p_ - 1), jnp.clip(k, 0, 1)
-  halves = o_parts[sm, k].astype(jnp.float32)  # [r, w, 2, R, Dp]
-  # Slots no program wrote (an empty run between an item's first and last
-  # program) hold whatever the buffer held: zero them, not 0 * NaN.
-  o_p = jnp.where(valid[:, :, None, None], halves[:, :, 0] + halves[:, :, 1],
-                  0.0)
-  lse_p = jnp.where(valid[:, :, None], lse_parts[sm, k], -jnp.inf)
-  top = jnp.max(lse_p, axis=1, keepdims=True)
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
-  weight = jnp.exp(lse_p - top)  # 0 for a part whose rows saw no key
-  total_w = jnp.sum(weight, axis=1)  # [r, R]
-  merged_lse = jnp.where(total_w > 0, top[:, 0] + jnp.log(total_w),
-                         -jnp.inf)
-  merged = jnp.sum(weight[..., None] * o_p, axis=1) / jnp.where(
-      total_w > 0, total_w, 1.0)[..., None]
-  # Where each left item lives (the persistent grid's default order:
-  # heads fastest, then query groups, then batch).
-  w = plan.first_left + lax.iota(jnp.int32, plan.left)
-  h = (w % num_heads)[:, None]
-  b = (w // num_heads // units_per_bh)[:, None]
-  g = w // num_heads % units_per_bh
-  rows = g[:, None] * group_rows + lax.broadcasted_iota(
-      jnp.int32, (plan.left, group_rows), 1)
-  out = out.at[b, rows, h].set(merged.astype(out.dtype), mode="drop")
-  lse = lse.at[b, h, rows].set(merged_lse, mode="drop")
-  return out, lse
 
 
 class _PingPong:
@@ -1758,10 +1810,11 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
     grid, grid_names = (n_programs,), ("sm",)
   tail = tail_split(cfg, prob, n_programs, units)
   group_rows = cfg.compute_wgs * bq
-  if tail is not None:  # the split items' outputs (hi, lo) and LSEs
+  if tail is not None:  # the segments' workspace (acc; m and l)
     out_type += [
-        out_struct((tail.programs, 2, 2, group_rows, dp), dtype, q, k, v),
-        out_struct((tail.programs, 2, group_rows), jnp.float32, q, k, v)]
+        out_struct((tail.programs, 2, group_rows, dp), jnp.float32, q, k,
+                   v),
+        out_struct((tail.programs, 2, 2, group_rows), jnp.float32, q, k, v)]
   kernel = functools.partial(_kernel, prob=prob, cfg=cfg, dtype=dtype,
                              in_place=not interpret, n_programs=n_programs,
                              cluster=cluster, tail=tail)
@@ -1772,8 +1825,4 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
       reduction_scratch_bytes=cfg.fwd_reduction_scratch(dp),
       no_auto_barriers=cfg.no_auto_barriers, cluster=cluster,
   )(q, k, v, *(segments or ()))
-  if tail is None:
-    return results
-  return merge_tail(*results, tail, num_heads=prob.num_heads,
-                    units_per_bh=_units_per_bh(cfg, prob, n_groups),
-                    group_rows=group_rows)
+  return results[:2]
