@@ -1536,7 +1536,8 @@ def test_gpu_item_overlap_plain_chains(q_len, kv_len, fields):
 def test_gpu_split_tail(head_dim, kv_len, q_len, heads):
   """split_tail on the H200's tuned non-causal config of the benchmark's
   persistent calls (132 programs; head_dim 128 with 1024 keys without its
-  two-CTA clusters, which split_tail does not take): 2 x 2048 queries x 6
+  two-CTA clusters, head_dim 64 with 2048 without its chained items,
+  neither of which split_tail takes): 2 x 2048 queries x 6
   heads make 192 items of 128 rows, so the last 60 are split along the
   keys, between two or three programs each, whose parts the owner merges
   in the kernel after its semaphore wait.  2 x 2176 queries x 4 heads
@@ -1546,7 +1547,7 @@ def test_gpu_split_tail(head_dim, kv_len, q_len, heads):
   config = dataclasses.replace(
       mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=False,
                                 kv_len=kv_len), split_tail=True,
-      kv_multicast=False)
+      kv_multicast=False, item_overlap=False)
   assert config.persistent
   case = (f"split-tail-{head_dim}-{kv_len}-{q_len}", q_len, kv_len, heads,
           2, head_dim, jnp.bfloat16, False, None, None)
