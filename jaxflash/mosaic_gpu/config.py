@@ -505,10 +505,14 @@ class MosaicConfig:
       mask, window or segment ids), on the default item order, without
       clusters or ``item_overlap``, when the item count is not a
       multiple of the program count; others run as without it.  Written
-      in s35 (no device time left that session): the interpreter runs
-      it (two programs) with race detection.  On an H100 (s36) its GPU
-      tests pass and it runs 3.4-7.5% slower at head_dim 128 with 2048
-      keys: the merge in XLA costs more than the tail gives back.
+      in s35; the interpreter runs it (two programs, no semaphores).  On
+      an H100, with the merge in XLA (s36) 3.4-7.5% slower at head_dim
+      128 with 2048 keys; with it in the kernel (s40) still 5.3% slower
+      there, 9% at head_dim 256 with 1024 keys, and 5.9% at head_dim 128
+      where only 4 items are split (the split kernel's cost, not the
+      merge's); +2% only at head_dim 64 with two consumers and 2048 keys,
+      whose last wave holds 4 items.  Not a default
+      (docs/backends.md).
     kv_l2_prefetch: on the persistent grid, the producer prefetches each
       later item's first K and V tiles into L2 when it starts that
       item's loads (the other half of that wait's object; with
