@@ -277,11 +277,10 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     refs = refs[2:]
   # split_tail on a GPU: one semaphore per split item and consumer, which
   # each part that does not own the item signals once its workspace rows
-  # are written (global memory, kept across calls: each wait takes back
-  # what it waited for, so that every call starts from zero).  The
-  # interpreter runs no semaphores; it runs the programs one after the
-  # other, so that an item's owner (its last part) reads what the others
-  # wrote before.
+  # are written (global memory that Pallas zeroes before each call; each
+  # wait also takes back what it waited for).  The interpreter runs no
+  # semaphores; it runs the programs one after the other, so that an
+  # item's owner (its last part) reads what the others wrote before.
   tail_sems = None
   if tail is not None and in_place:
     tail_sems = pl.get_global(
