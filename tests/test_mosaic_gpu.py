@@ -1410,10 +1410,12 @@ def test_gpu_long_overlap(head_dim, causal, kv_len):
 def test_gpu_long_persistent_items(head_dim, options):
   """The persistent grid's options across work items on the H200's
   tuned non-causal config of 1024 keys (persistent, the next Q
-  prefetched): 8192 queries make 512 items over 132 SMs, so each program
-  runs three or four and every Q buffer is refilled (the CASES give a
+  prefetched): 8192 queries make 512 items over 132 SMs at head_dim 128
+  (344 of 192 rows at 64, three consumers since s40), so each program
+  runs two to four and every Q buffer is refilled (the CASES give a
   program one item at most on a GPU); GQA, gradients too.  split_tail
-  splits the last 116 items (512 - 3 x 132) along the keys.  item_overlap
+  splits the last 116 items (512 - 3 x 132; 80 at head_dim 64) along
+  the keys.  item_overlap
   chains the overlapped loop (head_dim 128's default) or the plain one
   (64's, s36); unmasked_first_tile needs the overlapped loop."""
   if head_dim == 64 and options.get("unmasked_first_tile"):
@@ -1431,17 +1433,19 @@ def test_gpu_long_persistent_items(head_dim, options):
 @pytest.mark.parametrize("kv_len", [1024, 2000, 2048])
 def test_gpu_long_persistent_default_items(kv_len):
   """head_dim 64's tuned non-causal default on the persistent grid with
-  many items per program: two Q buffers up to 2048 keys and, from 1025,
-  the plain loop run on across items (s38's rule; at 2000 keys the last
-  key tile is zero-filled by TMA, and the loop still chains).  8192
-  queries make 512 items over 132 SMs (three or four per program, every
-  Q buffer refilled); GQA, gradients too.  The chain is checked to be in
-  force from 1025 keys."""
+  many items per program: three consumers (since s40), two Q buffers up
+  to 2048 keys and, from 1025, the plain loop run on across items (s38's
+  rule; at 2000 keys the last key tile is zero-filled by TMA, and the
+  loop still chains).  8250 queries (not 8192: the 192-row groups then
+  leave no consumer of padding rows only, which the chain needs) make
+  344 items over 132 SMs (two or three per program, every Q buffer
+  refilled); GQA, gradients too.  The chain is checked to be in force
+  from 1025 keys."""
   config = mosaic_gpu.default_config("NVIDIA H200", 64, causal=False,
                                      kv_len=kv_len)
   assert config.prefetches_q and config.q_double_buffer
   assert config.item_overlap == (kv_len > 1024)
-  case = (f"long-items-default-{kv_len}", 8192, kv_len, 4, 2, 64,
+  case = (f"long-items-default-{kv_len}", 8250, kv_len, 4, 2, 64,
           jnp.bfloat16, False, None, None)
   with _chain_decisions() as seen:
     _run(case, False, config)
@@ -1455,15 +1459,17 @@ def test_gpu_long_persistent_default_items(kv_len):
     (True, 2048, 2048, False), (True, 4096, 4096, False),
     (True, 8192, 8192, False), (True, 16384, 16384, False)])
 def test_gpu_h100_three_consumers(causal, q_len, kv_len, chains):
-  """The H100 SXM's head_dim 64 default from 1024 keys (its kind_kv_rules
-  in tuning.json): three consumers of 192 query rows over each call's
-  H200 form.  Non-causal: 8192 queries on the persistent grid with the Q
-  prefetch and two Q buffers (43 items of 192 rows a head over 132 SMs);
+  """head_dim 64's default from 1024 keys on the H100 SXM and the H200
+  (since s40 the H200 entry's rules; in s39 the H100's kind_kv_rules):
+  three consumers of 192 query rows over each call's two-consumer form.
+  Non-causal: 8192 queries on the persistent grid with the Q prefetch
+  and two Q buffers (43 items of 192 rows a head over 132 SMs);
   at 1025-2048 keys the loop runs on across items only where no
   consumer's rows are all padding (8250 queries, not 8192: ``chains``),
   the last key tile zero-filled by TMA at 2000 keys.  Causal: on the
-  persistent grid at every length (two Q buffers at 1024; by the H200
-  entry up to 4096 keys, by the H100's own rule from 4097); 16 heads at
+  persistent grid at every length (two Q buffers at 1024; by the
+  entry's persistent_max_kv up to 4096 keys, by a kv rule from 4097);
+  16 heads at
   4096 keys (64 at 1024, 32 at 2048, 8 at 8192; 2 heads of one K/V head
   at 16384, the reference's memory) and a batch of 2, so programs run
   items of unequal length.  GQA, gradients too, on whichever Hopper card
@@ -1491,10 +1497,11 @@ def test_gpu_h100_three_consumers(causal, q_len, kv_len, chains):
 def test_gpu_long_persistent_causal_items(kv_len, options):
   """The next item's Q loaded ahead (one buffer, and two used by
   alternate items) on head_dim 64's persistent causal grid, the H200's
-  default up to 4096 keys: 32 heads at 1024 keys and 8 at 4096 make 512
-  items of 128 queries over 132 SMs, so every program runs three or four
-  items of unequal length (along the causal diagonal) and every Q buffer
-  is refilled; GQA, gradients too."""
+  default up to 4096 keys: 32 heads at 1024 keys and 8 at 4096 make 384
+  and 352 items of 192 queries (three consumers since s40) over 132 SMs,
+  so every program runs two or three items of unequal length (along the
+  causal diagonal) and every Q buffer is refilled; GQA, gradients
+  too."""
   config = dataclasses.replace(
       mosaic_gpu.default_config("NVIDIA H200", 64, causal=True,
                                 kv_len=kv_len), **options)
@@ -1518,10 +1525,11 @@ def test_gpu_item_overlap_plain_chains(q_len, kv_len, fields):
   tile (the chain without middle tiles), one consumer, three (8256
   queries: whole 192-row groups, so no consumer of padding only) and
   two-CTA clusters; GQA, gradients too.  The chain is checked to be in
-  force."""
+  force.  (Two consumers unless said: the default's three since s40.)"""
   config = dataclasses.replace(
       mosaic_gpu.default_config("NVIDIA H200", 64, causal=False,
-                                kv_len=1024), item_overlap=True, **fields)
+                                kv_len=1024),
+      item_overlap=True, **{"compute_wgs": 2, **fields})
   case = (f"chain-{q_len}-{kv_len}", q_len, kv_len, 4, 2, 64, jnp.bfloat16,
           False, None, None)
   with _chain_decisions() as seen:
@@ -1544,10 +1552,13 @@ def test_gpu_split_tail(head_dim, kv_len, q_len, heads):
   make 136 items: the last 4, of 8 key tiles each, go to 32 programs of
   one tile (the others' runs are empty), 8 parts per item.  GQA,
   gradients too; the split is checked to run."""
+  # head_dim 64 with two consumers, as before s40 (the default's three
+  # would make 132 items of 192 rows here: no partial wave).
   config = dataclasses.replace(
       mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=False,
                                 kv_len=kv_len), split_tail=True,
-      kv_multicast=False, item_overlap=False)
+      kv_multicast=False, item_overlap=False,
+      **(dict(compute_wgs=2) if head_dim == 64 else {}))
   assert config.persistent
   case = (f"split-tail-{head_dim}-{kv_len}-{q_len}", q_len, kv_len, heads,
           2, head_dim, jnp.bfloat16, False, None, None)
@@ -1641,7 +1652,7 @@ def test_gpu_long_multicast(head_dim, kv_len, persistent):
   plain and the persistent grid: 16 query groups per (batch, head), each
   CTA's half of a tile landing in both CTAs; at 8195 keys with K and V
   unpadded, so TMA zero-fills the last tile's halves past the keys; GQA,
-  gradients too.  (At head_dim 64 from 4096 keys the three consumers'
+  gradients too.  (At head_dim 64 from 1024 keys the three consumers'
   192-row groups are 11, an odd count: those calls run without clusters;
   the 176-key tiles at head_dim 128 do not fit the persistent grid.)"""
   config = dataclasses.replace(
@@ -1859,9 +1870,11 @@ def test_default_config_rules():
   assert not dflt(128).kv_multicast and not dflt(256, kv_len=1024).kv_multicast
   assert not dflt(256, causal=True, kv_len=4096).kv_multicast
   assert not dflt(128).persistent  # no call to judge: the plain grid
-  # d64 causal: persistent up to 4096 keys (+7.5% at 2048, +2% at 4096).
+  # d64 causal: persistent up to 4096 keys by persistent_max_kv (+7.5% at
+  # 2048, +2% at 4096), and since s40 beyond by a kv rule (below).
   assert dflt(64, causal=True, kv_len=4096).persistent
-  assert not dflt(64, causal=True, kv_len=4097).persistent
+  assert dflt(64, causal=True, kv_len=4097).persistent
+  assert not dflt(64, causal=True).persistent  # length unknown
   d256 = dflt(256, causal=True, kv_len=8192)
   assert d256.bwd_paired_dkv and d256.bwd_compute_wgs == 1
   assert d256.bwd_paired_dq and not dflt(128).bwd_paired_dq
@@ -1890,12 +1903,12 @@ def test_default_config_rules():
     assert (d64.bwd_block_q == 128) == big, (causal, kv)
     assert d64.bwd_stats_in_acc == big and d64.bwd_atomic_dq
   assert dflt(64).bwd_block_q == 64 and dflt(128, kv_len=8192).bwd_block_q == 64
-  # kv_rules: three consumers in the d64 forward on non-causal calls from
-  # 4096 keys and causal ones from 16384 (measured slower below); two
-  # at the other head_dims and on other devices.
-  for causal, kv, three in [(False, 2048, False), (False, 4095, False),
+  # kv_rules: three consumers in the d64 forward from 1024 keys (since
+  # s40; before, non-causal from 4096 and causal from 16384); two at the
+  # other head_dims and on other devices.
+  for causal, kv, three in [(False, 1023, False), (False, 1024, True),
                             (False, 4096, True), (False, 65536, True),
-                            (True, 8192, False), (True, 16383, False),
+                            (True, 1000, False), (True, 8192, True),
                             (True, 16384, True), (False, None, False)]:
     assert (dflt(64, causal=causal, kv_len=kv).compute_wgs == 3) == three
   assert dflt(128, kv_len=16384).compute_wgs == 2
@@ -1978,24 +1991,29 @@ def test_default_config_rules():
                                                                 None)]:
     assert h100(d, causal=causal, kv_len=kv) == dflt(d, causal=causal,
                                                      kv_len=kv)
-  # ... with its own kv_rules after the entry's (kind_kv_rules): three
-  # head_dim 64 consumers from 1024 keys (+5-10% on an H100, s39; they
-  # lost at most of these lengths on the H200 in s16), with the rest of
-  # each call's form.
+  # Three head_dim 64 consumers from 1024 keys (+5-10% on an H100 in s39,
+  # where they were its kind_kv_rules; +4-11% on the H200 in s40, where
+  # in s16, before unpadded_q, they had lost below 4096 keys non-causal
+  # and 16384 causal), and the persistent grid on every causal call (from
+  # 4097 keys after persistent_max_kv's 4096: +5% on an H100 at 8192,
+  # +11% / +6% on the H200 at 8192 / 16384); the rest of each call's
+  # form is the two-consumer one's.
   for causal in (False, True):
-    for kv in (1024, 2048, 4096) + ((8192,) if not causal else ()):
-      assert h100(64, causal=causal, kv_len=kv) == dataclasses.replace(
-          dflt(64, causal=causal, kv_len=kv), compute_wgs=3)
-    assert dflt(64, causal=causal, kv_len=2048).compute_wgs == 2
-    assert h100(64, causal=causal, kv_len=1000) == dflt(
-        64, causal=causal, kv_len=1000)
-    assert h100(64, causal=causal) == dflt(64, causal=causal)
-  # ... and the persistent grid on causal calls from 4097 keys (after the
-  # entry's persistent_max_kv of 4096: every causal call).
-  for kv in (4097, 6144, 8192, 16384):
-    assert h100(64, causal=True, kv_len=kv) == dataclasses.replace(
-        dflt(64, causal=True, kv_len=kv), persistent=True, compute_wgs=3)
-    assert not dflt(64, causal=True, kv_len=kv).persistent
+    for kv in (1024, 2048, 4096, 8192, 16384):
+      assert dflt(64, causal=causal, kv_len=kv).compute_wgs == 3
+      assert h100(64, causal=causal, kv_len=kv) == dflt(
+          64, causal=causal, kv_len=kv)
+    assert dflt(64, causal=causal, kv_len=1000).compute_wgs == 2
+    assert dflt(64, causal=causal).compute_wgs == 2  # length unknown
+  for kv in (1024, 4096, 4097, 6144, 8192, 16384):
+    assert dflt(64, causal=True, kv_len=kv).persistent
+  assert dflt(64, causal=True, kv_len=2048) == dataclasses.replace(
+      dflt(64, causal=True, kv_len=1000), compute_wgs=3, prefetch_q=False,
+      q_double_buffer=False)
+  assert dflt(64, kv_len=2048) == dataclasses.replace(
+      dflt(64, kv_len=1100), compute_wgs=3)
+  assert dflt(64, kv_len=1100).compute_wgs == 3
+  assert dflt(64, kv_len=1023).compute_wgs == 2
   assert h100(64, causal=True, kv_len=1024).q_double_buffer
   assert h100(64, kv_len=2048).item_overlap
   assert h100(128, kv_len=1024).persistent
@@ -2014,7 +2032,12 @@ def test_tuning_rules_checked():
   good = config._tuning()
   config.check_tuning(good)
   h100 = "NVIDIA H100 80GB HBM3"
-  assert h100 in good["kind_kv_rules"]
+  # kind_kv_rules is empty since s40 (the H100's rules became the H200
+  # entry's): a well-formed one to break.
+  good = copy.deepcopy(good)
+  good["kind_kv_rules"] = {h100: {"64": [
+      {"causal": False, "min_kv": 1024, "fields": {"compute_wgs": 3}}]}}
+  config.check_tuning(good)
 
   def bad(edit, match):
     tuning = copy.deepcopy(good)
