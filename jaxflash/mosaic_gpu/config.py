@@ -91,10 +91,9 @@ class MosaicConfig:
       ``O`` tiles or 192-key tiles spill (876 bytes measured at
       ``block_kv=192``, head_dim 64).  Refused above padded head_dim
       192 (:data:`MAX_THREE_WG_HEAD_DIM`: ptxas cannot fit the 64 x 256
-      accumulator).  The default for long head_dim 64 calls on the H200
-      and, by tuning.json's ``kind_kv_rules``, for every head_dim 64 call
-      from 1024 keys on the H100 SXM (+3-10% over two consumers there,
-      s39).
+      accumulator).  The default for every head_dim 64 call from 1024
+      keys on the H200 and the H100 SXM (over two consumers +4-11% on the
+      H200 in s40, +3-10% on an H100 in s39).
     consumer_registers: registers per thread of each forward consumer
       warpgroup (``setmaxnreg``), None for the default: 232 with two
       consumers (tokamax's split, the producer 40), 160 with three.  240
@@ -130,9 +129,10 @@ class MosaicConfig:
       calls up to 4096 keys at head_dim 64 (+7.5% at 2048 keys, +2% at
       4096, 2026-12-04) and, with ``persistent_pairs``, up to 1024 keys
       at head_dim 128; without the pairs it is slower on causal calls at
-      head_dim >= 128.  On the H100 SXM (tuning.json's ``kind_kv_rules``)
-      every head_dim 64 causal call runs it: from 4097 keys with three
-      consumers, +5% at 8192 keys and +2.4-5.6% at 16384 (s39).
+      head_dim >= 128.  Since s40 every head_dim 64 causal call runs it
+      (from 4097 keys by a kv rule, with three consumers): on the H200
+      +11% at 8192 keys and +6% at 16384 (s40), on an H100 +5% and
+      +2.4-5.6% (s39).
     intra_wg_overlap: FlashAttention-3's intra-warpgroup overlap
       (arXiv 2407.08608 §3.2): each consumer issues ``S_t = Q K_t^T`` and
       ``O += P_{t-1} V_{t-1}`` back to back and computes tile ``t``'s
@@ -1279,11 +1279,9 @@ def _entries(device_kind: str | None) -> dict:
   """tuning.json's entry for this device kind: its own, the one its alias
   names (the H100 SXM runs the H200's: 1.05-1.30x of the default entry's
   forward on an H100, s35), else ``default``; with the kind's own
-  ``kind_kv_rules`` after each head_dim's ``kv_rules`` (the H100 SXM's
-  three head_dim 64 consumers from 1024 keys, +3-10% there in s39, and
-  its persistent causal calls from 4097 keys; on the H200 three
-  consumers lost below 4096 keys non-causal and below 16384 causal in
-  s16)."""
+  ``kind_kv_rules`` after each head_dim's ``kv_rules`` (none since s40:
+  the H100 SXM's head_dim 64 rules of s39 became the H200 entry's when
+  the H200 measured the same gains)."""
   tuning = _tuning()
   kind = tuning.get("aliases", {}).get(device_kind, device_kind)
   entries = tuning["devices"].get(kind or "", tuning["devices"]["default"])
@@ -1359,30 +1357,27 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
 
   An entry's ``kv_rules`` (a list of ``{"causal": bool, "min_kv": int,
   "fields": {...}}``) replace those fields for calls of that causal setting
-  with at least ``min_kv`` keys (none applies where ``kv_len`` is not
-  given), and then a device kind's own ``kind_kv_rules`` (the H100 SXM's:
-  three head_dim 64 consumers from 1024 keys, persistent causal calls from
-  4097, s39). On the H200 the head_dim 64 backward's 128-query tiles pay on
-  every non-causal call and on causal calls from 4096 keys, the head_dim 64
-  forward's three consumers on non-causal calls from 4096 keys and causal
-  ones from 16384, the forward's 176-key tiles at head_dim 128 on non-causal
-  calls from 8192 keys (without the intra-warpgroup overlap, which the
-  head_dim 128 entry sets for the other calls), and the overlap at head_dim
-  256 on causal calls and on non-causal ones from 1025 keys (the persistent
-  grid without it below), and at head_dim 256 the lean epilogue and
-  ``kv_multicast`` on non-causal calls from 1025 keys (the plain grid); the
-  lean epilogue on every causal call at 256 and on non-causal calls below
-  8192 keys at 128; ``early_q_release`` on non-causal calls at head_dim 128
-  below 8192 keys (it acts only on the persistent ones, up to 2048 keys);
-  and ``kv_multicast`` on non-causal calls of at most 1024 keys at 128; and
-  at 128 ``rescale_threshold`` 8 with ``deferred_row_sum`` on causal calls
-  up to 8192 keys and non-causal calls of 1025-2048 keys; at 64
-  ``q_double_buffer`` on non-causal calls of at most 2048 keys (with
-  ``item_overlap`` from 1025), and with ``prefetch_q`` on causal calls of at
-  most 1024 keys.
-  Where the benchmark's 20 ms samples and sustained load (0.5-1 s
-  samples, the card at its power cap) disagree, the rules follow
-  sustained load (docs/benchmarks/h200-2026-12-04-s29.md).
+  with at least ``min_kv`` keys (none applies where ``kv_len`` is not given),
+  and then a device kind's own ``kind_kv_rules`` (none since s40). On the H200
+  the head_dim 64 backward's 128-query tiles pay on every non-causal call and
+  on causal calls from 4096 keys, the head_dim 64 forward's three consumers on
+  every call from 1024 keys (and the persistent grid on every causal call),
+  the forward's 176-key tiles at head_dim 128 on non-causal calls from 8192
+  keys (without the intra-warpgroup overlap, which the head_dim 128 entry sets
+  for the other calls), and the overlap at head_dim 256 on causal calls and on
+  non-causal ones from 1025 keys (the persistent grid without it below), and
+  at head_dim 256 the lean epilogue and ``kv_multicast`` on non-causal calls
+  from 1025 keys (the plain grid); the lean epilogue on every causal call at
+  256 and on non-causal calls below 8192 keys at 128; ``early_q_release`` on
+  non-causal calls at head_dim 128 below 8192 keys (it acts only on the
+  persistent ones, up to 2048 keys); and ``kv_multicast`` on non-causal calls
+  of at most 1024 keys at 128; and at 128 ``rescale_threshold`` 8 with
+  ``deferred_row_sum`` on causal calls up to 8192 keys and non-causal calls of
+  1025-2048 keys; at 64 ``q_double_buffer`` on non-causal calls of at most
+  2048 keys (with ``item_overlap`` from 1025), and with ``prefetch_q`` on
+  causal calls of at most 1024 keys. Where the benchmark's 20 ms samples and
+  sustained load (0.5-1 s samples, the card at its power cap) disagree, the
+  rules follow sustained load (docs/benchmarks/h200-2026-12-04-s29.md).
   """
   entries = _entries(device_kind)
   dims = sorted(int(d) for d in entries)
