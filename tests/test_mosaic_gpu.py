@@ -691,31 +691,107 @@ def test_interpret_split_tail(case):
     (132, 133, 132), (2, 3, 5), (2, 3, 1), (2, 3, 2), (2, 5, 2), (7, 30, 3),
     (7, 30, 4)])
 def test_tail_split_owners(programs, units, steps):
-  """The kernel's merge order (TailSplit's formulas, which the kernel
-  evaluates on int32 arrays): every left item has one owner, the program
-  that holds its last step, whose run's first segment (k = 0) it is;
-  its other parts are those of the programs first_program(j) .. owner -
-  1 whose runs are not empty (n_other_parts of them), each the slot k =
-  j - run(s)[0] // steps of its program.  A run's second segment never
-  owns its item, so each program signals that part before it waits as
-  an owner: waits go from later programs to earlier ones only (no
-  cycle).  With fewer left steps than programs (4096 items of 16 steps,
-  133 of 2, ...) some runs are empty."""
+  """The kernel's segments (TailSplit.segment, which the kernel evaluates
+  on int32 arrays) against TailSplit.parts(): each program's segments,
+  in its processing order, cover the same key tiles; every left item
+  has one owner, the program that holds its last step, whose run's
+  first segment (k = 0) it is; a non-owner never passes the owner test;
+  the owner's other parts are those of the programs first_program(j) ..
+  owner - 1 whose runs are not empty (n_other_parts of them), each the
+  slot k = j - run(s)[0] // steps of its program.  A simulation of the
+  signals and waits (each program runs its segments in order; a
+  non-owner signals its item, an owner waits for n_other_parts signals)
+  runs to the end.  With fewer left steps than programs (4096 items of
+  16 steps, 133 of 2, ...) some runs are empty."""
   from jaxflash.mosaic_gpu import forward
   plan = forward.TailSplit(programs, units // programs, units % programs,
                            steps)
+  order = {}  # program -> [(k, j, lo, hi, owner)] in processing order
+  for sm in range(programs):
+    n = int(plan.n_segments(sm, np))
+    assert n <= 2
+    order[sm] = [tuple(int(x) for x in plan.segment(sm, c, np))
+                 for c in range(n)]
+    assert [seg[0] for seg in order[sm]] == list(range(n))[::-1]
+  got = sorted((sm, k, lo, hi) for sm, segs in order.items()
+               for k, _, lo, hi, _ in segs)
+  assert got == sorted((sm, k, lo, hi) for segs in plan.parts()
+                       for sm, k, lo, hi in segs)
   for j, segs in enumerate(plan.parts()):
     owners = [(sm, k) for sm, k, _, hi in segs if hi == steps]
     assert len(owners) == 1 and owners[0][1] == 0
     owner = owners[0][0]
-    g0, g1 = plan.run(owner)
-    assert g1 - j * steps >= steps  # the kernel's owner test
+    assert [seg[4] for seg in order[owner] if seg[1] == j] == [True]
+    assert not any(seg[4] for sm, ss in order.items() if sm != owner
+                   for seg in ss if seg[1] == j)
     first = plan.first_program(j)
     others = sorted((sm, k) for sm, k, _, _ in segs if sm != owner)
     assert [sm for sm, _ in others] == [
         s for s in range(first, owner) if plan.run(s)[1] > plan.run(s)[0]]
     assert len(others) == plan.n_other_parts(owner, first)
     assert all(k == j - plan.run(sm)[0] // steps for sm, k in others)
+  # The signals and waits, round-robin over the programs.
+  signals, done = [0] * plan.left, {sm: 0 for sm in order}
+  firsts = [plan.first_program(j) for j in range(plan.left)]
+  moved = True
+  while moved:
+    moved = False
+    for sm, segs in order.items():
+      if done[sm] == len(segs):
+        continue
+      _, j, _, _, owner = segs[done[sm]]
+      if owner and signals[j] < plan.n_other_parts(sm, firsts[j]):
+        continue  # waiting
+      if not owner:
+        signals[j] += 1
+      done[sm] += 1
+      moved = True
+  assert all(done[sm] == len(segs) for sm, segs in order.items())
+
+
+@pytest.mark.parametrize("programs,heads,q_len,kv_len", [
+    (4, 7, 64, 150), (5, 3, 128, 150)], ids=["p4-u7-k150", "p5-u6-k150"])
+def test_interpret_split_tail_many_programs(programs, heads, q_len, kv_len,
+                                            monkeypatch):
+  """split_tail in the interpreter with more programs than its usual two
+  (forward.INTERPRET_PROGRAMS), one consumer of 64 rows, keys of three
+  64-key tiles (the last partial): 7 items over 4 programs leave 3 split
+  into runs of 2-3 tiles, so a program runs two segments (the second
+  first) and an owner merges one part; 6 items over 5 programs leave 1
+  item of 3 tiles over 5 runs of one tile or none, so its owner merges
+  two parts and skips an empty program between them.  Outputs, LSE and
+  gradients by the numerics rule; the plan checked."""
+  from jaxflash.mosaic_gpu import forward
+  monkeypatch.setattr(forward, "INTERPRET_PROGRAMS", programs)
+  config = dataclasses.replace(PERSISTENT, split_tail=True)
+  units = heads * -(-q_len // config.block_q)
+  prob = forward.Problem(
+      mask=masks.MaskSpec(q_len, kv_len, False, None, None, None),
+      softmax_scale=1.0, batch=1, num_heads=heads, num_kv_heads=1,
+      q_pad=-(-q_len // config.block_q) * config.block_q,
+      kv_pad=-(-kv_len // config.block_kv) * config.block_kv,
+      head_dim_padded=64)
+  plan = forward.tail_split(config, prob, programs, units)
+  assert plan is not None and plan.steps == 3
+  if programs == 4:
+    assert plan.left == 3 and max(
+        int(plan.n_segments(s, np)) for s in range(programs)) == 2
+  else:
+    assert plan.left == 1 and plan.total < programs
+    assert plan.n_other_parts(4, plan.first_program(0)) == 2
+  args = numerics.random_inputs(
+      jax.random.key(programs), batch=1, q_len=q_len, kv_len=kv_len,
+      heads=heads, kv_heads=1, head_dim=64, dtype=jnp.bfloat16)
+  spec = masks.MaskSpec(q_len, kv_len, False, None, None, None)
+
+  def fn(q, k, v):
+    return mosaic_gpu.attention(q, k, v, mask=spec, softmax_scale=0.125,
+                                config=config, interpret=RACES)
+
+  with _split_plans() as plans:
+    numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
+                        causal=False)
+  assert plans and set(plans) == {plan}
 
 
 def test_split_tail_applies_only_to_uniform_items():

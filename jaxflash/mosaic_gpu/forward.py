@@ -373,8 +373,10 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
               chain=None, part=None):
     """One work item on a consumer warpgroup: ring steps ``first_step +
     [0, u_hi - u_lo)``; ``item``: its number in the program's loop.
-    ``part=(is_segment, sm, k)`` with ``split_tail``: where
-    ``is_segment``, the output goes to workspace slot ``(sm, k)``.
+    ``part=(is_segment, sm, k, j, owner, first_sm)`` with
+    ``split_tail`` (:func:`for_each_item_and_segment`): a segment that
+    does not own its item goes to workspace slot ``(sm, k)``; an owner
+    merges the others' first (:func:`merge_parts`).
     ``chain=(s_first, n_items)`` with ``item_overlap`` (``chained``):
     ``S`` of this item's first tile, issued and read back by the item
     before (valid from item 1), and the program's item count; returns
@@ -1384,28 +1386,26 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     slot, ``j`` its left item, ``owner`` whether it holds the item's last
     tile, ``first_sm`` the program that holds the first), the ring's
     step count running on across them.  A run spans at most two items
-    and is shorter than one: its first segment ends an item (it owns
-    it, or a later program does), its second begins one that later
-    programs finish.  The second goes first, so that every program
-    signals the part it does not own before it waits as an owner: the
-    waits run from later programs to earlier ones only.  Returns the
+    and is at most one item long: its first segment ends an item (it
+    owns it, or a later program does), its second begins one that later
+    programs finish.  An owner waits only for lower programs' parts, in
+    either order; the second segment goes first so that the wait does
+    not hold it up: in the other order a program's part of the next
+    item would start only after its own wait, which waits for the
+    program before's part of its item, started only after that
+    program's wait, and so on down a chain of programs.  Returns the
     total steps and the count of items and segments."""
-    steps, programs = tail.steps, tail.programs
-    g0, g1 = tail.run(sm)
-    j0 = lax.div(g0, steps)
-    n_segments = jnp.where(g1 > g0, lax.div(g1 - 1, steps) - j0 + 1, 0)
+    n_segments = tail.n_segments(sm, jnp)
 
     def body(i, first_step):
       segment = i >= tail.whole
-      k = jnp.maximum(n_segments - 1 - (i - tail.whole), 0)
-      j = j0 + k
-      w = jnp.where(segment, tail.first_left + j, sm + i * programs)
+      k, j, seg_lo, seg_hi, owner = tail.segment(
+          sm, jnp.maximum(i - tail.whole, 0), jnp)
+      w = jnp.where(segment, tail.first_left + j, sm + i * tail.programs)
       b, h, u = unit_coords(w)
       group_start, u_lo, u_hi = item_ranges(b, u)
-      lo = jnp.where(segment, u_lo + jnp.maximum(g0 - j * steps, 0), u_lo)
-      hi = jnp.where(segment, u_lo + jnp.minimum(g1 - j * steps, steps),
-                     u_hi)
-      owner = g1 - j * steps >= steps
+      lo = jnp.where(segment, u_lo + seg_lo, u_lo)
+      hi = jnp.where(segment, u_lo + seg_hi, u_hi)
       run(i, b, h, group_start, lo, hi, first_step,
           part=(segment, sm, k, j, owner, tail.first_program(j)))
       return first_step + (hi - lo)
@@ -1535,8 +1535,8 @@ class TailSplit:
   them (units ``first_left + j``), ``steps`` key tiles each, are cut into
   ``programs`` runs of consecutive key-tile steps: program ``sm`` takes
   steps ``[run(sm)[0], run(sm)[1])`` of the ``left * steps`` in item-major
-  order, fewer than ``steps`` of them, so at most two items (its
-  segments ``k = 0, 1``).  A left item's last part (the segment that
+  order, at most ``steps`` of them (``left < programs``), so at most two
+  items (its segments ``k = 0, 1``).  A left item's last part (the segment that
   holds its last key tile) owns it: it merges the others' workspace
   slots ``(sm, k)`` into its own accumulator in the kernel and stores the
   item's output.  Where there are fewer left steps than programs, some
@@ -1561,6 +1561,26 @@ class TailSplit:
     int32 arrays in the kernel)."""
     return (sm * self.total // self.programs,
             (sm + 1) * self.total // self.programs)
+
+  def n_segments(self, sm, xp):
+    """How many items program ``sm``'s run touches (0, 1 or 2); ``xp``:
+    ``jax.numpy`` in the kernel, ``numpy`` in the tests."""
+    g0, g1 = self.run(sm)
+    return xp.where(g1 > g0, (g1 - 1) // self.steps - g0 // self.steps + 1,
+                    0)
+
+  def segment(self, sm, c, xp):
+    """Program ``sm``'s ``c``-th segment in its processing order: ``(k,
+    j, lo, hi, owner)``, its workspace slot, its left item, its key
+    tiles ``[lo, hi)`` of that item, and whether it holds the item's
+    last tile (then it owns the item).  The run's second segment (``k =
+    1``) goes first (``for_each_item_and_segment`` says why)."""
+    g0, g1 = self.run(sm)
+    k = xp.maximum(self.n_segments(sm, xp) - 1 - c, 0)
+    j = g0 // self.steps + k
+    lo = xp.maximum(g0 - j * self.steps, 0)
+    hi = xp.minimum(g1 - j * self.steps, self.steps)
+    return k, j, lo, hi, g1 - j * self.steps >= self.steps
 
   def n_other_parts(self, owner, first):
     """How many parts of an item other than its owner's there are: those
@@ -1590,6 +1610,11 @@ class TailSplit:
         if j < self.left and lo < hi:
           out[j].append((sm, k, lo, hi))
     return out
+
+
+# The persistent grid's program count in the interpreter (tests raise it
+# to run split_tail's merges of several parts).
+INTERPRET_PROGRAMS = 2
 
 
 def tail_split(cfg: MosaicConfig, prob: Problem, n_programs: int | None,
@@ -1802,9 +1827,10 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
         "q_seq", "heads", "batch")
   units = prob.num_heads * prob.batch * _units_per_bh(cfg, prob, n_groups)
   if cfg.persistent:
-    # One program per SM (per cluster of SMs); interpreted runs use 2 so
-    # that each program loops over several work items.
-    n_sm = 2 if interpret else _sm_count() // cluster
+    # One program per SM (per cluster of SMs); interpreted runs use
+    # INTERPRET_PROGRAMS so that each program loops over several work
+    # items.
+    n_sm = INTERPRET_PROGRAMS if interpret else _sm_count() // cluster
     n_programs = min(n_sm, units)
     grid, grid_names = (n_programs,), ("sm",)
   tail = tail_split(cfg, prob, n_programs, units)
