@@ -138,21 +138,22 @@ def _run(case, interpret, config):
 
 
 @contextlib.contextmanager
-def _chain_decisions():
-  """Records each answer of ``forward._chains_items`` (whether the
-  forward's loop runs on across work items, ``item_overlap``) while the
-  block traces kernels: a list of bools.  jax's caches are cleared
-  first: a call traced before (another test's, in this worker) would
-  not be traced again."""
+def _forward_spy(name: str):
+  """Records each answer of ``forward.<name>`` while the block traces
+  kernels: ``_chains_items`` (whether the forward's loop runs on across
+  work items, ``item_overlap``) or ``tail_split`` (the TailSplit plan,
+  None where split_tail does not apply).  jax's caches are cleared
+  first: a call traced before (another test's, in this worker) would not
+  be traced again."""
   from jaxflash.mosaic_gpu import forward
   jax.clear_caches()
-  seen, chains = [], forward._chains_items
+  seen, real = [], getattr(forward, name)
 
-  def spy(cfg, prob):
-    seen.append(chains(cfg, prob))
+  def spy(*args, **kwargs):
+    seen.append(real(*args, **kwargs))
     return seen[-1]
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(forward, "_chains_items", spy)
+    mp.setattr(forward, name, spy)
     yield seen
 
 
@@ -575,7 +576,7 @@ def test_interpret_variant_d64_gqa_chains(variant, name):
   config = dataclasses.replace(cfg, **INTERPRET_VARIANTS[variant][0])
   q = jax.ShapeDtypeStruct((2, t, h, d), dtype)
   kv = jax.ShapeDtypeStruct((2, s, kh, d), dtype)
-  with _chain_decisions() as seen:
+  with _forward_spy("_chains_items") as seen:
     jax.jit(_case_fn(case, RACES, config)).trace(q, kv, kv)
   assert seen and all(seen)
 
@@ -625,29 +626,12 @@ _SPLIT_TAIL = [
                   early_q_release=True, lean_epilogue=True)),
     ("d64-2wg-lean-unpadded-q100-k130", 100, 130, 5, 5, 64, jnp.float16,
      TWO_WG, dict(lean_epilogue=True, unpadded_q=True, unpadded_kv=True)),
-    # Three consumers (192-row groups, the H200's head_dim 64 form from
-    # 4096 keys, there on the plain grid) with the next Q prefetched.
+    # Three consumers (192-row groups, the head_dim 64 default from 1024
+    # keys since s40) with the next Q prefetched.
     ("d64-3wg-prefetch-q-k260", 192, 260, 3, 1, 64, jnp.bfloat16, TWO_WG,
      dict(compute_wgs=3, schedule_barrier=False, prefetch_q=True,
           unpadded_kv=True)),
 ]
-
-
-@contextlib.contextmanager
-def _split_plans():
-  """The TailSplit plans the forward's launches meanwhile ran (None where
-  split_tail did not apply; jax's caches cleared first, as in
-  _chain_decisions)."""
-  from jaxflash.mosaic_gpu import forward
-  jax.clear_caches()
-  plans, plan_of = [], forward.tail_split
-
-  def spy(*args, **kwargs):
-    plans.append(plan_of(*args, **kwargs))
-    return plans[-1]
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(forward, "tail_split", spy)
-    yield plans
 
 
 @pytest.mark.parametrize("case", _SPLIT_TAIL, ids=[c[0] for c in _SPLIT_TAIL])
@@ -679,7 +663,7 @@ def test_interpret_split_tail(case):
     return mosaic_gpu.attention(q, k, v, mask=spec, softmax_scale=d ** -0.5,
                                 config=config, interpret=RACES)
 
-  with _split_plans() as plans:
+  with _forward_spy("tail_split") as plans:
     numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
                         causal=False)
   assert plans and set(plans) == {plan}  # the kernel ran the split
@@ -788,7 +772,7 @@ def test_interpret_split_tail_many_programs(programs, heads, q_len, kv_len,
     return mosaic_gpu.attention(q, k, v, mask=spec, softmax_scale=0.125,
                                 config=config, interpret=RACES)
 
-  with _split_plans() as plans:
+  with _forward_spy("tail_split") as plans:
     numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
                         causal=False)
   assert plans and set(plans) == {plan}
@@ -1528,7 +1512,7 @@ def test_gpu_long_persistent_default_items(kv_len):
   assert config.item_overlap == (kv_len > 1024)
   case = (f"long-items-default-{kv_len}", 8250, kv_len, 4, 2, 64,
           jnp.bfloat16, False, None, None)
-  with _chain_decisions() as seen:
+  with _forward_spy("_chains_items") as seen:
     _run(case, False, config)
   assert seen and all(seen) == config.item_overlap
 
@@ -1564,7 +1548,7 @@ def test_gpu_h100_three_consumers(causal, q_len, kv_len, chains):
                      else (16 * 4096 // kv_len, 2))
   case = (f"h100-three-wg-{causal}-{q_len}-{kv_len}", q_len, kv_len, heads,
           kv_heads, 64, jnp.bfloat16, causal, None, None)
-  with _chain_decisions() as seen:
+  with _forward_spy("_chains_items") as seen:
     _run(case, False, config)
   assert seen and all(seen) == chains
 
@@ -1614,7 +1598,7 @@ def test_gpu_item_overlap_plain_chains(q_len, kv_len, fields):
       item_overlap=True, **{"compute_wgs": 2, **fields})
   case = (f"chain-{q_len}-{kv_len}", q_len, kv_len, 4, 2, 64, jnp.bfloat16,
           False, None, None)
-  with _chain_decisions() as seen:
+  with _forward_spy("_chains_items") as seen:
     _run(case, False, config)
   assert seen and all(seen)
 
@@ -1644,7 +1628,7 @@ def test_gpu_split_tail(head_dim, kv_len, q_len, heads):
   assert config.persistent
   case = (f"split-tail-{head_dim}-{kv_len}-{q_len}", q_len, kv_len, heads,
           2, head_dim, jnp.bfloat16, False, None, None)
-  with _split_plans() as plans:
+  with _forward_spy("tail_split") as plans:
     _run(case, False, config)
   assert plans and all(p is not None and p.left > 0 for p in plans)
 
