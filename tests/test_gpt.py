@@ -52,6 +52,35 @@ def test_split_and_batches_are_deterministic():
   np.testing.assert_array_equal(np.concatenate(halves), b.get(5)[0])
 
 
+def test_rechunk_cuts_the_joined_corpus():
+  docs = [b"abc", b"defgh", b"ij"]
+  assert data_lib.rechunk(docs, 4) == [b"abcd", b"efgh", b"ij"]
+  assert data_lib.rechunk(docs, 100) == [b"abcdefghij"]
+  # Packed at seq_len 3 (rows of 4 bytes), each row is one document.
+  _, seg = data_lib.pack(data_lib.rechunk(docs, 4), 3)
+  assert (seg == 1).all()
+  with pytest.raises(ValueError, match="got 0"):
+    data_lib.rechunk(docs, 0)
+
+
+def test_doc_bytes_flag_rechunks_the_corpus(tmp_path, monkeypatch):
+  """train.py --doc-bytes packs documents of that size."""
+  sizes = []
+  real_pack = data_lib.pack
+
+  def spy(docs, seq_len):
+    sizes.append([len(d) for d in docs])
+    return real_pack(docs, seq_len)
+
+  monkeypatch.setattr(train_lib.data_lib, "pack", spy)
+  train_lib.main(["--steps", "1", "--batch", "8", "--seq-len", "64",
+                  "--limit-bytes", "200000", "--eval-every", "0",
+                  "--sample-bytes", "0", "--mesh", "data=-1",
+                  "--doc-bytes", "1000", "--out", str(tmp_path)])
+  train_sizes, val_sizes = sizes
+  assert set(train_sizes[:-1]) == {1000} and val_sizes[0] == 1000
+
+
 def test_parse_mesh():
   assert train_lib.parse_mesh("data=2,tensor=-1", 8) == dict(
       data=2, fsdp=1, tensor=4, context=1)
@@ -309,7 +338,11 @@ def test_convergence_gaps():
   assert got["reference"] == "jaxflash" and got["from_step"] == 10
   np.testing.assert_allclose(got["attention_gap"]["xla"], 0.1)
   np.testing.assert_allclose(got["seed_gap"], 0.2)
+  # xla - jaxflash at steps 10 and 20: seed 0 +0.05, -0.1; seed 1 0, 0.
+  np.testing.assert_allclose(got["mean_difference"]["xla"], -0.0125)
+  np.testing.assert_allclose(got["fraction_below"]["xla"], 0.25)
   assert "cudnn" not in got["attention_gap"]  # failed runs are left out
+  assert "cudnn" not in got["mean_difference"]
   assert convergence.gaps(rows[:1], skip=0)["seed_gap"] is None
 
 

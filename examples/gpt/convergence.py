@@ -14,7 +14,13 @@ summary reports both on the logged steps (every 10) after the first
 
 * attention gap: max over steps and seeds of |loss(a) - loss(first)|;
 * seed gap: max over steps of |loss(seed) - loss(first seed)| for the
-  first attention (the noise reference; needs two seeds or more).
+  first attention (the noise reference; needs two seeds or more).  The
+  seed picks both the initialisation and the batch order, so this gap is
+  mostly the loss's batch-to-batch spread: a loose bar;
+* mean difference: the mean over the same steps and seeds of
+  loss(a) - loss(first), signed, and the fraction of those steps where
+  it is negative: a bias that the largest gap can hide (one attention
+  always a little lower or higher) shows here.
 
 Writes ``convergence.json``, ``convergence.md`` and ``convergence.png``
 (the curves) to ``--out`` and prints the table.
@@ -64,14 +70,28 @@ def gaps(rows: list[dict], skip: int) -> dict:
                          if x in curve and y in curve) if g is not None]
     return max(found, default=None)
 
+  def differences(a: str) -> list[float]:
+    out = []
+    for s in seeds:
+      x, ref = curve.get((a, s)), curve.get((first_a, s))
+      if x is not None and ref is not None:
+        out += [x[k] - ref[k] for k in x if k in ref and k >= skip]
+    return out
+
   first_a = attentions[0] if attentions else None
   attention_gap = {
       a: worst([((first_a, s), (a, s)) for s in seeds])
       for a in attentions[1:]}
   seed_gap = (worst([((first_a, seeds[0]), (first_a, s))
                      for s in seeds[1:]]) if len(seeds) > 1 else None)
+  mean_difference, below = {}, {}
+  for a in attentions[1:]:
+    d = differences(a)
+    mean_difference[a] = sum(d) / len(d) if d else None
+    below[a] = sum(x < 0 for x in d) / len(d) if d else None
   return dict(reference=first_a, attention_gap=attention_gap,
-              seed_gap=seed_gap, from_step=skip)
+              seed_gap=seed_gap, mean_difference=mean_difference,
+              fraction_below=below, from_step=skip)
 
 
 def markdown(meta: dict, args, rows: list[dict], summary: dict) -> str:
@@ -90,11 +110,18 @@ def markdown(meta: dict, args, rows: list[dict], summary: dict) -> str:
             f" difference| against `{summary['reference']}` at the same"
             " seed (attention gap) and between seeds of"
             f" `{summary['reference']}` (seed gap, the noise reference):",
-            "", "| compared | largest gap |", "|---|---|"]
+            "", "| compared | largest gap | mean difference | steps below |",
+            "|---|---|---|---|"]
+  pct = lambda x: "-" if x is None else f"{x:.0%}"
   for a, g in summary["attention_gap"].items():
-    lines.append(f"| `{a}` vs `{summary['reference']}` | {fmt(g)} |")
+    lines.append(f"| `{a}` vs `{summary['reference']}` | {fmt(g)} |"
+                 f" {fmt(summary['mean_difference'][a])} |"
+                 f" {pct(summary['fraction_below'][a])} |")
   lines.append(f"| seeds of `{summary['reference']}` | "
-               f"{fmt(summary['seed_gap'])} |")
+               f"{fmt(summary['seed_gap'])} | | |")
+  lines += ["", "Mean difference: loss(row's attention) - loss(reference),"
+            " signed, over the same steps and seeds; steps below: how many"
+            " of them have it negative."]
   return "\n".join(lines) + "\n"
 
 

@@ -60,6 +60,19 @@ def load_documents(path: str | None = None,
   return docs
 
 
+def rechunk(docs: list[bytes], size: int) -> list[bytes]:
+  """The corpus joined and cut into documents of ``size`` bytes (the last
+  one shorter).  For long-context runs: the default corpus's files are a
+  few KiB each, so a 131072-token row would hold dozens of documents and
+  the kernels would skip almost every key block (segment ids); documents
+  of at least ``seq_len`` bytes make each row's attention (nearly) full
+  causal attention over the row."""
+  if size < 1:
+    raise ValueError(f"document size must be positive, got {size}")
+  blob = b"".join(docs)
+  return [blob[i:i + size] for i in range(0, len(blob), size)]
+
+
 def split(docs: list[bytes]) -> tuple[list[bytes], list[bytes]]:
   """Deterministic train/validation split: every 20th document validates."""
   train = [d for i, d in enumerate(docs) if i % 20 != 19]

@@ -217,6 +217,11 @@ def main(argv=None):
                   help="recompute each block's activations in the backward"
                        " pass (less memory, ~1/3 more compute)")
   ap.add_argument("--data", default=None)
+  ap.add_argument("--doc-bytes", type=int, default=None,
+                  help="join the corpus and cut it into documents of this"
+                       " many bytes (long context: >= seq_len, so that"
+                       " segment ids do not cut each row's attention into"
+                       " short documents)")
   ap.add_argument("--limit-bytes", type=int, default=4_000_000,
                   help="corpus size cap for the default corpus")
   ap.add_argument("--out", default="out/gpt")
@@ -255,6 +260,8 @@ def main(argv=None):
   trainer = Trainer(cfg, mesh, tx, args.accum)
 
   docs = data_lib.load_documents(args.data, args.limit_bytes)
+  if args.doc_bytes:
+    docs = data_lib.rechunk(docs, args.doc_bytes)
   train_docs, val_docs = data_lib.split(docs)
   train = data_lib.Batches(*data_lib.pack(train_docs, cfg.seq_len),
                            args.batch, args.seed, jax.process_index(),
