@@ -270,8 +270,9 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     qseg_ref = kvseg_ref = range_ref = None
   o_ref, lse_ref, *refs = refs
   # split_tail: the workspace of the split items' segments (TailSplit):
-  # each consumer's rows of a segment's unnormalised output and their
-  # running max and row sum, in float32.
+  # one row block per program (a program holds at most one part that
+  # does not own its item), each consumer's rows of that part's
+  # unnormalised output and their running max and row sum, in float32.
   accws_ref, mlws_ref = (None, None) if tail is None else refs[:2]
   if tail is not None:
     refs = refs[2:]
@@ -373,10 +374,10 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
               chain=None, part=None):
     """One work item on a consumer warpgroup: ring steps ``first_step +
     [0, u_hi - u_lo)``; ``item``: its number in the program's loop.
-    ``part=(is_segment, sm, k, j, owner, first_sm)`` with
-    ``split_tail`` (:func:`for_each_item_and_segment`): a segment that
-    does not own its item goes to workspace slot ``(sm, k)``; an owner
-    merges the others' first (:func:`merge_parts`).
+    ``part=(is_segment, sm, j, owner, first_sm)`` with ``split_tail``
+    (:func:`for_each_item_and_segment`): a segment that does not own its
+    item goes to program ``sm``'s workspace rows; an owner merges the
+    others' first (:func:`merge_parts`).
     ``chain=(s_first, n_items)`` with ``item_overlap`` (``chained``):
     ``S`` of this item's first tile, issued and read back by the item
     before (valid from item 1), and the program's item count; returns
@@ -1049,16 +1050,15 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
 
       def add_part(s, carry):
         acc, m, l = carry
-        k = j - lax.div(tail.run(s)[0], tail.steps)  # s's slot of item j
-        m_p = plgpu.load(mlws_ref.at[s, k, 0, rows], layout=row,
+        m_p = plgpu.load(mlws_ref.at[s, 0, rows], layout=row,
                          optimized=False)
-        l_p = plgpu.load(mlws_ref.at[s, k, 1, rows], layout=row,
+        l_p = plgpu.load(mlws_ref.at[s, 1, rows], layout=row,
                          optimized=False)
         top = jnp.maximum(m, m_p)
         # Rows that no part saw a key of keep -inf: 2^(-inf - 0) = 0.
         top_safe = jnp.where(top == -jnp.inf, 0.0, top)
         a, a_p = jnp.exp2(m - top_safe), jnp.exp2(m_p - top_safe)
-        acc_p = plgpu.load(accws_ref.at[s, k, rows],
+        acc_p = plgpu.load(accws_ref.at[s, rows],
                            layout=plgpu.Layout.WGMMA, optimized=False)
         acc = (acc * lax.broadcast_in_dim(a, acc.shape, [0])
                + acc_p * lax.broadcast_in_dim(a_p, acc.shape, [0]))
@@ -1076,15 +1076,15 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     def epilogue(acc, m, l, part=None):
       """Normalise this consumer's rows of an item and store them and
       their LSE (the variables of the item: :func:`consume`'s).
-      ``part=(is_segment, sm, k, j, owner, first_sm)`` (``split_tail``):
-      a segment that does not own its item writes ``acc``, ``m`` and
-      ``l`` to workspace slot ``(sm, k)`` and signals; the owner (the
+      ``part=(is_segment, sm, j, owner, first_sm)`` (``split_tail``): a
+      segment that does not own its item writes ``acc``, ``m`` and ``l``
+      to program ``sm``'s workspace rows and signals; the owner (the
       item's last part) first merges the other parts into its own
       (:func:`merge_parts`)."""
       l = finish_row_sum(l, deferred=deferred_sum)
       stores = None
       if part is not None:
-        segment, sm, k, j, owner, first_sm = part
+        segment, sm, j, owner, first_sm = part
         stores = jnp.logical_not(segment) | owner
         rows = pl.ds(wg * bq, bq)
 
@@ -1092,9 +1092,9 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         def _():
           # Straight from registers into global memory (the float32
           # accumulator has no shared-memory slot of its own).
-          accws_ref[sm, k, rows] = acc
-          mlws_ref[sm, k, 0, rows] = m
-          mlws_ref[sm, k, 1, rows] = l
+          accws_ref[sm, rows] = acc
+          mlws_ref[sm, 0, rows] = m
+          mlws_ref[sm, 1, rows] = l
           if tail_sems is not None:
             # After Pallas' warpgroup barrier (every thread's stores
             # issued), one thread's release add at GPU scope: CUTLASS's
@@ -1381,14 +1381,15 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     """:attr:`MosaicConfig.split_tail` (:class:`TailSplit`): program
     ``sm``'s ``tail.whole`` items round robin, then its segments of the
     left items, ``run(i, b, h, group_start, lo, hi, first_step,
-    part=(is_segment, sm, k, j, owner, first_sm))`` for each (a
-    segment's ``[lo, hi)`` the key tiles of its run, ``k`` its workspace
-    slot, ``j`` its left item, ``owner`` whether it holds the item's last
-    tile, ``first_sm`` the program that holds the first), the ring's
-    step count running on across them.  A run spans at most two items
-    and is at most one item long: its first segment ends an item (it
-    owns it, or a later program does), its second begins one that later
-    programs finish.  An owner waits only for lower programs' parts, in
+    part=(is_segment, sm, j, owner, first_sm))`` for each (a segment's
+    ``[lo, hi)`` the key tiles of its run, ``j`` its left item, ``owner``
+    whether it holds the item's last tile, ``first_sm`` the program that
+    holds the first), the ring's step count running on across them.  A
+    run spans at most two items and is at most one item long: its first
+    segment ends an item (it owns it, or a later program does), its
+    second begins one that later programs finish; so a program holds at
+    most one part that it does not own, and one workspace row block per
+    program serves.  An owner waits only for lower programs' parts, in
     either order; the second segment goes first so that the wait does
     not hold it up: in the other order a program's part of the next
     item would start only after its own wait, which waits for the
@@ -1399,7 +1400,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
 
     def body(i, first_step):
       segment = i >= tail.whole
-      k, j, seg_lo, seg_hi, owner = tail.segment(
+      _, j, seg_lo, seg_hi, owner = tail.segment(
           sm, jnp.maximum(i - tail.whole, 0), jnp)
       w = jnp.where(segment, tail.first_left + j, sm + i * tail.programs)
       b, h, u = unit_coords(w)
@@ -1407,7 +1408,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       lo = jnp.where(segment, u_lo + seg_lo, u_lo)
       hi = jnp.where(segment, u_lo + seg_hi, u_hi)
       run(i, b, h, group_start, lo, hi, first_step,
-          part=(segment, sm, k, j, owner, tail.first_program(j)))
+          part=(segment, sm, j, owner, tail.first_program(j)))
       return first_step + (hi - lo)
 
     n_items = tail.whole + n_segments
@@ -1536,12 +1537,16 @@ class TailSplit:
   ``programs`` runs of consecutive key-tile steps: program ``sm`` takes
   steps ``[run(sm)[0], run(sm)[1])`` of the ``left * steps`` in item-major
   order, at most ``steps`` of them (``left < programs``), so at most two
-  items (its segments ``k = 0, 1``).  A left item's last part (the segment that
-  holds its last key tile) owns it: it merges the others' workspace
-  slots ``(sm, k)`` into its own accumulator in the kernel and stores the
-  item's output.  Where there are fewer left steps than programs, some
-  runs are empty (of the programs between an item's first and last
-  part, only those with a step hold a part)."""
+  items (its segments ``k = 0, 1``).  A left item's last part (the
+  segment that holds its last key tile) owns it: it merges the others'
+  workspace rows into its own accumulator in the kernel and stores the
+  item's output.  A program's first segment ends an item and owns it
+  unless the run lies inside the item, and its second holds the next
+  item's first tiles only, so each program writes at most one part:
+  the workspace has one row block per program.  Where there are fewer
+  left steps than programs, some runs are empty (of the programs
+  between an item's first and last part, only those with a step hold a
+  part)."""
 
   programs: int
   whole: int
@@ -1571,7 +1576,7 @@ class TailSplit:
 
   def segment(self, sm, c, xp):
     """Program ``sm``'s ``c``-th segment in its processing order: ``(k,
-    j, lo, hi, owner)``, its workspace slot, its left item, its key
+    j, lo, hi, owner)``, its place in the run, its left item, its key
     tiles ``[lo, hi)`` of that item, and whether it holds the item's
     last tile (then it owns the item).  The run's second segment (``k =
     1``) goes first (``for_each_item_and_segment`` says why)."""
@@ -1837,9 +1842,8 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
   group_rows = cfg.compute_wgs * bq
   if tail is not None:  # the segments' workspace (acc; m and l)
     out_type += [
-        out_struct((tail.programs, 2, group_rows, dp), jnp.float32, q, k,
-                   v),
-        out_struct((tail.programs, 2, 2, group_rows), jnp.float32, q, k, v)]
+        out_struct((tail.programs, group_rows, dp), jnp.float32, q, k, v),
+        out_struct((tail.programs, 2, group_rows), jnp.float32, q, k, v)]
   kernel = functools.partial(_kernel, prob=prob, cfg=cfg, dtype=dtype,
                              in_place=not interpret, n_programs=n_programs,
                              cluster=cluster, tail=tail)
