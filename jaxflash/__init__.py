@@ -10,3 +10,19 @@ from jaxflash.op import RESIDUAL_NAMES as RESIDUAL_NAMES
 from jaxflash.triton import TritonConfig as TritonConfig
 
 __version__ = "0.1.0"
+
+# Submodules used as ``jaxflash.linen``, ``jaxflash.sharding`` ... after a
+# plain ``import jaxflash``, loaded on first use (PEP 562): ``linen``
+# imports Flax, which a user of the functions alone does not pay for.
+_SUBMODULES = ("linen", "sharding", "reference", "masks", "ring")
+
+
+def __getattr__(name):
+  if name in _SUBMODULES:
+    import importlib
+    return importlib.import_module(f"jaxflash.{name}")
+  raise AttributeError(f"module 'jaxflash' has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_SUBMODULES))

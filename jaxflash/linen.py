@@ -15,6 +15,7 @@ See docs/flax.md.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -188,7 +189,10 @@ class FlashMultiHeadDotProductAttention(nn.Module):
   (``flash_attention``'s ``deterministic``).  Extra call arguments:
   ``segment_ids`` (packed documents), ``q_seq_lengths`` /
   ``kv_seq_lengths``, ``positions`` (for the rotary embeddings; default
-  ``0..length-1``).
+  ``0..length-1``; one set for queries and keys, so ``rope_theta`` takes
+  keys as long as the queries and refuses others).  Flax's deprecated
+  ``inputs_kv`` (keys and values from one input) is taken, with Flax's
+  ``DeprecationWarning``.
 
   ``decode=True``: Flax's autoregressive cache (``cached_key``,
   ``cached_value``, ``cache_index``); each single-token step attends to the
@@ -235,7 +239,7 @@ class FlashMultiHeadDotProductAttention(nn.Module):
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *,
                segment_ids=None, q_seq_lengths=None, kv_seq_lengths=None,
                positions=None, mask=None, deterministic=None,
-               dropout_rng=None, sow_weights=False):
+               dropout_rng=None, sow_weights=False, inputs_kv=None):
     if mask is not None:
       raise NotImplementedError(
           "FlashMultiHeadDotProductAttention takes no dense mask: use"
@@ -251,6 +255,16 @@ class FlashMultiHeadDotProductAttention(nn.Module):
           f"attention dropout (dropout_rate={self.dropout_rate}) in training"
           " needs the N x N attention weights; use dropout_rate=0")
     del dropout_rng
+    if inputs_kv is not None:
+      # As nn.MultiHeadDotProductAttention (flax 0.12).
+      if inputs_k is not None or inputs_v is not None:
+        raise ValueError(
+            "If either `inputs_k` or `inputs_v` is not None, `inputs_kv`"
+            " must be None")
+      warnings.warn("The inputs_kv arg will be deprecated soon. Use inputs_k"
+                    " and inputs_v instead.", DeprecationWarning,
+                    stacklevel=2)
+      inputs_k = inputs_v = inputs_kv
     if inputs_k is None:
       if inputs_v is not None:
         raise ValueError("inputs_k cannot be None when inputs_v is given")
@@ -338,6 +352,12 @@ class FlashMultiHeadDotProductAttention(nn.Module):
   def _rope(self, query, key, positions):
     """Rotary embeddings at ``positions`` (default: 0.., or the decode
     cache index) on queries and keys of self-attention."""
+    if query.shape[-3] != key.shape[-3]:
+      raise ValueError(
+          f"rope_theta={self.rope_theta} rotates queries and keys at the"
+          f" same positions (self-attention), got {query.shape[-3]} queries"
+          f" and {key.shape[-3]} keys: apply rotary embeddings outside the"
+          " module for cross-attention")
     if positions is None:
       start = 0
       if self.decode and self.has_variable("cache", "cache_index"):

@@ -342,15 +342,17 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
     q_seg, kv_seg = arrays.q_segment_ids, arrays.kv_segment_ids
 
   deterministic = op_lib.resolve_deterministic(deterministic)
+  # The ring calls the kernels directly (no dispatch): refuse here, with
+  # the backend's reason, what it cannot run (no suitable GPU and no
+  # interpret=True; the Mosaic GPU interpreter inside shard_map over
+  # several devices; a dtype it does not take).
   if implementation == "mosaic_gpu":
     mosaic_backend.check_deterministic(config, deterministic)
-    if interpret:
-      # The ring calls the kernels directly (no dispatch): refuse here,
-      # with the reason, what the Mosaic GPU interpreter cannot run (it
-      # fails inside shard_map over several devices).
-      mosaic_backend.check_supported(q, k, v, arrays=MaskArrays(),
-                                     logits_soft_cap=None, config=config,
-                                     interpret=interpret)
+    mosaic_backend.check_supported(q, k, v, arrays=MaskArrays(),
+                                   logits_soft_cap=None, config=config,
+                                   interpret=interpret)
+  else:
+    triton.check_supported(q, k, v, interpret=interpret)
 
   def params_for(spec):
     return op_lib.OpParams(backend=implementation, mask=spec,

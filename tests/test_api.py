@@ -119,6 +119,20 @@ def test_gpu_dispatch_picks_kernel():
   assert _uses_kernel()
 
 
+def test_submodules_after_plain_import():
+  """jaxflash.linen, jaxflash.sharding, ... after ``import jaxflash``
+  alone, which does not import Flax."""
+  import subprocess
+  import sys
+  code = ("import sys, jaxflash; assert 'flax' not in sys.modules;"
+          " jaxflash.linen.FlashMultiHeadDotProductAttention;"
+          " jaxflash.sharding.ring_attention; jaxflash.reference.attention;"
+          " assert 'linen' in dir(jaxflash)")
+  subprocess.run([sys.executable, "-c", code], check=True)
+  with pytest.raises(AttributeError, match="no attribute 'nope'"):
+    jaxflash.nope  # noqa: B018
+
+
 def test_float64_not_supported_by_triton():
   jax.config.update("jax_enable_x64", True)
   try:

@@ -503,6 +503,30 @@ def test_dot_product_attention_shapes_and_scale():
     jax.jit(lambda s: jaxflash.dot_product_attention(x, x, x, scale=s))(0.2)
 
 
+def test_rope_refuses_keys_of_another_length():
+  """rope_theta rotates queries and keys at one set of positions: keys of
+  another length (cross-attention) are a clear error, not a broadcast
+  failure."""
+  flash = FlashMultiHeadDotProductAttention(num_heads=4, rope_theta=1e4,
+                                            implementation="xla")
+  x, kv = _x((2, 12, 32)), _x((2, 20, 32), seed=1)
+  with pytest.raises(ValueError, match="got 12 queries and 20 keys"):
+    flash.init(jax.random.key(0), x, kv)
+
+
+def test_inputs_kv_as_flax():
+  """Flax's deprecated inputs_kv: keys and values from one input, with
+  Flax's warning; with inputs_k as well, Flax's error."""
+  x, kv = _x((2, 12, 32)), _x((2, 20, 32), seed=1)
+  flash = FlashMultiHeadDotProductAttention(num_heads=4, **KERNEL)
+  params = flash.init(jax.random.key(0), x, kv)
+  with pytest.warns(DeprecationWarning, match="inputs_kv"):
+    got = flash.apply(params, x, inputs_kv=kv)
+  _close(got, flash.apply(params, x, kv, kv))
+  with pytest.raises(ValueError, match="`inputs_kv` must be None"):
+    flash.apply(params, x, kv, inputs_kv=kv)
+
+
 def test_rope_decode_matches_full():
   """Rotary embeddings use the cache index while decoding."""
   x = _x((2, 6, 32))

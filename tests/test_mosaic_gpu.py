@@ -2370,6 +2370,25 @@ def test_interpreter_thread_guard(monkeypatch):
                          softmax_scale=0.1, config=TWO_WG, interpret=True)
 
 
+def test_interpreter_thread_guard_hands_over(monkeypatch):
+  """The guard is part of the backend's check_supported, so a list of
+  backends moves on to the next instead of failing inside the call."""
+  from jaxflash.mosaic_gpu import backend
+  real = jax.devices
+  monkeypatch.setattr(backend.jax, "devices", lambda *a: (
+      [None, None] if a == ("cpu",) else real(*a)))
+  q = jax.random.normal(jax.random.key(0), (1, 64, 2, 64), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="host devices"):
+    jaxflash.flash_attention(q, q, q, implementation="mosaic_gpu",
+                             interpret=True)
+  got = jaxflash.flash_attention(q, q, q, implementation=(
+      "mosaic_gpu", "triton"), interpret=True)
+  want = jaxflash.flash_attention(q, q, q, implementation="triton",
+                                  interpret=True)
+  np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                np.asarray(want, np.float32))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("stats_in_acc", [False, True])
 @pytest.mark.parametrize("overlap", [False, True])

@@ -141,6 +141,11 @@ def test_ring_argument_errors():
   with pytest.raises(NotImplementedError, match="over 2 devices"):
     call(q.astype(jnp.bfloat16), implementation="mosaic_gpu",
          interpret=True)
+  if jax.default_backend() == "cpu":
+    # The backend's own refusal, as flash_attention gives it.
+    with pytest.raises(NotImplementedError,
+                       match="triton backend needs a CUDA GPU"):
+      call()
   # flash_attention's input checks, on each device's blocks.
   with pytest.raises(ValueError, match="softmax_scale=-1.0 must be finite"):
     call(softmax_scale=-1.0, interpret=True)

@@ -407,6 +407,9 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
       if config is not None and getattr(config, name):
         raise NotImplementedError(
             f"{name}=True needs a GPU: the Mosaic GPU interpreter {why}")
+    # Here as well as in the passes, so that a list of backends moves on
+    # to the next one instead of failing inside the call.
+    _check_interpreter_threads(config or INTERPRET_CONFIG)
     manual = _manual_devices()
     if manual > 1:
       raise NotImplementedError(
