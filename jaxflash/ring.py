@@ -320,7 +320,8 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
   api._check_bools(causal=causal, zigzag=zigzag, return_lse=return_lse,
                    interpret=interpret)
   n = lax.axis_size(axis_name)
-  if implementation is None:
+  picked = implementation is None
+  if picked:
     implementation = kernel_backend(q, config=config, interpret=interpret)
   if implementation not in ("triton", "mosaic_gpu"):
     raise ValueError(
@@ -343,15 +344,19 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
 
   deterministic = op_lib.resolve_deterministic(deterministic)
   # The ring calls the kernels directly (no dispatch): refuse here, with
-  # the backend's reason, what it cannot run (no suitable GPU and no
-  # interpret=True; the Mosaic GPU interpreter inside shard_map over
-  # several devices; a dtype it does not take).
+  # the backend's reason, what it cannot run.  A named backend is lowered
+  # as asked (so that a CPU host can lower it for a GPU, as the tests
+  # do), but for what the Mosaic GPU interpreter cannot run (it fails
+  # inside shard_map over several devices); a backend picked here is
+  # checked as flash_attention's dispatch checks it (no CUDA GPU and no
+  # interpret=True: the Triton backend's refusal, not Pallas' error).
   if implementation == "mosaic_gpu":
     mosaic_backend.check_deterministic(config, deterministic)
-    mosaic_backend.check_supported(q, k, v, arrays=MaskArrays(),
-                                   logits_soft_cap=None, config=config,
-                                   interpret=interpret)
-  else:
+    if interpret:
+      mosaic_backend.check_supported(q, k, v, arrays=MaskArrays(),
+                                     logits_soft_cap=None, config=config,
+                                     interpret=interpret)
+  elif picked:
     triton.check_supported(q, k, v, interpret=interpret)
 
   def params_for(spec):
