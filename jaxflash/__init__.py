@@ -11,10 +11,10 @@ from jaxflash.triton import TritonConfig as TritonConfig
 
 __version__ = "0.1.0"
 
-# Submodules used as ``jaxflash.linen``, ``jaxflash.sharding`` ... after a
+# The public submodules (docs/api.md) as attributes after a
 # plain ``import jaxflash``, loaded on first use (PEP 562): ``linen``
 # imports Flax, which a user of the functions alone does not pay for.
-_SUBMODULES = ("linen", "sharding", "reference", "masks", "ring")
+_SUBMODULES = ("linen", "sharding", "reference")
 
 
 def __getattr__(name):

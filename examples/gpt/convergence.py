@@ -61,32 +61,28 @@ def gaps(rows: list[dict], skip: int) -> dict:
   attentions = list(dict.fromkeys(r["attention"] for r in ok))
   seeds = list(dict.fromkeys(r["seed"] for r in ok))
 
-  def max_gap(a: dict, b: dict):
-    common = [s for s in a if s in b and s >= skip]
-    return max((abs(a[s] - b[s]) for s in common), default=None)
-
-  def worst(pairs):
-    found = [g for g in (max_gap(curve[x], curve[y]) for x, y in pairs
-                         if x in curve and y in curve) if g is not None]
-    return max(found, default=None)
-
-  def differences(a: str) -> list[float]:
+  def diffs(pairs) -> list[float]:
+    """loss(y) - loss(x) at the steps >= ``skip`` that x and y share, over
+    the pairs ``(x, y)`` of runs that both trained."""
     out = []
-    for s in seeds:
-      x, ref = curve.get((a, s)), curve.get((first_a, s))
-      if x is not None and ref is not None:
-        out += [x[k] - ref[k] for k in x if k in ref and k >= skip]
+    for x, y in pairs:
+      if x in curve and y in curve:
+        cx, cy = curve[x], curve[y]
+        out += [cy[s] - cx[s] for s in cx if s in cy and s >= skip]
     return out
 
+  def worst(pairs):
+    return max(map(abs, diffs(pairs)), default=None)
+
   first_a = attentions[0] if attentions else None
-  attention_gap = {
-      a: worst([((first_a, s), (a, s)) for s in seeds])
-      for a in attentions[1:]}
+  same_seed = {a: [((first_a, s), (a, s)) for s in seeds]
+               for a in attentions[1:]}
+  attention_gap = {a: worst(pairs) for a, pairs in same_seed.items()}
   seed_gap = (worst([((first_a, seeds[0]), (first_a, s))
                      for s in seeds[1:]]) if len(seeds) > 1 else None)
   mean_difference, below = {}, {}
-  for a in attentions[1:]:
-    d = differences(a)
+  for a, pairs in same_seed.items():
+    d = diffs(pairs)
     mean_difference[a] = sum(d) / len(d) if d else None
     below[a] = sum(x < 0 for x in d) / len(d) if d else None
   return dict(reference=first_a, attention_gap=attention_gap,
