@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxflash import api
+from jaxflash import api, checks
 from jaxflash.masks import PAD_SEGMENT_ID
 
 # Logical axis names (flax / t5x conventions) used by the module.
@@ -118,7 +118,7 @@ def make_attention_fn(
     batch_shape, q_len = query.shape[:-3], query.shape[-3]
     kv_len = key.shape[-3]
     seg = segment_ids
-    left = api.window_sizes(local_window_size)[0]
+    left = checks.window_sizes(local_window_size)[0]
     if mask is not None and q_len == 1 < kv_len and (
         left is not None and left < kv_len - 1):
       # Flax's decode step: one query against the whole cache, the filled
@@ -407,7 +407,7 @@ class FlashMultiHeadDotProductAttention(nn.Module):
       raise NotImplementedError(
           "decode=True with local_window_size takes no segment_ids (the"
           " window is applied as segment ids over the cache)")
-    left = api.window_sizes(self.local_window_size)[0]
+    left = checks.window_sizes(self.local_window_size)[0]
     pos = jnp.arange(max_length, dtype=jnp.int32)
     seen = pos <= idx
     if left < max_length:  # else it reaches slot 0 (and would wrap int32)

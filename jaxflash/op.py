@@ -1,15 +1,19 @@
-"""The attention op built from a kernel backend: differentiable, batchable
+"""The attention op built from a pair of kernels: differentiable, batchable
 and partitionable.
+
+It is handed a :class:`Kernels` record (a forward and a backward function
+on local arrays; the backend registry, :mod:`jaxflash.backends`, builds
+them) and knows nothing of which backend they come from.
 
 Layers, outside in:
 
 1. ``jax.custom_vjp``: the forward saves ``(q, k, v, out, lse)`` (output and
    LSE named :data:`RESIDUAL_NAMES` for remat policies); the backward runs
-   the backend's backward kernels from them.
+   the backward kernels from them.
 2. ``jax.custom_batching.custom_vmap``: ``vmap`` folds the mapped axis into
    the batch axis (attention is independent per batch row), so the kernels
    and the partitioning below never see a batching transform.
-3. ``custom_partitioning`` (rules in :mod:`jaxflash.sharding`): under
+3. ``custom_partitioning`` (rules in :mod:`jaxflash._partition`): under
    ``jit`` with sharded inputs, XLA runs the kernels per shard — batch and
    heads split, no gathers — instead of gathering the operands of an opaque
    call.  On one device, or inside ``shard_map``, it is inlined.
@@ -19,17 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 
-from jaxflash import sharding
+from jaxflash import _partition as partition
 from jaxflash.masks import MaskArrays, MaskSpec
 
 # Names of the residuals the forward saves besides q, k, v, e.g.
@@ -40,42 +43,37 @@ RESIDUAL_NAMES = ("jaxflash_out", "jaxflash_lse")
 
 
 @dataclasses.dataclass(frozen=True)
+class Kernels:
+  """A backend's kernels on local arrays, as the op calls them.
+
+  ``forward(q, k, v, arrays, *, mask, softmax_scale, logits_soft_cap,
+  config, interpret)`` returns ``(out, lse)``; ``backward(q, k, v, arrays,
+  out, lse, dout, dlse, *, ..., deterministic)`` returns ``(dq, dk, dv)``.
+  ``inline_interpreted``: the kernels' interpreter runs on ordered IO
+  callbacks, an effect that ``custom_partitioning`` and ``custom_vmap``
+  cannot carry, so interpreted calls skip those two layers (the Mosaic GPU
+  interpreter; such calls are for testing, on one host).
+  """
+
+  name: str
+  forward: Callable = dataclasses.field(repr=False)
+  backward: Callable = dataclasses.field(repr=False)
+  inline_interpreted: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class OpParams:
   """Static arguments of one attention op."""
 
-  backend: str  # "triton" or "mosaic_gpu"
+  kernels: Kernels
   mask: MaskSpec
   softmax_scale: float
   logits_soft_cap: float | None
   config: Any
   interpret: Any
-  # Bitwise-reproducible gradients: backends whose fastest backward sums
+  # Bitwise-reproducible gradients: kernels whose fastest backward sums
   # with atomics (Mosaic GPU's bwd_atomic_dq) use their fixed-order form.
   deterministic: bool = False
-
-
-def resolve_deterministic(value) -> bool:
-  """The ``deterministic`` argument resolved: None follows XLA's own
-  switch for reproducible GPU reductions, ``--xla_gpu_deterministic_ops``
-  in ``XLA_FLAGS``."""
-  if value is None:
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    return any(f.lower() in ("--xla_gpu_deterministic_ops",
-                             "--xla_gpu_deterministic_ops=true")
-               for f in flags)
-  if not isinstance(value, (bool, np.bool_)):
-    raise ValueError(f"deterministic must be a bool or None, got {value!r}")
-  return bool(value)
-
-
-def _module(backend: str):
-  if backend == "triton":
-    from jaxflash.triton import backend as mod
-  elif backend == "mosaic_gpu":
-    from jaxflash.mosaic_gpu import backend as mod
-  else:
-    raise ValueError(f"no kernel backend {backend!r}")
-  return mod
 
 
 def _kwargs(p: OpParams) -> dict:
@@ -102,40 +100,39 @@ def _unpack(flat, present) -> MaskArrays:
 # -- per-shard computations ---------------------------------------------------
 
 def _local_forward(p: OpParams, present, q, k, v, *flat):
-  return _module(p.backend).forward(q, k, v, _unpack(flat, present),
-                                    **_kwargs(p))
+  return p.kernels.forward(q, k, v, _unpack(flat, present), **_kwargs(p))
 
 
 def _local_backward(p: OpParams, present, q, k, v, out, lse, dout, dlse,
                     *flat):
-  return _module(p.backend).backward(q, k, v, _unpack(flat, present), out,
-                                     lse, dout, dlse, **_bwd_kwargs(p))
+  return p.kernels.backward(q, k, v, _unpack(flat, present), out, lse, dout,
+                            dlse, **_bwd_kwargs(p))
 
 
 def local_forward(p: OpParams, q, k, v, arrays: MaskArrays):
-  """The backend's forward kernel on local arrays (no autodiff, no
+  """The forward kernel on local arrays (no autodiff, no
   partitioning): for algorithms that compose kernels, like ring attention."""
-  return _module(p.backend).forward(q, k, v, arrays, **_kwargs(p))
+  return p.kernels.forward(q, k, v, arrays, **_kwargs(p))
 
 
 def local_backward(p: OpParams, q, k, v, arrays: MaskArrays, out, lse, dout,
                    dlse):
-  """The backend's backward kernels from given residuals (local arrays)."""
-  return _module(p.backend).backward(q, k, v, arrays, out, lse, dout, dlse,
-                                     **_bwd_kwargs(p))
+  """The backward kernels from given residuals (local arrays)."""
+  return p.kernels.backward(q, k, v, arrays, out, lse, dout, dlse,
+                            **_bwd_kwargs(p))
 
 
 _forward_cp = custom_partitioning(_local_forward, static_argnums=(0, 1))
 _forward_cp.def_partition(
-    partition=sharding.forward_partition(_local_forward),
-    infer_sharding_from_operands=sharding.forward_result_shardings,
-    sharding_rule=sharding.forward_rule)
+    partition=partition.forward_partition(_local_forward),
+    infer_sharding_from_operands=partition.forward_result_shardings,
+    sharding_rule=partition.forward_rule)
 
 _backward_cp = custom_partitioning(_local_backward, static_argnums=(0, 1))
 _backward_cp.def_partition(
-    partition=sharding.backward_partition(_local_backward),
-    infer_sharding_from_operands=sharding.backward_result_shardings,
-    sharding_rule=sharding.backward_rule)
+    partition=partition.backward_partition(_local_backward),
+    infer_sharding_from_operands=partition.backward_result_shardings,
+    sharding_rule=partition.backward_rule)
 
 
 # -- vmap: fold the mapped axis into the batch axis ---------------------------
@@ -157,10 +154,9 @@ def _unfold(axis_size, results):
 
 
 def _direct(p: OpParams) -> bool:
-  """The Mosaic GPU interpreter runs on ordered IO callbacks, an effect that
-  custom_partitioning and custom_vmap cannot carry: interpreted Mosaic
-  kernels skip those two layers (they are for testing, on one host)."""
-  return p.backend == "mosaic_gpu" and bool(p.interpret)
+  """Interpreted calls of kernels whose interpreter has effects skip the
+  vmap and partitioning layers (:attr:`Kernels.inline_interpreted`)."""
+  return p.kernels.inline_interpreted and bool(p.interpret)
 
 
 @functools.cache
@@ -234,7 +230,8 @@ def _explicit_mesh(x):
 
 
 def attention(q, k, v, arrays: MaskArrays, params: OpParams):
-  """``(out [B, T, H, D], lse [B, H, T])`` of a kernel backend."""
+  """``(out [B, T, H, D], lse [B, H, T])`` of ``params.kernels``:
+  differentiable, batchable and partitioned under ``jit``."""
   flat, present = _pack(arrays)
   mesh = _explicit_mesh(q)
   if mesh is None:
@@ -243,7 +240,7 @@ def attention(q, k, v, arrays: MaskArrays, params: OpParams):
   # while tracing.  Check them with the same rules and run the op per shard
   # under shard_map (Pallas kernels cannot trace over explicitly sharded
   # types; inside shard_map the partitioning layer is inlined).
-  b, h, kv = (sharding._entry(a) for a in sharding.plan(  # noqa: SLF001
+  b, h, kv = (partition.spec_entry(a) for a in partition.plan(
       mesh, jax.typeof(q).sharding.spec, q.shape, k.shape))
   P = jax.sharding.PartitionSpec
   q_spec, kv_spec = P(b, None, h, None), P(b, None, kv, None)

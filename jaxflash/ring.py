@@ -34,10 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxflash import api, triton
+from jaxflash import backends, checks
 from jaxflash import op as op_lib
 from jaxflash.masks import MaskArrays, MaskSpec
-from jaxflash.mosaic_gpu import backend as mosaic_backend
 
 
 def zigzag_indices(seq_len: int, n: int) -> np.ndarray:
@@ -59,18 +58,17 @@ def kernel_backend(q, *, config=None, interpret=False) -> str:
   """The kernel backend ring attention runs when none is named: the one
   ``config`` belongs to; else Mosaic GPU where it serves ``q``'s head_dim
   and dtype (Hopper), else Triton (other GPUs, and interpret mode)."""
-  if isinstance(config, mosaic_backend.MosaicConfig):
-    return "mosaic_gpu"
-  if isinstance(config, triton.TritonConfig) or interpret:
+  cfg_owner = backends.owner(config)
+  if cfg_owner is not None:
+    return cfg_owner.name
+  if interpret:
     return "triton"
   x = jax.ShapeDtypeStruct((1, 128, 1, q.shape[-1]), q.dtype)
   try:
-    mosaic_backend.check_supported(x, x, x, arrays=MaskArrays(),
-                                   logits_soft_cap=None, config=None,
-                                   interpret=False)
+    return backends.select(x, x, x, implementation=None, config=None,
+                           interpret=False, kernels_only=True).name
   except NotImplementedError:
     return "triton"
-  return "mosaic_gpu"
 
 
 def _merge(out_a, lse_a, out_b, lse_b):
@@ -316,9 +314,9 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
   Returns ``out`` (and ``lse``), this device's block; differentiable.
   """
   # The checks of flash_attention, on this device's blocks.
-  api._validate(q, k, v)
-  api._check_bools(causal=causal, zigzag=zigzag, return_lse=return_lse,
-                   interpret=interpret)
+  checks.validate(q, k, v)
+  checks.check_bools(causal=causal, zigzag=zigzag, return_lse=return_lse,
+                     interpret=interpret)
   n = lax.axis_size(axis_name)
   picked = implementation is None
   if picked:
@@ -336,13 +334,13 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
         f"zig-zag blocks hold two chunks: local seq {q.shape[1]} must be"
         " even")
   scale = (1.0 / math.sqrt(q.shape[3]) if softmax_scale is None
-           else api._static_positive("softmax_scale", softmax_scale))
+           else checks.static_positive("softmax_scale", softmax_scale))
   q_seg = kv_seg = None
   if segment_ids is not None:
-    arrays = api._mask_arrays(q, k, segment_ids, None, None)
+    arrays = checks.mask_arrays(q, k, segment_ids, None, None)
     q_seg, kv_seg = arrays.q_segment_ids, arrays.kv_segment_ids
 
-  deterministic = op_lib.resolve_deterministic(deterministic)
+  deterministic = checks.resolve_deterministic(deterministic)
   # The ring calls the kernels directly (no dispatch): refuse here, with
   # the backend's reason, what it cannot run.  A named backend is lowered
   # as asked (so that a CPU host can lower it for a GPU, as the tests
@@ -350,20 +348,19 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
   # inside shard_map over several devices); a backend picked here is
   # checked as flash_attention's dispatch checks it (no CUDA GPU and no
   # interpret=True: the Triton backend's refusal, not Pallas' error).
-  if implementation == "mosaic_gpu":
-    mosaic_backend.check_deterministic(config, deterministic)
-    if interpret:
-      mosaic_backend.check_supported(q, k, v, arrays=MaskArrays(),
-                                     logits_soft_cap=None, config=config,
-                                     interpret=interpret)
-  elif picked:
-    triton.check_supported(q, k, v, interpret=interpret)
+  backend = backends.get(implementation)
+  if backend.check_config is not None:
+    backend.check_config(config, deterministic)
+  if interpret if implementation == "mosaic_gpu" else picked:
+    backend.check_supported(q, k, v, arrays=MaskArrays(),
+                            logits_soft_cap=None, config=config,
+                            interpret=interpret)
 
   def params_for(spec):
-    return op_lib.OpParams(backend=implementation, mask=spec,
-                           softmax_scale=scale, logits_soft_cap=None,
-                           config=config, interpret=interpret,
-                           deterministic=deterministic)
+    return backends.op_params(backend, mask=spec, softmax_scale=scale,
+                              logits_soft_cap=None, config=config,
+                              interpret=interpret,
+                              deterministic=deterministic)
 
   ring = _Ring(axis_name, n, causal, zigzag, params_for,
                varying=frozenset().union(*map(_varying_axes, (q, k, v))))

@@ -7,7 +7,7 @@ import pytest
 from conftest import has_gpu
 
 import jaxflash
-from jaxflash import api
+from jaxflash import api, checks
 
 
 def _arr(shape, dtype=jnp.float32):
@@ -228,7 +228,7 @@ def test_ids_and_lengths_outside_int32_are_refused(monkeypatch):
   def no_read_back(*args, **kw):
     raise AssertionError("segment ids were read back to the host")
 
-  monkeypatch.setattr(api, "_value_range", no_read_back)
+  monkeypatch.setattr(checks, "_value_range", no_read_back)
   for dtype in (jnp.uint8, jnp.int16, jnp.int32):
     out = jaxflash.flash_attention(Q, KV, KV, implementation="xla",
                                    segment_ids=SEG.astype(dtype))

@@ -7,6 +7,7 @@ lowering a GPU description (jax's private ``gpu_info`` hook), so a
 construct the lowering rejects fails CI rather than the GPU run.
 """
 
+import functools
 import pathlib
 import re
 
@@ -15,9 +16,14 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.pallas import triton as plt
 
-import jaxflash.triton as triton_backend
+from jaxflash import backends
 from jaxflash.masks import MaskArrays, MaskSpec
 from jaxflash.mosaic_gpu.config import needed_smem_bytes
+
+# The kernel backends' ops without the dispatch's device check: a CPU host
+# lowers them for CUDA here.
+mosaic_attention = functools.partial(backends.attention, "mosaic_gpu")
+triton_attention = functools.partial(backends.attention, "triton")
 
 registration = pytest.importorskip(
     "jax._src.pallas.triton.pallas_call_registration")
@@ -62,7 +68,7 @@ def test_lowers_to_triton(fake_gpu, shape, causal, features):
         seg_q if f.get("segments") else None,
         seg_kv if f.get("segments") else None,
         lens if f.get("lengths") else None, None)
-    out, lse = triton_backend.attention(
+    out, lse = triton_attention(
         q, k, v, mask=mask, arrays=arrays, softmax_scale=0.125,
         logits_soft_cap=f.get("soft_cap"))
     return out.astype(jnp.float32).sum() + jnp.where(
@@ -231,7 +237,7 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
 
   def fwd(q, k, v, sq, skv):
     arrays = MaskArrays(sq, skv) if segments else MaskArrays()
-    return mosaic_gpu.attention(q, k, v, mask=mask, arrays=arrays,
+    return mosaic_attention(q, k, v, mask=mask, arrays=arrays,
                                 softmax_scale=0.125, config=config)[0]
 
   lower = lambda: jax.jit(fwd).trace(q, kv, kv, seg_q, seg_kv).lower(
@@ -271,7 +277,7 @@ def test_mosaic_unpadded_lowers_at_any_length(shape, cfg):
   config = mosaic_gpu.MosaicConfig(**cfg)
 
   def fwd(q, k, v):
-    return mosaic_gpu.attention(q, k, v, mask=mask, arrays=MaskArrays(),
+    return mosaic_attention(q, k, v, mask=mask, arrays=MaskArrays(),
                                 softmax_scale=0.125, config=config)[0]
 
   text = jax.jit(fwd).trace(q, kv, kv).lower(
@@ -376,7 +382,7 @@ def test_mosaic_backward_lowers_for_cuda(shape, cfg, segments):
 
   def loss(q, k, v, sq, skv):
     arrays = MaskArrays(sq, skv) if segments else MaskArrays()
-    out, lse = mosaic_gpu.attention(q, k, v, mask=mask, arrays=arrays,
+    out, lse = mosaic_attention(q, k, v, mask=mask, arrays=arrays,
                                     softmax_scale=0.125, config=config)
     return out.astype(jnp.float32).sum() + jnp.where(
         jnp.isfinite(lse), lse, 0).sum()
@@ -415,7 +421,7 @@ def test_mosaic_backward_soft_cap_stats_in_acc_lowers():
         bwd_stats_first=first, bwd_early_dv=early)
 
     def loss(q, k, v, config=config):
-      out, _ = mosaic_gpu.attention(q, k, v, mask=mask, softmax_scale=0.125,
+      out, _ = mosaic_attention(q, k, v, mask=mask, softmax_scale=0.125,
                                     logits_soft_cap=20.0, config=config)
       return out.astype(jnp.float32).sum()
 

@@ -24,8 +24,12 @@ import pytest
 from jax.sharding import AxisType
 
 import jaxflash
-from jaxflash import masks, mosaic_gpu
+from jaxflash import backends, masks, mosaic_gpu
 from jaxflash.mosaic_gpu.config import head_dim_problem, needed_smem_bytes
+
+# The Mosaic GPU op (kernels, VJP, vmap, partitioning) without the dispatch's
+# device check: the interpreter and CPU lowerings run it here.
+mosaic_attention = functools.partial(backends.attention, "mosaic_gpu")
 
 RACES = plgpu.InterpretGPUParams(detect_races=True)
 
@@ -122,7 +126,7 @@ def _case_fn(case, interpret, config):
   spec = masks.MaskSpec(t, s, causal, None, *(window or (None, None)))
 
   def fn(q, k, v):
-    return mosaic_gpu.attention(q, k, v, mask=spec, softmax_scale=d ** -0.5,
+    return mosaic_attention(q, k, v, mask=spec, softmax_scale=d ** -0.5,
                                 config=config, interpret=interpret)
   return fn
 
@@ -659,7 +663,7 @@ def test_interpret_split_tail(case):
   spec = masks.MaskSpec(t, s, False, None, None, None)
 
   def fn(q, k, v):
-    return mosaic_gpu.attention(q, k, v, mask=spec, softmax_scale=d ** -0.5,
+    return mosaic_attention(q, k, v, mask=spec, softmax_scale=d ** -0.5,
                                 config=config, interpret=RACES)
 
   with _forward_spy("tail_split") as plans:
@@ -770,7 +774,7 @@ def test_interpret_split_tail_many_programs(programs, heads, q_len, kv_len,
   spec = masks.MaskSpec(q_len, kv_len, False, None, None, None)
 
   def fn(q, k, v):
-    return mosaic_gpu.attention(q, k, v, mask=spec, softmax_scale=0.125,
+    return mosaic_attention(q, k, v, mask=spec, softmax_scale=0.125,
                                 config=config, interpret=RACES)
 
   with _forward_spy("tail_split") as plans:
@@ -823,7 +827,7 @@ def _check_max_jump(config, args, causal, interpret):
   spec = masks.MaskSpec(t, t, causal, None, None, None)
 
   def fn(q, k, v):
-    return mosaic_gpu.attention(q, k, v, mask=spec, softmax_scale=d ** -0.5,
+    return mosaic_attention(q, k, v, mask=spec, softmax_scale=d ** -0.5,
                                 config=config, interpret=interpret)
 
   got = numerics.outputs_and_grads(fn, *args)
@@ -2136,7 +2140,7 @@ def test_deterministic_turns_off_atomic_dq(monkeypatch):
   """deterministic=True: the tuned default's atomic dQ becomes the dQ
   kernel; a config that asks for atomics conflicts (ValueError); None
   follows XLA's --xla_gpu_deterministic_ops."""
-  from jaxflash import op
+  from jaxflash import checks
   from jaxflash.masks import MaskSpec
   from jaxflash.mosaic_gpu import backend
   monkeypatch.setattr(backend, "_device_kind", lambda: "NVIDIA H200")
@@ -2158,11 +2162,12 @@ def test_deterministic_turns_off_atomic_dq(monkeypatch):
     jaxflash.dot_product_attention(q, q, q, config=atomic,
                                    deterministic=True, interpret=True)
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
-  assert op.resolve_deterministic(None)
+  assert checks.resolve_deterministic(None)
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=false")
-  assert not op.resolve_deterministic(None)
+  assert not checks.resolve_deterministic(None)
   monkeypatch.delenv("XLA_FLAGS")
-  assert not op.resolve_deterministic(None) and op.resolve_deterministic(True)
+  assert not checks.resolve_deterministic(None)
+  assert checks.resolve_deterministic(True)
 
 
 def test_atomic_dq_needs_one_pass_and_a_gpu():
@@ -2323,7 +2328,7 @@ def test_soft_cap_interpret(form):
   spec = masks.MaskSpec(100, 130, True)
 
   def fn(q, k, v):
-    return mosaic_gpu.attention(q, k, v, mask=spec,
+    return mosaic_attention(q, k, v, mask=spec,
                                 softmax_scale=head_dim ** -0.5,
                                 logits_soft_cap=2.0, config=cfg,
                                 interpret=RACES)
@@ -2366,7 +2371,7 @@ def test_interpreter_thread_guard(monkeypatch):
   monkeypatch.setattr(backend.jax, "devices", lambda *a: [None, None])
   q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="needs >= 4 host devices"):
-    mosaic_gpu.attention(q, q, q, mask=masks.MaskSpec(64, 64),
+    mosaic_attention(q, q, q, mask=masks.MaskSpec(64, 64),
                          softmax_scale=0.1, config=TWO_WG, interpret=True)
 
 
@@ -2476,7 +2481,7 @@ def test_segments_and_lengths_interpret(case):
   spec = masks.MaskSpec(t, s, causal, None, *(window or (None, None)))
 
   def fn(q, k, v):
-    return mosaic_gpu.attention(q, k, v, mask=spec,
+    return mosaic_attention(q, k, v, mask=spec,
                                 arrays=masks.MaskArrays(**arrays),
                                 softmax_scale=0.125, config=cfg,
                                 interpret=RACES)

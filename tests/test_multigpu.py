@@ -194,12 +194,12 @@ def _skip_unless_served(impl):
   """Skips when ``impl``'s kernels cannot run here (Mosaic needs sm90)."""
   if impl != "mosaic_gpu" or KERNEL_KW.get("interpret"):
     return
-  from jaxflash.mosaic_gpu import backend as mosaic_backend  # noqa: PLC0415
+  from jaxflash import mosaic_gpu  # noqa: PLC0415
   x = jnp.zeros((1, 128, 1, HEAD_DIM), jnp.bfloat16)
   try:
-    mosaic_backend.check_supported(x, x, x, arrays=MaskArrays(),
-                                   logits_soft_cap=None, config=None,
-                                   interpret=False)
+    mosaic_gpu.check_supported(x, x, x, arrays=MaskArrays(),
+                               logits_soft_cap=None, config=None,
+                               interpret=False)
   except NotImplementedError as e:
     pytest.skip(str(e))
 

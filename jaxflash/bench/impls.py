@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 import jaxflash
 from jaxflash.bench.core import Shape
-from jaxflash.triton.common import round_up
+from jaxflash._util import round_up
 
 
 def _jaxflash(backend: str):

@@ -1,4 +1,6 @@
-"""The Mosaic GPU (Hopper) backend: padding, config, custom VJP.
+"""The Hopper (sm90) kernels on (local) arrays: padding, the tuned config,
+``forward``, ``backward`` and ``check_supported``.  Autodiff, batching and
+partitioning are :mod:`jaxflash.op`'s, over these functions.
 
 Forward: :mod:`jaxflash.mosaic_gpu.forward`.  Backward: the Hopper dK/dV
 and dQ kernels of :mod:`jaxflash.mosaic_gpu.backward` for padded head_dim
@@ -8,9 +10,9 @@ tuned default there) two consumers share a key tile, one accumulating dV
 and one dK; with ``bwd_split_dkv=True`` the dK/dV kernel runs as two
 passes of one accumulator each (``bwd_paired_dq=True``, also the default
 there, does the same for dQ: two consumers on one query tile);
-otherwise the gradient is the Triton
-backend's kernels (they need the same residuals:
-q, k, v, the output and the log-sum-exp).
+otherwise :func:`serves_backward` is False and the backend registry
+(:mod:`jaxflash.backends`) runs the Triton backward kernels instead (they
+need the same residuals: q, k, v, the output and the log-sum-exp).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxflash import masks as masks_lib
-from jaxflash._device import require_cuda
+from jaxflash._util import pad_axis, require_cuda, round_up, softmax_delta
 from jaxflash.masks import PAD_SEGMENT_ID, MaskArrays, MaskSpec
 from jaxflash.mosaic_gpu import backward as bwd_lib
 from jaxflash.mosaic_gpu import forward as fwd_lib
@@ -36,8 +38,6 @@ from jaxflash.mosaic_gpu.config import (
   default_config,
   head_dim_problem,
 )
-from jaxflash.triton import backend as triton_backend
-from jaxflash.triton.common import pad_axis, round_up, softmax_delta
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 LOG2E = 1.4426950408889634
@@ -196,6 +196,23 @@ def forward(q, k, v, arrays: MaskArrays, *, mask: MaskSpec,
   return _forward(q, k, v, st, arrays)
 
 
+def _serves_backward(dp: int, config: MosaicConfig) -> bool:
+  """Whether the Hopper backward kernels serve padded head_dim ``dp`` with
+  ``config``: above MAX_BWD_HEAD_DIM the two float32 accumulators (dK,
+  dV) need the paired or split dK/dV kernel."""
+  return dp <= MAX_BWD_HEAD_DIM or config.bwd_split_dkv or (
+      config.bwd_paired_dkv)
+
+
+def serves_backward(q, *, mask: MaskSpec, config: MosaicConfig | None,
+                    interpret=False, deterministic: bool = False) -> bool:
+  """Whether :func:`backward` serves this call; where it does not, the
+  Triton backward kernels take the same residuals."""
+  dp = _head_dim_padded(q.shape[3])
+  return _serves_backward(
+      dp, _resolve_config(config, interpret, dp, mask, deterministic))
+
+
 def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
              mask: MaskSpec, softmax_scale: float, logits_soft_cap=None,
              config: MosaicConfig | None = None, interpret=False,
@@ -206,12 +223,10 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
   S = k.shape[1]
   dp = _head_dim_padded(D)
   config = _resolve_config(config, interpret, dp, mask, deterministic)
-  if dp > MAX_BWD_HEAD_DIM and not (config.bwd_split_dkv
-                                    or config.bwd_paired_dkv):
-    return triton_backend.backward(
-        q, k, v, arrays, out, lse, dout, dlse, mask=mask,
-        softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
-        config=None, interpret=bool(interpret))
+  if not _serves_backward(dp, config):
+    raise NotImplementedError(
+        f"the Hopper backward kernels at padded head_dim {dp} >"
+        f" {MAX_BWD_HEAD_DIM} need bwd_paired_dkv: {config}")
   if interpret:
     _check_interpreter_threads(config)
   n = config.bwd_compute_wgs
@@ -348,26 +363,6 @@ def _check_interpreter_threads(config: MosaicConfig) -> None:
         f" {need - 1} warpgroups, this process has {have}: set"
         " XLA_FLAGS=--xla_force_host_platform_device_count=8 before"
         " importing jax")
-
-
-def attention(q, k, v, *, mask: MaskSpec, arrays: MaskArrays = NO_MASK_ARRAYS,
-              softmax_scale: float, logits_soft_cap: float | None = None,
-              config: MosaicConfig | None = None, interpret=False,
-              deterministic: bool = False):
-  """Flash attention with the Hopper forward kernel.
-
-  ``interpret``: False (compile for the GPU), True, or a
-  ``plgpu.InterpretGPUParams`` (e.g. with ``detect_races=True``).
-  ``deterministic``: bitwise-reproducible gradients (see
-  :func:`_resolve_config`).  Returns ``(out, lse)`` like the other
-  backends.
-  """
-  from jaxflash import op  # noqa: PLC0415 - op imports this module
-  check_deterministic(config, deterministic)
-  return op.attention(q, k, v, arrays, op.OpParams(
-      backend="mosaic_gpu", mask=mask, softmax_scale=float(softmax_scale),
-      logits_soft_cap=logits_soft_cap, config=config, interpret=interpret,
-      deterministic=bool(deterministic)))
 
 
 def _manual_devices() -> int:

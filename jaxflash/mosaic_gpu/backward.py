@@ -67,6 +67,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from jaxflash._util import out_struct
 from jaxflash.mosaic_gpu import pipeline
 from jaxflash.mosaic_gpu.config import (
   MosaicConfig,
@@ -74,7 +75,6 @@ from jaxflash.mosaic_gpu.config import (
   vec_slot_rows,
 )
 from jaxflash.mosaic_gpu.forward import Problem
-from jaxflash.triton.common import out_struct
 
 LOG2E = math.log2(math.e)
 # float32 tiles: 32 elements are one 128-byte swizzled row.

@@ -44,10 +44,10 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, nvvm, scf, vector
 
+from jaxflash._util import out_struct
 from jaxflash.masks import MaskSpec
 from jaxflash.mosaic_gpu import pipeline
 from jaxflash.mosaic_gpu.config import MosaicConfig
-from jaxflash.triton.common import out_struct
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)

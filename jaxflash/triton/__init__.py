@@ -1,7 +1,10 @@
-"""Pallas kernels for the Triton lowering (NVIDIA sm80+, CPU interpret)."""
+"""Pallas kernels for the Triton lowering (NVIDIA sm80+, CPU interpret):
+forward and backward on local arrays, with no autodiff or partitioning of
+their own (:mod:`jaxflash.op` builds the differentiable op over them)."""
 
-from jaxflash.triton.backend import attention as attention
+from jaxflash.triton.backend import backward as backward
 from jaxflash.triton.backend import check_supported as check_supported
 from jaxflash.triton.backend import count_visited_tiles as count_visited_tiles
+from jaxflash.triton.backend import forward as forward
 from jaxflash.triton.config import TritonConfig as TritonConfig
 from jaxflash.triton.config import default_config as default_config

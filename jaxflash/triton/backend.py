@@ -1,4 +1,6 @@
-"""The Triton backend: padding, configuration and the custom VJP."""
+"""The Triton-lowering kernels on (local) arrays: padding, configuration,
+``forward``, ``backward`` and ``check_supported``.  Autodiff, batching and
+partitioning are :mod:`jaxflash.op`'s, over these functions."""
 
 from __future__ import annotations
 
@@ -7,11 +9,11 @@ import functools
 
 import jax.numpy as jnp
 
-from jaxflash._device import require_cuda
+from jaxflash._util import pad_axis, require_cuda, round_up
 from jaxflash.masks import PAD_SEGMENT_ID, MaskArrays, MaskSpec
 from jaxflash.triton import backward as bwd_lib
 from jaxflash.triton import forward as fwd_lib
-from jaxflash.triton.common import Problem, head_dim_padded, pad_axis, round_up
+from jaxflash.triton.common import Problem, head_dim_padded
 from jaxflash.triton.config import TritonConfig, default_config
 from jaxflash.triton.tiles import MaskInputs
 
@@ -128,21 +130,6 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
   return dq[:, :T, :, :D], dk[:, :S, :, :D], dv[:, :S, :, :D]
 
 
-def attention(q, k, v, *, mask: MaskSpec, arrays: MaskArrays = NO_MASK_ARRAYS,
-              softmax_scale: float, logits_soft_cap: float | None = None,
-              config: TritonConfig | None = None, interpret: bool = False):
-  """Flash attention with the Triton-lowering Pallas kernels.
-
-  Inputs are validated by :func:`jaxflash.flash_attention`.  Returns
-  ``(out [B, T, H, D], lse [B, H, T] float32)``, differentiable in both,
-  partitioned under ``jit`` by :mod:`jaxflash.sharding`.
-  """
-  from jaxflash import op  # noqa: PLC0415 - op imports this module
-  return op.attention(q, k, v, arrays, op.OpParams(
-      backend="triton", mask=mask, softmax_scale=float(softmax_scale),
-      logits_soft_cap=logits_soft_cap, config=config, interpret=interpret))
-
-
 def count_visited_tiles(q, k, v, *, mask: MaskSpec,
                         arrays: MaskArrays = NO_MASK_ARRAYS,
                         softmax_scale: float = 1.0,
@@ -154,8 +141,11 @@ def count_visited_tiles(q, k, v, *, mask: MaskSpec,
   return _forward(q, k, v, arrays, st, count_tiles=True)[2]
 
 
-def check_supported(q, k, v, *, interpret: bool) -> None:
-  """Raises NotImplementedError when this backend cannot serve the call."""
+def check_supported(q, k, v, *, interpret: bool, arrays=None,
+                    logits_soft_cap=None, config=None) -> None:
+  """Raises NotImplementedError when this backend cannot serve the call
+  (every mask, soft cap and config is served)."""
+  del k, v, arrays, logits_soft_cap, config
   if q.dtype not in SUPPORTED_DTYPES:
     raise NotImplementedError(
         f"triton backend supports bfloat16, float16 and float32, got"

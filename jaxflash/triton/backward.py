@@ -25,15 +25,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from jaxflash._util import LOG2E, out_struct, softmax_delta
 from jaxflash.triton import tiles
-from jaxflash.triton.common import (
-  LOG2E,
-  Problem,
-  dot,
-  logits,
-  out_struct,
-  softmax_delta,
-)
+from jaxflash.triton.common import Problem, dot, logits
 from jaxflash.triton.config import TritonConfig
 
 

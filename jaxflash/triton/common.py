@@ -5,13 +5,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxflash._util import LOG2E
 from jaxflash.masks import MaskSpec
 
-LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
@@ -69,47 +68,6 @@ def logits(q, k, prob: Problem):
     th = jnp.tanh(s * (1.0 / prob.logits_soft_cap))
     s = th * prob.logits_soft_cap
   return s * LOG2E, th
-
-
-def softmax_delta(out, dout, dlse):
-  """``delta_i = sum_d dO_id O_id - dlse_i`` per query row, float32,
-  ``[B, H, T]`` from ``[B, T, H, D]`` operands (``dlse`` ``[B, H, T]``).
-
-  A product summed over ``d`` in float32, then the small ``[B, T, H]``
-  result transposed: one fused XLA pass, shared by both backends' backward.
-  (The einsum ``"bthd,bthd->bht"`` it replaces is a ``dot_general`` with
-  reordered batch dimensions; on the H200 XLA ran it as the same fused
-  reduction, bitwise equal and as fast, 0.04 ms at 16k tokens x width 2048,
-  docs/benchmarks/h200-2026-12-02-softmax-overlap.md.)  ``d lse_i / d s_ij
-  = P_ij``, so the LSE cotangent enters the gradient through ``delta``.
-  """
-  prod = out.astype(jnp.float32) * dout.astype(jnp.float32)
-  return (jnp.sum(prod, axis=-1).transpose(0, 2, 1)
-          - dlse.astype(jnp.float32))
-
-
-def out_struct(shape, dtype, *like) -> jax.ShapeDtypeStruct:
-  """A kernel output type that varies over the manual mesh axes of the
-  arrays it is computed from (needed inside ``shard_map`` with
-  ``check_vma=True``)."""
-  mats = [jax.typeof(x).manual_axis_type for x in like]
-  varying = frozenset().union(*(m.varying for m in mats))
-  return jax.ShapeDtypeStruct(shape, dtype,
-                              manual_axis_type=mats[0].update(varying=varying))
-
-
-def pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
-  """Zero-pads ``axis`` of ``x`` up to ``size`` (no copy when equal)."""
-  extra = size - x.shape[axis]
-  if extra == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, extra)
-  return jnp.pad(x, widths)
-
-
-def round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
 
 
 def head_dim_padded(head_dim: int) -> int:

@@ -18,8 +18,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from jaxflash._util import out_struct
 from jaxflash.triton import tiles
-from jaxflash.triton.common import LN2, Problem, dot, logits, out_struct
+from jaxflash.triton.common import LN2, Problem, dot, logits
 from jaxflash.triton.config import TritonConfig
 
 

@@ -1,0 +1,182 @@
+"""How the attention op is partitioned across devices (the rules of
+:mod:`jaxflash.op`'s ``custom_partitioning``).
+
+Under ``jit`` with sharded inputs, :mod:`jaxflash.op` asks XLA (through
+``custom_partitioning``) to run the kernels per shard.  The rules here:
+
+* batch sharding (data parallel, FSDP): every mesh axis on q's batch
+  dimension shards batch of q, k, v, the mask arrays and the outputs;
+* head sharding (tensor parallel): the mesh axes on q's head dimension
+  shard the query heads and, consistently with the GQA groups, the
+  key/value heads (``kv_heads`` divisible by the axis size; a single
+  key/value head, MQA, is replicated);
+* sequence (context parallelism) and head_dim sharding cannot be served
+  by per-shard kernels: they raise ValueError naming the mesh axis rather
+  than gathering silently.  Context parallelism has its own entry point,
+  ring attention (docs/sharding.md).
+
+No collective runs in the forward or the backward pass under these rules
+(each device computes attention for its batch rows and heads), except for
+MQA with sharded query heads, whose backward all-reduces dK/dV over the
+head axes (the one key/value head serves every shard).
+
+The public helpers that place arrays by these rules are in
+:mod:`jaxflash.sharding`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def axes_of(entry) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  if isinstance(entry, str):
+    return (entry,)
+  return tuple(entry)
+
+
+def axes_size(mesh, axes: tuple[str, ...]) -> int:
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def spec_entry(axes: tuple[str, ...]):
+  return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def plan(mesh, q_spec, q_shape, k_shape):
+  """``(batch_axes, head_axes, kv_head_axes)`` for q sharded as ``q_spec``.
+
+  Raises ValueError, naming the mesh axis, for a sharding the per-shard
+  kernels cannot serve.
+  """
+  spec = tuple(q_spec) + (None,) * (4 - len(tuple(q_spec)))
+  batch, seq, heads, head_dim = (axes_of(e) for e in spec)
+  if seq:
+    raise ValueError(
+        f"q's sequence axis is sharded over mesh axis {seq}: per-shard"
+        " kernels need whole sequences. Use jaxflash.sharding.ring_attention"
+        " for context parallelism, or replicate the sequence axis (on an"
+        " Auto mesh a constraint after the call can carry this sharding"
+        " back onto q: constrain q before the call, docs/sharding.md)")
+  if head_dim:
+    raise ValueError(
+        f"q's head_dim axis is sharded over mesh axis {head_dim}: attention"
+        " needs whole heads; replicate head_dim")
+  B, H, K = q_shape[0], q_shape[2], k_shape[2]
+  nb, nh = axes_size(mesh, batch), axes_size(mesh, heads)
+  if B % nb:
+    raise ValueError(
+        f"batch={B} is not divisible by mesh axis {batch} of size {nb}")
+  if H % nh:
+    raise ValueError(
+        f"heads={H} is not divisible by mesh axis {heads} of size {nh}")
+  if K % nh == 0:
+    kv_heads = heads
+  elif K == 1:
+    kv_heads = ()  # MQA: every shard uses the one key/value head
+  else:
+    raise ValueError(
+        f"kv_heads={K} is not divisible by mesh axis {heads} of size {nh}"
+        " that shards the query heads: each shard would need part of a GQA"
+        " group's key/value heads")
+  return batch, heads, kv_heads
+
+
+def _plan_from_args(mesh, arg_shapes):
+  q, k = arg_shapes[0], arg_shapes[1]
+  s = q.sharding
+  spec = s.spec if isinstance(s, NamedSharding) else P()
+  return plan(mesh, spec, q.shape, k.shape)
+
+
+def _mask_specs(present, b):
+  """Specs of the present mask arrays: segment ids [B, L], lengths [B]."""
+  kinds = (P(b, None), P(b, None), P(b), P(b))
+  return [spec for spec, p in zip(kinds, present) if p]
+
+
+def _forward_specs(present, b, h, kv):
+  qs, kvs = P(b, None, h, None), P(b, None, kv, None)
+  args = [qs, kvs, kvs, *_mask_specs(present, b)]
+  results = (qs, P(b, h, None))
+  return args, results
+
+
+def _backward_specs(present, b, h, kv):
+  qs, kvs, lse = P(b, None, h, None), P(b, None, kv, None), P(b, h, None)
+  args = [qs, kvs, kvs, qs, lse, qs, lse, *_mask_specs(present, b)]
+  results = (qs, kvs, kvs)
+  return args, results
+
+
+def _partition(specs_fn, local_fn, backward=False):
+  def partition(p, present, mesh, arg_shapes, result_shape):
+    del result_shape
+    batch, heads, kv_heads = _plan_from_args(mesh, arg_shapes)
+    b, h, kv = (spec_entry(a) for a in (batch, heads, kv_heads))
+    args, results = specs_fn(present, b, h, kv)
+    named = lambda spec: NamedSharding(mesh, spec)
+    # MQA with sharded query heads: each shard's dK/dV sums only its own
+    # query heads; the replicated key/value head needs the sum of all.
+    reduce_kv = backward and heads and not kv_heads
+
+    def lower(*operands):
+      res = local_fn(p, present, *operands)
+      if reduce_kv:
+        dq, dk, dv = res
+        res = (dq, jax.lax.psum(dk, heads), jax.lax.psum(dv, heads))
+      return res
+
+    return (mesh, lower, tuple(named(s) for s in results),
+            tuple(named(s) for s in args))
+  return partition
+
+
+def forward_partition(local_fn):
+  return _partition(_forward_specs, local_fn)
+
+
+def backward_partition(local_fn):
+  return _partition(_backward_specs, local_fn, backward=True)
+
+
+def _infer(specs_fn):
+  def infer(p, present, mesh, arg_shapes, result_shape):
+    del p, result_shape
+    b, h, kv = (spec_entry(a) for a in _plan_from_args(mesh, arg_shapes))
+    _, results = specs_fn(present, b, h, kv)
+    return tuple(NamedSharding(mesh, s) for s in results)
+  return infer
+
+
+forward_result_shardings = _infer(_forward_specs)
+backward_result_shardings = _infer(_backward_specs)
+
+_MASK_FACTORS = ("b t", "b s", "b", "b")
+
+
+def forward_rule(p, present, mesh, value_types, result_types):
+  """Shardy rule: batch ``b`` and heads ``h``/``k`` may be sharded; the
+  partition callback decides (and refuses) the rest.
+
+  Marking ``t``, ``d`` and ``s`` as need-replication factors does not, in
+  jax 0.11.2, keep a constraint after the call from reaching q's sequence
+  axis on an Auto mesh (the callback still sees q sharded there, as
+  tried), so the rule leaves them plain and
+  docs/sharding.md gives the workaround."""
+  del p, mesh, value_types, result_types
+  masks = "".join(", " + f for f, on in zip(_MASK_FACTORS, present) if on)
+  return f"b t h d, b s k d, b s k d{masks} -> b t h d, b h t"
+
+
+def backward_rule(p, present, mesh, value_types, result_types):
+  del p, mesh, value_types, result_types
+  masks = "".join(", " + f for f, on in zip(_MASK_FACTORS, present) if on)
+  return ("b t h d, b s k d, b s k d, b t h d, b h t, b t h d, b h t"
+          f"{masks} -> b t h d, b s k d, b s k d")
