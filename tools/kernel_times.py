@@ -22,7 +22,7 @@ config with those fields replaced, as the benchmark's
 ``--mosaic-variants``); every kernel of every config is then timed in
 the same interleaved rounds (``jaxflash.bench.core.time_interleaved``).
 Separate calls of this tool on the H200 disagreed by up to 8% for one
-config's dK/dV kernel (docs/benchmarks/h200-2026-12-02-stats-in-acc.md),
+config's dK/dV kernel (docs/benchmarks/h200-2026-12-02-0f44e53-stats-in-acc.md),
 so compare kernels of different configs within one call.
 
 ``--interpret`` runs a tiny shape in the Mosaic GPU interpreter (a smoke

@@ -47,7 +47,7 @@ counts matched the H200's tools/ptxas_report.py for the cases compared:
 the d128 forward (the non-causal 176-key rule at 8192 keys) 168
 registers with 8/8 bytes of spill stores/loads, and
 ``128:fwd:1:block_kv=176,intra_wg_overlap=0,consumer_registers=232``
-644/656 (docs/benchmarks/ptxas-h200-2026-12-02-fa3-tiles.json).
+644/656 (docs/benchmarks/h200-2026-12-02-53563bb-ptxas-fa3-tiles.json).
 
 Kernels are numbered in lowering order, which is the order of the traced
 calls: kernel0 is the forward, then the backward's passes in

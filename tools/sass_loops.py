@@ -23,7 +23,7 @@ makes conditional) skips the instructions between it and its target;
 when it is skipped.
 
 Why: under the H200's power cap a kernel's clock follows its energy per
-unit of work (docs/benchmarks/h200-2026-12-04-s28.md), and ncu counted
+unit of work (docs/benchmarks/h200-2026-12-04-090b175-kv-multicast.md), and ncu counted
 24% fewer instructions in cuDNN's head_dim 256 forward than in ours.  The
 static count of the loop that runs once per key tile is the part of that
 total a config can change, and it can be compared between configs
