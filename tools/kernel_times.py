@@ -1,4 +1,5 @@
-"""Time the Hopper kernels of one attention call apart.
+"""Kernel-time breakdown of the Hopper path: each kernel launch of one
+attention call timed apart, written to ``<out>/kernel_times.json``.
 
     PYTHONPATH=. python3 tools/kernel_times.py --head-dim 256 --seq 8192 \
         --causal 1 [--overrides "bwd_stages=3"] [--out DIR]
@@ -6,8 +7,8 @@
 The benchmark times whole calls (forward, or forward+backward); this
 times each kernel launch of the Hopper path alone at one shape of the
 benchmark grid (16,384 tokens per call, width 2048): the forward, then
-the backward's passes in launch order (``dq`` and ``dkv``; ``dv`` and
-``dk`` with ``bwd_split_dkv``; one ``dkv+atomic-dq`` with
+the backward's passes in launch order (``dq`` and ``dkv``, their
+``-paired`` forms at head_dim > 128, one ``dkv+atomic-dq`` with
 ``bwd_atomic_dq``; see ``jaxflash.mosaic_gpu.backend.backward_passes``),
 each on the padded operands the backward gives it.  ``backward prep``
 is the backward's XLA preparation alone (padding, ``delta``, the base-2
@@ -15,14 +16,14 @@ LSE); with the padded-output slicing it is what the whole backward adds
 to its kernels.  FLOP/s use the benchmark's
 convention per pass: ``S`` and ``P V``-sized matmuls, 2 per forward tile
 pair, counted per kernel from the matmuls it runs (forward 2, dQ kernel
-3, dK/dV 4, split dV 3 and dK 4, dK/dV with atomic dQ 5).
+3, dK/dV 4, dK/dV with atomic dQ 5).
 
 ``--variants "NAME:field=value,...;..."`` adds configs (each the base
 config with those fields replaced, as the benchmark's
 ``--mosaic-variants``); every kernel of every config is then timed in
 the same interleaved rounds (``jaxflash.bench.core.time_interleaved``).
 Separate calls of this tool on the H200 disagreed by up to 8% for one
-config's dK/dV kernel (docs/benchmarks/h200-2026-12-02-stats-in-acc.md),
+config's dK/dV kernel (docs/benchmarks/h200-2026-12-02-0f44e53-stats-in-acc.md),
 so compare kernels of different configs within one call.
 
 ``--interpret`` runs a tiny shape in the Mosaic GPU interpreter (a smoke

@@ -1,15 +1,26 @@
-"""Times Hopper-kernel configs (MosaicConfig) on an H100/H200: the data
-behind jaxflash/mosaic_gpu/tuning.json.
+"""Tile sweeps of the Hopper kernels: the data behind the tuned defaults
+in ``jaxflash/mosaic_gpu/tuning.json``.
+
+On an H100/H200 this times ``MosaicConfig`` candidates at the benchmark
+grid's shapes (bf16, 16,384 tokens per call, width 2048) and writes every
+row to ``<out>/mosaic_sweep<tag>.json``; it prints the fastest config per
+(head_dim, seq, causal). A config that cannot run (shared memory, a
+compile error) is a row with the reason. Entries of tuning.json are
+written by hand from these rows, and each new default is then confirmed
+with ``python -m jaxflash.bench --mosaic-variants`` (interleaved rounds
+against cuDNN and tokamax), whose record goes under docs/benchmarks/.
 
     PYTHONPATH=. python3 tools/mosaic_sweep.py [--head-dims 64,128,256]
-        [--seqs 4096] [--out DIR] [--bwd]
-        [--variants "persistent=1;bwd_split_dkv=1,bwd_compute_wgs=1"]
+        [--seqs 4096] [--out DIR] [--bwd] [--full]
+        [--variants "persistent=1;bwd_stages=3,bwd_block_kv=128"]
+    PYTHONPATH=. python3 tools/mosaic_sweep.py --dry-run   # any machine
 
-Forward tiles, or with ``--bwd`` forward+backward over the backward tiles
-(``bwd_*`` fields); bf16; 16k tokens per call and width 2048 as in
-shared/ANCHORS.md. Prints the best config per
-(head_dim, causal) and writes every row to mosaic_sweep.json; failures
-(shared memory, compile errors) are rows with the reason.
+Candidates: forward tiles (``block_kv`` x ``stages``, two consumer
+warpgroups; ``--full`` adds one consumer and P through shared memory),
+or with ``--bwd`` the backward's tiles over the tuned forward, or with
+``--variants`` the tuned default and those overrides of it.
+``--dry-run`` lists the candidates that fit without timing anything
+(no GPU needed) and writes them to the same JSON with ``"dry_run": true``.
 """
 
 import argparse
@@ -45,19 +56,16 @@ def candidates(head_dim, full=False):
 
 
 def bwd_candidates(head_dim):
-  """Backward tiles on top of the tuned forward: dK and dV in one pass
-  (padded head_dim <= 128) over ring depth, or split into two passes
-  (above 128: the split form against the tuned paired kernels)."""
+  """Backward tiles on top of the tuned forward: the ring depth and the
+  key tile of the dK/dV kernel; above padded head_dim 128 (where dK/dV
+  and dQ run on paired consumers) the ring depth and the unpaired dQ."""
   variants = [dict(bwd_stages=2), dict(bwd_stages=3),
-              dict(bwd_split_dkv=True), dict(bwd_split_dkv=True,
-                                             bwd_block_kv=128)]
+              dict(bwd_block_kv=128), dict(bwd_block_kv=128, bwd_stages=3)]
   if head_dim > 128:
-    split = dict(bwd_paired_dkv=False, bwd_split_dkv=True,
-                 bwd_compute_wgs=1)
-    variants = [split, dict(split, bwd_stages=3)]
+    variants = [dict(bwd_stages=3), dict(bwd_paired_dq=False)]
   configs = variant_configs(head_dim, variants, causal=False, kv_len=None)
-  next(configs)  # the tuned default itself (main() times it as None)
-  yield from configs
+  base = next(configs)  # the tuned default itself (main() times it as None)
+  yield from (cfg for cfg in configs if cfg != base)
 
 
 def parse_variants(text):
@@ -89,8 +97,9 @@ def variant_configs(head_dim, variants, *, causal, kv_len):
     yield cfg
 
 
-def main():
-  ap = argparse.ArgumentParser()
+def main(argv=None):
+  ap = argparse.ArgumentParser(prog="tools/mosaic_sweep.py",
+                               description=__doc__.split("\n")[0])
   ap.add_argument("--head-dims", default="64,128,256")
   ap.add_argument("--seqs", default="4096")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -102,20 +111,19 @@ def main():
                        " (';' between variants, ',' between fields)")
   ap.add_argument("--full", action="store_true",
                   help="also one consumer warpgroup and P through SMEM")
+  ap.add_argument("--dry-run", action="store_true",
+                  help="list the candidate configs without timing (no GPU)")
   ap.add_argument("--bwd", action="store_true",
                   help="forward+backward over backward tiles (and the"
                        " default, whose gradient at head_dim > 128 is the"
                        " Triton kernels')")
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   mode = "fwd_bwd" if args.bwd else "fwd"
   rows = []
   for d in core.parse_int_list(args.head_dims):
     for s in core.parse_int_list(args.seqs):
       for causal in (False, True):
         shape = core.Shape(16384 // s, s, s, 2048 // d, 2048 // d, d, causal)
-        ks = jax.random.split(jax.random.key(0), 3)
-        q, k, v = (jax.random.normal(kk, (shape.batch, s, shape.heads, d),
-                                     jnp.bfloat16) for kk in ks)
         if args.variants:
           cfgs = list(variant_configs(d, parse_variants(args.variants),
                                       causal=causal, kv_len=s))
@@ -125,6 +133,17 @@ def main():
           cfgs = [None, *bwd_candidates(d)]
         else:
           cfgs = list(candidates(d, args.full))
+        if args.dry_run:
+          for cfg in cfgs:
+            row = dict(head_dim=d, seq=s, causal=causal, mode=mode,
+                       config=cfg and cfg.__dict__.copy(), tag=args.tag,
+                       dry_run=True)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+          continue
+        ks = jax.random.split(jax.random.key(0), 3)
+        q, k, v = (jax.random.normal(kk, (shape.batch, s, shape.heads, d),
+                                     jnp.bfloat16) for kk in ks)
         for cfg in cfgs:
           attend = functools.partial(jaxflash.flash_attention, causal=causal,
                                      config=cfg)
@@ -142,8 +161,12 @@ def main():
             row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
           rows.append(row)
           print(json.dumps(row), flush=True)
+  os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, f"mosaic_sweep{args.tag}.json"), "w") as f:
     json.dump(rows, f, indent=1)
+  if args.dry_run:
+    print(f"\n{len(rows)} candidate configs (dry run: nothing timed)")
+    return
   print("\nbest per (head_dim, seq, causal):")
   key = lambda r: (r["head_dim"], r["seq"], r["causal"])
   for k_, group in itertools.groupby(sorted(rows, key=key), key=key):

@@ -160,11 +160,13 @@ def time_interleaved(calls: dict, *, min_sample_s: float = 0.02,
   one per shape) gives a different assignment.  On the H200 the order
   mattered: with a fixed order the same kernel timed first in every
   round read slower than a copy of it timed later in 9 of 12 pairs (by
-  0.3-1.8%; docs/benchmarks/h200-2026-12-04-s25.md), and with each round
-  starting one call later (which keeps every call's predecessor) two
-  copies of one kernel read 2.8% and 3.4% apart in two runs
-  (h200-2026-12-04-s26.md).  A call that raises maps to the exception
-  instead of a time (the design then continues over the others).
+  0.3-1.8%;
+  docs/benchmarks/h200-2026-12-04-c9b07cb-early-q-release.md), and
+  with each round starting one call later (which keeps every call's
+  predecessor) two copies of one kernel read 2.8% and 3.4% apart in two
+  runs (docs/benchmarks/h200-2026-12-04-e43b4bb-persistent-pairs.md).
+  A call that raises maps to the exception instead of a time (the design
+  then continues over the others).
 
   ``samples_out``, where given, receives each surviving call's seconds
   per call round by round (``samples`` of them, aligned: entry ``r`` of

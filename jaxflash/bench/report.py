@@ -49,7 +49,7 @@ def paired_rows(results: list[dict]) -> list[dict]:
   paired ratios moves less with the drift from round to round than the
   ratio of the two medians (at the H200's power cap a copy of the
   default read up to 6% off it by medians of 3 samples,
-  docs/benchmarks/h200-2026-12-05-s32.md)."""
+  docs/benchmarks/h200-2026-12-05-7f1ba8a-d128-default.md)."""
   best_impl = {k: name for k, (name, _) in best_other(results).items()}
   # Only rows of one run share rounds: merged records keep each row's
   # run (``merge`` numbers them).
