@@ -7,7 +7,7 @@ import pytest
 from conftest import has_gpu
 
 import jaxflash
-from jaxflash import api, checks
+from jaxflash import checks
 
 
 def _arr(shape, dtype=jnp.float32):

@@ -70,11 +70,11 @@ def main(argv=None) -> int:
   import jax.numpy as jnp
 
   from jaxflash import mosaic_gpu
+  from jaxflash._util import round_up
   from jaxflash.bench import core
   from jaxflash.masks import MaskArrays, MaskSpec
   from jaxflash.mosaic_gpu import backend
   from jaxflash.mosaic_gpu.config import parse_overrides, parse_variants
-  from jaxflash.triton.common import round_up
 
   d, s, causal = args.head_dim, args.seq, bool(args.causal)
   batch = max(1, args.tokens // s)

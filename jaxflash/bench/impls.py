@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 import jaxflash
-from jaxflash.bench.core import Shape
 from jaxflash._util import round_up
+from jaxflash.bench.core import Shape
 
 
 def _jaxflash(backend: str):
