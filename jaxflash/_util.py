@@ -45,9 +45,10 @@ def softmax_delta(out, dout, dlse):
   result transposed: one fused XLA pass, shared by both backends' backward.
   (The einsum ``"bthd,bthd->bht"`` it replaces is a ``dot_general`` with
   reordered batch dimensions; on the H200 XLA ran it as the same fused
-  reduction, bitwise equal and as fast, 0.04 ms at 16k tokens x width 2048,
-  docs/benchmarks/h200-2026-12-02-softmax-overlap.md.)  ``d lse_i / d s_ij
-  = P_ij``, so the LSE cotangent enters the gradient through ``delta``.
+  reduction, bitwise equal and as fast, 0.04 ms at 16k tokens x width 2048:
+  docs/benchmarks/h200-2026-12-02-cc71c69-softmax-overlap.md.)
+  ``d lse_i / d s_ij = P_ij``, so the LSE cotangent enters the gradient
+  through ``delta``.
   """
   prod = out.astype(jnp.float32) * dout.astype(jnp.float32)
   return (jnp.sum(prod, axis=-1).transpose(0, 2, 1)

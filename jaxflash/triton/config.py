@@ -76,7 +76,7 @@ def default_config(q_len: int, kv_len: int, head_dim_padded: int,
   """
   wide = jnp.dtype(dtype).itemsize >= 4
   # Measured on one H200, bf16, 16k tokens per call (docs/benchmarks/
-  # triton-tiles-h200-2026-11-30.md): the best of six forward and six
+  # h200-2026-11-30-a2f93e3-triton-tiles.md): the best of six forward and six
   # backward candidates at head_dim 64, 128 and 256.
   if head_dim_padded <= 64:
     bq, bk, warps, stages = 128, 64, 8, 3
