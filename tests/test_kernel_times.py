@@ -10,12 +10,13 @@ import sys
 ROOT = pathlib.Path(__file__).parents[1]
 
 
-def test_kernel_times_interpret_split_backward(tmp_path):
+def test_kernel_times_interpret_paired_backward(tmp_path):
   env = dict(os.environ, PYTHONPATH=str(ROOT),
              XLA_FLAGS="--xla_force_host_platform_device_count=8")
   subprocess.run(
       [sys.executable, str(ROOT / "tools" / "kernel_times.py"),
-       "--interpret", "--samples", "1", "--variants", "split:bwd_split_dkv=1",
+       "--interpret", "--samples", "1", "--variants",
+       "paired:bwd_paired_dkv=1",
        "--out", str(tmp_path)], check=True, env=env, capture_output=True,
       text=True, timeout=900)
   got = json.loads((tmp_path / "kernel_times.json").read_text())
@@ -23,7 +24,8 @@ def test_kernel_times_interpret_split_backward(tmp_path):
   rows = [(r["variant"], r["kernel"]) for r in got["rows"]]
   common = ["forward", "backward (whole)", "backward prep", "dq"]
   assert rows == ([("default", k) for k in common + ["dkv"]]
-                  + [("split", k) for k in common + ["dv", "dk"]])
+                  + [("paired", k) for k in common + ["dkv-paired"]])
   assert all(r["ms"] > 0 for r in got["rows"])
-  assert got["interpret"] and "bwd_split_dkv=True" in got["variants"]["split"]
-  assert "bwd_split_dkv=False" in got["config"]
+  assert (got["interpret"]
+          and "bwd_paired_dkv=True" in got["variants"]["paired"])
+  assert "bwd_paired_dkv=False" in got["config"]

@@ -3,7 +3,7 @@ behind jaxflash/mosaic_gpu/tuning.json.
 
     PYTHONPATH=. python3 tools/mosaic_sweep.py [--head-dims 64,128,256]
         [--seqs 4096] [--out DIR] [--bwd]
-        [--variants "persistent=1;bwd_split_dkv=1,bwd_compute_wgs=1"]
+        [--variants "persistent=1;bwd_stages=3"]
 
 Forward tiles, or with ``--bwd`` forward+backward over the backward tiles
 (``bwd_*`` fields); bf16; 16k tokens per call and width 2048 as in
@@ -45,16 +45,11 @@ def candidates(head_dim, full=False):
 
 
 def bwd_candidates(head_dim):
-  """Backward tiles on top of the tuned forward: dK and dV in one pass
-  (padded head_dim <= 128) over ring depth, or split into two passes
-  (above 128: the split form against the tuned paired kernels)."""
-  variants = [dict(bwd_stages=2), dict(bwd_stages=3),
-              dict(bwd_split_dkv=True), dict(bwd_split_dkv=True,
-                                             bwd_block_kv=128)]
+  """Backward tiles on top of the tuned forward: the ring depth (above
+  padded head_dim 128, of the tuned paired kernels)."""
+  variants = [dict(bwd_stages=2), dict(bwd_stages=3)]
   if head_dim > 128:
-    split = dict(bwd_paired_dkv=False, bwd_split_dkv=True,
-                 bwd_compute_wgs=1)
-    variants = [split, dict(split, bwd_stages=3)]
+    variants = [dict(bwd_stages=3)]
   configs = variant_configs(head_dim, variants, causal=False, kv_len=None)
   next(configs)  # the tuned default itself (main() times it as None)
   yield from configs

@@ -39,11 +39,7 @@ kernel also computes each tile pair's ``dQ_t = dS K`` (``dS^T`` staged in
 shared memory is the transposed A operand) and adds it into a zeroed
 float32 buffer in global memory with a TMA reduce-add, as FlashAttention-3
 does (5 matmuls per tile pair instead of 7; not bitwise reproducible;
-the buffer is a ``pl.run_state`` ref, see ``backend.backward``).  With
-``MosaicConfig.bwd_shared_dq`` the two consumers share that ``dS K``
-(FlashAttention-3's layout): each stages its ``dS^T`` in shared memory
-and, once both are written, computes half of the head_dim columns over
-both consumers' keys (:func:`_dk_and_shared_dq`).
+the buffer is a ``pl.run_state`` ref, see ``backend.backward``).
 
 Paired forms (head_dim 256, where two consumers of either kernel do not
 fit in shared memory): ``bwd_paired_dkv`` splits dK/dV over two
@@ -70,7 +66,6 @@ from jax import lax
 from jaxflash.mosaic_gpu import pipeline
 from jaxflash.mosaic_gpu.config import (
   MosaicConfig,
-  split_dq_problem,
   vec_slot_rows,
 )
 from jaxflash.mosaic_gpu.forward import Problem
@@ -191,85 +186,30 @@ def _a_operand(value, a_smem, dtype):
 
 
 def _dk_and_atomic_dq(ds, ds_smem, dq_smem, q_t, dk_acc, k_smem, dq_dst, *,
-                      dtype, prob: Problem, halves: bool = False):
+                      dtype, prob: Problem):
   """``dK += dS^T Q`` and ``dQ[tile] += dS K`` (bwd_atomic_dq).
 
   ``ds`` is ``dS^T`` (key rows x query columns) in registers; staged in
   shared memory it is the A operand of both matmuls, transposed for dQ.
   The float32 ``dS K`` goes through ``dq_smem`` to a TMA reduce-add into
   ``dq_dst``; before ``dq_smem`` is rewritten, the previous tile's
-  reduction must have finished reading it.  ``halves``
-  (``bwd_dq_halves``): ``dS K`` one head_dim half at a time, so only a
-  half-width accumulator is live.
+  reduction must have finished reading it.
   """
   ds_smem[...] = ds.astype(dtype)
   plgpu.commit_smem()
   plgpu.wgmma(dk_acc, ds_smem, q_t)  # dK += dS^T Q
   rows = ds_smem.shape[1]
-  if halves:
-    half = prob.head_dim_padded // 2
-
-    def dq_half(cols, acc):
-      plgpu.wgmma(acc, ds_smem.T, k_smem.at[:, cols])  # dS K[:, cols]
-      return acc[...]
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    for c in range(2):
-      cols = pl.ds(c * half, half)
-      dq_smem.at[:, cols][...] = pl.run_scoped(
-          functools.partial(dq_half, cols),
-          plgpu.ACC((rows, half), jnp.float32))
-  else:
-    def dq_tile(acc):
-      plgpu.wgmma(acc, ds_smem.T, k_smem)  # dS K
-      return acc[...]
-
-    dq_t = pl.run_scoped(dq_tile, plgpu.ACC(
-        (rows, prob.head_dim_padded), jnp.float32))
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    dq_smem[...] = dq_t
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(dq_smem, dq_dst, reduction_op="add")
-
-
-def _dk_and_shared_dq(ds, q_t, dk_acc, *, buf, wg, ds_smem2, ds_ready,
-                      k_smem2, dq_smem, dq_dst, dtype, prob: Problem):
-  """``dK += dS^T Q`` and this consumer's half of ``dQ[tile] += dS K``
-  (bwd_shared_dq, FlashAttention-3's layout).
-
-  Consumer ``wg`` writes its ``dS^T`` (zeros when ``ds`` is None: it
-  skips the tile, but its half of dQ still sums the other consumer's
-  keys) into ``ds_smem2[buf, wg]`` and arrives on ``ds_ready[buf]``;
-  once both arrived, it computes head_dim columns ``[wg * D/2, (wg + 1) *
-  D/2)`` of ``dS K`` over the keys of both consumers (``sum_j dS_j
-  K_j``) and reduce-adds them into ``dq_dst``.  The two ``buf`` buffers
-  alternate by ring step: a consumer rewrites ``ds_smem2[buf]`` two steps
-  later, after the other consumer arrived on the step in between, that
-  is after its matmuls of this step completed.
-  """
-  n, bk, bq = ds_smem2.shape[1:]
-  own = ds_smem2.at[buf, wg]
-  if ds is None:
-    ds = plgpu.layout_cast(jnp.full((bk, bq), 0, dtype), plgpu.Layout.WGMMA)
-  own[...] = ds.astype(dtype)
-  plgpu.commit_smem()
-  plgpu.barrier_arrive(ds_ready.at[buf])
-  if dk_acc is not None:
-    plgpu.wgmma(dk_acc, own, q_t)  # dK += dS^T Q
-  plgpu.barrier_wait(ds_ready.at[buf])
-  half = prob.head_dim_padded // 2
-  cols = pl.ds(wg * half, half)
 
   def dq_tile(acc):
-    for j in range(n):  # dS K = sum over the consumers' key rows
-      plgpu.wgmma(acc, ds_smem2.at[buf, j].T, k_smem2.at[j, :, cols])
+    plgpu.wgmma(acc, ds_smem.T, k_smem)  # dS K
     return acc[...]
 
-  dq_t = pl.run_scoped(dq_tile, plgpu.ACC((bq, half), jnp.float32))
+  dq_t = pl.run_scoped(dq_tile, plgpu.ACC(
+      (rows, prob.head_dim_padded), jnp.float32))
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   dq_smem[...] = dq_t
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(dq_smem, dq_dst.at[:, cols], reduction_op="add")
+  plgpu.copy_smem_to_gmem(dq_smem, dq_dst, reduction_op="add")
 
 
 # -- dK / dV ------------------------------------------------------------------
@@ -319,30 +259,20 @@ def _query_tile_loader(srcs, rings, ready, *, b, kh, group_size, n_tiles,
 
 
 def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
-                parts: tuple[str, ...], atomic_dq: bool):
+                atomic_dq: bool):
   ((q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref),
    (qseg_ref, kvseg_ref, range_ref), refs) = _split_inputs(refs, prob)
   dq_acc_ref = refs.pop(0) if atomic_dq else None  # float32, zeroed
-  out_refs = dict(zip(parts, refs[:len(parts)]))
-  (k_smem2, v_smem2, q_ring, do_ring, lse_ring, delta_ring, kv_ready, ready,
-   free, *extra) = refs[len(parts):]
-  want_dk, want_dv = "dk" in parts, "dv" in parts
-  free = pipeline.ring_free(free, cfg.bwd_named_barriers,
-                            cfg.bwd_compute_wgs)
+  (dk_ref, dv_ref, k_smem2, v_smem2, q_ring, do_ring, lse_ring, delta_ring,
+   kv_ready, ready, free, *extra) = refs
+  free = pipeline.MBarriers(free)
   a_smem2 = extra.pop(0) if cfg.p_in_smem else None
-  shared_dq = atomic_dq and cfg.bwd_shared_dq
   overlap = cfg.bwd_softmax_overlap
   stats_in_acc = cfg.bwd_stats_in_acc
-  stats_first = cfg.bwd_stats_first
   # bwd_early_dv: in the overlapped order, dV's wgmma issued before the
-  # wait for dP^T (the kernels with both dK and dV).
-  early_dv = cfg.bwd_early_dv and overlap and want_dk and want_dv
-  # bwd_dkv_late_release: each step's last wgmma left in flight, its slot
-  # released in the next step (compute's ``release``) or after the loop.
-  late = cfg.bwd_dkv_late_release
-  if shared_dq:
-    ds_smem2, dq_smem2, ds_ready = extra
-  elif atomic_dq:
+  # wait for dP^T.
+  early_dv = cfg.bwd_early_dv and overlap
+  if atomic_dq:
     ds_smem2 = a_smem2 if a_smem2 is not None else extra.pop(0)
     dq_smem2 = extra.pop(0)
   bq, bk, stages = cfg.dkv_block_q, cfg.bwd_block_kv, cfg.bwd_stages
@@ -366,18 +296,15 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
                              cfg.bwd_consumer_registers)
     k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
     a_smem = None if a_smem2 is None else a_smem2.at[wg]
-    if atomic_dq and not shared_dq:
-      ds_smem = ds_smem2.at[wg]
     if atomic_dq:
-      dq_smem = dq_smem2.at[wg]
+      ds_smem, dq_smem = ds_smem2.at[wg], dq_smem2.at[wg]
     k_start = group_start + wg * bk
     rows = (b, pl.ds(k_start, bk), kh)
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[wg])
-    if want_dk:  # V enters only through dP^T = V dO^T
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg])
     plgpu.barrier_wait(kv_ready.at[wg])
 
-    def compute(step, t, carry, *, masked: bool, accs, g, release=None):
+    def compute(step, t, carry, *, masked: bool, accs, g):
       slot = lax.rem(step, stages)
       plgpu.barrier_wait(ready.at[slot])
       q_t, do_t = q_ring.at[slot], do_ring.at[slot]
@@ -390,39 +317,20 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
       # and -delta (None: that statistic is subtracted below).
       lse_t = vec_slot(lse_ring, slot, bq)
       delta_t = vec_slot(delta_ring, slot, bq)
-      fold_delta = want_dk and not cfg.bwd_delta_in_regs
-      s0, dp0 = (_stats_init(prob, lse_t, delta_t if fold_delta else None,
-                             (bk, bq), row_axis=1)
+      s0, dp0 = (_stats_init(prob, lse_t, delta_t, (bk, bq), row_axis=1)
                  if stats_in_acc else (None, None))
       lse2_of = lambda: (None if s0 is not None
                          else plgpu.load(lse_t, layout=COL))
       delta_of = lambda: (None if dp0 is not None
                           else plgpu.load(delta_t, layout=COL))
 
-      def release_previous(in_flight: int):
-        """bwd_dkv_late_release (``release``): the last step's dV and dK
-        wgmmas, queued before this step's ``in_flight``, have read its Q
-        and dO."""
-        if release is not None:
-          release(step, t, in_flight)
-
-      def sdp(s_acc, dp_acc=None):
-        # (dp0 is None where there is no dP^T.)  bwd_stats_first: both
-        # starting values stored before the first wgmma.  Stored between
-        # the two, ptxas waited for S^T's wgmma before issuing dP^T's (ncu
-        # SASS, d128, 2026-12-02).
+      def sdp(s_acc, dp_acc):
         if s0 is not None:
           s_acc[...] = s0
-        if dp0 is not None and stats_first:
-          dp_acc[...] = dp0
         plgpu.wgmma(s_acc, k_smem, q_t.T)     # S^T = K Q^T
-        if dp_acc is None:
-          release_previous(1)
-          return s_acc[...], None
-        if dp0 is not None and not stats_first:
+        if dp0 is not None:
           dp_acc[...] = dp0
         plgpu.wgmma(dp_acc, v_smem, do_t.T)   # dP^T = V dO^T
-        release_previous(2)
         if overlap:  # P^T while dP^T's wgmma runs (S^T's alone waited for)
           s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
           p, th = _probs(s, lse2_of(), tile_mask(), prob=prob, row_axis=1)
@@ -433,96 +341,60 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
         return s_acc[...], dp_acc[...]
 
       acc = plgpu.ACC((bk, bq), jnp.float32)
-      if overlap and want_dk:
+      if overlap:
         # FlashAttention-3's order: P^T under dP^T's wgmma (above), dS^T
         # under dV's (below).
         (p, th), dp = pl.run_scoped(sdp, acc, acc)
         delta = delta_of()
         ds = None
       else:
-        s, dp = pl.run_scoped(sdp, *(acc,) * (1 + want_dk))
+        s, dp = pl.run_scoped(sdp, acc, acc)
         lse2 = lse2_of()
-        delta = delta_of() if want_dk else None
+        delta = delta_of()
         p, th = _probs(s, lse2, tile_mask(), prob=prob, row_axis=1)
-        ds = None if dp is None else _dscores(p, th, dp, delta, row_axis=1)
-      if want_dv:  # dV += P^T dO (with early_dv, issued above)
-        if not early_dv:
-          plgpu.wgmma(accs["dv"], _a_operand(p, a_smem, dtype), do_t)
-        if a_smem is not None and want_dk:
-          plgpu.wgmma_wait(0)  # the staging buffer is reused for dS^T
-      if ds is None and want_dk:  # (overlap) while dV's wgmma runs
         ds = _dscores(p, th, dp, delta, row_axis=1)
-      if shared_dq:
-        _dk_and_shared_dq(ds, q_t, accs["dk"], **shared_kw(step, t, g))
-      elif atomic_dq:  # (with p_in_smem, the wait above freed P's buffer)
+      if not early_dv:  # dV += P^T dO (with early_dv, issued above)
+        plgpu.wgmma(accs["dv"], _a_operand(p, a_smem, dtype), do_t)
+      if a_smem is not None:
+        plgpu.wgmma_wait(0)  # the staging buffer is reused for dS^T
+      if ds is None:  # (overlap) while dV's wgmma runs
+        ds = _dscores(p, th, dp, delta, row_axis=1)
+      if atomic_dq:  # (with p_in_smem, the wait above freed P's buffer)
         _dk_and_atomic_dq(ds, ds_smem, dq_smem, q_t, accs["dk"], k_smem,
-                          dq_dst(t, g), dtype=dtype, prob=prob,
-                          halves=cfg.bwd_dq_halves)
-      elif want_dk:  # dK += dS^T Q
+                          dq_dst(t, g), dtype=dtype, prob=prob)
+      else:  # dK += dS^T Q
         plgpu.wgmma(accs["dk"], _a_operand(ds, a_smem, dtype), q_t)
-      if not late:
-        plgpu.wgmma_wait(0)
-        free.arrive(slot)
+      plgpu.wgmma_wait(0)
+      free.arrive(slot)
       return carry
 
     def dq_dst(t, g):  # the query tile's rows of dQ (float32, padded)
       return dq_acc_ref.at[b, pl.ds(t * bq, bq), kh * group_size + g]
 
-    def shared_kw(step, t, g):
-      return dict(buf=lax.rem(step, 2), wg=wg, ds_smem2=ds_smem2,
-                  ds_ready=ds_ready, k_smem2=k_smem2, dq_smem=dq_smem,
-                  dq_dst=dq_dst(t, g), dtype=dtype, prob=prob)
-
     acknowledge = pipeline.acknowledge(ready, free, stages)
-
-    def skip(step, carry, *, g):
-      if shared_dq:  # the other consumer's keys still need this dQ half
-        t = u_lo + step - g * n_tiles
-        _dk_and_shared_dq(None, None, None, **shared_kw(step, t, g))
-      return acknowledge(step, carry)
-
     own = mask.q_block_range(k_start, bk, bq)
     everywhere = range_ref is not None
-    if late:  # the first and last computed query tiles (per query head)
-      lo, _, _, hi = pipeline.computed_tiles(u_lo, u_hi, own, everywhere)
 
-    def accumulate(*acc_refs):
-      accs = dict(zip(parts, acc_refs))
+    def accumulate(dk_acc, dv_acc):
+      accs = dict(dk=dk_acc, dv=dv_acc)
 
       @pl.loop(0, group_size)
       def _(g):
-        # bwd_dkv_late_release: query head g's steps start at g * n_tiles.
-        previous, last = (pipeline.late_release(
-            free, lo=lo, hi=hi, u_lo=u_lo, first_step=g * n_tiles,
-            stages=stages) if late else (None, None))
         pipeline.tile_loop(
             u_lo, u_hi, own, first_step=g * n_tiles,
-            compute=functools.partial(compute, accs=accs, g=g,
-                                      release=previous),
-            skip=functools.partial(skip, g=g),
-            element_mask_everywhere=everywhere, finish=last)
-      return tuple(a[...] for a in acc_refs)
+            compute=functools.partial(compute, accs=accs, g=g),
+            skip=acknowledge, element_mask_everywhere=everywhere)
+      return dk_acc[...], dv_acc[...]
 
     acc = plgpu.ACC((bk, prob.head_dim_padded), jnp.float32)
-    grads = dict(zip(parts, pl.run_scoped(accumulate, *(acc,) * len(parts))))
-    if shared_dq:
-      # The other consumer's last dQ matmul reads this consumer's K: one
-      # more round of ds_ready (the next buffer in the alternation), which
-      # each consumer reaches only after its own matmuls completed, before
-      # K's buffer is overwritten below.
-      last = ds_ready.at[lax.rem(n_steps, 2)]
-      plgpu.barrier_arrive(last)
-      plgpu.barrier_wait(last)
+    dk, dv = pl.run_scoped(accumulate, acc, acc)
     # K's and V's buffers are free now: stage the results there.
-    staging = dict(dk=k_smem, dv=v_smem)
-    if "dk" in grads:
-      # dS is w.r.t. the scaled logits: d(scale * q.k)/dk = scale * q.
-      k_smem[...] = (grads["dk"] * prob.softmax_scale).astype(dtype)
-    if "dv" in grads:
-      v_smem[...] = grads["dv"].astype(dtype)
+    # dS is w.r.t. the scaled logits: d(scale * q.k)/dk = scale * q.
+    k_smem[...] = (dk * prob.softmax_scale).astype(dtype)
+    v_smem[...] = dv.astype(dtype)
     plgpu.commit_smem()
-    for part in parts:
-      plgpu.copy_smem_to_gmem(staging[part], out_refs[part].at[rows])
+    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows])
+    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == cfg.bwd_compute_wgs)
@@ -531,24 +403,19 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
                              cfg.bwd_consumer_registers)
 
     load = _query_tile_loader(
-        (q_ref, do_ref, lse2_ref, delta_ref if want_dk else None),
+        (q_ref, do_ref, lse2_ref, delta_ref),
         (q_ring, do_ring, lse_ring, delta_ring), ready, b=b, kh=kh,
         group_size=group_size, n_tiles=n_tiles, u_lo=u_lo, bq=bq)
     pipeline.produce(n_steps, stages, load, [free])
 
 
 def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
-        cfg: MosaicConfig, parts=("dk", "dv"), dq_acc=None, interpret=None):
-  """``parts`` of ``(dk, dv)``, padded like ``k``; q/do ``[B, Tp, H, Dp]``,
+        cfg: MosaicConfig, dq_acc=None, interpret=None):
+  """``(dk, dv)``, padded like ``k``; q/do ``[B, Tp, H, Dp]``,
   lse2/delta ``[B, H, Tp]`` float32, ``segments = (q_seg, kv_seg,
-  kv_group_range)``.  ``parts=("dv",)`` and ``("dk",)`` split the work
-  into two passes, each holding one float32 accumulator (head_dim > 128,
-  where two do not fit in a warpgroup's registers).  ``dq_acc``: a
-  zeroed float32 ref shaped like ``q``, into which the kernel
-  adds ``dS K`` (unscaled; ``bwd_atomic_dq``)."""
+  kv_group_range)``.  ``dq_acc``: a zeroed float32 ref shaped like ``q``,
+  into which the kernel adds ``dS K`` (unscaled; ``bwd_atomic_dq``)."""
   atomic_dq = dq_acc is not None
-  if atomic_dq and tuple(parts) != ("dk", "dv"):
-    raise ValueError(f"dq_acc needs parts=('dk', 'dv'), got {parts}")
   dtype = q.dtype
   dp = prob.head_dim_padded
   bq, bk, n = cfg.dkv_block_q, cfg.bwd_block_kv, cfg.bwd_compute_wgs
@@ -565,28 +432,19 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
       plgpu.SMEM((cfg.bwd_stages, bq, dp), dtype, **over_q),  # dO ring
       vec_ring(cfg.bwd_stages, bq),                          # lse2 ring
       vec_ring(cfg.bwd_stages, bq),                          # delta ring
-      plgpu.Barrier(num_arrivals=1 + ("dk" in parts),
-                    num_barriers=n),                         # K (, V) loaded
-      plgpu.Barrier(num_arrivals=3 + ("dk" in parts),
+      plgpu.Barrier(num_arrivals=2, num_barriers=n),         # K, V loaded
+      plgpu.Barrier(num_arrivals=4,
                     num_barriers=cfg.bwd_stages),            # slot full
       plgpu.Barrier(num_arrivals=n, num_barriers=cfg.bwd_stages),  # slot free
   ]
-  shared_dq = atomic_dq and cfg.bwd_shared_dq
-  why = split_dq_problem(cfg, dp)  # (two consumers: MosaicConfig checks)
-  if why:
-    raise NotImplementedError(why)
-  if cfg.p_in_smem or (atomic_dq and not shared_dq):  # P (and dS^T) staged
+  if cfg.p_in_smem or atomic_dq:  # P (and dS^T) staged
     scratch.append(plgpu.SMEM((n, bk, bq), dtype, **over_q))
-  if shared_dq:  # both consumers' dS^T, double-buffered; half-width dQ
-    scratch += [plgpu.SMEM((2, n, bk, bq), dtype, **over_q),
-                plgpu.SMEM((n, bq, dp // 2), jnp.float32, **TILED_F32),
-                plgpu.Barrier(num_arrivals=n, num_barriers=2)]
-  elif atomic_dq:  # one float32 dS K tile per consumer
+  if atomic_dq:  # one float32 dS K tile per consumer
     scratch.append(plgpu.SMEM((n, bq, dp), jnp.float32, **TILED_F32))
-  out_type = [out_struct(k.shape, dtype, q, k, v) for _ in parts]
+  out_type = [out_struct(k.shape, dtype, q, k, v) for _ in range(2)]
   return pipeline.launch(
       functools.partial(_dkv_kernel, prob=prob, cfg=cfg, dtype=dtype,
-                        parts=tuple(parts), atomic_dq=atomic_dq),
+                        atomic_dq=atomic_dq),
       out_type=out_type, scratch=scratch,
       grid=(prob.num_kv_heads, prob.kv_pad // (n * bk), prob.batch),
       grid_names=("heads", "kv_seq", "batch"), consumers=n,
@@ -628,12 +486,12 @@ def _paired_dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   Q^T``; consumer 1 holds V and accumulates ``dK += dS^T Q`` from ``dP^T =
   V dO^T``.  Consumer 0 hands ``P^T`` (times ``1 - th^2`` with a soft cap)
   to consumer 1 in shared memory, one buffer per ring slot, so consumer 1
-  never recomputes ``S^T``: 4 matmuls per tile pair (``bwd_split_dkv``'s
-  two passes run 5), two accumulators in two warpgroups' registers, and
-  the two consumers' matmuls and elementwise work interleave on the
-  tensor cores.  The hand-over is rounded to the input dtype, as both
-  ``P`` and ``dS`` already are for their second matmuls; it lands in
-  ``dS`` with the same relative error as that rounding.
+  never recomputes ``S^T``: 4 matmuls per tile pair, two accumulators in
+  two warpgroups' registers, and the two consumers' matmuls and
+  elementwise work interleave on the tensor cores.  The hand-over is
+  rounded to the input dtype, as both ``P`` and ``dS`` already are for
+  their second matmuls; it lands in ``dS`` with the same relative error
+  as that rounding.
 
   A hand-over buffer is rewritten ``bwd_stages`` steps later; by then
   consumer 1 has read it, since consumer 0 starts that step only once the
@@ -646,7 +504,7 @@ def _paired_dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
    kv_ready, ready, free, hand, hand_ready, *extra) = refs
   # p_in_smem: each consumer's A operand staged (P^T under a soft cap, dS^T).
   a_smem2 = extra[0] if cfg.p_in_smem else None
-  free = pipeline.ring_free(free, cfg.bwd_named_barriers, 2)
+  free = pipeline.MBarriers(free)
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
   group_size = prob.num_heads // prob.num_kv_heads
   b = lax.axis_index("batch")
@@ -847,8 +705,7 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
   group_rows = cfg.bwd_compute_wgs * bq
   overlap = cfg.bwd_softmax_overlap
-  free = pipeline.ring_free(free, cfg.bwd_named_barriers,
-                            cfg.bwd_compute_wgs)
+  free = pipeline.MBarriers(free)
   mask = prob.mask
   b, h, wg, group_start, (u_lo, u_hi), _ = _query_group(
       prob, range_ref, group_rows, bk)
@@ -883,10 +740,6 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       def sdp(s_acc, dp_acc):
         plgpu.wgmma(s_acc, q_smem, k_t.T)     # S = Q K^T
         plgpu.wgmma(dp_acc, do_smem, v_t.T)   # dP = dO V^T
-        if late:
-          # At most these two in flight: the previous step's dS K (queued
-          # before them) has read its K, so release that slot now.
-          release_previous(step, t, 2)
         if overlap:  # P while dP's wgmma runs (S's alone waited for)
           p_th = probs(plgpu.wgmma_accumulator_load(s_acc, wait_n=1))
           return p_th, dp_acc[...]
@@ -900,27 +753,20 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
         p, th = probs(s)
       ds = _dscores(p, th, dp, delta, row_axis=0)
       plgpu.wgmma(dq_acc, _a_operand(ds, a_smem, dtype), k_t)  # dQ += dS K
-      if not late:
-        plgpu.wgmma_wait(0)
-        free.arrive(slot)
+      plgpu.wgmma_wait(0)
+      free.arrive(slot)
       return carry
 
     skip = pipeline.acknowledge(ready, free, stages)
 
     own = mask.kv_block_range(q_start, bq, bk)
     everywhere = range_ref is not None
-    late = cfg.bwd_dq_late_release
-    if late:  # the first and last computed tiles
-      lo, _, _, hi = pipeline.computed_tiles(u_lo, u_hi, own, everywhere)
-      release_previous, release_last = pipeline.late_release(
-          free, lo=lo, hi=hi, u_lo=u_lo, first_step=0, stages=stages)
 
     def accumulate(dq_acc):
       pipeline.tile_loop(
           u_lo, u_hi, own, first_step=0,
           compute=functools.partial(compute, dq_acc=dq_acc), skip=skip,
-          element_mask_everywhere=everywhere,
-          finish=release_last if late else None)
+          element_mask_everywhere=everywhere)
       return dq_acc[...]
 
     dq = pl.run_scoped(accumulate,
@@ -991,7 +837,7 @@ def _paired_dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   (dq_ref, q_smem, do_smem, k_ring, v_ring, qdo_ready, ready, free, hand,
    hand_ready, *extra) = refs
   a_smem = extra[0] if cfg.p_in_smem else None  # dS staged (consumer 1)
-  free = pipeline.ring_free(free, cfg.bwd_named_barriers, 2)
+  free = pipeline.MBarriers(free)
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
   mask = prob.mask
   b, h, wg, q_start, (u_lo, u_hi), own = _query_group(prob, range_ref, bq,
