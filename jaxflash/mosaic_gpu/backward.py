@@ -80,13 +80,16 @@ COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
 
 def _probs(s, lse2, visible, *, prob: Problem, row_axis: int):
-  """``P`` of one tile (float32) from the raw ``q . k`` products, and
-  ``tanh`` of the soft cap (None without one): ``dS`` takes ``1 - th^2``,
-  the derivative of ``cap * tanh(x / cap)``.  ``lse2`` is per query;
-  ``row_axis`` says which axis of the tile is the query axis (0 in the dQ
-  kernel, 1 in the transposed dK/dV kernels).  ``lse2=None``: ``s``
-  already holds ``q . k - lse2 / (scale log2 e)`` (:func:`_stats_init`),
-  so ``P = exp2(s scale log2 e)``."""
+  """The softmax recompute of one tile, ``P = exp2(S scale log2(e) -
+  lse2)`` (FlashAttention-2's ``P = exp(S - L)``, Algorithm 2 of arXiv
+  2307.08691, in base 2), float32, from the raw ``q . k`` products ``s``
+  and the forward's base-2 log-sum-exp; and ``tanh`` of the soft cap
+  (None without one): ``dS`` takes ``1 - th^2``, the derivative of ``cap
+  * tanh(x / cap)``.  ``lse2`` is per query; ``row_axis`` says which axis
+  of the tile is the query axis (0 in the dQ kernel, 1 in the transposed
+  dK/dV kernels).  ``lse2=None``: ``s`` already holds ``q . k - lse2 /
+  (scale log2 e)`` (:func:`_stats_init`), so ``P = exp2(s scale log2
+  e)``."""
   if prob.logits_soft_cap is None:
     th = None
     logits2 = s * (prob.softmax_scale * LOG2E)
@@ -106,10 +109,11 @@ def _probs(s, lse2, visible, *, prob: Problem, row_axis: int):
 
 
 def _dscores(p, th, dp, delta, *, row_axis: int):
-  """``dS = P (dP - delta)`` of one tile (float32; times ``1 - th^2`` under
-  a soft cap, ``th`` from :func:`_probs`), the gradient w.r.t. the scaled
-  logits; ``delta`` is per query (None: ``dp`` already holds ``dP -
-  delta``, :func:`_stats_init`)."""
+  """``dS = P (dP - delta)`` of one tile (Algorithm 2 of arXiv 2307.08691;
+  float32; times ``1 - th^2`` under a soft cap, ``th`` from
+  :func:`_probs`), the gradient w.r.t. the scaled logits; ``delta`` is
+  per query (None: ``dp`` already holds ``dP - delta``,
+  :func:`_stats_init`)."""
   ds = p * (dp if delta is None
             else dp - lax.broadcast_in_dim(delta, p.shape, [row_axis]))
   if th is not None:
@@ -139,6 +143,34 @@ def _stats_init(prob: Problem, lse_ref, delta_ref, shape, row_axis: int):
   return s0, dp0
 
 
+def _scores(s_acc, dp_acc, *, s_operands, dp_operands, s0=None, dp0=None,
+            softmax=None, early=None):
+  """``S = A B^T`` and ``dP`` (each a wgmma of its two shared-memory
+  operands) of one tile pair, in the accumulators ``pl.run_scoped`` gives:
+  ``(S, dP)`` (float32).  ``s0`` / ``dp0``: the accumulators' starting
+  values (``bwd_stats_in_acc``, :func:`_stats_init`), else zero.
+
+  ``softmax`` (``bwd_softmax_overlap``, FlashAttention-3's order,
+  hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp): wait for ``S``'s wgmma alone
+  and return ``softmax(S)`` instead of ``S``, computed while ``dP``'s
+  wgmma runs; ``early(p)`` (``bwd_early_dv``) then issues a wgmma of
+  ``P`` queued behind ``dP``'s before the wait for ``dP``.
+  """
+  if s0 is not None:
+    s_acc[...] = s0
+  plgpu.wgmma(s_acc, *s_operands)
+  if dp0 is not None:
+    dp_acc[...] = dp0
+  plgpu.wgmma(dp_acc, *dp_operands)
+  if softmax is None:
+    return s_acc[...], dp_acc[...]
+  p_th = softmax(plgpu.wgmma_accumulator_load(s_acc, wait_n=1))
+  if early is None:
+    return p_th, dp_acc[...]
+  early(p_th[0])
+  return p_th, plgpu.wgmma_accumulator_load(dp_acc, wait_n=1)
+
+
 def _segment_kwargs(q_seg_ref, kv_seg_ref, b, q_start, n_q, k_start, n_k,
                     q_axis: int):
   """Segment ids of the tile's queries and keys, broadcast to the tile."""
@@ -153,6 +185,29 @@ def _segment_kwargs(q_seg_ref, kv_seg_ref, b, q_start, n_q, k_start, n_k,
                      layout=layout(k_axis), optimized=False)
   return dict(q_seg=lax.broadcast_in_dim(q_seg, shape, [q_axis]),
               k_seg=lax.broadcast_in_dim(k_seg, shape, [k_axis]))
+
+
+def _tile_mask(masked: bool, mask, seg_refs, b, *, q_start, n_q, k_start,
+               n_k, q_axis: int, held=None):
+  """The element mask of one tile of a backward kernel (queries from
+  ``q_start`` along ``q_axis``, keys from ``k_start`` along the other), or
+  None where ``masked`` is False.  The index tiles are built here, in the
+  masked steps alone: one built before the loop stays live through it
+  (32 registers per thread in a 64 x 64 tile; the causal d128 dK/dV
+  kernel spilled 196 / 332 bytes with it, 128 / 184 without).  ``held``:
+  the held side's index tile, built before the loop (the paired kernels,
+  as measured on the H200; not re-timed without it).  The others are
+  row / column vectors (:func:`pipeline.index_tile`)."""
+  if not masked:
+    return None
+  shape = (n_q, n_k) if q_axis == 0 else (n_k, n_q)
+  idx = lambda start, axis: pipeline.index_tile(start, shape, axis)
+  q_idx = held if held is not None and q_axis == 0 else idx(q_start, q_axis)
+  k_idx = held if held is not None and q_axis == 1 else idx(k_start,
+                                                              1 - q_axis)
+  return mask.visible(q_idx, k_idx,
+                      **_segment_kwargs(*seg_refs, b, q_start, n_q, k_start,
+                                        n_k, q_axis=q_axis))
 
 
 def _split_inputs(refs, prob: Problem):
@@ -213,6 +268,10 @@ def _dk_and_atomic_dq(ds, ds_smem, dq_smem, q_t, dk_acc, k_smem, dq_dst, *,
 
 
 # -- dK / dV ------------------------------------------------------------------
+# FlashAttention-2's backward loop order (arXiv 2307.08691, Algorithm 2):
+# outer over key tiles, each held by a consumer with its dK and dV
+# accumulators, inner over the query tiles streamed past it
+# (FlashAttention-3: hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp).
 
 def vec_ring(stages: int, rows: int):
   """A float32 ring (log-sum-exp or delta) of ``rows`` per slot, in
@@ -234,8 +293,8 @@ def _query_tile_loader(srcs, rings, ready, *, b, kh, group_size, n_tiles,
 
   Step ``step`` walks query head ``g = step // n_tiles`` of key/value head
   ``kh``'s group and its query tile ``u_lo + step % n_tiles``: Q, dO, the
-  log-sum-exp and (where ``srcs`` gives one; it enters only dS) delta land
-  in ring slot ``slot`` and complete on ``ready[slot]``.
+  log-sum-exp and delta land in ring slot ``slot`` and complete on
+  ``ready[slot]``.
   """
   q_ref, do_ref, lse2_ref, delta_ref = srcs
   q_ring, do_ring, lse_ring, delta_ring = rings
@@ -251,15 +310,114 @@ def _query_tile_loader(srcs, rings, ready, *, b, kh, group_size, n_tiles,
                             ready.at[slot])
     plgpu.copy_gmem_to_smem(lse2_ref.at[b, h, rows],
                             vec_slot(lse_ring, slot, bq), ready.at[slot])
-    if delta_ref is not None:
-      plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows],
-                              vec_slot(delta_ring, slot, bq), ready.at[slot])
+    plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows],
+                            vec_slot(delta_ring, slot, bq), ready.at[slot])
 
   return load
 
 
+def _dkv_step(step, t, carry, *, masked: bool, g, dk_acc, dv_acc,
+              prob: Problem, cfg: MosaicConfig, dtype, ring, held, a_smem,
+              tile_mask, atomic):
+  """One step of the dK/dV loop: query tile ``t`` of query head ``g``
+  against the consumer's key tile, in transposed form (keys are the rows):
+
+      S^T = K Q^T,  P^T = exp2(S^T scale log2(e) - lse2),  dV += P^T dO,
+      dP^T = V dO^T,  dS^T = P^T (dP^T - delta),  dK += dS^T Q
+
+  (FlashAttention-2's inner loop, Algorithm 2 of arXiv 2307.08691; with
+  ``atomic = (ds_smem, dq_smem, dq_dst)`` also its ``dQ += dS K``, by TMA
+  reduce-add into ``dq_dst(t, g)``).  ``ring``: the query ring (Q, dO,
+  lse2, delta slots, ready barriers, free signals); ``held``: this
+  consumer's K and V; ``a_smem``: the staged A operand (``p_in_smem``);
+  ``tile_mask(masked, t)``: the tile's element mask.
+  """
+  q_ring, do_ring, lse_ring, delta_ring, ready, free = ring
+  k_smem, v_smem = held
+  bq, bk = cfg.dkv_block_q, cfg.bwd_block_kv
+  slot = lax.rem(step, cfg.bwd_stages)
+  plgpu.barrier_wait(ready.at[slot])
+  q_t, do_t = q_ring.at[slot], do_ring.at[slot]
+
+  # bwd_stats_in_acc: the accumulators start at -lse2 / (scale log2 e)
+  # and -delta (None: that statistic is subtracted below).
+  lse_t = vec_slot(lse_ring, slot, bq)
+  delta_t = vec_slot(delta_ring, slot, bq)
+  s0, dp0 = (_stats_init(prob, lse_t, delta_t, (bk, bq), row_axis=1)
+             if cfg.bwd_stats_in_acc else (None, None))
+  lse2_of = lambda: (None if s0 is not None
+                     else plgpu.load(lse_t, layout=COL))
+  delta_of = lambda: (None if dp0 is not None
+                      else plgpu.load(delta_t, layout=COL))
+  softmax = lambda s, lse2: _probs(s, lse2, tile_mask(masked, t), prob=prob,
+                                   row_axis=1)
+
+  def dv_update(p):  # dV += P^T dO
+    plgpu.wgmma(dv_acc, _a_operand(p, a_smem, dtype), do_t)
+
+  overlap = cfg.bwd_softmax_overlap
+  early_dv = cfg.bwd_early_dv and overlap
+  scores = functools.partial(
+      _scores, s_operands=(k_smem, q_t.T), dp_operands=(v_smem, do_t.T),
+      s0=s0, dp0=dp0,
+      softmax=(lambda s: softmax(s, lse2_of())) if overlap else None,
+      early=dv_update if early_dv else None)
+  acc = plgpu.ACC((bk, bq), jnp.float32)
+  if overlap:
+    # FlashAttention-3's order: P^T under dP^T's wgmma, dS^T under dV's.
+    (p, th), dp = pl.run_scoped(scores, acc, acc)
+    delta = delta_of()
+    ds = None
+  else:
+    s, dp = pl.run_scoped(scores, acc, acc)
+    lse2 = lse2_of()
+    delta = delta_of()
+    p, th = softmax(s, lse2)
+    ds = _dscores(p, th, dp, delta, row_axis=1)
+  if not early_dv:  # (with early_dv, issued under dP^T's wgmma)
+    dv_update(p)
+  if a_smem is not None:
+    plgpu.wgmma_wait(0)  # the staging buffer is reused for dS^T
+  if ds is None:  # (overlap) while dV's wgmma runs
+    ds = _dscores(p, th, dp, delta, row_axis=1)
+  if atomic is not None:  # (with p_in_smem, the wait above freed P's buffer)
+    ds_smem, dq_smem, dq_dst = atomic
+    _dk_and_atomic_dq(ds, ds_smem, dq_smem, q_t, dk_acc, k_smem,
+                      dq_dst(t, g), dtype=dtype, prob=prob)
+  else:  # dK += dS^T Q
+    plgpu.wgmma(dk_acc, _a_operand(ds, a_smem, dtype), q_t)
+  plgpu.wgmma_wait(0)
+  free.arrive(slot)
+  return carry
+
+
+def _dkv_loop(step, *, u_lo, u_hi, own, group_size, n_tiles, skip,
+              acc_shape, element_mask_everywhere: bool):
+  """The dK/dV loop over every query head ``g`` of the key/value head's
+  group and its query tiles ``[u_lo, u_hi)`` (the ring's steps ``g *
+  n_tiles + t - u_lo``; ``own``: this consumer's tiles, the others
+  ``skip``ped), ``step`` (:func:`_dkv_step`) on each: ``(dK, dV)``
+  accumulated in float32 registers of ``acc_shape``."""
+  def accumulate(dk_acc, dv_acc):
+    @pl.loop(0, group_size)
+    def _(g):
+      pipeline.tile_loop(
+          u_lo, u_hi, own, first_step=g * n_tiles,
+          compute=functools.partial(step, g=g, dk_acc=dk_acc, dv_acc=dv_acc),
+          skip=skip, element_mask_everywhere=element_mask_everywhere)
+    return dk_acc[...], dv_acc[...]
+
+  acc = plgpu.ACC(acc_shape, jnp.float32)
+  return pl.run_scoped(accumulate, acc, acc)
+
+
 def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
                 atomic_dq: bool):
+  """The dK/dV kernel (FlashAttention-2's backward with its outer loop over
+  key tiles, as FlashAttention-3's dK/dV mainloop): program (key/value
+  head, key group, batch); consumer ``wg`` holds key tile ``wg`` of the
+  group (K and V) and runs :func:`_dkv_loop`, the producer streams the
+  query tiles any consumer needs, of every query head of the group."""
   ((q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref),
    (qseg_ref, kvseg_ref, range_ref), refs) = _split_inputs(refs, prob)
   dq_acc_ref = refs.pop(0) if atomic_dq else None  # float32, zeroed
@@ -267,16 +425,12 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
    kv_ready, ready, free, *extra) = refs
   free = pipeline.MBarriers(free)
   a_smem2 = extra.pop(0) if cfg.p_in_smem else None
-  overlap = cfg.bwd_softmax_overlap
-  stats_in_acc = cfg.bwd_stats_in_acc
-  # bwd_early_dv: in the overlapped order, dV's wgmma issued before the
-  # wait for dP^T.
-  early_dv = cfg.bwd_early_dv and overlap
-  if atomic_dq:
+  if atomic_dq:  # dS^T staged (in P's buffer with p_in_smem), dS K
     ds_smem2 = a_smem2 if a_smem2 is not None else extra.pop(0)
     dq_smem2 = extra.pop(0)
-  bq, bk, stages = cfg.dkv_block_q, cfg.bwd_block_kv, cfg.bwd_stages
-  group_rows = cfg.bwd_compute_wgs * bk
+  n, stages = cfg.bwd_compute_wgs, cfg.bwd_stages
+  bq, bk = cfg.dkv_block_q, cfg.bwd_block_kv
+  group_rows = n * bk
   group_size = prob.num_heads // prob.num_kv_heads
   b = lax.axis_index("batch")
   kh = lax.axis_index("heads")  # the key/value head
@@ -290,10 +444,9 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
   n_tiles = u_hi - u_lo
   n_steps = group_size * n_tiles  # every query head of the group
 
-  @pl.when(wg < cfg.bwd_compute_wgs)
+  @pl.when(wg < n)
   def _consumer():
-    pipeline.split_registers(False, cfg.bwd_compute_wgs,
-                             cfg.bwd_consumer_registers)
+    pipeline.split_registers(False, n, cfg.bwd_consumer_registers)
     k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
     a_smem = None if a_smem2 is None else a_smem2.at[wg]
     if atomic_dq:
@@ -304,90 +457,25 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg])
     plgpu.barrier_wait(kv_ready.at[wg])
 
-    def compute(step, t, carry, *, masked: bool, accs, g):
-      slot = lax.rem(step, stages)
-      plgpu.barrier_wait(ready.at[slot])
-      q_t, do_t = q_ring.at[slot], do_ring.at[slot]
-
-      tile_mask = lambda: _tile_mask(
-          masked, mask, (qseg_ref, kvseg_ref), b, q_start=t * bq, n_q=bq,
-          k_start=k_start, n_k=bk, q_axis=1)
-
-      # bwd_stats_in_acc: the accumulators start at -lse2 / (scale log2 e)
-      # and -delta (None: that statistic is subtracted below).
-      lse_t = vec_slot(lse_ring, slot, bq)
-      delta_t = vec_slot(delta_ring, slot, bq)
-      s0, dp0 = (_stats_init(prob, lse_t, delta_t, (bk, bq), row_axis=1)
-                 if stats_in_acc else (None, None))
-      lse2_of = lambda: (None if s0 is not None
-                         else plgpu.load(lse_t, layout=COL))
-      delta_of = lambda: (None if dp0 is not None
-                          else plgpu.load(delta_t, layout=COL))
-
-      def sdp(s_acc, dp_acc):
-        if s0 is not None:
-          s_acc[...] = s0
-        plgpu.wgmma(s_acc, k_smem, q_t.T)     # S^T = K Q^T
-        if dp0 is not None:
-          dp_acc[...] = dp0
-        plgpu.wgmma(dp_acc, v_smem, do_t.T)   # dP^T = V dO^T
-        if overlap:  # P^T while dP^T's wgmma runs (S^T's alone waited for)
-          s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
-          p, th = _probs(s, lse2_of(), tile_mask(), prob=prob, row_axis=1)
-          if early_dv:  # dV += P^T dO queued behind dP^T; wait for dP^T
-            plgpu.wgmma(accs["dv"], _a_operand(p, a_smem, dtype), do_t)
-            return (p, th), plgpu.wgmma_accumulator_load(dp_acc, wait_n=1)
-          return (p, th), dp_acc[...]
-        return s_acc[...], dp_acc[...]
-
-      acc = plgpu.ACC((bk, bq), jnp.float32)
-      if overlap:
-        # FlashAttention-3's order: P^T under dP^T's wgmma (above), dS^T
-        # under dV's (below).
-        (p, th), dp = pl.run_scoped(sdp, acc, acc)
-        delta = delta_of()
-        ds = None
-      else:
-        s, dp = pl.run_scoped(sdp, acc, acc)
-        lse2 = lse2_of()
-        delta = delta_of()
-        p, th = _probs(s, lse2, tile_mask(), prob=prob, row_axis=1)
-        ds = _dscores(p, th, dp, delta, row_axis=1)
-      if not early_dv:  # dV += P^T dO (with early_dv, issued above)
-        plgpu.wgmma(accs["dv"], _a_operand(p, a_smem, dtype), do_t)
-      if a_smem is not None:
-        plgpu.wgmma_wait(0)  # the staging buffer is reused for dS^T
-      if ds is None:  # (overlap) while dV's wgmma runs
-        ds = _dscores(p, th, dp, delta, row_axis=1)
-      if atomic_dq:  # (with p_in_smem, the wait above freed P's buffer)
-        _dk_and_atomic_dq(ds, ds_smem, dq_smem, q_t, accs["dk"], k_smem,
-                          dq_dst(t, g), dtype=dtype, prob=prob)
-      else:  # dK += dS^T Q
-        plgpu.wgmma(accs["dk"], _a_operand(ds, a_smem, dtype), q_t)
-      plgpu.wgmma_wait(0)
-      free.arrive(slot)
-      return carry
+    def tile_mask(masked, t):
+      return _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
+                        q_start=t * bq, n_q=bq, k_start=k_start, n_k=bk,
+                        q_axis=1)
 
     def dq_dst(t, g):  # the query tile's rows of dQ (float32, padded)
       return dq_acc_ref.at[b, pl.ds(t * bq, bq), kh * group_size + g]
 
-    acknowledge = pipeline.acknowledge(ready, free, stages)
-    own = mask.q_block_range(k_start, bk, bq)
-    everywhere = range_ref is not None
-
-    def accumulate(dk_acc, dv_acc):
-      accs = dict(dk=dk_acc, dv=dv_acc)
-
-      @pl.loop(0, group_size)
-      def _(g):
-        pipeline.tile_loop(
-            u_lo, u_hi, own, first_step=g * n_tiles,
-            compute=functools.partial(compute, accs=accs, g=g),
-            skip=acknowledge, element_mask_everywhere=everywhere)
-      return dk_acc[...], dv_acc[...]
-
-    acc = plgpu.ACC((bk, prob.head_dim_padded), jnp.float32)
-    dk, dv = pl.run_scoped(accumulate, acc, acc)
+    step = functools.partial(
+        _dkv_step, prob=prob, cfg=cfg, dtype=dtype,
+        ring=(q_ring, do_ring, lse_ring, delta_ring, ready, free),
+        held=(k_smem, v_smem), a_smem=a_smem, tile_mask=tile_mask,
+        atomic=(ds_smem, dq_smem, dq_dst) if atomic_dq else None)
+    dk, dv = _dkv_loop(
+        step, u_lo=u_lo, u_hi=u_hi, own=mask.q_block_range(k_start, bk, bq),
+        group_size=group_size, n_tiles=n_tiles,
+        skip=pipeline.acknowledge(ready, free, stages),
+        acc_shape=(bk, prob.head_dim_padded),
+        element_mask_everywhere=range_ref is not None)
     # K's and V's buffers are free now: stage the results there.
     # dS is w.r.t. the scaled logits: d(scale * q.k)/dk = scale * q.
     k_smem[...] = (dk * prob.softmax_scale).astype(dtype)
@@ -397,11 +485,9 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows])
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == cfg.bwd_compute_wgs)
+  @pl.when(wg == n)
   def _producer():
-    pipeline.split_registers(True, cfg.bwd_compute_wgs,
-                             cfg.bwd_consumer_registers)
-
+    pipeline.split_registers(True, n, cfg.bwd_consumer_registers)
     load = _query_tile_loader(
         (q_ref, do_ref, lse2_ref, delta_ref),
         (q_ring, do_ring, lse_ring, delta_ring), ready, b=b, kh=kh,
@@ -658,29 +744,6 @@ def _query_group(prob: Problem, range_ref, group_rows: int, bk: int):
   return b, h, wg, start, streamed, tiles
 
 
-def _tile_mask(masked: bool, mask, seg_refs, b, *, q_start, n_q, k_start,
-               n_k, q_axis: int, held=None):
-  """The element mask of one tile of a backward kernel (queries from
-  ``q_start`` along ``q_axis``, keys from ``k_start`` along the other), or
-  None where ``masked`` is False.  The index tiles are built here, in the
-  masked steps alone: one built before the loop stays live through it
-  (32 registers per thread in a 64 x 64 tile; the causal d128 dK/dV
-  kernel spilled 196 / 332 bytes with it, 128 / 184 without).  ``held``:
-  the held side's index tile, built before the loop (the paired kernels,
-  as measured on the H200; not re-timed without it).  The others are
-  row / column vectors (:func:`pipeline.index_tile`)."""
-  if not masked:
-    return None
-  shape = (n_q, n_k) if q_axis == 0 else (n_k, n_q)
-  idx = lambda start, axis: pipeline.index_tile(start, shape, axis)
-  q_idx = held if held is not None and q_axis == 0 else idx(q_start, q_axis)
-  k_idx = held if held is not None and q_axis == 1 else idx(k_start,
-                                                              1 - q_axis)
-  return mask.visible(q_idx, k_idx,
-                      **_segment_kwargs(*seg_refs, b, q_start, n_q, k_start,
-                                        n_k, q_axis=q_axis))
-
-
 def _key_tile_loader(srcs, rings, ready, *, b, h, prob: Problem, u_lo, bk):
   """The producer's ``load(step, slot)`` of both dQ kernels: K and V of
   key tile ``u_lo + step`` of query head ``h``'s key/value head land in
@@ -696,24 +759,66 @@ def _key_tile_loader(srcs, rings, ready, *, b, h, prob: Problem, u_lo, bk):
   return load
 
 
+def _dq_step(step, t, carry, *, masked: bool, dq_acc, prob: Problem,
+             cfg: MosaicConfig, dtype, ring, held, vecs, a_smem, tile_mask):
+  """One step of the dQ loop: key tile ``t`` against the consumer's query
+  tile,
+
+      S = Q K^T,  P = exp2(S scale log2(e) - lse2),  dP = dO V^T,
+      dS = P (dP - delta),  dQ += dS K
+
+  (FlashAttention-2's Algorithm 2, arXiv 2307.08691, with the loops
+  exchanged: the key tiles stream past the held query tile, so dQ needs
+  no atomics).  ``ring``: the K/V ring (K, V slots, ready barriers, free
+  signals); ``held``: this consumer's Q and dO; ``vecs``: its rows' lse2
+  and delta (registers); ``a_smem``: the staged A operand
+  (``p_in_smem``); ``tile_mask(masked, t)``: the tile's element mask.
+  """
+  k_ring, v_ring, ready, free = ring
+  q_smem, do_smem = held
+  lse2, delta = vecs
+  slot = lax.rem(step, cfg.bwd_stages)
+  plgpu.barrier_wait(ready.at[slot])
+  k_t, v_t = k_ring.at[slot], v_ring.at[slot]
+  softmax = lambda s: _probs(s, lse2, tile_mask(masked, t), prob=prob,
+                             row_axis=0)
+  overlap = cfg.bwd_softmax_overlap
+  scores = functools.partial(
+      _scores, s_operands=(q_smem, k_t.T), dp_operands=(do_smem, v_t.T),
+      softmax=softmax if overlap else None)
+  acc = plgpu.ACC((cfg.bwd_block_q, cfg.bwd_block_kv), jnp.float32)
+  if overlap:  # P under dP's wgmma (FlashAttention-3's order)
+    (p, th), dp = pl.run_scoped(scores, acc, acc)
+  else:
+    s, dp = pl.run_scoped(scores, acc, acc)
+    p, th = softmax(s)
+  ds = _dscores(p, th, dp, delta, row_axis=0)
+  plgpu.wgmma(dq_acc, _a_operand(ds, a_smem, dtype), k_t)  # dQ += dS K
+  plgpu.wgmma_wait(0)
+  free.arrive(slot)
+  return carry
+
+
 def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
+  """The dQ kernel: program (query head, query group, batch); consumer
+  ``wg`` holds query tile ``wg`` of the group (Q, dO and their rows' lse2
+  and delta) and accumulates dQ over the key tiles (:func:`_dq_step`),
+  which the producer streams."""
   ((q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref),
    (qseg_ref, kvseg_ref, range_ref), refs) = _split_inputs(refs, prob)
   (dq_ref, q_smem2, do_smem2, k_ring, v_ring, qdo_ready, ready, free,
    *extra) = refs
   a_smem2 = extra[0] if cfg.p_in_smem else None
-  bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
-  group_rows = cfg.bwd_compute_wgs * bq
-  overlap = cfg.bwd_softmax_overlap
+  n, stages = cfg.bwd_compute_wgs, cfg.bwd_stages
+  bq, bk = cfg.bwd_block_q, cfg.bwd_block_kv
   free = pipeline.MBarriers(free)
   mask = prob.mask
   b, h, wg, group_start, (u_lo, u_hi), _ = _query_group(
-      prob, range_ref, group_rows, bk)
+      prob, range_ref, n * bq, bk)
 
-  @pl.when(wg < cfg.bwd_compute_wgs)
+  @pl.when(wg < n)
   def _consumer():
-    pipeline.split_registers(False, cfg.bwd_compute_wgs,
-                             cfg.bwd_consumer_registers)
+    pipeline.split_registers(False, n, cfg.bwd_consumer_registers)
     q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
     a_smem = None if a_smem2 is None else a_smem2.at[wg]
     q_start = group_start + wg * bq
@@ -726,60 +831,36 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
                        optimized=False)
     plgpu.barrier_wait(qdo_ready.at[wg])
 
-    def compute(step, t, carry, *, masked: bool, dq_acc):
-      slot = lax.rem(step, stages)
-      plgpu.barrier_wait(ready.at[slot])
-      k_t, v_t = k_ring.at[slot], v_ring.at[slot]
+    def tile_mask(masked, t):
+      return _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
+                        q_start=q_start, n_q=bq, k_start=t * bk, n_k=bk,
+                        q_axis=0)
 
-      def probs(s):
-        visible = _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
-                             q_start=q_start, n_q=bq, k_start=t * bk,
-                             n_k=bk, q_axis=0)
-        return _probs(s, lse2, visible, prob=prob, row_axis=0)
-
-      def sdp(s_acc, dp_acc):
-        plgpu.wgmma(s_acc, q_smem, k_t.T)     # S = Q K^T
-        plgpu.wgmma(dp_acc, do_smem, v_t.T)   # dP = dO V^T
-        if overlap:  # P while dP's wgmma runs (S's alone waited for)
-          p_th = probs(plgpu.wgmma_accumulator_load(s_acc, wait_n=1))
-          return p_th, dp_acc[...]
-        return s_acc[...], dp_acc[...]
-
-      acc = plgpu.ACC((bq, bk), jnp.float32)
-      if overlap:
-        (p, th), dp = pl.run_scoped(sdp, acc, acc)
-      else:
-        s, dp = pl.run_scoped(sdp, acc, acc)
-        p, th = probs(s)
-      ds = _dscores(p, th, dp, delta, row_axis=0)
-      plgpu.wgmma(dq_acc, _a_operand(ds, a_smem, dtype), k_t)  # dQ += dS K
-      plgpu.wgmma_wait(0)
-      free.arrive(slot)
-      return carry
-
-    skip = pipeline.acknowledge(ready, free, stages)
-
+    step = functools.partial(
+        _dq_step, prob=prob, cfg=cfg, dtype=dtype,
+        ring=(k_ring, v_ring, ready, free), held=(q_smem, do_smem),
+        vecs=(lse2, delta), a_smem=a_smem, tile_mask=tile_mask)
     own = mask.kv_block_range(q_start, bq, bk)
-    everywhere = range_ref is not None
 
-    def accumulate(dq_acc):
+    def accumulate(dq_acc):  # the dQ loop over the streamed key tiles
       pipeline.tile_loop(
           u_lo, u_hi, own, first_step=0,
-          compute=functools.partial(compute, dq_acc=dq_acc), skip=skip,
-          element_mask_everywhere=everywhere)
+          compute=functools.partial(step, dq_acc=dq_acc),
+          skip=pipeline.acknowledge(ready, free, stages),
+          element_mask_everywhere=range_ref is not None)
       return dq_acc[...]
 
     dq = pl.run_scoped(accumulate,
                        plgpu.ACC((bq, prob.head_dim_padded), jnp.float32))
+    # dS is w.r.t. the scaled logits: d(scale * q.k)/dq = scale * k.
     q_smem[...] = (dq * prob.softmax_scale).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == cfg.bwd_compute_wgs)
+  @pl.when(wg == n)
   def _producer():
-    pipeline.split_registers(True, cfg.bwd_compute_wgs,
-                             cfg.bwd_consumer_registers)
+    pipeline.split_registers(True, n, cfg.bwd_consumer_registers)
     load = _key_tile_loader((k_ref, v_ref), (k_ring, v_ring), ready, b=b,
                             h=h, prob=prob, u_lo=u_lo, bk=bk)
     pipeline.produce(u_hi - u_lo, stages, load, [free])
