@@ -581,13 +581,14 @@ class MosaicConfig:
     bwd_atomic_dq: dQ added by the dK/dV kernel with TMA reduce-adds into a
       float32 buffer, as FlashAttention-3 (no dQ kernel); not bitwise
       reproducible (``deterministic=True`` turns it off).  Padded head_dim
-      <= 128 and a GPU only; tuned on at padded head_dim 64 on the H200.
+      <= 128 and a GPU only; tuned on at padded head_dim 64 (H200 entry).
     bwd_softmax_overlap: FlashAttention-3's step order in the dK/dV and dQ
       kernels: ``P`` computed under ``dP``'s wgmma and ``dS`` under
       ``dV``'s; tuned on at padded head_dim 128.
     bwd_stats_in_acc: the dK/dV kernel starts its ``S^T`` and ``dP^T``
       accumulators at ``-lse2 / (scale log2 e)`` and ``-delta`` (``delta``
       alone under a soft cap), so the wgmmas subtract them; GPU only.
+      Tuned on at padded head_dim 128 and by the H200's head_dim 64 rules.
     bwd_early_dv: with ``bwd_softmax_overlap``, ``dV += P^T dO`` is issued
       behind ``dP^T``'s wgmma, before the wait for it; tuned on at padded
       head_dim 128.
