@@ -290,80 +290,38 @@ def test_mosaic_unpadded_lowers_at_any_length(shape, cfg):
     dict(p_in_smem=True),
     dict(compute_wgs=1, schedule_barrier=False),
     dict(bwd_stages=3, bwd_block_kv=128),
-    dict(bwd_split_dkv=True, bwd_compute_wgs=1),
     dict(bwd_atomic_dq=True),
     dict(bwd_atomic_dq=True, p_in_smem=True, bwd_compute_wgs=1),
-    dict(bwd_atomic_dq=True, bwd_shared_dq=True),
-    dict(bwd_atomic_dq=True, bwd_dq_halves=True),
-    dict(bwd_named_barriers=True),
-    dict(bwd_named_barriers=True, bwd_atomic_dq=True, bwd_shared_dq=True),
-    dict(bwd_named_barriers=True, bwd_split_dkv=True, bwd_compute_wgs=1),
     dict(bwd_consumer_registers=240),
     dict(bwd_consumer_registers=240, bwd_atomic_dq=True),
-    dict(bwd_dq_late_release=True),
-    dict(bwd_dq_late_release=True, bwd_split_dkv=True, bwd_compute_wgs=1),
     dict(bwd_paired_dkv=True, bwd_compute_wgs=1),
     dict(bwd_paired_dkv=True, bwd_paired_dq=True, bwd_compute_wgs=1),
-    dict(bwd_paired_dq=True, bwd_named_barriers=True),
+    dict(bwd_paired_dq=True),
     dict(bwd_softmax_overlap=True),
     dict(bwd_softmax_overlap=True, bwd_atomic_dq=True),
-    dict(bwd_softmax_overlap=True, bwd_atomic_dq=True, bwd_shared_dq=True),
-    dict(bwd_softmax_overlap=True, bwd_split_dkv=True, bwd_compute_wgs=1),
     dict(bwd_stats_in_acc=True),
     dict(bwd_stats_in_acc=True, bwd_softmax_overlap=True),
     dict(bwd_stats_in_acc=True, bwd_atomic_dq=True),
-    dict(bwd_stats_in_acc=True, bwd_softmax_overlap=True,
-         bwd_atomic_dq=True, bwd_shared_dq=True),
-    dict(bwd_stats_in_acc=True, bwd_split_dkv=True, bwd_compute_wgs=1),
     dict(bwd_stats_in_acc=True, bwd_block_q=128),
-    dict(bwd_stats_in_acc=True, bwd_softmax_overlap=True,
-         bwd_consumer_registers=240, bwd_stats_first=True,
-         bwd_early_dv=True),
-    dict(bwd_stats_in_acc=True, bwd_block_q=128, bwd_atomic_dq=True,
-         bwd_stats_first=True),
     dict(bwd_stats_in_acc=True, bwd_block_q=128, bwd_atomic_dq=True),
-    # Only the LSE folded (no -delta tile built between the wgmmas).
-    dict(bwd_stats_in_acc=True, bwd_softmax_overlap=True,
-         bwd_consumer_registers=240, bwd_early_dv=True,
-         bwd_delta_in_regs=True),
-    dict(bwd_stats_in_acc=True, bwd_block_q=128, bwd_atomic_dq=True,
-         bwd_delta_in_regs=True),
     dict(bwd_softmax_overlap=True, bwd_early_dv=True, bwd_atomic_dq=True),
-    dict(bwd_softmax_overlap=True, bwd_early_dv=True, bwd_atomic_dq=True,
-         bwd_shared_dq=True),
     # The tuned head_dim 128 backward (tuning.json, H200).
     dict(bwd_stats_in_acc=True, bwd_softmax_overlap=True,
          bwd_consumer_registers=240, bwd_early_dv=True),
-    # ... with dK's wgmma left in flight into the next step.
-    dict(bwd_stats_in_acc=True, bwd_softmax_overlap=True,
-         bwd_consumer_registers=240, bwd_early_dv=True,
-         bwd_dkv_late_release=True, bwd_stages=3),
-    dict(bwd_dkv_late_release=True, bwd_split_dkv=True, bwd_compute_wgs=1),
     # FlashAttention-3's 80-query steps of the dK/dV kernel over the d128
-    # default (every operand in the 32-byte swizzle), and the split passes
-    # with three stages (at head_dim 256 over shared memory, where the
-    # one-consumer dQ kernel is too).
+    # default (every operand in the 32-byte swizzle).
     dict(bwd_stats_in_acc=True, bwd_softmax_overlap=True,
          bwd_consumer_registers=240, bwd_early_dv=True, bwd_dkv_block_q=80),
-    dict(bwd_dkv_block_q=80, bwd_split_dkv=True, bwd_compute_wgs=1,
-         bwd_stages=3),
-], ["default", "p-in-smem", "one-wg", "deep", "split", "atomic-dq",
-        "atomic-dq-p-in-smem-one-wg", "shared-dq", "dq-halves", "named",
-        "named-shared-dq", "named-split", "regs240", "regs240-atomic-dq",
-        "dq-late", "dq-late-split", "paired-dkv", "paired-dq",
-        "paired-dq-named", "softmax-overlap", "softmax-overlap-atomic-dq",
-        "softmax-overlap-shared-dq", "softmax-overlap-split",
-        "stats-in-acc", "stats-in-acc-overlap", "stats-in-acc-atomic-dq",
-        "stats-in-acc-shared-dq", "stats-in-acc-split", "stats-in-acc-bq128",
-        "stats-first-early-dv", "stats-first-bq128-atomic-dq",
-        "stats-in-acc-bq128-atomic-dq", "d128-delta-in-regs",
-        "bq128-atomic-delta-in-regs",
-        "early-dv-atomic-dq",
-        "early-dv-shared-dq", "d128-default", "d128-dkv-late",
-        "dkv-late-split", "d128-dkv-q80", "dkv-q80-split"],
-    every_commit={"default", "atomic-dq", "split", "paired-dkv",
-                  "paired-dq", "d128-default",
-                  "stats-in-acc-bq128-atomic-dq", "d128-dkv-q80"}))
+], ["default", "p-in-smem", "one-wg", "deep", "atomic-dq",
+        "atomic-dq-p-in-smem-one-wg", "regs240", "regs240-atomic-dq",
+        "paired-dkv", "paired-dq", "paired-dq-2wg-dkv", "softmax-overlap",
+        "softmax-overlap-atomic-dq", "stats-in-acc", "stats-in-acc-overlap",
+        "stats-in-acc-atomic-dq", "stats-in-acc-bq128",
+        "stats-in-acc-bq128-atomic-dq", "early-dv-atomic-dq", "d128-default",
+        "d128-dkv-q80"],
+    every_commit={"default", "atomic-dq", "paired-dkv", "paired-dq",
+                  "d128-default", "stats-in-acc-bq128-atomic-dq",
+                  "d128-dkv-q80"}))
 @pytest.mark.parametrize("shape", [
     # (q_len, kv_len, heads, kv_heads, head_dim, causal, window)
     (1024, 1024, 8, 2, 128, True, None),
@@ -390,35 +348,29 @@ def test_mosaic_backward_lowers_for_cuda(shape, cfg, segments):
   lower = lambda: jax.jit(jax.grad(loss, (0, 1, 2))).trace(
       q, kv, kv, seg_q, seg_kv).lower(lowering_platforms=("cuda",)).as_text()
   dp = -(-d // 64) * 64
-  if dp > 128 and not (config.bwd_split_dkv or config.bwd_paired_dkv):
+  if dp > 128 and not config.bwd_paired_dkv:
     pytest.skip("the gradient runs the Triton kernels here (test above)")
-  if (config.bwd_shared_dq or config.bwd_dq_halves) and dp % 128:
-    with pytest.raises(NotImplementedError, match="multiple of 128"):
-      lower()
-    return
   if needed_smem_bytes(config, dp) > 227 * 1024:
     with pytest.raises(Exception, match="exceeds available shared memory"):
       lower()
   else:
-    # Mosaic GPU kernels only: the forward, dQ and dK/dV (dV and dK as two
-    # passes when split; no dQ kernel with atomic dQ).
+    # Mosaic GPU kernels only: the forward, dQ and dK/dV (no dQ kernel
+    # with atomic dQ).
     kernels = re.findall(r"custom_call @(\w+)", lower())
-    n = 3 + config.bwd_split_dkv - config.bwd_atomic_dq
+    n = 3 - config.bwd_atomic_dq
     assert kernels == ["mosaic_gpu_v2"] * n, kernels
 
 
 def test_mosaic_backward_soft_cap_stats_in_acc_lowers():
   """Under a soft cap ``bwd_stats_in_acc`` folds delta alone (the LSE
-  stays a subtraction after the tanh); both step orders lower, and so do
-  ``bwd_stats_first`` (delta's store alone before the wgmmas) and
-  ``bwd_early_dv`` (dV issued before ``tanh``'s factor enters dS)."""
+  stays a subtraction after the tanh); both step orders lower, and so
+  does ``bwd_early_dv`` (dV issued before ``tanh``'s factor enters dS)."""
   from jaxflash import mosaic_gpu
   q, kv, _, _, mask = _mosaic_case((256, 256, 4, 2, 128, True, None))
-  for overlap, first, early in [(False, False, False), (True, False, False),
-                                (False, True, False), (True, True, True)]:
+  for overlap, early in [(False, False), (True, False), (True, True)]:
     config = mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_softmax_overlap=overlap,
-        bwd_stats_first=first, bwd_early_dv=early)
+        bwd_early_dv=early)
 
     def loss(q, k, v, config=config):
       out, _ = mosaic_attention(q, k, v, mask=mask, softmax_scale=0.125,

@@ -5,7 +5,7 @@ On CPU it runs in the Mosaic GPU interpreter with race detection
 (with the ping-pong schedule barrier) or three consumer warpgroups.  The ``gpu``
 variants compile it for the H200, including the register-operand ``P V``
 form the interpreter cannot run.  Gradients go through the Hopper dK/dV and
-dQ kernels (padded head_dim <= 128, or with ``bwd_split_dkv``), else the
+dQ kernels (padded head_dim <= 128, or with ``bwd_paired_dkv``), else the
 Triton backward kernels.  A race the detector reports fails the test
 (the detector only prints; ``_no_races`` reads the output).
 """
@@ -69,13 +69,9 @@ DEEP = mosaic_gpu.MosaicConfig(block_q=64, block_kv=64, stages=4,
                                compute_wgs=2, p_in_smem=True,
                                schedule_barrier=True)
 
-SPLIT = mosaic_gpu.MosaicConfig(block_q=64, block_kv=64, stages=2,
-                                compute_wgs=1, p_in_smem=True,
-                                schedule_barrier=False, bwd_compute_wgs=1,
-                                bwd_split_dkv=True)
-SPLIT_2WG = mosaic_gpu.MosaicConfig(block_q=64, block_kv=64, stages=2,
-                                    compute_wgs=2, p_in_smem=True,
-                                    schedule_barrier=True, bwd_split_dkv=True)
+# The Hopper backward at head_dim 256: the paired dK/dV kernel beside the
+# one-consumer dQ kernel.
+PAIRED_DKV = dataclasses.replace(ONE_WG, bwd_paired_dkv=True)
 
 PERSISTENT = dataclasses.replace(ONE_WG, persistent=True)
 PERSISTENT_2WG = dataclasses.replace(TWO_WG, persistent=True, stages=3)
@@ -105,11 +101,11 @@ CASES = [
      (10, 10), DEEP),
     ("d32-tiny-window-empty", 100, 100, 2, 2, 32, jnp.bfloat16, True, (0, 0),
      TWO_WG),
-    # dV and dK in two passes (the head_dim > 128 form of the backward).
+    # The Hopper backward at head_dim 256 (PAIRED_DKV).
     ("d256-split-dkv-gqa", 130, 200, 4, 2, 256, jnp.bfloat16, True, None,
-     SPLIT),
-    ("d64-split-dkv-2wg-window", 200, 200, 2, 1, 64, jnp.float16, False,
-     (30, 40), SPLIT_2WG),
+     PAIRED_DKV),
+    ("d64-2wg-window-f16", 200, 200, 2, 1, 64, jnp.float16, False,
+     (30, 40), TWO_WG),
     # Persistent grid: 2 programs, each looping over several work items
     # with the K/V ring running on across them.
     ("d64-persistent-2wg-causal", 256, 256, 4, 2, 64, jnp.bfloat16, True,
@@ -216,44 +212,20 @@ INTERPRET_VARIANTS = {
     # ... with the row sum added inside the turn (padded head_dim 256).
     "pv_then_qk+row_sum_in_pv": (dict(pv_then_qk=True, row_sum_in_pv=True),
                                  ["d256-causal-q300-k100"]),
-    # The dQ kernel releases each K/V slot one step late, the last one
-    # before the skipped tiles after it (causal with two consumers: the
-    # producer loads those only once that slot is free); leading skips, no
-    # computed tile, one consumer.
-    "bwd_dq_late_release": (dict(bwd_dq_late_release=True), [
-        "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window", "d64-len1",
-        "d64-stages4-window-far", "d32-tiny-window-empty",
-        "d256-split-dkv-gqa", "d64-split-dkv-2wg-window"]),
-    # The dK/dV kernel's last wgmma of each step left in flight, its Q/dO
-    # slot released in the next step (the last computed one before the
-    # skips after it): one and two consumers, GQA (a tile loop per query
-    # head), causal, windows, rows that see no key, a deep ring, the split
-    # passes; over FlashAttention-3's order with dV issued early (the d128
-    # default's).
-    "bwd_dkv_late_release": (dict(bwd_dkv_late_release=True), [
-        "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window", "d64-len1",
-        "d64-stages4-window-far", "d32-tiny-window-empty",
-        "d256-split-dkv-gqa", "d64-split-dkv-2wg-window"]),
-    "bwd_dkv_late_release+early_dv": (
-        dict(bwd_dkv_late_release=True, bwd_softmax_overlap=True,
-             bwd_early_dv=True, bwd_stages=3),
-        ["d96-gqa-q200-k300", "d64-causal-2wg", "d128-window",
-         "d32-tiny-window-empty"]),
     # P computed under dP's wgmma (S's waited for alone), dS^T after dV's
     # wgmma is issued: the dK/dV and dQ kernels with one and two
-    # consumers, the split dK and dV passes, GQA, causal, windows, rows
-    # that see no key, empty tiles.
+    # consumers (the dQ kernel at head_dim 256 beside the paired dK/dV
+    # kernel), GQA, causal, windows, rows that see no key, empty tiles.
     "bwd_softmax_overlap": (dict(bwd_softmax_overlap=True), [
         "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window", "d64-len1",
         "d32-tiny-window-empty", "d256-split-dkv-gqa",
-        "d64-split-dkv-2wg-window", "d64-full"]),
+        "d64-2wg-window-f16", "d64-full"]),
     # ... with dV's wgmma issued before the wait for dP^T (a wait_n=1
     # leaves it in flight): one and two consumers, GQA, causal, windows,
-    # rows that see no key, empty tiles; the split passes (no dV beside
-    # dK) keep the plain order.
+    # rows that see no key, empty tiles.
     "bwd_early_dv": (dict(bwd_softmax_overlap=True, bwd_early_dv=True), [
         "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window", "d64-len1",
-        "d32-tiny-window-empty", "d64-split-dkv-2wg-window", "d64-full"]),
+        "d32-tiny-window-empty", "d64-2wg-window-f16", "d64-full"]),
 }
 # The output in 64-column chunks through two slots per consumer (one,
 # three and four chunks: head_dim 64, 192, 256), rows with no key.
@@ -272,20 +244,19 @@ INTERPRET_VARIANTS.update({
     # dK and dV by two consumers of one key tile, P^T handed over in
     # shared memory: head_dim 256 (beside the one-consumer dQ kernel),
     # GQA, causal, windows, rows that see no key, a deep ring.
-    "bwd_paired_dkv": (dict(bwd_paired_dkv=True, bwd_split_dkv=False), [
+    "bwd_paired_dkv": (dict(bwd_paired_dkv=True), [
         "d64-full", "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window",
-        "d256-causal-q300-k100", "d256-split-dkv-gqa",
-        "d64-stages4-window-far", "d32-tiny-window-empty", "d64-len1"]),
+        "d256-causal-q300-k100", "d64-stages4-window-far",
+        "d32-tiny-window-empty", "d64-len1"]),
     # dQ by two consumers of one query tile, P handed over in shared
-    # memory: beside the dK/dV kernel (one and two consumers), its split
-    # passes and the paired dK/dV kernel (head_dim 256); GQA, causal,
+    # memory: beside the dK/dV kernel (one and two consumers) and the
+    # paired dK/dV kernel (head_dim 256); GQA, causal,
     # windows, rows that see no key, a deep ring.
     "bwd_paired_dq": (dict(bwd_paired_dq=True), [
         "d64-full", "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window",
         "d256-split-dkv-gqa", "d64-stages4-window-far",
         "d32-tiny-window-empty", "d64-len1"]),
-    "bwd_paired_dq+dkv": (dict(bwd_paired_dq=True, bwd_paired_dkv=True,
-                               bwd_split_dkv=False),
+    "bwd_paired_dq+dkv": (dict(bwd_paired_dq=True, bwd_paired_dkv=True),
                           ["d256-causal-q300-k100", "d96-gqa-q200-k300"]),
     # The persistent grid (2 programs, several items each): the producer
     # loads the next item's Q once both consumers are done with the last.
@@ -489,10 +460,10 @@ INTERPRET_VARIANTS.update({
     # the 32-byte swizzle; the interpreter pads the queries to a multiple
     # of 80 and of the dQ kernel's group): one and two consumers, GQA,
     # causal diagonals and windows across 80-row steps, rows that see no
-    # key, the split passes; over the d128 default's step order.
+    # key; over the d128 default's step order.
     "bwd_dkv_block_q_80": (dict(bwd_dkv_block_q=80), [
         "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window", "d64-len1",
-        "d32-tiny-window-empty", "d64-split-dkv-2wg-window"]),
+        "d32-tiny-window-empty", "d64-2wg-window-f16"]),
     "bwd_dkv_block_q_80+early_dv": (
         dict(bwd_dkv_block_q=80, bwd_softmax_overlap=True,
              bwd_early_dv=True),
@@ -962,8 +933,7 @@ def test_forward_smem_rules():
 
 def test_gpu_only_options_are_refused_in_the_interpreter():
   q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
-  for name in ("named_barriers", "bwd_named_barriers", "unpadded_kv",
-               "unpadded_q"):
+  for name in ("named_barriers", "unpadded_kv", "unpadded_q"):
     with pytest.raises(NotImplementedError, match=name):
       jaxflash.flash_attention(
           q, q, q, implementation="mosaic_gpu", interpret=True,
@@ -1001,21 +971,11 @@ GPU_CONFIGS = {
     "p-in-smem": mosaic_gpu.MosaicConfig(p_in_smem=True),
     "one-wg": mosaic_gpu.MosaicConfig(compute_wgs=1, schedule_barrier=False),
     "deep": mosaic_gpu.MosaicConfig(block_kv=64, stages=4),
-    # The Hopper backward at every head_dim (one consumer in the backward
-    # keeps head_dim 256 inside shared memory).
-    "bwd-split": mosaic_gpu.MosaicConfig(bwd_split_dkv=True,
-                                         bwd_compute_wgs=1),
     "persistent": mosaic_gpu.MosaicConfig(persistent=True),
     # dQ by TMA reduce-add from the dK/dV kernel (no interpreter support).
     "atomic-dq": mosaic_gpu.MosaicConfig(bwd_atomic_dq=True),
     "atomic-dq-one-wg": mosaic_gpu.MosaicConfig(
         bwd_atomic_dq=True, bwd_compute_wgs=1, bwd_block_kv=128),
-    # The two consumers share each tile's dQ (padded head_dim 128 only).
-    "shared-dq": mosaic_gpu.MosaicConfig(bwd_atomic_dq=True,
-                                         bwd_shared_dq=True),
-    # Per-consumer atomic dQ, one head_dim half at a time (padded 128).
-    "dq-halves": mosaic_gpu.MosaicConfig(bwd_atomic_dq=True,
-                                         bwd_dq_halves=True),
     # FlashAttention-3's intra-warpgroup overlap in the forward.
     "overlap": mosaic_gpu.MosaicConfig(intra_wg_overlap=True),
     "overlap-kv128": mosaic_gpu.MosaicConfig(intra_wg_overlap=True,
@@ -1226,51 +1186,37 @@ GPU_CONFIGS = {
         prefetch_q=True),
     "no-auto-barriers-persistent": mosaic_gpu.MosaicConfig(
         no_auto_barriers=True, persistent=True),
-    "bwd-named": mosaic_gpu.MosaicConfig(bwd_named_barriers=True),
-    # The dQ kernel's dS K left in flight into the next step.
-    "bwd-dq-late": mosaic_gpu.MosaicConfig(bwd_dq_late_release=True),
-    "bwd-dq-late-split": mosaic_gpu.MosaicConfig(
-        bwd_dq_late_release=True, bwd_split_dkv=True, bwd_compute_wgs=1),
     # FlashAttention-3's register split in the backward (240 / 32).
     "bwd-regs240": mosaic_gpu.MosaicConfig(bwd_consumer_registers=240),
     "bwd-regs240-atomic": mosaic_gpu.MosaicConfig(
         bwd_consumer_registers=240, bwd_atomic_dq=True),
-    "bwd-named-atomic": mosaic_gpu.MosaicConfig(bwd_named_barriers=True,
-                                                bwd_atomic_dq=True),
-    "bwd-named-split": mosaic_gpu.MosaicConfig(
-        bwd_named_barriers=True, bwd_split_dkv=True, bwd_compute_wgs=1,
-        bwd_stages=3),
     # dK and dV by two consumers of one key tile (P^T handed over), next to
-    # a one- or two-consumer dQ kernel, registers or named barriers.
+    # a one- or two-consumer dQ kernel, P^T from registers or staged.
     "bwd-paired": mosaic_gpu.MosaicConfig(bwd_paired_dkv=True,
                                           bwd_compute_wgs=1),
     "bwd-paired-2wg-dq": mosaic_gpu.MosaicConfig(bwd_paired_dkv=True),
-    "bwd-paired-named-smem": mosaic_gpu.MosaicConfig(
-        bwd_paired_dkv=True, bwd_compute_wgs=1, bwd_named_barriers=True,
-        p_in_smem=True, bwd_stages=3),
+    "bwd-paired-smem": mosaic_gpu.MosaicConfig(
+        bwd_paired_dkv=True, bwd_compute_wgs=1, p_in_smem=True,
+        bwd_stages=3),
     # dQ by two consumers of one query tile (P handed over), beside the
     # paired dK/dV kernel or the two-consumer one.
     "bwd-paired-dq": mosaic_gpu.MosaicConfig(
         bwd_paired_dkv=True, bwd_paired_dq=True, bwd_compute_wgs=1),
     "bwd-paired-dq-2wg-dkv": mosaic_gpu.MosaicConfig(bwd_paired_dq=True),
-    "bwd-paired-dq-named-smem": mosaic_gpu.MosaicConfig(
+    "bwd-paired-dq-smem": mosaic_gpu.MosaicConfig(
         bwd_paired_dkv=True, bwd_paired_dq=True, bwd_compute_wgs=1,
-        bwd_named_barriers=True, p_in_smem=True),
+        p_in_smem=True),
     # P under dP's wgmma, dS under dV's (FlashAttention-3's backward
-    # order): the dQ kernel, atomic and shared dQ, the split passes.
+    # order): the dQ kernel, atomic dQ.
     "bwd-softmax-overlap": mosaic_gpu.MosaicConfig(bwd_softmax_overlap=True),
     "bwd-softmax-overlap-atomic": mosaic_gpu.MosaicConfig(
         bwd_softmax_overlap=True, bwd_atomic_dq=True),
-    "bwd-softmax-overlap-shared-dq": mosaic_gpu.MosaicConfig(
-        bwd_softmax_overlap=True, bwd_atomic_dq=True, bwd_shared_dq=True),
-    "bwd-softmax-overlap-split": mosaic_gpu.MosaicConfig(
-        bwd_softmax_overlap=True, bwd_split_dkv=True, bwd_compute_wgs=1),
     # ... with FlashAttention-3's register split (+0.2-3% at d128 on the
     # H200, 2026-12-02; 15 passed at af3998b).
     "bwd-softmax-overlap-regs240": mosaic_gpu.MosaicConfig(
         bwd_softmax_overlap=True, bwd_consumer_registers=240),
     # LSE and delta folded into the dK/dV kernel's accumulators: the
-    # default step order and FA3's, atomic dQ, the split passes.
+    # default step order and FA3's, atomic dQ.
     "bwd-stats-in-acc": mosaic_gpu.MosaicConfig(bwd_stats_in_acc=True),
     "bwd-stats-in-acc-overlap": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_softmax_overlap=True),
@@ -1281,10 +1227,6 @@ GPU_CONFIGS = {
         **{**_D128_BWD, "bwd_early_dv": False}),
     "bwd-stats-in-acc-atomic": mosaic_gpu.MosaicConfig(
         bwd_stats_in_acc=True, bwd_atomic_dq=True),
-    # Shared atomic dQ over the d128 default's form (passed at 5803c18,
-    # before bwd_early_dv joined the default; with it not yet run).
-    "bwd-stats-in-acc-shared-dq": mosaic_gpu.MosaicConfig(
-        **_D128_BWD, bwd_atomic_dq=True, bwd_shared_dq=True),
     # 128-query tiles at head_dim 64: Sᵀ and dPᵀ 64 x 128 per consumer,
     # with the dQ kernel and with atomic dQ (the d64 rule's form).
     "bwd-stats-in-acc-bq128": mosaic_gpu.MosaicConfig(
@@ -1295,27 +1237,6 @@ GPU_CONFIGS = {
     # before bwd_early_dv joined the default; with it not yet run).
     "bwd-d128-default-stages3": mosaic_gpu.MosaicConfig(
         **_D128_BWD, bwd_stages=3),
-    # The fourteenth session's ncu candidates (passed on the H200,
-    # 2026-12-02, at 29f4ae6): both starting values stored before the
-    # wgmmas, with and without dV's wgmma issued before the wait for dP^T
-    # (bwd_early_dv, since the d128 default); the d64 rule's form with the
-    # first.
-    "bwd-d128-stats-first": mosaic_gpu.MosaicConfig(
-        **{**_D128_BWD, "bwd_early_dv": False}, bwd_stats_first=True),
-    "bwd-d128-stats-first-early-dv": mosaic_gpu.MosaicConfig(
-        **_D128_BWD, bwd_stats_first=True),
-    "bwd-bq128-atomic-stats-first": mosaic_gpu.MosaicConfig(
-        bwd_stats_in_acc=True, bwd_block_q=128, bwd_atomic_dq=True,
-        bwd_stats_first=True),
-    "bwd-stats-in-acc-split": mosaic_gpu.MosaicConfig(
-        bwd_stats_in_acc=True, bwd_split_dkv=True, bwd_compute_wgs=1),
-    # Only the LSE folded into S^T's start: dP^T starts at zero, so no
-    # starting tile is built between the two wgmmas (ptxas' C7517 wait).
-    "bwd-d128-delta-in-regs": mosaic_gpu.MosaicConfig(
-        **_D128_BWD, bwd_delta_in_regs=True),
-    "bwd-bq128-atomic-delta-in-regs": mosaic_gpu.MosaicConfig(
-        bwd_stats_in_acc=True, bwd_block_q=128, bwd_atomic_dq=True,
-        bwd_delta_in_regs=True),
     # FlashAttention-3's forward tiles: 80 keys (its head_dim 256 tile)
     # and 176 (its head_dim 128 tile; over shared memory at 192 and 256,
     # skipped there), K and V padded by XLA or zero-filled by TMA.
@@ -1359,21 +1280,10 @@ GPU_CONFIGS = {
         named_barriers=True, compute_wgs=3, block_kv=128, persistent=True,
         prefetch_q=True, q_double_buffer=True, item_overlap=True,
         unpadded_kv=True, unpadded_q=True),
-    # The dK/dV kernel's dK wgmma left in flight into the next step, over
-    # the d128 default with two and three stages, and the split passes.
-    "bwd-d128-dkv-late": mosaic_gpu.MosaicConfig(
-        **_D128_BWD, bwd_dkv_late_release=True),
-    "bwd-d128-dkv-late-stages3": mosaic_gpu.MosaicConfig(
-        **_D128_BWD, bwd_dkv_late_release=True, bwd_stages=3),
-    "bwd-dkv-late-split": mosaic_gpu.MosaicConfig(
-        bwd_dkv_late_release=True, bwd_split_dkv=True, bwd_compute_wgs=1),
     # FlashAttention-3's 80-query steps of the dK/dV kernel (the last one
-    # zero-filled by TMA past the padded queries) over the d128 default,
-    # and the split passes.
+    # zero-filled by TMA past the padded queries) over the d128 default.
     "bwd-d128-dkv-q80": mosaic_gpu.MosaicConfig(
         **_D128_BWD, bwd_dkv_block_q=80),
-    "bwd-dkv-q80-split": mosaic_gpu.MosaicConfig(
-        bwd_dkv_block_q=80, bwd_split_dkv=True, bwd_compute_wgs=1),
 }
 
 
@@ -1750,8 +1660,6 @@ def test_config_validation():
                      (dict(intra_wg_overlap=True, early_k_wait=True),
                       "early_k_wait=True"),
                      (dict(named_barriers=True, stages=6), "stages=6"),
-                     (dict(bwd_named_barriers=True, bwd_stages=13),
-                      "bwd_stages=13"),
                      (dict(bwd_consumer_registers=248), "got 248"),
                      (dict(consumer_registers=248),
                       "consumer_registers=248"),
@@ -1773,21 +1681,8 @@ def test_config_validation():
                       "intra_wg_overlap=False"),
                      (dict(groups_slowest=True, groups_fastest=True),
                       "groups_fastest=False"),
-                     (dict(bwd_dq_late_release=True, bwd_atomic_dq=True),
-                      "bwd_atomic_dq=False"),
-                     (dict(bwd_paired_dkv=True, bwd_split_dkv=True),
-                      "bwd_split_dkv=False"),
                      (dict(bwd_paired_dkv=True, bwd_atomic_dq=True),
                       "bwd_atomic_dq=False"),
-                     (dict(bwd_dkv_late_release=True, bwd_atomic_dq=True),
-                      "bwd_atomic_dq=False"),
-                     (dict(bwd_dkv_late_release=True, bwd_paired_dkv=True),
-                      "bwd_paired_dkv=False"),
-                     (dict(bwd_stats_first=True), "bwd_stats_in_acc=True"),
-                     (dict(bwd_delta_in_regs=True),
-                      "bwd_stats_in_acc=True"),
-                     (dict(bwd_stats_in_acc=True, bwd_delta_in_regs=True,
-                           bwd_stats_first=True), "bwd_stats_first=False"),
                      (dict(bwd_early_dv=True), "bwd_softmax_overlap=True"),
                      (dict(early_q_release=True), "intra_wg_overlap=True"),
                      (dict(bwd_dkv_block_q=72), "bwd_dkv_block_q=72"),
@@ -1822,17 +1717,15 @@ def test_paired_dkv_smem():
 def test_paired_dq_smem():
   """bwd_paired_dq at head_dim 256: one Q and one dO tile, the K/V ring and
   the hand-over fit (the two-consumer dQ kernel's do not), and the count
-  covers the kernel's buffers; it excludes atomic dQ and the dQ kernel's
-  late release."""
+  covers the kernel's buffers; it excludes atomic dQ."""
   cfg = mosaic_gpu.MosaicConfig(bwd_paired_dkv=True, bwd_paired_dq=True)
   assert needed_smem_bytes(cfg, 256) <= 227 * 1024
   assert cfg.bwd_smem_bytes(256) >= (2 * 64 * 256 + 2 * (2 * 64 * 256
                                                          + 64 * 64)) * 2
   plain = dataclasses.replace(cfg, bwd_paired_dq=False)
   assert needed_smem_bytes(plain, 256) > 227 * 1024
-  for other in ("bwd_atomic_dq", "bwd_dq_late_release"):
-    with pytest.raises(ValueError, match=f"bwd_paired_dq.*{other}=False"):
-      mosaic_gpu.MosaicConfig(bwd_paired_dq=True, **{other: True})
+  with pytest.raises(ValueError, match="bwd_paired_dq.*bwd_atomic_dq=False"):
+    mosaic_gpu.MosaicConfig(bwd_paired_dq=True, bwd_atomic_dq=True)
 
 
 def test_register_split_fits_the_launch_allocation():
@@ -1949,11 +1842,8 @@ def test_default_config_rules():
   d256 = dflt(256, causal=True, kv_len=8192)
   assert d256.bwd_paired_dkv and d256.bwd_compute_wgs == 1
   assert d256.bwd_paired_dq and not dflt(128).bwd_paired_dq
-  assert not dflt(128).bwd_split_dkv
-  # dQ by TMA reduce-add: measured faster at padded head_dim 64 only (the
-  # shared form at 128 is not a default until re-measured).
+  # dQ by TMA reduce-add: measured faster at padded head_dim 64 only.
   assert dflt(64).bwd_atomic_dq and dflt(32, causal=True).bwd_atomic_dq
-  assert not dflt(64).bwd_shared_dq
   assert not dflt(128).bwd_atomic_dq and not dflt(256).bwd_atomic_dq
   # The statistics folded into the dK/dV accumulators, with
   # FlashAttention-3's register split: measured faster at 128 only.
@@ -2171,8 +2061,8 @@ def test_deterministic_turns_off_atomic_dq(monkeypatch):
 
 
 def test_atomic_dq_needs_one_pass_and_a_gpu():
-  with pytest.raises(ValueError, match="bwd_split_dkv=True"):
-    mosaic_gpu.MosaicConfig(bwd_atomic_dq=True, bwd_split_dkv=True)
+  with pytest.raises(ValueError, match="bwd_paired_dkv=True"):
+    mosaic_gpu.MosaicConfig(bwd_atomic_dq=True, bwd_paired_dkv=True)
   q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="no TMA reduce-add"):
     jaxflash.flash_attention(
@@ -2204,49 +2094,21 @@ def test_head_dim_validation():
   assert head_dim_problem(three, 192) is None
 
 
-def test_shared_dq_validation():
-  """bwd_shared_dq shares the atomic dQ of two consumers (ValueError
-  otherwise) in halves of 64 columns (NotImplementedError below padded
-  head_dim 128); deterministic=True turns both off."""
-  for bad in [dict(bwd_shared_dq=True),
-              dict(bwd_shared_dq=True, bwd_atomic_dq=True,
-                   bwd_compute_wgs=1, bwd_block_kv=128)]:
-    with pytest.raises(ValueError, match="bwd_shared_dq=True"):
-      mosaic_gpu.MosaicConfig(**bad)
-  for bad in [dict(bwd_dq_halves=True),
-              dict(bwd_dq_halves=True, bwd_atomic_dq=True,
-                   bwd_shared_dq=True)]:
-    with pytest.raises(ValueError, match="bwd_dq_halves=True"):
-      mosaic_gpu.MosaicConfig(**bad)
-  halves = mosaic_gpu.MosaicConfig(bwd_atomic_dq=True, bwd_dq_halves=True)
-  with pytest.raises(NotImplementedError, match="multiple of 128, got 64"):
-    jaxflash.flash_attention(jnp.ones((1, 64, 2, 64), jnp.bfloat16),
-                             *(jnp.ones((1, 64, 2, 64), jnp.bfloat16),) * 2,
-                             implementation="mosaic_gpu", interpret=True,
-                             config=halves)
-  shared = mosaic_gpu.MosaicConfig(bwd_atomic_dq=True, bwd_shared_dq=True)
-  q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match="multiple of 128, got 64"):
-    jaxflash.flash_attention(q, q, q, implementation="mosaic_gpu",
-                             interpret=True, config=shared)
-  with pytest.raises(ValueError, match="bwd_atomic_dq=True"):
-    jaxflash.flash_attention(q, q, q, implementation="mosaic_gpu",
-                             config=shared, deterministic=True)
-  # Above padded head_dim 128 the atomic dQ has no Hopper backward to run
-  # in: refused, not handed silently to the Triton backward.
+def test_atomic_dq_refused_above_head_dim_128():
+  """Above padded head_dim 128 the atomic dQ has no Hopper backward to
+  run in: refused, not handed silently to the Triton backward."""
+  atomic = mosaic_gpu.MosaicConfig(bwd_atomic_dq=True)
+  assert head_dim_problem(atomic, 128) is None
   wide = jnp.ones((1, 64, 2, 256), jnp.bfloat16)
-  for cfg in (shared, mosaic_gpu.MosaicConfig(bwd_atomic_dq=True)):
-    assert head_dim_problem(cfg, 128) is None
-    with pytest.raises(NotImplementedError,
-                       match="serve padded head_dim up to 128, got 256"):
-      jaxflash.flash_attention(wide, wide, wide, implementation="mosaic_gpu",
-                               interpret=True, config=cfg)
+  with pytest.raises(NotImplementedError,
+                     match="serve padded head_dim up to 128, got 256"):
+    jaxflash.flash_attention(wide, wide, wide, implementation="mosaic_gpu",
+                             interpret=True, config=atomic)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["atomic", "shared", "halves"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_atomic_dq_matches_deterministic(causal, variant):
+def test_gpu_atomic_dq_matches_deterministic(causal):
   """The TMA reduce-add dQ agrees with the two-kernel dQ to float32
   summation-order noise (dK and dV come from the same kernel code)."""
   args = numerics.random_inputs(jax.random.key(3), batch=2, q_len=1000,
@@ -2261,9 +2123,7 @@ def test_gpu_atomic_dq_matches_deterministic(causal, variant):
 
   base = mosaic_gpu.MosaicConfig()
   want = grads(base)
-  got = grads(dataclasses.replace(base, bwd_atomic_dq=True,
-                                  bwd_shared_dq=variant == "shared",
-                                  bwd_dq_halves=variant == "halves"))
+  got = grads(dataclasses.replace(base, bwd_atomic_dq=True))
   for name, g, w in zip("qkv", got, want):
     scale = float(jnp.max(jnp.abs(w.astype(jnp.float32))))
     err = numerics.max_abs_diff(g, w)
@@ -2311,11 +2171,11 @@ _SOFT_CAP_FORMS = {
     "paired-dq-d256": (256, dataclasses.replace(ONE_WG, bwd_paired_dkv=True,
                                                 bwd_paired_dq=True)),
     # P and tanh computed under dP's wgmma, dS (times 1 - tanh^2) under
-    # dV's.
+    # dV's; the dQ kernel's at head_dim 256.
     "softmax-overlap-d64-2wg": (64, dataclasses.replace(
         TWO_WG, bwd_softmax_overlap=True)),
-    "softmax-overlap-d256-split": (256, dataclasses.replace(
-        SPLIT, bwd_softmax_overlap=True)),
+    "softmax-overlap-d256-paired-dkv": (256, dataclasses.replace(
+        PAIRED_DKV, bwd_softmax_overlap=True)),
 }
 
 
@@ -2348,7 +2208,7 @@ def test_gpu_paired_soft_cap(causal, paired_dq):
                                 head_dim=256, dtype=jnp.bfloat16)
   cfg = dataclasses.replace(
       mosaic_gpu.default_config(jax.devices()[0].device_kind, 256),
-      bwd_paired_dkv=True, bwd_split_dkv=False, bwd_paired_dq=paired_dq)
+      bwd_paired_dkv=True, bwd_paired_dq=paired_dq)
   fn = functools.partial(jaxflash.flash_attention, causal=causal,
                          return_lse=True, implementation="mosaic_gpu",
                          logits_soft_cap=30.0, config=cfg)
@@ -2427,8 +2287,6 @@ SEG_CASES = [
      PERSISTENT_2WG),
     ("packed-causal-2wg-overlap", 256, 256, True, None, dict(docs=5, pad=9),
      dataclasses.replace(TWO_WG, intra_wg_overlap=True)),
-    ("packed-causal-2wg-dq-late", 256, 256, True, None, dict(docs=5, pad=9),
-     dataclasses.replace(TWO_WG, bwd_dq_late_release=True)),
     ("packed-causal-2wg-pv-then-qk", 256, 256, True, None,
      dict(docs=5, pad=9), dataclasses.replace(TWO_WG, pv_then_qk=True)),
     ("packed-causal-2wg-softmax-overlap", 256, 256, True, None,
@@ -2498,7 +2356,6 @@ GPU_SEG_OVERRIDES = {
     "packed-causal-persistent": dict(persistent=True),
     "packed-causal-2wg-overlap": dict(intra_wg_overlap=True,
                                       persistent=False),
-    "packed-causal-2wg-dq-late": dict(bwd_dq_late_release=True),
     "packed-causal-2wg-pv-then-qk": dict(pv_then_qk=True,
                                          intra_wg_overlap=False),
     "packed-causal-2wg-softmax-overlap": dict(bwd_softmax_overlap=True),

@@ -148,10 +148,7 @@ def fingerprint(c: dict) -> str:
   det = c["mode"] == "grad-deterministic"
   if det:  # what the backend resolves for deterministic=True
     import dataclasses
-    cfg = dataclasses.replace(
-        cfg, **{f: False for f in ("bwd_atomic_dq", "bwd_shared_dq",
-                                   "bwd_dq_halves")
-                if hasattr(cfg, f)})
+    cfg = dataclasses.replace(cfg, bwd_atomic_dq=False)
 
   def f(q, k, v, ids, lens):
     if c["mask"] == "segments":

@@ -7,16 +7,16 @@ attention call timed apart, written to ``<out>/kernel_times.json``.
 The benchmark times whole calls (forward, or forward+backward); this
 times each kernel launch of the Hopper path alone at one shape of the
 benchmark grid (16,384 tokens per call, width 2048): the forward, then
-the backward's passes in launch order (``dq`` and ``dkv``, their
-``-paired`` forms at head_dim > 128, one ``dkv+atomic-dq`` with
-``bwd_atomic_dq``; see ``jaxflash.mosaic_gpu.backend.backward_passes``),
-each on the padded operands the backward gives it.  ``backward prep``
-is the backward's XLA preparation alone (padding, ``delta``, the base-2
-LSE); with the padded-output slicing it is what the whole backward adds
-to its kernels.  FLOP/s use the benchmark's
-convention per pass: ``S`` and ``P V``-sized matmuls, 2 per forward tile
-pair, counted per kernel from the matmuls it runs (forward 2, dQ kernel
-3, dK/dV 4, dK/dV with atomic dQ 5).
+the backward's passes in launch order (``dq`` and ``dkv``; one
+``dkv+atomic-dq`` with ``bwd_atomic_dq``; see
+``jaxflash.mosaic_gpu.backend.backward_passes``), each on the padded
+operands the backward gives it.  ``backward prep`` is the backward's XLA
+preparation alone (padding, ``delta``, the base-2 LSE); with the
+padded-output slicing it is what the whole backward adds to its
+kernels.  FLOP/s use the benchmark's convention per pass: ``S`` and
+``P V``-sized matmuls, 2 per forward tile pair, counted per kernel from
+the matmuls it runs (forward 2, dQ kernel 3, dK/dV 4, dK/dV with atomic
+dQ 5).
 
 ``--variants "NAME:field=value,...;..."`` adds configs (each the base
 config with those fields replaced, as the benchmark's
@@ -40,8 +40,8 @@ import sys
 
 # Matmuls of one (query tile, key tile) pair, each 2 * rows * cols * D
 # FLOPs, by kernel.
-MATMULS = {"forward": 2, "dq": 3, "dkv": 4, "dv": 3, "dk": 4,
-           "dkv+atomic-dq": 5, "dkv-paired": 4, "dq-paired": 3}
+MATMULS = {"forward": 2, "dq": 3, "dkv": 4, "dkv+atomic-dq": 5,
+           "dkv-paired": 4, "dq-paired": 3}
 
 
 def main(argv=None) -> int:

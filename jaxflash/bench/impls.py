@@ -122,8 +122,8 @@ def mosaic_variant(overrides: dict, tuned_for: str | None = None
 
 def parse_mosaic_variants(text: str, tuned_for: str | None = None
                           ) -> dict[str, Callable]:
-  """``"shared0:bwd_shared_dq=0;dqk:bwd_atomic_dq=0,bwd_shared_dq=0"`` ->
-  implementations ``jaxflash-mosaic_gpu[shared0]``, ... (ValueError on an
+  """``"stages3:bwd_stages=3;dqk:bwd_atomic_dq=0"`` ->
+  implementations ``jaxflash-mosaic_gpu[stages3]``, ... (ValueError on an
   unnamed variant, an unknown field or a ``tuned_for`` kind that
   tuning.json does not list; ``"default"`` names its untuned entry, the
   one unlisted devices get)."""

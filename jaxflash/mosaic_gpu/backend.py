@@ -7,12 +7,11 @@ and dQ kernels of :mod:`jaxflash.mosaic_gpu.backward` for padded head_dim
 <= 128.  Above that their two float32 accumulators (dK, dV) do not fit in
 a warpgroup's registers: with ``MosaicConfig(bwd_paired_dkv=True)`` (the
 tuned default there) two consumers share a key tile, one accumulating dV
-and one dK; with ``bwd_split_dkv=True`` the dK/dV kernel runs as two
-passes of one accumulator each (``bwd_paired_dq=True``, also the default
-there, does the same for dQ: two consumers on one query tile);
-otherwise :func:`serves_backward` is False and the backend registry
-(:mod:`jaxflash.backends`) runs the Triton backward kernels instead (they
-need the same residuals: q, k, v, the output and the log-sum-exp).
+and one dK (``bwd_paired_dq=True``, also the default there, does the same
+for dQ: two consumers on one query tile); otherwise :func:`serves_backward`
+is False and the backend registry (:mod:`jaxflash.backends`) runs the
+Triton backward kernels instead (they need the same residuals: q, k, v,
+the output and the log-sum-exp).
 """
 
 from __future__ import annotations
@@ -88,8 +87,7 @@ def _resolve_config(config: MosaicConfig | None, interpret,
   config = default_config(_device_kind(), dp,
                           causal=mask.causal, kv_len=mask.kv_len)
   if deterministic and config.bwd_atomic_dq:
-    config = dataclasses.replace(config, bwd_atomic_dq=False,
-                                 bwd_shared_dq=False, bwd_dq_halves=False)
+    config = dataclasses.replace(config, bwd_atomic_dq=False)
   return config
 
 
@@ -199,9 +197,8 @@ def forward(q, k, v, arrays: MaskArrays, *, mask: MaskSpec,
 def _serves_backward(dp: int, config: MosaicConfig) -> bool:
   """Whether the Hopper backward kernels serve padded head_dim ``dp`` with
   ``config``: above MAX_BWD_HEAD_DIM the two float32 accumulators (dK,
-  dV) need the paired or split dK/dV kernel."""
-  return dp <= MAX_BWD_HEAD_DIM or config.bwd_split_dkv or (
-      config.bwd_paired_dkv)
+  dV) need the paired dK/dV kernel."""
+  return dp <= MAX_BWD_HEAD_DIM or config.bwd_paired_dkv
 
 
 def serves_backward(q, *, mask: MaskSpec, config: MosaicConfig | None,
@@ -255,9 +252,7 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
     dq, dk, dv = done["dkv+atomic-dq"]
   else:
     (dq,) = done["dq-paired" if config.bwd_paired_dq else "dq"]
-    if config.bwd_split_dkv:
-      (dv,), (dk,) = done["dv"], done["dk"]
-    elif config.bwd_paired_dkv:
+    if config.bwd_paired_dkv:
       dk, dv = done["dkv-paired"]
     else:
       dk, dv = done["dkv"]
@@ -309,8 +304,7 @@ def backward_passes(prob: fwd_lib.Problem, config: MosaicConfig, seg_dq,
   """The Hopper backward's kernel launches in order, ``[(name, run)]``,
   each ``run(qp, kp, vp, dop, lse2, delta)`` on the padded operands
   returning its outputs: ``dq`` (``dq-paired`` with ``bwd_paired_dq``)
-  then ``dkv`` (or ``dv`` then ``dk`` with
-  ``bwd_split_dkv``, ``dkv-paired`` with ``bwd_paired_dkv``), or one
+  then ``dkv`` (``dkv-paired`` with ``bwd_paired_dkv``), or one
   ``dkv+atomic-dq`` with ``bwd_atomic_dq``.
   :func:`backward` runs them; tools/kernel_times.py times them apart."""
   dkv = functools.partial(bwd_lib.dkv, prob=prob, cfg=config,
@@ -326,8 +320,7 @@ def backward_passes(prob: fwd_lib.Problem, config: MosaicConfig, seg_dq,
       def run(refs):
         dq_ref, dk_ref, dv_ref = refs
         dk_ref[...], dv_ref[...] = dkv(qp, kp, vp, dop, lse2, delta,
-                                       seg_dkv, parts=("dk", "dv"),
-                                       dq_acc=dq_ref)
+                                       seg_dkv, dq_acc=dq_ref)
 
       kv_zeros = jnp.zeros(kp.shape, qp.dtype)
       dq_acc, dk, dv = pl.run_state(run)(
@@ -343,10 +336,7 @@ def backward_passes(prob: fwd_lib.Problem, config: MosaicConfig, seg_dq,
   if config.bwd_paired_dkv:
     return passes + [("dkv-paired", lambda *t: bwd_lib.paired_dkv(
         *t, seg_dkv, prob=prob, cfg=config, interpret=interpret))]
-  if config.bwd_split_dkv:
-    return passes + [("dv", lambda *t: dkv(*t, seg_dkv, parts=("dv",))),
-                     ("dk", lambda *t: dkv(*t, seg_dkv, parts=("dk",)))]
-  return passes + [("dkv", lambda *t: dkv(*t, seg_dkv, parts=("dk", "dv")))]
+  return passes + [("dkv", lambda *t: dkv(*t, seg_dkv))]
 
 
 def _check_interpreter_threads(config: MosaicConfig) -> None:
@@ -375,8 +365,6 @@ def _manual_devices() -> int:
 _GPU_ONLY = (
     ("bwd_atomic_dq", "has no TMA reduce-add"),
     ("named_barriers", "does not run hardware named barriers (inline PTX)"),
-    ("bwd_named_barriers",
-     "does not run hardware named barriers (inline PTX)"),
     ("bwd_stats_in_acc", "does not run stores into a wgmma accumulator"),
     ("unpadded_kv", "clamps slices past the end of K and V (TMA zero-fills"
      " them)"),

@@ -39,11 +39,7 @@ kernel also computes each tile pair's ``dQ_t = dS K`` (``dS^T`` staged in
 shared memory is the transposed A operand) and adds it into a zeroed
 float32 buffer in global memory with a TMA reduce-add, as FlashAttention-3
 does (5 matmuls per tile pair instead of 7; not bitwise reproducible;
-the buffer is a ``pl.run_state`` ref, see ``backend.backward``).  With
-``MosaicConfig.bwd_shared_dq`` the two consumers share that ``dS K``
-(FlashAttention-3's layout): each stages its ``dS^T`` in shared memory
-and, once both are written, computes half of the head_dim columns over
-both consumers' keys (:func:`_dk_and_shared_dq`).
+the buffer is a ``pl.run_state`` ref, see ``backend.backward``).
 
 Paired forms (head_dim 256, where two consumers of either kernel do not
 fit in shared memory): ``bwd_paired_dkv`` splits dK/dV over two
@@ -71,7 +67,6 @@ from jaxflash._util import out_struct
 from jaxflash.mosaic_gpu import pipeline
 from jaxflash.mosaic_gpu.config import (
   MosaicConfig,
-  split_dq_problem,
   vec_slot_rows,
 )
 from jaxflash.mosaic_gpu.forward import Problem
@@ -85,13 +80,16 @@ COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
 
 def _probs(s, lse2, visible, *, prob: Problem, row_axis: int):
-  """``P`` of one tile (float32) from the raw ``q . k`` products, and
-  ``tanh`` of the soft cap (None without one): ``dS`` takes ``1 - th^2``,
-  the derivative of ``cap * tanh(x / cap)``.  ``lse2`` is per query;
-  ``row_axis`` says which axis of the tile is the query axis (0 in the dQ
-  kernel, 1 in the transposed dK/dV kernels).  ``lse2=None``: ``s``
-  already holds ``q . k - lse2 / (scale log2 e)`` (:func:`_stats_init`),
-  so ``P = exp2(s scale log2 e)``."""
+  """The softmax recompute of one tile, ``P = exp2(S scale log2(e) -
+  lse2)`` (FlashAttention-2's ``P = exp(S - L)``, Algorithm 2 of arXiv
+  2307.08691, in base 2), float32, from the raw ``q . k`` products ``s``
+  and the forward's base-2 log-sum-exp; and ``tanh`` of the soft cap
+  (None without one): ``dS`` takes ``1 - th^2``, the derivative of ``cap
+  * tanh(x / cap)``.  ``lse2`` is per query; ``row_axis`` says which axis
+  of the tile is the query axis (0 in the dQ kernel, 1 in the transposed
+  dK/dV kernels).  ``lse2=None``: ``s`` already holds ``q . k - lse2 /
+  (scale log2 e)`` (:func:`_stats_init`), so ``P = exp2(s scale log2
+  e)``."""
   if prob.logits_soft_cap is None:
     th = None
     logits2 = s * (prob.softmax_scale * LOG2E)
@@ -111,10 +109,11 @@ def _probs(s, lse2, visible, *, prob: Problem, row_axis: int):
 
 
 def _dscores(p, th, dp, delta, *, row_axis: int):
-  """``dS = P (dP - delta)`` of one tile (float32; times ``1 - th^2`` under
-  a soft cap, ``th`` from :func:`_probs`), the gradient w.r.t. the scaled
-  logits; ``delta`` is per query (None: ``dp`` already holds ``dP -
-  delta``, :func:`_stats_init`)."""
+  """``dS = P (dP - delta)`` of one tile (Algorithm 2 of arXiv 2307.08691;
+  float32; times ``1 - th^2`` under a soft cap, ``th`` from
+  :func:`_probs`), the gradient w.r.t. the scaled logits; ``delta`` is
+  per query (None: ``dp`` already holds ``dP - delta``,
+  :func:`_stats_init`)."""
   ds = p * (dp if delta is None
             else dp - lax.broadcast_in_dim(delta, p.shape, [row_axis]))
   if th is not None:
@@ -144,6 +143,34 @@ def _stats_init(prob: Problem, lse_ref, delta_ref, shape, row_axis: int):
   return s0, dp0
 
 
+def _scores(s_acc, dp_acc, *, s_operands, dp_operands, s0=None, dp0=None,
+            softmax=None, early=None):
+  """``S = A B^T`` and ``dP`` (each a wgmma of its two shared-memory
+  operands) of one tile pair, in the accumulators ``pl.run_scoped`` gives:
+  ``(S, dP)`` (float32).  ``s0`` / ``dp0``: the accumulators' starting
+  values (``bwd_stats_in_acc``, :func:`_stats_init`), else zero.
+
+  ``softmax`` (``bwd_softmax_overlap``, FlashAttention-3's order,
+  hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp): wait for ``S``'s wgmma alone
+  and return ``softmax(S)`` instead of ``S``, computed while ``dP``'s
+  wgmma runs; ``early(p)`` (``bwd_early_dv``) then issues a wgmma of
+  ``P`` queued behind ``dP``'s before the wait for ``dP``.
+  """
+  if s0 is not None:
+    s_acc[...] = s0
+  plgpu.wgmma(s_acc, *s_operands)
+  if dp0 is not None:
+    dp_acc[...] = dp0
+  plgpu.wgmma(dp_acc, *dp_operands)
+  if softmax is None:
+    return s_acc[...], dp_acc[...]
+  p_th = softmax(plgpu.wgmma_accumulator_load(s_acc, wait_n=1))
+  if early is None:
+    return p_th, dp_acc[...]
+  early(p_th[0])
+  return p_th, plgpu.wgmma_accumulator_load(dp_acc, wait_n=1)
+
+
 def _segment_kwargs(q_seg_ref, kv_seg_ref, b, q_start, n_q, k_start, n_k,
                     q_axis: int):
   """Segment ids of the tile's queries and keys, broadcast to the tile."""
@@ -158,6 +185,29 @@ def _segment_kwargs(q_seg_ref, kv_seg_ref, b, q_start, n_q, k_start, n_k,
                      layout=layout(k_axis), optimized=False)
   return dict(q_seg=lax.broadcast_in_dim(q_seg, shape, [q_axis]),
               k_seg=lax.broadcast_in_dim(k_seg, shape, [k_axis]))
+
+
+def _tile_mask(masked: bool, mask, seg_refs, b, *, q_start, n_q, k_start,
+               n_k, q_axis: int, held=None):
+  """The element mask of one tile of a backward kernel (queries from
+  ``q_start`` along ``q_axis``, keys from ``k_start`` along the other), or
+  None where ``masked`` is False.  The index tiles are built here, in the
+  masked steps alone: one built before the loop stays live through it
+  (32 registers per thread in a 64 x 64 tile; the causal d128 dK/dV
+  kernel spilled 196 / 332 bytes with it, 128 / 184 without).  ``held``:
+  the held side's index tile, built before the loop (the paired kernels,
+  as measured on the H200; not re-timed without it).  The others are
+  row / column vectors (:func:`pipeline.index_tile`)."""
+  if not masked:
+    return None
+  shape = (n_q, n_k) if q_axis == 0 else (n_k, n_q)
+  idx = lambda start, axis: pipeline.index_tile(start, shape, axis)
+  q_idx = held if held is not None and q_axis == 0 else idx(q_start, q_axis)
+  k_idx = held if held is not None and q_axis == 1 else idx(k_start,
+                                                              1 - q_axis)
+  return mask.visible(q_idx, k_idx,
+                      **_segment_kwargs(*seg_refs, b, q_start, n_q, k_start,
+                                        n_k, q_axis=q_axis))
 
 
 def _split_inputs(refs, prob: Problem):
@@ -191,88 +241,37 @@ def _a_operand(value, a_smem, dtype):
 
 
 def _dk_and_atomic_dq(ds, ds_smem, dq_smem, q_t, dk_acc, k_smem, dq_dst, *,
-                      dtype, prob: Problem, halves: bool = False):
+                      dtype, prob: Problem):
   """``dK += dS^T Q`` and ``dQ[tile] += dS K`` (bwd_atomic_dq).
 
   ``ds`` is ``dS^T`` (key rows x query columns) in registers; staged in
   shared memory it is the A operand of both matmuls, transposed for dQ.
   The float32 ``dS K`` goes through ``dq_smem`` to a TMA reduce-add into
   ``dq_dst``; before ``dq_smem`` is rewritten, the previous tile's
-  reduction must have finished reading it.  ``halves``
-  (``bwd_dq_halves``): ``dS K`` one head_dim half at a time, so only a
-  half-width accumulator is live.
+  reduction must have finished reading it.
   """
   ds_smem[...] = ds.astype(dtype)
   plgpu.commit_smem()
   plgpu.wgmma(dk_acc, ds_smem, q_t)  # dK += dS^T Q
   rows = ds_smem.shape[1]
-  if halves:
-    half = prob.head_dim_padded // 2
 
-    def dq_half(cols, acc):
-      plgpu.wgmma(acc, ds_smem.T, k_smem.at[:, cols])  # dS K[:, cols]
-      return acc[...]
+  def dq_tile(acc):
+    plgpu.wgmma(acc, ds_smem.T, k_smem)  # dS K
+    return acc[...]
 
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    for c in range(2):
-      cols = pl.ds(c * half, half)
-      dq_smem.at[:, cols][...] = pl.run_scoped(
-          functools.partial(dq_half, cols),
-          plgpu.ACC((rows, half), jnp.float32))
-  else:
-    def dq_tile(acc):
-      plgpu.wgmma(acc, ds_smem.T, k_smem)  # dS K
-      return acc[...]
-
-    dq_t = pl.run_scoped(dq_tile, plgpu.ACC(
-        (rows, prob.head_dim_padded), jnp.float32))
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    dq_smem[...] = dq_t
+  dq_t = pl.run_scoped(dq_tile, plgpu.ACC(
+      (rows, prob.head_dim_padded), jnp.float32))
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  dq_smem[...] = dq_t
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(dq_smem, dq_dst, reduction_op="add")
 
 
-def _dk_and_shared_dq(ds, q_t, dk_acc, *, buf, wg, ds_smem2, ds_ready,
-                      k_smem2, dq_smem, dq_dst, dtype, prob: Problem):
-  """``dK += dS^T Q`` and this consumer's half of ``dQ[tile] += dS K``
-  (bwd_shared_dq, FlashAttention-3's layout).
-
-  Consumer ``wg`` writes its ``dS^T`` (zeros when ``ds`` is None: it
-  skips the tile, but its half of dQ still sums the other consumer's
-  keys) into ``ds_smem2[buf, wg]`` and arrives on ``ds_ready[buf]``;
-  once both arrived, it computes head_dim columns ``[wg * D/2, (wg + 1) *
-  D/2)`` of ``dS K`` over the keys of both consumers (``sum_j dS_j
-  K_j``) and reduce-adds them into ``dq_dst``.  The two ``buf`` buffers
-  alternate by ring step: a consumer rewrites ``ds_smem2[buf]`` two steps
-  later, after the other consumer arrived on the step in between, that
-  is after its matmuls of this step completed.
-  """
-  n, bk, bq = ds_smem2.shape[1:]
-  own = ds_smem2.at[buf, wg]
-  if ds is None:
-    ds = plgpu.layout_cast(jnp.full((bk, bq), 0, dtype), plgpu.Layout.WGMMA)
-  own[...] = ds.astype(dtype)
-  plgpu.commit_smem()
-  plgpu.barrier_arrive(ds_ready.at[buf])
-  if dk_acc is not None:
-    plgpu.wgmma(dk_acc, own, q_t)  # dK += dS^T Q
-  plgpu.barrier_wait(ds_ready.at[buf])
-  half = prob.head_dim_padded // 2
-  cols = pl.ds(wg * half, half)
-
-  def dq_tile(acc):
-    for j in range(n):  # dS K = sum over the consumers' key rows
-      plgpu.wgmma(acc, ds_smem2.at[buf, j].T, k_smem2.at[j, :, cols])
-    return acc[...]
-
-  dq_t = pl.run_scoped(dq_tile, plgpu.ACC((bq, half), jnp.float32))
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  dq_smem[...] = dq_t
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(dq_smem, dq_dst.at[:, cols], reduction_op="add")
-
-
 # -- dK / dV ------------------------------------------------------------------
+# FlashAttention-2's backward loop order (arXiv 2307.08691, Algorithm 2):
+# outer over key tiles, each held by a consumer with its dK and dV
+# accumulators, inner over the query tiles streamed past it
+# (FlashAttention-3: hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp).
 
 def vec_ring(stages: int, rows: int):
   """A float32 ring (log-sum-exp or delta) of ``rows`` per slot, in
@@ -294,8 +293,8 @@ def _query_tile_loader(srcs, rings, ready, *, b, kh, group_size, n_tiles,
 
   Step ``step`` walks query head ``g = step // n_tiles`` of key/value head
   ``kh``'s group and its query tile ``u_lo + step % n_tiles``: Q, dO, the
-  log-sum-exp and (where ``srcs`` gives one; it enters only dS) delta land
-  in ring slot ``slot`` and complete on ``ready[slot]``.
+  log-sum-exp and delta land in ring slot ``slot`` and complete on
+  ``ready[slot]``.
   """
   q_ref, do_ref, lse2_ref, delta_ref = srcs
   q_ring, do_ring, lse_ring, delta_ring = rings
@@ -311,42 +310,127 @@ def _query_tile_loader(srcs, rings, ready, *, b, kh, group_size, n_tiles,
                             ready.at[slot])
     plgpu.copy_gmem_to_smem(lse2_ref.at[b, h, rows],
                             vec_slot(lse_ring, slot, bq), ready.at[slot])
-    if delta_ref is not None:
-      plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows],
-                              vec_slot(delta_ring, slot, bq), ready.at[slot])
+    plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows],
+                            vec_slot(delta_ring, slot, bq), ready.at[slot])
 
   return load
 
 
+def _dkv_step(step, t, carry, *, masked: bool, g, dk_acc, dv_acc,
+              prob: Problem, cfg: MosaicConfig, dtype, ring, held, a_smem,
+              tile_mask, atomic):
+  """One step of the dK/dV loop: query tile ``t`` of query head ``g``
+  against the consumer's key tile, in transposed form (keys are the rows):
+
+      S^T = K Q^T,  P^T = exp2(S^T scale log2(e) - lse2),  dV += P^T dO,
+      dP^T = V dO^T,  dS^T = P^T (dP^T - delta),  dK += dS^T Q
+
+  (FlashAttention-2's inner loop, Algorithm 2 of arXiv 2307.08691; with
+  ``atomic = (ds_smem, dq_smem, dq_dst)`` also its ``dQ += dS K``, by TMA
+  reduce-add into ``dq_dst(t, g)``).  ``ring``: the query ring (Q, dO,
+  lse2, delta slots, ready barriers, free signals); ``held``: this
+  consumer's K and V; ``a_smem``: the staged A operand (``p_in_smem``);
+  ``tile_mask(masked, t)``: the tile's element mask.
+  """
+  q_ring, do_ring, lse_ring, delta_ring, ready, free = ring
+  k_smem, v_smem = held
+  bq, bk = cfg.dkv_block_q, cfg.bwd_block_kv
+  slot = lax.rem(step, cfg.bwd_stages)
+  plgpu.barrier_wait(ready.at[slot])
+  q_t, do_t = q_ring.at[slot], do_ring.at[slot]
+
+  # bwd_stats_in_acc: the accumulators start at -lse2 / (scale log2 e)
+  # and -delta (None: that statistic is subtracted below).
+  lse_t = vec_slot(lse_ring, slot, bq)
+  delta_t = vec_slot(delta_ring, slot, bq)
+  s0, dp0 = (_stats_init(prob, lse_t, delta_t, (bk, bq), row_axis=1)
+             if cfg.bwd_stats_in_acc else (None, None))
+  lse2_of = lambda: (None if s0 is not None
+                     else plgpu.load(lse_t, layout=COL))
+  delta_of = lambda: (None if dp0 is not None
+                      else plgpu.load(delta_t, layout=COL))
+  softmax = lambda s, lse2: _probs(s, lse2, tile_mask(masked, t), prob=prob,
+                                   row_axis=1)
+
+  def dv_update(p):  # dV += P^T dO
+    plgpu.wgmma(dv_acc, _a_operand(p, a_smem, dtype), do_t)
+
+  overlap = cfg.bwd_softmax_overlap
+  early_dv = cfg.bwd_early_dv and overlap
+  scores = functools.partial(
+      _scores, s_operands=(k_smem, q_t.T), dp_operands=(v_smem, do_t.T),
+      s0=s0, dp0=dp0,
+      softmax=(lambda s: softmax(s, lse2_of())) if overlap else None,
+      early=dv_update if early_dv else None)
+  acc = plgpu.ACC((bk, bq), jnp.float32)
+  if overlap:
+    # FlashAttention-3's order: P^T under dP^T's wgmma, dS^T under dV's.
+    (p, th), dp = pl.run_scoped(scores, acc, acc)
+    delta = delta_of()
+    ds = None
+  else:
+    s, dp = pl.run_scoped(scores, acc, acc)
+    lse2 = lse2_of()
+    delta = delta_of()
+    p, th = softmax(s, lse2)
+    ds = _dscores(p, th, dp, delta, row_axis=1)
+  if not early_dv:  # (with early_dv, issued under dP^T's wgmma)
+    dv_update(p)
+  if a_smem is not None:
+    plgpu.wgmma_wait(0)  # the staging buffer is reused for dS^T
+  if ds is None:  # (overlap) while dV's wgmma runs
+    ds = _dscores(p, th, dp, delta, row_axis=1)
+  if atomic is not None:  # (with p_in_smem, the wait above freed P's buffer)
+    ds_smem, dq_smem, dq_dst = atomic
+    _dk_and_atomic_dq(ds, ds_smem, dq_smem, q_t, dk_acc, k_smem,
+                      dq_dst(t, g), dtype=dtype, prob=prob)
+  else:  # dK += dS^T Q
+    plgpu.wgmma(dk_acc, _a_operand(ds, a_smem, dtype), q_t)
+  plgpu.wgmma_wait(0)
+  free.arrive(slot)
+  return carry
+
+
+def _dkv_loop(step, *, u_lo, u_hi, own, group_size, n_tiles, skip,
+              acc_shape, element_mask_everywhere: bool):
+  """The dK/dV loop over every query head ``g`` of the key/value head's
+  group and its query tiles ``[u_lo, u_hi)`` (the ring's steps ``g *
+  n_tiles + t - u_lo``; ``own``: this consumer's tiles, the others
+  ``skip``ped), ``step`` (:func:`_dkv_step`) on each: ``(dK, dV)``
+  accumulated in float32 registers of ``acc_shape``."""
+  def accumulate(dk_acc, dv_acc):
+    @pl.loop(0, group_size)
+    def _(g):
+      pipeline.tile_loop(
+          u_lo, u_hi, own, first_step=g * n_tiles,
+          compute=functools.partial(step, g=g, dk_acc=dk_acc, dv_acc=dv_acc),
+          skip=skip, element_mask_everywhere=element_mask_everywhere)
+    return dk_acc[...], dv_acc[...]
+
+  acc = plgpu.ACC(acc_shape, jnp.float32)
+  return pl.run_scoped(accumulate, acc, acc)
+
+
 def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
-                parts: tuple[str, ...], atomic_dq: bool):
+                atomic_dq: bool):
+  """The dK/dV kernel (FlashAttention-2's backward with its outer loop over
+  key tiles, as FlashAttention-3's dK/dV mainloop): program (key/value
+  head, key group, batch); consumer ``wg`` holds key tile ``wg`` of the
+  group (K and V) and runs :func:`_dkv_loop`, the producer streams the
+  query tiles any consumer needs, of every query head of the group."""
   ((q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref),
    (qseg_ref, kvseg_ref, range_ref), refs) = _split_inputs(refs, prob)
   dq_acc_ref = refs.pop(0) if atomic_dq else None  # float32, zeroed
-  out_refs = dict(zip(parts, refs[:len(parts)]))
-  (k_smem2, v_smem2, q_ring, do_ring, lse_ring, delta_ring, kv_ready, ready,
-   free, *extra) = refs[len(parts):]
-  want_dk, want_dv = "dk" in parts, "dv" in parts
-  free = pipeline.ring_free(free, cfg.bwd_named_barriers,
-                            cfg.bwd_compute_wgs)
+  (dk_ref, dv_ref, k_smem2, v_smem2, q_ring, do_ring, lse_ring, delta_ring,
+   kv_ready, ready, free, *extra) = refs
+  free = pipeline.MBarriers(free)
   a_smem2 = extra.pop(0) if cfg.p_in_smem else None
-  shared_dq = atomic_dq and cfg.bwd_shared_dq
-  overlap = cfg.bwd_softmax_overlap
-  stats_in_acc = cfg.bwd_stats_in_acc
-  stats_first = cfg.bwd_stats_first
-  # bwd_early_dv: in the overlapped order, dV's wgmma issued before the
-  # wait for dP^T (the kernels with both dK and dV).
-  early_dv = cfg.bwd_early_dv and overlap and want_dk and want_dv
-  # bwd_dkv_late_release: each step's last wgmma left in flight, its slot
-  # released in the next step (compute's ``release``) or after the loop.
-  late = cfg.bwd_dkv_late_release
-  if shared_dq:
-    ds_smem2, dq_smem2, ds_ready = extra
-  elif atomic_dq:
+  if atomic_dq:  # dS^T staged (in P's buffer with p_in_smem), dS K
     ds_smem2 = a_smem2 if a_smem2 is not None else extra.pop(0)
     dq_smem2 = extra.pop(0)
-  bq, bk, stages = cfg.dkv_block_q, cfg.bwd_block_kv, cfg.bwd_stages
-  group_rows = cfg.bwd_compute_wgs * bk
+  n, stages = cfg.bwd_compute_wgs, cfg.bwd_stages
+  bq, bk = cfg.dkv_block_q, cfg.bwd_block_kv
+  group_rows = n * bk
   group_size = prob.num_heads // prob.num_kv_heads
   b = lax.axis_index("batch")
   kh = lax.axis_index("heads")  # the key/value head
@@ -360,195 +444,64 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
   n_tiles = u_hi - u_lo
   n_steps = group_size * n_tiles  # every query head of the group
 
-  @pl.when(wg < cfg.bwd_compute_wgs)
+  @pl.when(wg < n)
   def _consumer():
-    pipeline.split_registers(False, cfg.bwd_compute_wgs,
-                             cfg.bwd_consumer_registers)
+    pipeline.split_registers(False, n, cfg.bwd_consumer_registers)
     k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
     a_smem = None if a_smem2 is None else a_smem2.at[wg]
-    if atomic_dq and not shared_dq:
-      ds_smem = ds_smem2.at[wg]
     if atomic_dq:
-      dq_smem = dq_smem2.at[wg]
+      ds_smem, dq_smem = ds_smem2.at[wg], dq_smem2.at[wg]
     k_start = group_start + wg * bk
     rows = (b, pl.ds(k_start, bk), kh)
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[wg])
-    if want_dk:  # V enters only through dP^T = V dO^T
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg])
     plgpu.barrier_wait(kv_ready.at[wg])
 
-    def compute(step, t, carry, *, masked: bool, accs, g, release=None):
-      slot = lax.rem(step, stages)
-      plgpu.barrier_wait(ready.at[slot])
-      q_t, do_t = q_ring.at[slot], do_ring.at[slot]
-
-      tile_mask = lambda: _tile_mask(
-          masked, mask, (qseg_ref, kvseg_ref), b, q_start=t * bq, n_q=bq,
-          k_start=k_start, n_k=bk, q_axis=1)
-
-      # bwd_stats_in_acc: the accumulators start at -lse2 / (scale log2 e)
-      # and -delta (None: that statistic is subtracted below).
-      lse_t = vec_slot(lse_ring, slot, bq)
-      delta_t = vec_slot(delta_ring, slot, bq)
-      fold_delta = want_dk and not cfg.bwd_delta_in_regs
-      s0, dp0 = (_stats_init(prob, lse_t, delta_t if fold_delta else None,
-                             (bk, bq), row_axis=1)
-                 if stats_in_acc else (None, None))
-      lse2_of = lambda: (None if s0 is not None
-                         else plgpu.load(lse_t, layout=COL))
-      delta_of = lambda: (None if dp0 is not None
-                          else plgpu.load(delta_t, layout=COL))
-
-      def release_previous(in_flight: int):
-        """bwd_dkv_late_release (``release``): the last step's dV and dK
-        wgmmas, queued before this step's ``in_flight``, have read its Q
-        and dO."""
-        if release is not None:
-          release(step, t, in_flight)
-
-      def sdp(s_acc, dp_acc=None):
-        # (dp0 is None where there is no dP^T.)  bwd_stats_first: both
-        # starting values stored before the first wgmma.  Stored between
-        # the two, ptxas waited for S^T's wgmma before issuing dP^T's (ncu
-        # SASS, d128, 2026-12-02).
-        if s0 is not None:
-          s_acc[...] = s0
-        if dp0 is not None and stats_first:
-          dp_acc[...] = dp0
-        plgpu.wgmma(s_acc, k_smem, q_t.T)     # S^T = K Q^T
-        if dp_acc is None:
-          release_previous(1)
-          return s_acc[...], None
-        if dp0 is not None and not stats_first:
-          dp_acc[...] = dp0
-        plgpu.wgmma(dp_acc, v_smem, do_t.T)   # dP^T = V dO^T
-        release_previous(2)
-        if overlap:  # P^T while dP^T's wgmma runs (S^T's alone waited for)
-          s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
-          p, th = _probs(s, lse2_of(), tile_mask(), prob=prob, row_axis=1)
-          if early_dv:  # dV += P^T dO queued behind dP^T; wait for dP^T
-            plgpu.wgmma(accs["dv"], _a_operand(p, a_smem, dtype), do_t)
-            return (p, th), plgpu.wgmma_accumulator_load(dp_acc, wait_n=1)
-          return (p, th), dp_acc[...]
-        return s_acc[...], dp_acc[...]
-
-      acc = plgpu.ACC((bk, bq), jnp.float32)
-      if overlap and want_dk:
-        # FlashAttention-3's order: P^T under dP^T's wgmma (above), dS^T
-        # under dV's (below).
-        (p, th), dp = pl.run_scoped(sdp, acc, acc)
-        delta = delta_of()
-        ds = None
-      else:
-        s, dp = pl.run_scoped(sdp, *(acc,) * (1 + want_dk))
-        lse2 = lse2_of()
-        delta = delta_of() if want_dk else None
-        p, th = _probs(s, lse2, tile_mask(), prob=prob, row_axis=1)
-        ds = None if dp is None else _dscores(p, th, dp, delta, row_axis=1)
-      if want_dv:  # dV += P^T dO (with early_dv, issued above)
-        if not early_dv:
-          plgpu.wgmma(accs["dv"], _a_operand(p, a_smem, dtype), do_t)
-        if a_smem is not None and want_dk:
-          plgpu.wgmma_wait(0)  # the staging buffer is reused for dS^T
-      if ds is None and want_dk:  # (overlap) while dV's wgmma runs
-        ds = _dscores(p, th, dp, delta, row_axis=1)
-      if shared_dq:
-        _dk_and_shared_dq(ds, q_t, accs["dk"], **shared_kw(step, t, g))
-      elif atomic_dq:  # (with p_in_smem, the wait above freed P's buffer)
-        _dk_and_atomic_dq(ds, ds_smem, dq_smem, q_t, accs["dk"], k_smem,
-                          dq_dst(t, g), dtype=dtype, prob=prob,
-                          halves=cfg.bwd_dq_halves)
-      elif want_dk:  # dK += dS^T Q
-        plgpu.wgmma(accs["dk"], _a_operand(ds, a_smem, dtype), q_t)
-      if not late:
-        plgpu.wgmma_wait(0)
-        free.arrive(slot)
-      return carry
+    def tile_mask(masked, t):
+      return _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
+                        q_start=t * bq, n_q=bq, k_start=k_start, n_k=bk,
+                        q_axis=1)
 
     def dq_dst(t, g):  # the query tile's rows of dQ (float32, padded)
       return dq_acc_ref.at[b, pl.ds(t * bq, bq), kh * group_size + g]
 
-    def shared_kw(step, t, g):
-      return dict(buf=lax.rem(step, 2), wg=wg, ds_smem2=ds_smem2,
-                  ds_ready=ds_ready, k_smem2=k_smem2, dq_smem=dq_smem,
-                  dq_dst=dq_dst(t, g), dtype=dtype, prob=prob)
-
-    acknowledge = pipeline.acknowledge(ready, free, stages)
-
-    def skip(step, carry, *, g):
-      if shared_dq:  # the other consumer's keys still need this dQ half
-        t = u_lo + step - g * n_tiles
-        _dk_and_shared_dq(None, None, None, **shared_kw(step, t, g))
-      return acknowledge(step, carry)
-
-    own = mask.q_block_range(k_start, bk, bq)
-    everywhere = range_ref is not None
-    if late:  # the first and last computed query tiles (per query head)
-      lo, _, _, hi = pipeline.computed_tiles(u_lo, u_hi, own, everywhere)
-
-    def accumulate(*acc_refs):
-      accs = dict(zip(parts, acc_refs))
-
-      @pl.loop(0, group_size)
-      def _(g):
-        # bwd_dkv_late_release: query head g's steps start at g * n_tiles.
-        previous, last = (pipeline.late_release(
-            free, lo=lo, hi=hi, u_lo=u_lo, first_step=g * n_tiles,
-            stages=stages) if late else (None, None))
-        pipeline.tile_loop(
-            u_lo, u_hi, own, first_step=g * n_tiles,
-            compute=functools.partial(compute, accs=accs, g=g,
-                                      release=previous),
-            skip=functools.partial(skip, g=g),
-            element_mask_everywhere=everywhere, finish=last)
-      return tuple(a[...] for a in acc_refs)
-
-    acc = plgpu.ACC((bk, prob.head_dim_padded), jnp.float32)
-    grads = dict(zip(parts, pl.run_scoped(accumulate, *(acc,) * len(parts))))
-    if shared_dq:
-      # The other consumer's last dQ matmul reads this consumer's K: one
-      # more round of ds_ready (the next buffer in the alternation), which
-      # each consumer reaches only after its own matmuls completed, before
-      # K's buffer is overwritten below.
-      last = ds_ready.at[lax.rem(n_steps, 2)]
-      plgpu.barrier_arrive(last)
-      plgpu.barrier_wait(last)
+    step = functools.partial(
+        _dkv_step, prob=prob, cfg=cfg, dtype=dtype,
+        ring=(q_ring, do_ring, lse_ring, delta_ring, ready, free),
+        held=(k_smem, v_smem), a_smem=a_smem, tile_mask=tile_mask,
+        atomic=(ds_smem, dq_smem, dq_dst) if atomic_dq else None)
+    dk, dv = _dkv_loop(
+        step, u_lo=u_lo, u_hi=u_hi, own=mask.q_block_range(k_start, bk, bq),
+        group_size=group_size, n_tiles=n_tiles,
+        skip=pipeline.acknowledge(ready, free, stages),
+        acc_shape=(bk, prob.head_dim_padded),
+        element_mask_everywhere=range_ref is not None)
     # K's and V's buffers are free now: stage the results there.
-    staging = dict(dk=k_smem, dv=v_smem)
-    if "dk" in grads:
-      # dS is w.r.t. the scaled logits: d(scale * q.k)/dk = scale * q.
-      k_smem[...] = (grads["dk"] * prob.softmax_scale).astype(dtype)
-    if "dv" in grads:
-      v_smem[...] = grads["dv"].astype(dtype)
+    # dS is w.r.t. the scaled logits: d(scale * q.k)/dk = scale * q.
+    k_smem[...] = (dk * prob.softmax_scale).astype(dtype)
+    v_smem[...] = dv.astype(dtype)
     plgpu.commit_smem()
-    for part in parts:
-      plgpu.copy_smem_to_gmem(staging[part], out_refs[part].at[rows])
+    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows])
+    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows])
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == cfg.bwd_compute_wgs)
+  @pl.when(wg == n)
   def _producer():
-    pipeline.split_registers(True, cfg.bwd_compute_wgs,
-                             cfg.bwd_consumer_registers)
-
+    pipeline.split_registers(True, n, cfg.bwd_consumer_registers)
     load = _query_tile_loader(
-        (q_ref, do_ref, lse2_ref, delta_ref if want_dk else None),
+        (q_ref, do_ref, lse2_ref, delta_ref),
         (q_ring, do_ring, lse_ring, delta_ring), ready, b=b, kh=kh,
         group_size=group_size, n_tiles=n_tiles, u_lo=u_lo, bq=bq)
     pipeline.produce(n_steps, stages, load, [free])
 
 
 def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
-        cfg: MosaicConfig, parts=("dk", "dv"), dq_acc=None, interpret=None):
-  """``parts`` of ``(dk, dv)``, padded like ``k``; q/do ``[B, Tp, H, Dp]``,
+        cfg: MosaicConfig, dq_acc=None, interpret=None):
+  """``(dk, dv)``, padded like ``k``; q/do ``[B, Tp, H, Dp]``,
   lse2/delta ``[B, H, Tp]`` float32, ``segments = (q_seg, kv_seg,
-  kv_group_range)``.  ``parts=("dv",)`` and ``("dk",)`` split the work
-  into two passes, each holding one float32 accumulator (head_dim > 128,
-  where two do not fit in a warpgroup's registers).  ``dq_acc``: a
-  zeroed float32 ref shaped like ``q``, into which the kernel
-  adds ``dS K`` (unscaled; ``bwd_atomic_dq``)."""
+  kv_group_range)``.  ``dq_acc``: a zeroed float32 ref shaped like ``q``,
+  into which the kernel adds ``dS K`` (unscaled; ``bwd_atomic_dq``)."""
   atomic_dq = dq_acc is not None
-  if atomic_dq and tuple(parts) != ("dk", "dv"):
-    raise ValueError(f"dq_acc needs parts=('dk', 'dv'), got {parts}")
   dtype = q.dtype
   dp = prob.head_dim_padded
   bq, bk, n = cfg.dkv_block_q, cfg.bwd_block_kv, cfg.bwd_compute_wgs
@@ -565,28 +518,19 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
       plgpu.SMEM((cfg.bwd_stages, bq, dp), dtype, **over_q),  # dO ring
       vec_ring(cfg.bwd_stages, bq),                          # lse2 ring
       vec_ring(cfg.bwd_stages, bq),                          # delta ring
-      plgpu.Barrier(num_arrivals=1 + ("dk" in parts),
-                    num_barriers=n),                         # K (, V) loaded
-      plgpu.Barrier(num_arrivals=3 + ("dk" in parts),
+      plgpu.Barrier(num_arrivals=2, num_barriers=n),         # K, V loaded
+      plgpu.Barrier(num_arrivals=4,
                     num_barriers=cfg.bwd_stages),            # slot full
       plgpu.Barrier(num_arrivals=n, num_barriers=cfg.bwd_stages),  # slot free
   ]
-  shared_dq = atomic_dq and cfg.bwd_shared_dq
-  why = split_dq_problem(cfg, dp)  # (two consumers: MosaicConfig checks)
-  if why:
-    raise NotImplementedError(why)
-  if cfg.p_in_smem or (atomic_dq and not shared_dq):  # P (and dS^T) staged
+  if cfg.p_in_smem or atomic_dq:  # P (and dS^T) staged
     scratch.append(plgpu.SMEM((n, bk, bq), dtype, **over_q))
-  if shared_dq:  # both consumers' dS^T, double-buffered; half-width dQ
-    scratch += [plgpu.SMEM((2, n, bk, bq), dtype, **over_q),
-                plgpu.SMEM((n, bq, dp // 2), jnp.float32, **TILED_F32),
-                plgpu.Barrier(num_arrivals=n, num_barriers=2)]
-  elif atomic_dq:  # one float32 dS K tile per consumer
+  if atomic_dq:  # one float32 dS K tile per consumer
     scratch.append(plgpu.SMEM((n, bq, dp), jnp.float32, **TILED_F32))
-  out_type = [out_struct(k.shape, dtype, q, k, v) for _ in parts]
+  out_type = [out_struct(k.shape, dtype, q, k, v) for _ in range(2)]
   return pipeline.launch(
       functools.partial(_dkv_kernel, prob=prob, cfg=cfg, dtype=dtype,
-                        parts=tuple(parts), atomic_dq=atomic_dq),
+                        atomic_dq=atomic_dq),
       out_type=out_type, scratch=scratch,
       grid=(prob.num_kv_heads, prob.kv_pad // (n * bk), prob.batch),
       grid_names=("heads", "kv_seq", "batch"), consumers=n,
@@ -628,12 +572,12 @@ def _paired_dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   Q^T``; consumer 1 holds V and accumulates ``dK += dS^T Q`` from ``dP^T =
   V dO^T``.  Consumer 0 hands ``P^T`` (times ``1 - th^2`` with a soft cap)
   to consumer 1 in shared memory, one buffer per ring slot, so consumer 1
-  never recomputes ``S^T``: 4 matmuls per tile pair (``bwd_split_dkv``'s
-  two passes run 5), two accumulators in two warpgroups' registers, and
-  the two consumers' matmuls and elementwise work interleave on the
-  tensor cores.  The hand-over is rounded to the input dtype, as both
-  ``P`` and ``dS`` already are for their second matmuls; it lands in
-  ``dS`` with the same relative error as that rounding.
+  never recomputes ``S^T``: 4 matmuls per tile pair, two accumulators in
+  two warpgroups' registers, and the two consumers' matmuls and
+  elementwise work interleave on the tensor cores.  The hand-over is
+  rounded to the input dtype, as both ``P`` and ``dS`` already are for
+  their second matmuls; it lands in ``dS`` with the same relative error
+  as that rounding.
 
   A hand-over buffer is rewritten ``bwd_stages`` steps later; by then
   consumer 1 has read it, since consumer 0 starts that step only once the
@@ -646,7 +590,7 @@ def _paired_dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
    kv_ready, ready, free, hand, hand_ready, *extra) = refs
   # p_in_smem: each consumer's A operand staged (P^T under a soft cap, dS^T).
   a_smem2 = extra[0] if cfg.p_in_smem else None
-  free = pipeline.ring_free(free, cfg.bwd_named_barriers, 2)
+  free = pipeline.MBarriers(free)
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
   group_size = prob.num_heads // prob.num_kv_heads
   b = lax.axis_index("batch")
@@ -800,29 +744,6 @@ def _query_group(prob: Problem, range_ref, group_rows: int, bk: int):
   return b, h, wg, start, streamed, tiles
 
 
-def _tile_mask(masked: bool, mask, seg_refs, b, *, q_start, n_q, k_start,
-               n_k, q_axis: int, held=None):
-  """The element mask of one tile of a backward kernel (queries from
-  ``q_start`` along ``q_axis``, keys from ``k_start`` along the other), or
-  None where ``masked`` is False.  The index tiles are built here, in the
-  masked steps alone: one built before the loop stays live through it
-  (32 registers per thread in a 64 x 64 tile; the causal d128 dK/dV
-  kernel spilled 196 / 332 bytes with it, 128 / 184 without).  ``held``:
-  the held side's index tile, built before the loop (the paired kernels,
-  as measured on the H200; not re-timed without it).  The others are
-  row / column vectors (:func:`pipeline.index_tile`)."""
-  if not masked:
-    return None
-  shape = (n_q, n_k) if q_axis == 0 else (n_k, n_q)
-  idx = lambda start, axis: pipeline.index_tile(start, shape, axis)
-  q_idx = held if held is not None and q_axis == 0 else idx(q_start, q_axis)
-  k_idx = held if held is not None and q_axis == 1 else idx(k_start,
-                                                              1 - q_axis)
-  return mask.visible(q_idx, k_idx,
-                      **_segment_kwargs(*seg_refs, b, q_start, n_q, k_start,
-                                        n_k, q_axis=q_axis))
-
-
 def _key_tile_loader(srcs, rings, ready, *, b, h, prob: Problem, u_lo, bk):
   """The producer's ``load(step, slot)`` of both dQ kernels: K and V of
   key tile ``u_lo + step`` of query head ``h``'s key/value head land in
@@ -838,25 +759,66 @@ def _key_tile_loader(srcs, rings, ready, *, b, h, prob: Problem, u_lo, bk):
   return load
 
 
+def _dq_step(step, t, carry, *, masked: bool, dq_acc, prob: Problem,
+             cfg: MosaicConfig, dtype, ring, held, vecs, a_smem, tile_mask):
+  """One step of the dQ loop: key tile ``t`` against the consumer's query
+  tile,
+
+      S = Q K^T,  P = exp2(S scale log2(e) - lse2),  dP = dO V^T,
+      dS = P (dP - delta),  dQ += dS K
+
+  (FlashAttention-2's Algorithm 2, arXiv 2307.08691, with the loops
+  exchanged: the key tiles stream past the held query tile, so dQ needs
+  no atomics).  ``ring``: the K/V ring (K, V slots, ready barriers, free
+  signals); ``held``: this consumer's Q and dO; ``vecs``: its rows' lse2
+  and delta (registers); ``a_smem``: the staged A operand
+  (``p_in_smem``); ``tile_mask(masked, t)``: the tile's element mask.
+  """
+  k_ring, v_ring, ready, free = ring
+  q_smem, do_smem = held
+  lse2, delta = vecs
+  slot = lax.rem(step, cfg.bwd_stages)
+  plgpu.barrier_wait(ready.at[slot])
+  k_t, v_t = k_ring.at[slot], v_ring.at[slot]
+  softmax = lambda s: _probs(s, lse2, tile_mask(masked, t), prob=prob,
+                             row_axis=0)
+  overlap = cfg.bwd_softmax_overlap
+  scores = functools.partial(
+      _scores, s_operands=(q_smem, k_t.T), dp_operands=(do_smem, v_t.T),
+      softmax=softmax if overlap else None)
+  acc = plgpu.ACC((cfg.bwd_block_q, cfg.bwd_block_kv), jnp.float32)
+  if overlap:  # P under dP's wgmma (FlashAttention-3's order)
+    (p, th), dp = pl.run_scoped(scores, acc, acc)
+  else:
+    s, dp = pl.run_scoped(scores, acc, acc)
+    p, th = softmax(s)
+  ds = _dscores(p, th, dp, delta, row_axis=0)
+  plgpu.wgmma(dq_acc, _a_operand(ds, a_smem, dtype), k_t)  # dQ += dS K
+  plgpu.wgmma_wait(0)
+  free.arrive(slot)
+  return carry
+
+
 def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
+  """The dQ kernel: program (query head, query group, batch); consumer
+  ``wg`` holds query tile ``wg`` of the group (Q, dO and their rows' lse2
+  and delta) and accumulates dQ over the key tiles (:func:`_dq_step`),
+  which the producer streams."""
   ((q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref),
    (qseg_ref, kvseg_ref, range_ref), refs) = _split_inputs(refs, prob)
   (dq_ref, q_smem2, do_smem2, k_ring, v_ring, qdo_ready, ready, free,
    *extra) = refs
   a_smem2 = extra[0] if cfg.p_in_smem else None
-  bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
-  group_rows = cfg.bwd_compute_wgs * bq
-  overlap = cfg.bwd_softmax_overlap
-  free = pipeline.ring_free(free, cfg.bwd_named_barriers,
-                            cfg.bwd_compute_wgs)
+  n, stages = cfg.bwd_compute_wgs, cfg.bwd_stages
+  bq, bk = cfg.bwd_block_q, cfg.bwd_block_kv
+  free = pipeline.MBarriers(free)
   mask = prob.mask
   b, h, wg, group_start, (u_lo, u_hi), _ = _query_group(
-      prob, range_ref, group_rows, bk)
+      prob, range_ref, n * bq, bk)
 
-  @pl.when(wg < cfg.bwd_compute_wgs)
+  @pl.when(wg < n)
   def _consumer():
-    pipeline.split_registers(False, cfg.bwd_compute_wgs,
-                             cfg.bwd_consumer_registers)
+    pipeline.split_registers(False, n, cfg.bwd_consumer_registers)
     q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
     a_smem = None if a_smem2 is None else a_smem2.at[wg]
     q_start = group_start + wg * bq
@@ -869,71 +831,36 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
                        optimized=False)
     plgpu.barrier_wait(qdo_ready.at[wg])
 
-    def compute(step, t, carry, *, masked: bool, dq_acc):
-      slot = lax.rem(step, stages)
-      plgpu.barrier_wait(ready.at[slot])
-      k_t, v_t = k_ring.at[slot], v_ring.at[slot]
+    def tile_mask(masked, t):
+      return _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
+                        q_start=q_start, n_q=bq, k_start=t * bk, n_k=bk,
+                        q_axis=0)
 
-      def probs(s):
-        visible = _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
-                             q_start=q_start, n_q=bq, k_start=t * bk,
-                             n_k=bk, q_axis=0)
-        return _probs(s, lse2, visible, prob=prob, row_axis=0)
-
-      def sdp(s_acc, dp_acc):
-        plgpu.wgmma(s_acc, q_smem, k_t.T)     # S = Q K^T
-        plgpu.wgmma(dp_acc, do_smem, v_t.T)   # dP = dO V^T
-        if late:
-          # At most these two in flight: the previous step's dS K (queued
-          # before them) has read its K, so release that slot now.
-          release_previous(step, t, 2)
-        if overlap:  # P while dP's wgmma runs (S's alone waited for)
-          p_th = probs(plgpu.wgmma_accumulator_load(s_acc, wait_n=1))
-          return p_th, dp_acc[...]
-        return s_acc[...], dp_acc[...]
-
-      acc = plgpu.ACC((bq, bk), jnp.float32)
-      if overlap:
-        (p, th), dp = pl.run_scoped(sdp, acc, acc)
-      else:
-        s, dp = pl.run_scoped(sdp, acc, acc)
-        p, th = probs(s)
-      ds = _dscores(p, th, dp, delta, row_axis=0)
-      plgpu.wgmma(dq_acc, _a_operand(ds, a_smem, dtype), k_t)  # dQ += dS K
-      if not late:
-        plgpu.wgmma_wait(0)
-        free.arrive(slot)
-      return carry
-
-    skip = pipeline.acknowledge(ready, free, stages)
-
+    step = functools.partial(
+        _dq_step, prob=prob, cfg=cfg, dtype=dtype,
+        ring=(k_ring, v_ring, ready, free), held=(q_smem, do_smem),
+        vecs=(lse2, delta), a_smem=a_smem, tile_mask=tile_mask)
     own = mask.kv_block_range(q_start, bq, bk)
-    everywhere = range_ref is not None
-    late = cfg.bwd_dq_late_release
-    if late:  # the first and last computed tiles
-      lo, _, _, hi = pipeline.computed_tiles(u_lo, u_hi, own, everywhere)
-      release_previous, release_last = pipeline.late_release(
-          free, lo=lo, hi=hi, u_lo=u_lo, first_step=0, stages=stages)
 
-    def accumulate(dq_acc):
+    def accumulate(dq_acc):  # the dQ loop over the streamed key tiles
       pipeline.tile_loop(
           u_lo, u_hi, own, first_step=0,
-          compute=functools.partial(compute, dq_acc=dq_acc), skip=skip,
-          element_mask_everywhere=everywhere,
-          finish=release_last if late else None)
+          compute=functools.partial(step, dq_acc=dq_acc),
+          skip=pipeline.acknowledge(ready, free, stages),
+          element_mask_everywhere=range_ref is not None)
       return dq_acc[...]
 
     dq = pl.run_scoped(accumulate,
                        plgpu.ACC((bq, prob.head_dim_padded), jnp.float32))
+    # dS is w.r.t. the scaled logits: d(scale * q.k)/dq = scale * k.
     q_smem[...] = (dq * prob.softmax_scale).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == cfg.bwd_compute_wgs)
+  @pl.when(wg == n)
   def _producer():
-    pipeline.split_registers(True, cfg.bwd_compute_wgs,
-                             cfg.bwd_consumer_registers)
+    pipeline.split_registers(True, n, cfg.bwd_consumer_registers)
     load = _key_tile_loader((k_ref, v_ref), (k_ring, v_ring), ready, b=b,
                             h=h, prob=prob, u_lo=u_lo, bk=bk)
     pipeline.produce(u_hi - u_lo, stages, load, [free])
@@ -991,7 +918,7 @@ def _paired_dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   (dq_ref, q_smem, do_smem, k_ring, v_ring, qdo_ready, ready, free, hand,
    hand_ready, *extra) = refs
   a_smem = extra[0] if cfg.p_in_smem else None  # dS staged (consumer 1)
-  free = pipeline.ring_free(free, cfg.bwd_named_barriers, 2)
+  free = pipeline.MBarriers(free)
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
   mask = prob.mask
   b, h, wg, q_start, (u_lo, u_hi), own = _query_group(prob, range_ref, bq,

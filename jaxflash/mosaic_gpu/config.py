@@ -12,8 +12,7 @@ import os
 
 # Hardware named barriers free for the kernels: ids 4..15 (Mosaic GPU's own
 # below them: pipeline.FIRST_NAMED_BARRIER).  The forward takes two for the
-# ping-pong schedule and one per stage for each of the K and V rings; the
-# backward one per stage.
+# ping-pong schedule and one per stage for each of the K and V rings.
 FREE_NAMED_BARRIERS = 12
 MAX_NAMED_STAGES = (FREE_NAMED_BARRIERS - 2) // 2
 
@@ -32,26 +31,10 @@ _EXCLUSIVE_OPTIONS = (
      "has its own step order (the next K is waited for in the turn)"),
     ("early_k_wait", "intra_wg_overlap",
      "is not written for intra_wg_overlap's loop (its own barrier order)"),
-    ("bwd_delta_in_regs", "bwd_stats_first",
-     "leaves no dP^T starting value to store first"),
-    ("bwd_atomic_dq", "bwd_split_dkv",
-     "needs dK and dV in one pass of the dK/dV kernel (it reuses that"
-     " pass's dS)"),
-    ("bwd_paired_dkv", "bwd_split_dkv",
-     "is another way to hold one accumulator per warpgroup"),
     ("bwd_paired_dkv", "bwd_atomic_dq",
      "has no dQ in its dK/dV kernel (the dQ kernel runs)"),
-    ("bwd_dq_late_release", "bwd_atomic_dq",
-     "changes the dQ kernel, which bwd_atomic_dq=True does not run"),
     ("bwd_paired_dq", "bwd_atomic_dq",
      "is a dQ kernel, which bwd_atomic_dq=True does not run"),
-    ("bwd_paired_dq", "bwd_dq_late_release",
-     "has its own dQ loop (bwd_dq_late_release changes the other one)"),
-    ("bwd_dkv_late_release", "bwd_atomic_dq",
-     "leaves dK's wgmma in flight, where bwd_atomic_dq's dS K follows it"),
-    ("bwd_dkv_late_release", "bwd_paired_dkv",
-     "changes the two-accumulator dK/dV kernel, which"
-     " bwd_paired_dkv=True does not run"),
 )
 
 
@@ -577,215 +560,38 @@ class MosaicConfig:
       default at head_dim 64: forward +1.6/+4.5/+7.4% non-causal at
       16384/8192/4096 tokens, +3.3% causal at 16384 (one run,
       docs/benchmarks/h200-2026-12-03-s19.md).
-    bwd_block_q, bwd_block_kv: tiles of the backward kernels (multiples of
-      64).  The dK/dV kernel gives each consumer warpgroup ``bwd_block_kv``
-      key rows and streams ``bwd_block_q`` query rows (``bwd_dkv_block_q``
-      where set); the dQ kernel gives
-      each ``bwd_block_q`` query rows and streams ``bwd_block_kv`` keys.
-      ``p_in_smem`` applies to them too (``P`` and ``dS`` are the
-      register operands there).
-    bwd_dkv_block_q: the query rows per step of the dK/dV kernel (None:
-      ``bwd_block_q``), a multiple of 16 from 64 to 256 (of 64 with
-      ``bwd_atomic_dq``, whose ``dS K`` takes them as wgmma's M):
-      FlashAttention-3's 80 at head_dim 128 without a causal mask
-      (hopper/tile_size.h).  The query rows are that kernel's wgmma N
-      (``S^T = K Q^T``) and the contraction of ``dV += P^T dO`` and
-      ``dK += dS^T Q``, so any multiple of 16 serves; a width that is
-      not a multiple of 64 puts the Q and dO rings in the widest swizzle
-      that divides it (``pipeline.tiled_over``, as the forward's V).
-      The dQ kernel keeps ``bwd_block_q`` (its query rows are wgmma's
-      M).  The last step may run past the padded queries: the TMA copies
-      zero-fill Q, dO, the log-sum-exp and delta there (rows with ``dO =
-      0`` and ``Q = 0`` add nothing), the segment ids are padded to whole
-      steps, and the interpreter, whose slices clamp, pads the queries
-      to a multiple of both tiles.  Not with ``bwd_paired_dkv`` (not
-      written).
-    bwd_stages: depth of the backward kernels' shared-memory rings.
+    bwd_block_q, bwd_block_kv: the backward's query and key tiles
+      (multiples of 64): the dQ kernel holds ``bwd_block_q`` query rows per
+      consumer and streams ``bwd_block_kv`` keys, the dK/dV kernel the converse.
+    bwd_dkv_block_q: query rows per step of the dK/dV kernel (None:
+      ``bwd_block_q``): a multiple of 16 from 64 to 256 (of 64 with
+      ``bwd_atomic_dq``); not with ``bwd_paired_dkv``.
+    bwd_stages: depth of the backward kernels' shared-memory rings (>= 2).
     bwd_compute_wgs: consumer warpgroups of the backward kernels (1 or 2).
-    bwd_split_dkv: compute dV and dK in two passes of the dK/dV kernel,
-      each holding one float32 accumulator instead of two (one more
-      ``K Q^T`` per tile pair, and Q/dO/LSE streamed twice).  The Hopper
-      backward serves padded head_dim > 128 only with it (two 64 x 256
-      float32 accumulators do not fit in a warpgroup's registers; without
-      it the gradient runs the Triton kernels there), and at head_dim 256
-      only with ``bwd_compute_wgs=1`` (two consumers' K and V exceed
-      shared memory; ``check_supported`` refuses such a config).  The
-      H200 default at head_dim 256 (fwd+bwd twice as fast as the Triton
-      backward there).
-    bwd_paired_dkv: compute dK and dV in one pass of a kernel with two
-      consumers on one ``bwd_block_kv`` key tile: consumer 0 accumulates
-      dV from ``S^T = K Q^T``, consumer 1 dK from ``dP^T = V dO^T``, and
-      consumer 0 hands ``P^T`` to consumer 1 in shared memory (one
-      buffer per ring slot).  One float32 accumulator per warpgroup as
-      with ``bwd_split_dkv``, but 4 matmuls per tile pair instead of 5
-      and Q/dO streamed once, with the two consumers' work interleaved
-      on the tensor cores.  Serves any padded head_dim the Hopper
-      backward does, and head_dim 256 (the dQ kernel keeps
-      ``bwd_compute_wgs`` unless ``bwd_paired_dq``).  Not with
-      ``bwd_split_dkv`` or ``bwd_atomic_dq``.
-    bwd_paired_dq: compute dQ with two consumers on one ``bwd_block_q``
-      query tile: consumer 0 holds Q and computes ``S = Q K^T`` and ``P``,
-      which it hands to consumer 1 in shared memory (one buffer per ring
-      slot); consumer 1 holds dO and computes ``dP = dO V^T``, ``dS`` and
-      ``dQ += dS K``.  The dQ kernel's 3 matmuls per tile pair, with
-      consumer 0's ``Q K^T`` and exponentials overlapping consumer 1's
-      matmuls, and Q and dO held once each: at head_dim 256, where two
-      consumers of the dQ kernel do not fit in shared memory, it replaces
-      the one-consumer dQ kernel (``bwd_compute_wgs`` then only shapes the
-      dK/dV kernel).  The tuned default at padded head_dim 192/256 (H200,
-      d256 s8192 causal: dQ 1.38 ms against 1.61, fwd+bwd 1.17-1.41x
-      cuDNN at s1024-16384); at 128 it loses to the two-consumer dQ
-      kernel, which holds twice the query rows per program (3.45 ms
-      against 2.25-2.44; docs/benchmarks/h200-2026-12-01-paired-dq.md).
-      Not with ``bwd_atomic_dq`` (no dQ kernel) or
-      ``bwd_dq_late_release``.
-    bwd_named_barriers: the backward kernels' "slot consumed" signals on
-      hardware named barriers, as ``named_barriers`` for the forward
-      (``bwd_stages <= 12``; GPU only).
-    bwd_consumer_registers: registers per thread of each of the backward
-      kernels' two consumer warpgroups (``setmaxnreg``; the producer keeps
-      what is left of the launch allocation, at most 40:
-      ``producer_registers``).  232 (tokamax's split, producer
-      40) by default; 240 is FlashAttention-3's (producer 24), the tuned
-      default at padded head_dim 128 with ``bwd_stats_in_acc`` (H200,
-      fwd+bwd +0.9-1.7% at s8192/16384 non-causal; before that option
-      removed the d128 kernel's spills it measured within noise).
-    bwd_atomic_dq: accumulate dQ in the dK/dV kernel instead of a dQ
-      kernel: each tile's ``dS K`` (float32, through shared memory) is
-      added into a zeroed float32 buffer in global memory by a TMA
-      reduce-add (``cp.reduce.async.bulk``), FlashAttention-3's scheme.
-      5 matmuls per tile pair instead of 7 (the dQ kernel recomputes
-      ``S`` and ``dP``), but the order of the float32 additions varies
-      from run to run, so gradients are not bitwise reproducible.  The
-      H200 default at padded head_dim 64 (fwd+bwd +1-9%; it loses 8-16%
-      at 128), turned off by ``flash_attention(deterministic=True)``.
-      Needs dK and dV in one pass (padded head_dim <= 128,
-      ``bwd_split_dkv=False``) and a GPU (the Mosaic GPU interpreter has
-      no TMA reduction).
-    bwd_shared_dq: with ``bwd_atomic_dq`` and two consumers, share each
-      tile pair's dQ between them as FlashAttention-3 does: both stage
-      their ``dS^T`` in shared memory (double-buffered, a barrier says
-      both are written), and consumer ``w`` computes head_dim columns
-      ``[w * D/2, (w + 1) * D/2)`` of ``dS K`` over both consumers' keys.
-      Against one full-width ``dS K`` per consumer: half the float32 dQ
-      registers (the suspected cause of atomic dQ's loss at head_dim 128)
-      and half the reduce-add traffic to global memory.  Needs a padded
-      head_dim that is a multiple of 128 (a half of 64 columns is one
-      swizzled tile; with dK and dV in one pass that is 128 exactly).
-      Not a default: see docs/perf-notes.md.
-    bwd_dq_halves: with ``bwd_atomic_dq`` (per consumer, not shared), compute
-      each tile pair's ``dS K`` in two head_dim halves one after the other
-      (one ``bwd_block_q`` x D/2 float32 accumulator live instead of
-      ``bwd_block_q`` x D), staged
-      into the same float32 tile and reduce-added once.  The control
-      experiment for ``bwd_shared_dq``: its register saving without its
-      traffic saving or its barrier between consumers.  Needs padded
+    bwd_paired_dkv: dK and dV by two consumers of one key tile (dV and dK,
+      ``P^T`` handed over in shared memory), one float32 accumulator each:
+      the Hopper backward above padded head_dim 128 (else the Triton one);
+      tuned on there.  Not with ``bwd_atomic_dq``.
+    bwd_paired_dq: dQ by two consumers of one query tile (``P``, then
+      ``dS`` and ``dQ``), Q and dO held once each: tuned on above padded
+      head_dim 128.  Not with ``bwd_atomic_dq``.
+    bwd_consumer_registers: registers per thread of each backward consumer
+      warpgroup (``setmaxnreg``): tokamax's 232 or FlashAttention-3's 240
+      (tuned at padded head_dim 128); the producer keeps the rest.
+    bwd_atomic_dq: dQ added by the dK/dV kernel with TMA reduce-adds into a
+      float32 buffer, as FlashAttention-3 (no dQ kernel); not bitwise
+      reproducible (``deterministic=True`` turns it off).  Padded head_dim
+      <= 128 and a GPU only; tuned on at padded head_dim 64 (H200 entry).
+    bwd_softmax_overlap: FlashAttention-3's step order in the dK/dV and dQ
+      kernels: ``P`` computed under ``dP``'s wgmma and ``dS`` under
+      ``dV``'s; tuned on at padded head_dim 128.
+    bwd_stats_in_acc: the dK/dV kernel starts its ``S^T`` and ``dP^T``
+      accumulators at ``-lse2 / (scale log2 e)`` and ``-delta`` (``delta``
+      alone under a soft cap), so the wgmmas subtract them; GPU only.
+      Tuned on at padded head_dim 128 and by the H200's head_dim 64 rules.
+    bwd_early_dv: with ``bwd_softmax_overlap``, ``dV += P^T dO`` is issued
+      behind ``dP^T``'s wgmma, before the wait for it; tuned on at padded
       head_dim 128.
-    bwd_dq_late_release: in the dQ kernel, leave each step's ``dQ += dS
-      K`` wgmma in flight into the next step instead of waiting for it
-      at once: the next step's ``S`` and ``dP`` wgmmas queue behind it
-      (no drain of the tensor-core pipeline between steps), and the K/V
-      slot it reads is released once ``wgmma.wait_group 2`` after those
-      two says it has finished (CUTLASS's ``warpgroup_wait<N>`` before
-      releasing the previous stage, as in FlashAttention-3's mainloops).
-      Reading ``S`` and ``dP`` then waits for all three, so what overlaps
-      the previous ``dS K`` is this step's wait for its tile and the
-      issue of its two wgmmas.  Not with ``bwd_atomic_dq`` (no dQ
-      kernel); at padded head_dim > 128 it needs ``bwd_split_dkv`` (the
-      Hopper backward) to have an effect.
-      Written for the one-consumer dQ kernel at head_dim 256 (508 TFLOP/s
-      causal at s8192 against 664-739 for the dK and dV passes,
-      tools/kernel_times.py); not a default: 2-9% slower on the H200
-      (docs/benchmarks/h200-2026-12-01-dq-late-release.md).
-    bwd_softmax_overlap: FlashAttention-3's order inside a step of the
-      dK/dV and dQ kernels (hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp;
-      the intra-warpgroup overlap of arXiv 2407.08608 §3.2 applied to the
-      backward): after issuing the ``S`` and ``dP`` wgmmas, wait for
-      ``S``'s alone (``wgmma.wait_group 1``) and compute ``P``'s
-      exponentials while ``dP``'s still runs; in the dK/dV kernel, issue
-      ``dV += P^T dO`` before computing ``dS``, so ``dS``'s arithmetic
-      runs under that matmul.  The default waits for both products, then
-      computes ``P`` and ``dS``, then issues the second matmuls.  The
-      paired kernels (``bwd_paired_dkv``, ``bwd_paired_dq``) have one
-      product per consumer before the softmax and are unchanged.  With
-      ``p_in_smem`` (the interpreter's form) ``dS`` still waits for dV's
-      matmul, which reads the staging buffer ``dS`` reuses.  The tuned
-      default at padded head_dim 128 (H200, s8192 non-causal: dQ kernel
-      2.458 -> 2.178 ms, dK/dV 3.709 -> 3.649; fwd+bwd +1-4% at 7 of 8
-      shapes, s2048-16384); at 64 it loses 2-4% with atomic dQ and with
-      the dQ kernel alike
-      (docs/benchmarks/h200-2026-12-02-softmax-overlap.md).
-    bwd_stats_in_acc: in the dK/dV kernel, start each tile's ``S^T`` and
-      ``dP^T`` accumulators at ``-lse2 / (scale log2 e)`` and ``-delta``
-      per query (a store into the wgmma accumulator) instead of at zero,
-      so that the tensor cores' float32 additions subtract the per-query
-      statistics: ``P^T = exp2(acc * scale log2 e)`` and ``dS^T = P^T
-      acc``.  In the transposed tile a per-query vector is one value per
-      column a thread holds, 16 registers per thread each at
-      ``bwd_block_q=64``; folded, they are dead before the wgmmas are
-      issued instead of live through the softmax, where the d128 kernel
-      spilled (ncu, d128 s8192: spill stores and reloads every step, and
-      the wait for the LSE load between ``S``'s wgmma and ``P``).  The
-      tuned default at padded head_dim 128 (H200, s8192 non-causal: dK/dV
-      kernel 3.61 -> 3.30 ms, ptxas spills 40 / 64 bytes -> none; fwd+bwd
-      +2-6% at 9 of 10 shapes, s1024-16384); at 64 (no spills) -1..+2%
-      (docs/benchmarks/h200-2026-12-02-stats-in-acc.md).  Under a soft
-      cap only ``delta`` is folded (``P`` takes ``tanh`` of the raw
-      product).  GPU only: the Mosaic GPU interpreter does not run stores
-      into an accumulator.  The paired kernels (``bwd_paired_dkv``,
-      ``bwd_paired_dq``) and the dQ kernel (whose per-query vectors are
-      one value per row, 2 registers, held for the whole loop) are
-      unchanged.
-    bwd_stats_first: with ``bwd_stats_in_acc``, store both starting
-      values before the first of the two wgmmas (``S^T``'s, then
-      ``dP^T``'s) instead of ``dP^T``'s between them.  ncu's SASS of the
-      d128 dK/dV kernel (H200, 2026-12-02,
-      docs/benchmarks/h200-2026-12-02-d64-bq128.md) shows ptxas waiting
-      for ``S^T``'s wgmma to complete before it issues ``dP^T``'s when
-      the ``-delta`` stores come between them (9.0% of the stall samples
-      on that wait), where with zero-started accumulators the two were
-      issued back to back.  Measured a loss (H200, s8192 non-causal:
-      d128 dK/dV kernel 3.35 against 3.27 ms, d64's 128-query form 6.60
-      against 6.55; docs/benchmarks/h200-2026-12-02-early-dv.md), so not
-      a default.  GPU only, as its parent.
-    bwd_delta_in_regs: with ``bwd_stats_in_acc``, fold only the
-      log-sum-exp into ``S^T``'s starting value; ``dP^T`` starts at zero
-      and ``delta`` is subtracted in registers as without the option.
-      The ``-delta`` starting tile is built between the two wgmmas, and
-      ptxas then waits for ``S^T``'s before issuing ``dP^T``'s (its C7517
-      note on the d128 and d64 dK/dV kernels: tools/ptxas_cpu.py); folded
-      before both instead (``bwd_stats_first``) it ran 2% slower.  With
-      this option ptxas reports neither the wait nor spills at head_dim
-      128 (CPU compile), yet on the H200 the dK/dV kernel ran 8% slower
-      (d128 s8192 non-causal: 3.39 against 3.13 ms, ``kernel_times``,
-      docs/benchmarks/h200-2026-12-03-s21.md), so not a default.  GPU
-      only, as its parent.
-    bwd_dkv_late_release: the same for the dK/dV kernel (and its split
-      passes): each step's last wgmma (``dK += dS^T Q``, or the pass's
-      only accumulator's) is left in flight into the next step, whose
-      ``S^T`` and ``dP^T`` wgmmas queue behind it, and the Q/dO slot it
-      reads is released after ``wgmma.wait_group 2`` there (the last
-      computed step's at the end of the tile loop).  The end-of-step wait
-      for dK's wgmma was 10.4% of the d128 kernel's stall samples (ncu,
-      2026-12-02).  A slot is then released a step later than before,
-      so the producer refills it one step later: with two stages a
-      step's tile is loaded while the step before it runs, with three
-      one step earlier.  Measured a loss (H200, d128 s8192, dK/dV kernel
-      3.47 ms against 3.14 non-causal, 2.14 against 1.68 causal; 3.40 and
-      2.08 with 3 stages): ptxas injects ``warpgroup.wait`` for the
-      in-flight wgmma's registers (C7517, at two places instead of one;
-      docs/benchmarks/h200-2026-12-02-s17.md), so not a default.  Not
-      with ``bwd_atomic_dq`` or ``bwd_paired_dkv``.
-    bwd_early_dv: with ``bwd_softmax_overlap``, issue ``dV += P^T dO`` as
-      soon as ``P^T`` is computed, queued behind ``dP^T``'s wgmma, and
-      then wait for ``dP^T`` alone (``wait_n=1``), instead of waiting for
-      ``dP^T`` before issuing dV's (8.4% of the d128 kernel's stall
-      samples are on that wait).  Kernels that compute both dK and dV
-      only.  The tuned default at padded head_dim 128 (H200: dK/dV
-      kernel 3.27 -> 3.17 ms at s8192 non-causal; fwd+bwd +0.2-3.2% at
-      every shape, s1024-16384, causal and not); at 64 it loses with the
-      overlapped order's other costs
-      (docs/benchmarks/h200-2026-12-02-early-dv.md).
   """
 
   block_q: int = 64
@@ -828,20 +634,12 @@ class MosaicConfig:
   bwd_dkv_block_q: int | None = None
   bwd_stages: int = 2
   bwd_compute_wgs: int = 2
-  bwd_split_dkv: bool = False
   bwd_paired_dkv: bool = False
   bwd_paired_dq: bool = False
-  bwd_named_barriers: bool = False
   bwd_consumer_registers: int = 232
   bwd_atomic_dq: bool = False
-  bwd_shared_dq: bool = False
-  bwd_dq_halves: bool = False
-  bwd_dq_late_release: bool = False
-  bwd_dkv_late_release: bool = False
   bwd_softmax_overlap: bool = False
   bwd_stats_in_acc: bool = False
-  bwd_stats_first: bool = False
-  bwd_delta_in_regs: bool = False
   bwd_early_dv: bool = False
 
   def __post_init__(self):
@@ -905,12 +703,6 @@ class MosaicConfig:
           f" {FREE_NAMED_BARRIERS} free hardware barriers: stages <="
           f" {MAX_NAMED_STAGES}, got"
           f" stages={self.stages}")
-    if self.bwd_named_barriers and self.bwd_stages > FREE_NAMED_BARRIERS:
-      raise ValueError(
-          "bwd_named_barriers=True takes one of the"
-          f" {FREE_NAMED_BARRIERS} free hardware barriers per stage:"
-          f" bwd_stages <= {FREE_NAMED_BARRIERS}, got"
-          f" bwd_stages={self.bwd_stages}")
     if self.consumer_registers is not None:
       if self.compute_wgs == 1:
         raise ValueError(
@@ -925,28 +717,12 @@ class MosaicConfig:
     _check_register_split("bwd_consumer_registers",
                           self.bwd_consumer_registers, 2,
                           DEFAULT_CONSUMER_REGISTERS)
-    if self.bwd_shared_dq and not (self.bwd_atomic_dq
-                                   and self.bwd_compute_wgs == 2):
-      raise ValueError(
-          "bwd_shared_dq=True shares the atomic dQ between two consumers:"
-          " it needs bwd_atomic_dq=True and bwd_compute_wgs=2, got"
-          f" bwd_atomic_dq={self.bwd_atomic_dq},"
-          f" bwd_compute_wgs={self.bwd_compute_wgs}")
-    for option, parent in (("bwd_stats_first", "bwd_stats_in_acc"),
-                           ("bwd_delta_in_regs", "bwd_stats_in_acc"),
-                           ("bwd_early_dv", "bwd_softmax_overlap"),
+    for option, parent in (("bwd_early_dv", "bwd_softmax_overlap"),
                            ("early_q_release", "intra_wg_overlap")):
       if getattr(self, option) and not getattr(self, parent):
         raise ValueError(f"{option}=True changes the order of"
                          f" {parent}=True: it needs {parent}=True (got"
                          f" {parent}=False)")
-    if self.bwd_dq_halves and not (self.bwd_atomic_dq
-                                   and not self.bwd_shared_dq):
-      raise ValueError(
-          "bwd_dq_halves=True splits the per-consumer atomic dQ: it needs"
-          " bwd_atomic_dq=True and bwd_shared_dq=False, got"
-          f" bwd_atomic_dq={self.bwd_atomic_dq},"
-          f" bwd_shared_dq={self.bwd_shared_dq}")
 
   @property
   def dkv_block_q(self) -> int:
@@ -1024,11 +800,6 @@ class MosaicConfig:
                                 + 8 * vec_slot_rows(sq))
            + n * sq * bk * itemsize * self.p_in_smem)
     dkv_buffers = 6 + self.p_in_smem
-    if self.bwd_shared_dq:
-      # Both consumers' dS^T, double-buffered, and a float32 half-width
-      # dQ tile per consumer.
-      dkv += 2 * n * bk * sq * itemsize + n * sq * head_dim_padded // 2 * 4
-      return dkv + _reserved(dkv_buffers + 3)
     if self.bwd_atomic_dq:
       # dS^T staged per consumer (the dQ matmul's transposed A operand)
       # unless P's buffer exists, and one float32 dQ tile per consumer.
@@ -1058,18 +829,6 @@ class MosaicConfig:
     return max(dkv + _reserved(dkv_buffers), dq + _reserved(dq_buffers))
 
 
-def split_dq_problem(config: "MosaicConfig", head_dim_padded: int
-                     ) -> str | None:
-  """Why ``bwd_shared_dq`` / ``bwd_dq_halves`` cannot serve this padded
-  head_dim (None when they can or are off): they split ``dS K`` into two
-  halves of whole 64-column swizzled tiles."""
-  if (config.bwd_shared_dq or config.bwd_dq_halves) and head_dim_padded % 128:
-    return ("bwd_shared_dq / bwd_dq_halves split dQ into two halves of whole"
-            " 64-column swizzled tiles: they need a padded head_dim that is"
-            f" a multiple of 128, got {head_dim_padded}")
-  return None
-
-
 # Three consumers hold their output accumulators (block_q x head_dim
 # float32 each) inside the four-warpgroup launch allocation
 # (launch_registers(4) = 128 per thread): at padded head_dim 256 that
@@ -1082,23 +841,19 @@ MAX_THREE_WG_HEAD_DIM = 192
 def head_dim_problem(config: "MosaicConfig", head_dim_padded: int
                      ) -> str | None:
   """Why this config cannot serve this padded head_dim (shared memory,
-  the dQ split, three consumers' registers), None when it can: the one
+  the atomic dQ, three consumers' registers), None when it can: the one
   check of the backend (``NotImplementedError``), of the tuned defaults
   and of the GPU tests' config list."""
   need = needed_smem_bytes(config, head_dim_padded)
   if need > SMEM_LIMIT:
     return (f"{config} needs {need} bytes of shared memory at head_dim"
             f" {head_dim_padded} (limit {SMEM_LIMIT})")
-  why = split_dq_problem(config, head_dim_padded)
-  if why:
-    return why
   if config.bwd_atomic_dq and head_dim_padded > MAX_BWD_HEAD_DIM:
-    # Above 128 the Hopper backward runs only as bwd_split_dkv or
-    # bwd_paired_dkv, neither of which takes the atomic dQ: refused here
-    # rather than served silently by the Triton backward.
-    return (f"bwd_atomic_dq (and bwd_shared_dq / bwd_dq_halves) serve"
-            f" padded head_dim up to {MAX_BWD_HEAD_DIM}, got"
-            f" {head_dim_padded}")
+    # Above 128 the Hopper backward runs only as bwd_paired_dkv, which
+    # does not take the atomic dQ: refused here rather than served
+    # silently by the Triton backward.
+    return (f"bwd_atomic_dq can serve padded head_dim up to"
+            f" {MAX_BWD_HEAD_DIM}, got {head_dim_padded}")
   if config.compute_wgs == 3 and head_dim_padded > MAX_THREE_WG_HEAD_DIM:
     return (f"compute_wgs=3 serves padded head_dim up to"
             f" {MAX_THREE_WG_HEAD_DIM}, got {head_dim_padded}: three"
@@ -1134,8 +889,8 @@ def parse_overrides(text: str) -> dict:
 
 
 def parse_variants(text: str) -> dict[str, dict]:
-  """``"shared0:bwd_shared_dq=0;dqk:bwd_atomic_dq=0"`` -> ``{"shared0":
-  {"bwd_shared_dq": False}, "dqk": {...}}``: named override sets
+  """``"stages3:bwd_stages=3;dqk:bwd_atomic_dq=0"`` -> ``{"stages3":
+  {"bwd_stages": 3}, "dqk": {...}}``: named override sets
   (:func:`parse_overrides` each), as the benchmark's
   ``--mosaic-variants`` and ``tools/kernel_times.py --variants`` take
   them.  An unnamed or repeated variant raises ValueError."""
@@ -1154,8 +909,7 @@ def needed_smem_bytes(config: "MosaicConfig", head_dim_padded: int) -> int:
   """Shared memory of the largest kernel a call with this config runs
   (the forward, and the Hopper backward where it serves the head_dim)."""
   need = config.smem_bytes(head_dim_padded)
-  if (head_dim_padded <= MAX_BWD_HEAD_DIM or config.bwd_split_dkv
-      or config.bwd_paired_dkv):
+  if head_dim_padded <= MAX_BWD_HEAD_DIM or config.bwd_paired_dkv:
     need = max(need, config.bwd_smem_bytes(head_dim_padded))
   return need
 
@@ -1232,7 +986,7 @@ def producer_registers(consumer_registers: int, n_consumers: int) -> int:
   return left // 8 * 8
 # Largest padded head_dim of the Hopper backward with dK and dV in one pass
 # (two 64 x head_dim float32 accumulators per warpgroup); above it the
-# backward needs ``bwd_split_dkv`` or falls back to the Triton kernels.
+# backward needs ``bwd_paired_dkv`` or falls back to the Triton kernels.
 MAX_BWD_HEAD_DIM = 128
 
 # Runs under the Mosaic GPU interpreter (CPU tests): one consumer
