@@ -1,6 +1,7 @@
 """The GPT example: data packing, training on device meshes, checkpoints."""
 
 import dataclasses
+import functools
 import os
 import sys
 
@@ -111,6 +112,23 @@ def _run_steps(trainer, steps=4, batch=8):
   return losses, state
 
 
+@functools.cache
+def _one_device_run(steps=4):
+  """The steps on one device (the comparison of every mesh), run once."""
+  t = _trainer("data=8")
+  one = train_lib.Trainer(t.cfg, jax.make_mesh(
+      (1,) * len(train_lib.AXES), train_lib.AXES, devices=jax.devices()[:1],
+      axis_types=(jax.sharding.AxisType.Auto,) * len(train_lib.AXES)), t.tx)
+  return _run_steps(one, steps=steps)
+
+
+@functools.cache
+def _data_parallel_losses(steps=3):
+  """Losses of the default attention on ``data=8`` (the comparison of
+  --remat and --attention jax-xla), run once."""
+  return _run_steps(_trainer("data=8"), steps=steps)[0]
+
+
 @pytest.mark.parametrize("mesh", ["data=8", "data=2,fsdp=2,tensor=2",
                                   "data=2,context=4",
                                   "fsdp=2,tensor=2,context=2"])
@@ -121,11 +139,7 @@ def test_mesh_training_matches_one_device(mesh):
     pytest.skip("needs 8 devices")
   losses, state = _run_steps(_trainer(mesh))
   assert losses[-1] < losses[0]
-  one = train_lib.Trainer(_trainer("data=8").cfg, jax.make_mesh(
-      (1,) * len(train_lib.AXES), train_lib.AXES, devices=jax.devices()[:1],
-      axis_types=(jax.sharding.AxisType.Auto,) * len(train_lib.AXES)),
-      _trainer("data=8").tx)
-  losses1, state1 = _run_steps(one)
+  losses1, state1 = _one_device_run()
   np.testing.assert_allclose(losses, losses1, rtol=2e-5)
   for a, b in zip(jax.tree.leaves(state["params"]),
                   jax.tree.leaves(state1["params"])):
@@ -207,7 +221,7 @@ def test_remat_trains_the_same_losses():
   """--remat recomputes block activations in the backward: same losses."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
-  a, _ = _run_steps(_trainer("data=8"), steps=3)
+  a = _data_parallel_losses()
   t = _trainer("data=8")
   t = train_lib.Trainer(dataclasses.replace(t.cfg, remat=True), t.mesh, t.tx)
   b, _ = _run_steps(t, steps=3)
@@ -231,7 +245,7 @@ def test_jax_nn_attention_path_matches():
   losses as jaxflash (the comparison path of the benchmarks)."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
-  a, _ = _run_steps(_trainer("data=8"), steps=3)
+  a = _data_parallel_losses()
   b, _ = _run_steps(_trainer("data=8", attention="jax-xla"), steps=3)
   np.testing.assert_allclose(a, b, rtol=1e-4)
 
