@@ -316,7 +316,7 @@ def test_transformer_trains_identically():
     pytest.param(dict(), id="plain", marks=pytest.mark.slow),
     pytest.param(dict(is_causal=True), id="causal", marks=pytest.mark.slow),
     pytest.param(dict(is_causal=True, t=12, s=20),  # top-left, as jax.nn
-                 id="causal-t12-s20"),
+                 id="causal-q12-k20"),
     pytest.param(dict(local_window_size=(3, 2)), id="window"),
     pytest.param(dict(local_window_size=2, is_causal=True),
                  id="window-causal", marks=pytest.mark.slow),

@@ -633,7 +633,7 @@ def test_item_overlap_chains_the_items_in_the_kernel(monkeypatch):
 
 def test_item_overlap_chains_the_plain_loop_in_the_kernel(monkeypatch):
   """``item_overlap`` without the overlapped loop (head_dim 64's
-  persistent form: two consumers, 128-key tiles; s36): the first and last
+  persistent form: two consumers, 128-key tiles): the first and last
   tiles leave the loops (their ``Q K^T``, 4 wgmma instructions each at
   head_dim 64, and ``P V``, 8 each), and the chained last turn adds a
   ``P V`` and the next item's ``Q K^T`` (8 + 4) with a second epilogue
