@@ -129,9 +129,10 @@ def _data_parallel_losses(steps=3):
   return _run_steps(_trainer("data=8"), steps=steps)[0]
 
 
-@pytest.mark.parametrize("mesh", ["data=8", "data=2,fsdp=2,tensor=2",
-                                  "data=2,context=4",
-                                  "fsdp=2,tensor=2,context=2"])
+@pytest.mark.parametrize("mesh", [
+    "data=8", "data=2,fsdp=2,tensor=2", "data=2,context=4",
+    # Every axis of the others at once: `slow`.
+    pytest.param("fsdp=2,tensor=2,context=2", marks=pytest.mark.slow)])
 def test_mesh_training_matches_one_device(mesh):
   """Data, FSDP, tensor and context (ring attention, zig-zag order)
   parallel steps equal the one-device steps."""
@@ -150,18 +151,18 @@ def test_mesh_training_matches_one_device(mesh):
 
 
 def test_checkpoint_resume_continues_the_curve(tmp_path):
-  args = ["--steps", "6", "--batch", "8", "--seq-len", "64",
+  args = ["--steps", "4", "--batch", "8", "--seq-len", "64",
           "--limit-bytes", "200000", "--eval-every", "0",
           "--sample-bytes", "4", "--mesh", "data=-1"]
   straight = train_lib.main(args + ["--out", str(tmp_path / "a")])
-  train_lib.main(args[:1] + ["3"] + args[2:] + [
-      "--out", str(tmp_path / "b"), "--ckpt-every", "3"])
+  train_lib.main(args[:1] + ["2"] + args[2:] + [
+      "--out", str(tmp_path / "b"), "--ckpt-every", "2"])
   resumed = train_lib.main(args + ["--out", str(tmp_path / "b"),
-                                   "--ckpt-every", "3"])
+                                   "--ckpt-every", "2"])
   want = {h["step"]: h["loss"] for h in straight}
   got = {h["step"]: h["loss"] for h in resumed}
-  assert 5 in got and 0 not in got  # resumed at step 3
-  np.testing.assert_allclose(got[5], want[5], rtol=1e-5)
+  assert 3 in got and 0 not in got  # resumed at step 2
+  np.testing.assert_allclose(got[3], want[3], rtol=1e-5)
   assert (tmp_path / "b" / "loss.png").exists()
 
 
@@ -360,6 +361,8 @@ def test_convergence_gaps():
   assert convergence.gaps(rows[:1], skip=0)["seed_gap"] is None
 
 
+@pytest.mark.slow  # 84 training steps; test_convergence_run_timeout and
+# test_convergence_gaps run the script and its summary every commit.
 def test_convergence_script_end_to_end(tmp_path):
   """examples/gpt/convergence.py trains each (attention, seed), writes the
   curves, the summary and the plot."""
