@@ -3,6 +3,12 @@
 It builds the full ``[batch, heads, q_len, kv_len]`` logits, so it uses
 O(N^2) memory; it exists to be obviously right, and to run everywhere.
 Gradients come from JAX's autodiff of this function.
+
+Its mask (:func:`mask`) is written here from the definitions, as plain
+comparisons of query and key indices; it shares no code with
+:mod:`jaxflash.masks`, whose ``MaskSpec`` the kernels mask with, so a test
+of a kernel against this reference checks the mask's meaning too (and
+tests/test_masks.py holds ``MaskSpec`` against :func:`mask`).
 """
 
 from __future__ import annotations
@@ -13,7 +19,68 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxflash.masks import MaskSpec
+
+def mask(
+    q_len: int,
+    kv_len: int,
+    *,
+    causal: bool = False,
+    offset: int | None = None,
+    window: tuple[int | None, int | None] = (None, None),
+    segment_ids: tuple[jax.Array, jax.Array] | None = None,
+    q_seq_lengths: jax.Array | None = None,
+    kv_seq_lengths: jax.Array | None = None,
+    xp=jnp,
+) -> jax.Array:
+  """Which keys each query sees: bool ``[q_len, kv_len]``, or ``[B,
+  q_len, kv_len]`` when segment ids or sequence lengths are given.
+
+  Query ``i`` sees key ``j`` when all of these hold:
+
+  * alignment: query ``i`` stands at key position ``i + offset``; the
+    default ``offset`` is ``kv_len - q_len`` (bottom-right: the last query
+    stands at the last key);
+  * ``causal``: ``j <= i + offset``;
+  * ``window = (left, right)``: ``i + offset - left <= j <= i + offset +
+    right`` (``None``: no bound on that side);
+  * segment ids ``(q_ids [B, T], kv_ids [B, S])``: ``q_ids[b, i] ==
+    kv_ids[b, j]`` and the id is not negative (padding sees nothing and
+    is seen by nothing);
+  * lengths ``[B]`` (right padding): ``i < q_seq_lengths[b]`` and ``j <
+    kv_seq_lengths[b]``.
+
+  ``xp`` is the array module: ``jax.numpy`` (traceable), or ``numpy`` for
+  NumPy inputs on the host (tests over many shapes, nothing to compile).
+  """
+  for side, w in zip(("left", "right"), window):
+    if w is not None and w < 0:
+      raise ValueError(f"window {side}={w} must be >= 0 (or None)")
+  if offset is None:
+    offset = kv_len - q_len
+  q_pos = xp.arange(q_len, dtype=xp.int32)[:, None]   # [T, 1]
+  k_pos = xp.arange(kv_len, dtype=xp.int32)[None, :]  # [1, S]
+  # How far key j lies right of the key position query i stands at.
+  ahead = k_pos - q_pos - offset  # [T, S]
+  # Window sides past every key bound nothing: clip them so a huge side
+  # (2**31 - 1, 10**12) stays an int32 comparison.
+  reach = q_len + kv_len + abs(offset)
+  left, right = (None if w is None else min(int(w), reach) for w in window)
+  keep = xp.ones((q_len, kv_len), bool)
+  if causal:
+    keep = keep & (ahead <= 0)
+  if right is not None:
+    keep = keep & (ahead <= right)
+  if left is not None:
+    keep = keep & (ahead >= -left)
+  if segment_ids is not None:
+    q_ids = xp.asarray(segment_ids[0])[:, :, None]   # [B, T, 1]
+    kv_ids = xp.asarray(segment_ids[1])[:, None, :]  # [B, 1, S]
+    keep = keep & (q_ids == kv_ids) & (q_ids >= 0)
+  if q_seq_lengths is not None:
+    keep = keep & (q_pos < xp.asarray(q_seq_lengths)[:, None, None])
+  if kv_seq_lengths is not None:
+    keep = keep & (k_pos < xp.asarray(kv_seq_lengths)[:, None, None])
+  return keep
 
 
 def attention(
@@ -40,7 +107,7 @@ def attention(
     q_BxTxHxD, k_BxSxKxD, v_BxSxKxD: queries, keys, values; ``H`` a multiple
       of ``K`` (grouped-query attention: query head ``h`` uses key/value head
       ``h // (H // K)``).
-    causal, offset, window: the positional mask (:class:`MaskSpec`);
+    causal, offset, window: the positional mask (:func:`mask`);
       ``window`` is ``(left, right)``, ``None`` for unbounded.
     softmax_scale: logits multiplier, default ``1 / sqrt(D)``.
     segment_ids: ``(q_segment_ids [B, T], kv_segment_ids [B, S])``; negative
@@ -79,17 +146,16 @@ def attention(
   if logits_soft_cap is not None:
     cap = jnp.asarray(logits_soft_cap, cdtype)
     logits = cap * jnp.tanh(logits / cap)
-  spec = MaskSpec(T, S, causal, offset, window[0], window[1])
-  q_seg, kv_seg = segment_ids if segment_ids is not None else (None, None)
-  mask = spec.dense(q_valid=q_seq_lengths, kv_valid=kv_seq_lengths,
-                    q_seg=q_seg, k_seg=kv_seg)
-  mask = mask.reshape((-1, 1, 1, T, S) if mask.ndim == 3 else (T, S))
+  keep = mask(T, S, causal=causal, offset=offset, window=window,
+              segment_ids=segment_ids, q_seq_lengths=q_seq_lengths,
+              kv_seq_lengths=kv_seq_lengths)
+  keep = keep.reshape((-1, 1, 1, T, S) if keep.ndim == 3 else (T, S))
   logits = logits.astype(sdtype)
   if bias is not None:
     logits = logits + _heads_to_groups(bias, K, G).astype(sdtype)
   if dense_mask is not None:
-    mask = mask & _heads_to_groups(dense_mask, K, G)
-  logits = jnp.where(mask, logits, -jnp.inf)
+    keep = keep & _heads_to_groups(dense_mask, K, G)
+  logits = jnp.where(keep, logits, -jnp.inf)
   # Safe softmax: rows with no visible key keep max 0, so exp gives 0s
   # rather than exp(-inf - -inf) = NaN.
   m = jnp.max(logits, axis=-1, keepdims=True)

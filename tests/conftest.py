@@ -1,3 +1,4 @@
+import glob
 import os
 
 # Several CPU devices for pmap / sharding tests; must precede importing jax.
@@ -5,6 +6,15 @@ if "--xla_force_host_platform_device_count" not in os.environ.get(
     "XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8")
+# Without a GPU the tests' time is XLA compiling interpret-mode kernels
+# (seconds each; running them takes milliseconds): LLVM's optimisation
+# level 0 and no expensive passes roughly halve it.  (Neither flag
+# licenses fast math, so results keep IEEE semantics.)  Not on GPU
+# machines, where the compiled kernels' speed is measured too.
+if (not glob.glob("/dev/nvidia[0-9]*")
+    and "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]):
+  os.environ["XLA_FLAGS"] += (" --xla_backend_optimization_level=0"
+                              " --xla_llvm_disable_expensive_passes=true")
 # On GPUs, XLA autotunes every matmul fusion of the reference by compiling
 # many Triton variants; tests never measure speed, so skip that.
 os.environ["XLA_FLAGS"] += " --xla_gpu_autotune_level=0"

@@ -8,6 +8,8 @@ for the output, the log-sum-exp and every gradient.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,17 +66,59 @@ def max_abs_diff(a, b) -> float:
   return float("nan") if np.isnan(d).any() else float(d.max())
 
 
+# reference.attention's keywords that are arrays (traced); the others are
+# static, part of the key of the jitted reference's compile cache.
+_ARRAY_KWARGS = ("segment_ids", "q_seq_lengths", "kv_seq_lengths", "bias",
+                 "dense_mask")
+
+
+@functools.partial(jax.jit, static_argnames=("static",))
+def _reference_vjp(q, k, v, do, dlse, arrays, *, static):
+  kw = dict(static, **arrays)
+  (out, lse), vjp = jax.vjp(
+      lambda q, k, v: reference.attention(q, k, v, **kw), q, k, v)
+  dq, dk, dv = vjp((do.astype(out.dtype), dlse))
+  return out, lse, dq, dk, dv
+
+
+def reference_outputs_and_grads(q, k, v, do, dlse, **ref_kwargs):
+  """(out, lse, dq, dk, dv) of jaxflash.reference.attention, as
+  :func:`outputs_and_grads` gives them, jitted once per shape and static
+  options (one module-level jit, not one per call): tests that share a
+  configuration pay its compile once."""
+  arrays = {n: ref_kwargs.pop(n) for n in _ARRAY_KWARGS if n in ref_kwargs}
+  if "window" in ref_kwargs:
+    ref_kwargs["window"] = tuple(ref_kwargs["window"])
+  return _reference_vjp(q, k, v, do, dlse, arrays,
+                        static=tuple(sorted(ref_kwargs.items())))
+
+
+@functools.partial(jax.jit, static_argnames=("static",))
+def _reference_forward(q, k, v, arrays, *, static):
+  return reference.attention(q, k, v, **dict(static, **arrays))
+
+
+def reference_attention(q, k, v, **ref_kwargs):
+  """jaxflash.reference.attention, jitted once per shape and static
+  options (see :func:`reference_outputs_and_grads`)."""
+  arrays = {n: ref_kwargs.pop(n) for n in _ARRAY_KWARGS if n in ref_kwargs}
+  if "window" in ref_kwargs:
+    ref_kwargs["window"] = tuple(ref_kwargs["window"])
+  return _reference_forward(q, k, v, arrays,
+                            static=tuple(sorted(ref_kwargs.items())))
+
+
 def check_rule(got, q, k, v, do, dlse, **ref_kwargs):
   """Asserts the numerics rule for ``got = (out, lse, dq, dk, dv)``."""
   dtype = jnp.dtype(q.dtype)
   f32 = lambda x: x.astype(jnp.float32)
-  ref32 = outputs_and_grads(
-      lambda q, k, v: reference.attention(q, k, v, **ref_kwargs),
-      f32(q), f32(k), f32(v), f32(do), dlse)
-  ref_lp = outputs_and_grads(
-      lambda q, k, v: reference.attention(q, k, v, upcast=False,
-                                          **ref_kwargs),
-      q, k, v, do, dlse)
+  ref32 = reference_outputs_and_grads(f32(q), f32(k), f32(v), f32(do), dlse,
+                                      **ref_kwargs)
+  if dtype == jnp.float32:
+    ref_lp = ref32  # the same computation (the reference's float32 path)
+  else:
+    ref_lp = reference_outputs_and_grads(q, k, v, do, dlse, upcast=False,
+                                         **ref_kwargs)
   failures = []
   for name, g, r32, rlp in zip(NAMES, got, ref32, ref_lp):
     if np.isnan(np.asarray(g, np.float32)).any():

@@ -192,16 +192,66 @@ def test_paired_rows_stay_within_a_run(tmp_path):
   assert len(report.paired_rows(again)) == 1
 
 
-def test_interleaved_timing_keeps_aligned_samples():
-  calls = {"ok": (lambda x: x + 1, (jnp.ones(4),)),
-           "also": (lambda x: x * 2, (jnp.ones(4),)),
+class _Clock:
+  """A fake ``time.perf_counter`` for core.time_interleaved: each call of
+  a timed function advances it by that call's duration (seconds), so the
+  timer's results are known exactly."""
+
+  def __init__(self, monkeypatch):
+    self.now = 1000.0
+    self.count = {}
+    monkeypatch.setattr(core, "time", self)
+
+  def perf_counter(self):
+    return self.now
+
+  def call(self, name, durations):
+    """``(fn, args)``: the i-th call of ``fn`` takes ``durations[i]``
+    (the last one repeats)."""
+    def fn(x):
+      i = self.count[name] = self.count.get(name, -1) + 1
+      self.now += durations[min(i, len(durations) - 1)]
+      return x
+    return fn, (jnp.ones(1),)
+
+
+def test_interleaved_timing_keeps_aligned_samples(monkeypatch):
+  """Samples in seconds per call, round by round (entry r of every list
+  is round r), the median as the call's time; a failing call is left
+  out of the samples."""
+  clock = _Clock(monkeypatch)
+  ms = lambda *xs: [x / 1000 for x in xs]
+  # Two warm-up calls each (compile; one timed for the repetitions),
+  # then one call per round (min_sample_s=0: one repetition).
+  calls = {"ok": clock.call("ok", ms(50, 9, 3, 1, 4, 1, 5)),
+           "also": clock.call("also", ms(50, 9, 2, 7, 1, 8, 2)),
            "bad": (lambda x: 1 / 0, (jnp.ones(4),))}
   per = {}
   got = core.time_interleaved(calls, samples=5, min_sample_s=0.0,
                               samples_out=per)
   assert set(per) == {"ok", "also"}
-  assert all(len(ts) == 5 and min(ts) > 0 for ts in per.values())
-  assert got["ok"] == sorted(per["ok"])[2]
+  assert per["ok"] == pytest.approx(ms(3, 1, 4, 1, 5))
+  assert per["also"] == pytest.approx(ms(2, 7, 1, 8, 2))
+  assert got["ok"] == pytest.approx(0.003)
+  assert got["also"] == pytest.approx(0.002)
+  assert isinstance(got["bad"], ZeroDivisionError)
+
+
+def test_interleaved_timing_repeats_short_calls(monkeypatch):
+  """A call shorter than min_sample_s is repeated within each sample
+  (as many times as its timed warm-up call fits), and the sample is the
+  time per call."""
+  clock = _Clock(monkeypatch)
+  calls = {"short": clock.call("short", [0.5, 0.002]),
+           "long": clock.call("long", [0.5, 0.05])}
+  per = {}
+  got = core.time_interleaved(calls, samples=3, min_sample_s=0.01,
+                              samples_out=per)
+  assert got == pytest.approx({"short": 0.002, "long": 0.05})
+  assert per["short"] == pytest.approx([0.002] * 3)
+  # 2 warm-up calls, then 3 samples of 5 (short) and 1 (long) calls.
+  assert clock.count["short"] + 1 == 2 + 3 * 5
+  assert clock.count["long"] + 1 == 2 + 3
 
 
 def test_merge_runs(tmp_path):
@@ -255,7 +305,7 @@ def test_failing_implementation_is_a_row(monkeypatch):
   monkeypatch.setitem(impls.IMPLS, "broken", broken)
   monkeypatch.setitem(impls.IMPLS, "wrong", wrong)
   shape = core.Shape(1, 32, 32, 2, 2, 16, causal=True, dtype="float32")
-  rows = bench_main.run_shape(shape, ["broken", "wrong", "jaxflash-triton"],
+  rows = bench_main.run_shape(shape, ["broken", "wrong", "jaxflash-xla"],
                               ["fwd", "fwd_bwd"], interpret=True, samples=2)
   by = {(r["impl"], r["mode"]): r for r in rows}
   assert len(rows) == 6
@@ -265,15 +315,8 @@ def test_failing_implementation_is_a_row(monkeypatch):
   assert by["wrong", "fwd_bwd"]["error"].startswith(
       "wrong result: max_abs_err")
   for mode in ("fwd", "fwd_bwd"):
-    row = by["jaxflash-triton", mode]
+    row = by["jaxflash-xla", mode]
     assert row["error"] is None and row["tflops"] > 0 and row["peak_bytes"]
-
-
-def test_interleaved_timing_reports_failures():
-  calls = {"ok": (lambda x: x + 1, (jnp.ones(4),)),
-           "bad": (lambda x: 1 / 0, (jnp.ones(4),))}
-  got = core.time_interleaved(calls, samples=3, min_sample_s=0.0)
-  assert got["ok"] > 0 and isinstance(got["bad"], ZeroDivisionError)
 
 
 def test_interleaved_timing_with_no_call_left():

@@ -1,6 +1,7 @@
 """The GPT example: data packing, training on device meshes, checkpoints."""
 
 import dataclasses
+import functools
 import os
 import sys
 
@@ -111,9 +112,27 @@ def _run_steps(trainer, steps=4, batch=8):
   return losses, state
 
 
-@pytest.mark.parametrize("mesh", ["data=8", "data=2,fsdp=2,tensor=2",
-                                  "data=2,context=4",
-                                  "fsdp=2,tensor=2,context=2"])
+@functools.cache
+def _one_device_run(steps=4):
+  """The steps on one device (the comparison of every mesh), run once."""
+  t = _trainer("data=8")
+  one = train_lib.Trainer(t.cfg, jax.make_mesh(
+      (1,) * len(train_lib.AXES), train_lib.AXES, devices=jax.devices()[:1],
+      axis_types=(jax.sharding.AxisType.Auto,) * len(train_lib.AXES)), t.tx)
+  return _run_steps(one, steps=steps)
+
+
+@functools.cache
+def _data_parallel_losses(steps=3):
+  """Losses of the default attention on ``data=8`` (the comparison of
+  --remat and --attention jax-xla), run once."""
+  return _run_steps(_trainer("data=8"), steps=steps)[0]
+
+
+@pytest.mark.parametrize("mesh", [
+    "data=8", "data=2,fsdp=2,tensor=2", "data=2,context=4",
+    # Every axis of the others at once: `slow`.
+    pytest.param("fsdp=2,tensor=2,context=2", marks=pytest.mark.slow)])
 def test_mesh_training_matches_one_device(mesh):
   """Data, FSDP, tensor and context (ring attention, zig-zag order)
   parallel steps equal the one-device steps."""
@@ -121,11 +140,7 @@ def test_mesh_training_matches_one_device(mesh):
     pytest.skip("needs 8 devices")
   losses, state = _run_steps(_trainer(mesh))
   assert losses[-1] < losses[0]
-  one = train_lib.Trainer(_trainer("data=8").cfg, jax.make_mesh(
-      (1,) * len(train_lib.AXES), train_lib.AXES, devices=jax.devices()[:1],
-      axis_types=(jax.sharding.AxisType.Auto,) * len(train_lib.AXES)),
-      _trainer("data=8").tx)
-  losses1, state1 = _run_steps(one)
+  losses1, state1 = _one_device_run()
   np.testing.assert_allclose(losses, losses1, rtol=2e-5)
   for a, b in zip(jax.tree.leaves(state["params"]),
                   jax.tree.leaves(state1["params"])):
@@ -136,18 +151,18 @@ def test_mesh_training_matches_one_device(mesh):
 
 
 def test_checkpoint_resume_continues_the_curve(tmp_path):
-  args = ["--steps", "6", "--batch", "8", "--seq-len", "64",
+  args = ["--steps", "4", "--batch", "8", "--seq-len", "64",
           "--limit-bytes", "200000", "--eval-every", "0",
           "--sample-bytes", "4", "--mesh", "data=-1"]
   straight = train_lib.main(args + ["--out", str(tmp_path / "a")])
-  train_lib.main(args[:1] + ["3"] + args[2:] + [
-      "--out", str(tmp_path / "b"), "--ckpt-every", "3"])
+  train_lib.main(args[:1] + ["2"] + args[2:] + [
+      "--out", str(tmp_path / "b"), "--ckpt-every", "2"])
   resumed = train_lib.main(args + ["--out", str(tmp_path / "b"),
-                                   "--ckpt-every", "3"])
+                                   "--ckpt-every", "2"])
   want = {h["step"]: h["loss"] for h in straight}
   got = {h["step"]: h["loss"] for h in resumed}
-  assert 5 in got and 0 not in got  # resumed at step 3
-  np.testing.assert_allclose(got[5], want[5], rtol=1e-5)
+  assert 3 in got and 0 not in got  # resumed at step 2
+  np.testing.assert_allclose(got[3], want[3], rtol=1e-5)
   assert (tmp_path / "b" / "loss.png").exists()
 
 
@@ -207,7 +222,7 @@ def test_remat_trains_the_same_losses():
   """--remat recomputes block activations in the backward: same losses."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
-  a, _ = _run_steps(_trainer("data=8"), steps=3)
+  a = _data_parallel_losses()
   t = _trainer("data=8")
   t = train_lib.Trainer(dataclasses.replace(t.cfg, remat=True), t.mesh, t.tx)
   b, _ = _run_steps(t, steps=3)
@@ -231,7 +246,7 @@ def test_jax_nn_attention_path_matches():
   losses as jaxflash (the comparison path of the benchmarks)."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
-  a, _ = _run_steps(_trainer("data=8"), steps=3)
+  a = _data_parallel_losses()
   b, _ = _run_steps(_trainer("data=8", attention="jax-xla"), steps=3)
   np.testing.assert_allclose(a, b, rtol=1e-4)
 
@@ -346,6 +361,8 @@ def test_convergence_gaps():
   assert convergence.gaps(rows[:1], skip=0)["seed_gap"] is None
 
 
+@pytest.mark.slow  # 84 training steps; test_convergence_run_timeout and
+# test_convergence_gaps run the script and its summary every commit.
 def test_convergence_script_end_to_end(tmp_path):
   """examples/gpt/convergence.py trains each (attention, seed), writes the
   curves, the summary and the plot."""

@@ -35,7 +35,8 @@ def _packed(batch=2, length=24):
 
 # -- module parity ------------------------------------------------------------
 
-@pytest.mark.parametrize("what", ["causal", "packed", "full"])
+@pytest.mark.parametrize("what", [
+    "causal", "packed", pytest.param("full", marks=pytest.mark.slow)])
 def test_module_matches_flax(what):
   x = _x()
   flax_mha = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=32)
@@ -102,7 +103,10 @@ def test_gqa_module_and_logical_axes():
   _close(flash.apply(p, x), want)
 
 
-@pytest.mark.parametrize("window", [None, (2, 0), 3, (0, 0), 10**12])
+@pytest.mark.parametrize("window", [
+    pytest.param(None, marks=pytest.mark.slow), (2, 0),
+    pytest.param(3, marks=pytest.mark.slow),
+    pytest.param((0, 0), marks=pytest.mark.slow), 10**12])
 def test_decode_matches_full_causal(window):
   """Step by step through the cache equals the whole sequence at once,
   with a local window too (placed at the cache index, not at the cache's
@@ -309,16 +313,18 @@ def test_transformer_trains_identically():
 # -- jax.nn.dot_product_attention compatibility ------------------------------
 
 @pytest.mark.parametrize("kw", [
-    dict(),
-    dict(is_causal=True),
-    dict(is_causal=True, t=12, s=20),          # top-left, as jax.nn
-    dict(local_window_size=(3, 2)),
-    dict(local_window_size=2, is_causal=True),
-    dict(key_value_seq_lengths=[20, 9], query_seq_lengths=[20, 14]),
-    dict(kv_heads=1, scale=0.3),
-    dict(rank3=True, is_causal=True),
-], ids=["plain", "causal", "causal-t12-s20", "window", "window-causal",
-        "lengths", "mqa-scale", "rank3"])
+    pytest.param(dict(), id="plain", marks=pytest.mark.slow),
+    pytest.param(dict(is_causal=True), id="causal", marks=pytest.mark.slow),
+    pytest.param(dict(is_causal=True, t=12, s=20),  # top-left, as jax.nn
+                 id="causal-q12-k20"),
+    pytest.param(dict(local_window_size=(3, 2)), id="window"),
+    pytest.param(dict(local_window_size=2, is_causal=True),
+                 id="window-causal", marks=pytest.mark.slow),
+    pytest.param(dict(key_value_seq_lengths=[20, 9],
+                      query_seq_lengths=[20, 14]), id="lengths"),
+    pytest.param(dict(kv_heads=1, scale=0.3), id="mqa-scale"),
+    pytest.param(dict(rank3=True, is_causal=True), id="rank3"),
+])
 def test_dot_product_attention_matches_jax_nn(kw):
   kw = dict(kw)
   t, s = kw.pop("t", 20), kw.pop("s", 20)
@@ -367,15 +373,20 @@ def test_dot_product_attention_dense_paths():
 
 
 @pytest.mark.parametrize("kw", [
-    dict(bias_shape=(2, 4, 12, 20)),
-    dict(bias_shape=(1, 1, 12, 20), is_causal=True),       # broadcast
-    dict(bias_shape=(2, 4, 1, 20), kv_heads=1),            # MQA, one row
-    dict(mask_shape=(2, 1, 12, 20), local_window_size=(3, 2)),
-    dict(mask_shape=(1, 4, 12, 20), bias_shape=(2, 1, 12, 1),
-         key_value_seq_lengths=[20, 9], query_seq_lengths=[12, 7]),
-    dict(bias_shape=(4, 12, 20), mask_shape=(1, 12, 20), rank3=True),
-], ids=["bias", "bias-broadcast-causal", "bias-mqa-row", "mask-window",
-        "mask-bias-lengths", "rank3"])
+    pytest.param(dict(bias_shape=(2, 4, 12, 20)), id="bias",
+                 marks=pytest.mark.slow),
+    pytest.param(dict(bias_shape=(1, 1, 12, 20), is_causal=True),
+                 id="bias-broadcast-causal"),
+    pytest.param(dict(bias_shape=(2, 4, 1, 20), kv_heads=1),  # MQA, one row
+                 id="bias-mqa-row"),
+    pytest.param(dict(mask_shape=(2, 1, 12, 20), local_window_size=(3, 2)),
+                 id="mask-window", marks=pytest.mark.slow),
+    pytest.param(dict(mask_shape=(1, 4, 12, 20), bias_shape=(2, 1, 12, 1),
+                      key_value_seq_lengths=[20, 9],
+                      query_seq_lengths=[12, 7]), id="mask-bias-lengths"),
+    pytest.param(dict(bias_shape=(4, 12, 20), mask_shape=(1, 12, 20),
+                      rank3=True), id="rank3"),
+])
 def test_dot_product_attention_dense_matches_jax_nn(kw):
   """bias and mask on the "xla" path: jax.nn's results wherever a row
   sees a key, with its gradients (the bias's too); rows that see none
@@ -536,10 +547,11 @@ def test_rope_decode_matches_full():
   full = flash.apply(params, x)
   dec = FlashMultiHeadDotProductAttention(decode=True, **kw)
   cache = dec.init(jax.random.key(1), x)["cache"]
+  step = jax.jit(lambda c, xt: dec.apply({**params, "cache": c}, xt,
+                                         mutable=["cache"]))
   outs = []
   for t in range(6):
-    y, mut = dec.apply({**params, "cache": cache}, x[:, t:t + 1],
-                       mutable=["cache"])
+    y, mut = step(cache, x[:, t:t + 1])
     cache = mut["cache"]
     outs.append(y)
   _close(jnp.concatenate(outs, axis=1), full)

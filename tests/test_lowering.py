@@ -8,12 +8,14 @@ construct the lowering rejects fails CI rather than the GPU run.
 """
 
 import functools
+import itertools
 import pathlib
 import re
 
 import jax
 import jax.numpy as jnp
 import pytest
+from _pytest.mark import ParameterSet
 from jax.experimental.pallas import triton as plt
 
 from jaxflash import backends
@@ -44,15 +46,30 @@ FEATURES = {
 }
 
 
-@pytest.mark.parametrize("features", list(FEATURES))
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", [
+TRITON_SHAPES = [
     # (q_len, kv_len, heads, kv_heads, head_dim, dtype)
     (17, 17, 4, 4, 32, jnp.bfloat16),
     (300, 1000, 8, 2, 96, jnp.float16),
     (1024, 1024, 4, 1, 256, jnp.bfloat16),
     (64, 40, 2, 2, 64, jnp.float32),
-])
+]
+
+
+def _triton_cases():
+  """Every (shape, causal, features); every commit lowers each feature set
+  at two shapes (causal on one, off on the other) and each shape with two
+  feature sets, on both GPUs; the rest is `slow`."""
+  for i, shape in enumerate(TRITON_SHAPES):
+    for causal in (False, True):
+      for j, features in enumerate(FEATURES):
+        every_commit = (i + 2 * causal - j) % 4 == 0
+        yield pytest.param(
+            shape, causal, features,
+            id=f"shape{i}-{'causal' if causal else 'full'}-{features}",
+            marks=[] if every_commit else [pytest.mark.slow])
+
+
+@pytest.mark.parametrize("shape,causal,features", list(_triton_cases()))
 def test_lowers_to_triton(fake_gpu, shape, causal, features):
   t, s, h, kh, d, dtype = shape
   f = FEATURES[features]
@@ -83,14 +100,58 @@ def test_lowers_to_triton(fake_gpu, shape, causal, features):
 
 def _with_segments(cfgs, ids, every_commit):
   """``(cfg, segments)`` parameters: every config without segment ids,
-  and with them; the segment forms of configs outside ``every_commit``
-  (the tuned defaults' options) carry the ``slow`` marker (``make
-  test-all``), since segment ids change the same mask code in every
-  config."""
+  and with them.  Configs outside ``every_commit`` (the tuned defaults'
+  options) carry the ``experimental`` marker, and their segment forms
+  the ``slow`` marker (``make test-all``), since segment ids change the
+  same mask code in every config."""
   for cfg, name in zip(cfgs, ids, strict=True):
-    yield pytest.param(cfg, False, id=name)
-    marks = [] if name in every_commit else [pytest.mark.slow]
-    yield pytest.param(cfg, True, id=f"{name}-segments", marks=marks)
+    marks = [] if name in every_commit else [pytest.mark.experimental]
+    yield pytest.param(cfg, False, id=name, marks=marks)
+    yield pytest.param(cfg, True, id=f"{name}-segments",
+                       marks=marks + [pytest.mark.slow] * bool(marks))
+
+
+def _experimental_beyond_d128(marks, shape, **_):
+  """An experimental option lowers at head_dim 128 every commit (the
+  shape most of them were tuned at); at the other head dims in `make
+  test-all`."""
+  return "experimental" in marks and shape[4] != 128
+
+
+def _crossed(unserved=lambda **_: False, slow=lambda marks, **_: False):
+  """Crosses a test's ``parametrize`` marks into one, as pytest would
+  (same ids, same marks), without the combinations ``unserved(**params)``
+  names (so that no item is generated only to skip), and with the
+  ``slow`` marker on those ``slow(marks, **params)`` names (``marks``:
+  the names of the combination's markers)."""
+  def wrap(fn):
+    grids = [m for m in fn.pytestmark if m.name == "parametrize"]
+    axes, names = [], []
+    for m in grids:  # the decorator nearest the function first
+      argnames = [n.strip() for n in m.args[0].split(",")]
+      ids = m.kwargs.get("ids")
+      axis = []
+      for i, value in enumerate(m.args[1]):
+        p = ParameterSet.extract_from(value, force_tuple=len(argnames) == 1)
+        axis.append((p.values, p.id if p.id is not None else ids[i],
+                     list(p.marks)))
+      axes.append((argnames, axis))
+      names += argnames
+    params = []
+    for combo in itertools.product(*(axis for _, axis in axes)):
+      kw = {n: v for (argnames, _), (values, _, _) in zip(axes, combo)
+            for n, v in zip(argnames, values)}
+      if unserved(**kw):
+        continue
+      marks = [mk for c in combo for mk in c[2]]
+      if slow({mk.name for mk in marks}, **kw):
+        marks.append(pytest.mark.slow)
+      params.append(pytest.param(
+          *(kw[n] for n in names), id="-".join(c[1] for c in combo),
+          marks=marks))
+    fn.pytestmark = [m for m in fn.pytestmark if m.name != "parametrize"]
+    return pytest.mark.parametrize(",".join(names), params)(fn)
+  return wrap
 
 
 def _mosaic_case(shape):
@@ -104,6 +165,7 @@ def _mosaic_case(shape):
           MaskSpec(t, s, causal, None, *(window or (None, None))))
 
 
+@_crossed(slow=_experimental_beyond_d128)
 @pytest.mark.parametrize("cfg,segments", _with_segments([
     dict(),
     dict(p_in_smem=True),
@@ -285,6 +347,11 @@ def test_mosaic_unpadded_lowers_at_any_length(shape, cfg):
   assert "mosaic_gpu" in text
 
 
+# Beyond head_dim 128 only the paired dK/dV form runs the Mosaic GPU
+# backward (the others take the Triton kernels, lowered above).
+@_crossed(unserved=lambda shape, cfg, segments: shape[4] > 128 and not (
+    cfg.get("bwd_paired_dkv")),
+          slow=_experimental_beyond_d128)
 @pytest.mark.parametrize("cfg,segments", _with_segments([
     dict(),
     dict(p_in_smem=True),
@@ -348,8 +415,6 @@ def test_mosaic_backward_lowers_for_cuda(shape, cfg, segments):
   lower = lambda: jax.jit(jax.grad(loss, (0, 1, 2))).trace(
       q, kv, kv, seg_q, seg_kv).lower(lowering_platforms=("cuda",)).as_text()
   dp = -(-d // 64) * 64
-  if dp > 128 and not config.bwd_paired_dkv:
-    pytest.skip("the gradient runs the Triton kernels here (test above)")
   if needed_smem_bytes(config, dp) > 227 * 1024:
     with pytest.raises(Exception, match="exceeds available shared memory"):
       lower()
@@ -555,7 +620,7 @@ def test_item_overlap_chains_the_items_in_the_kernel(monkeypatch):
 
 def test_item_overlap_chains_the_plain_loop_in_the_kernel(monkeypatch):
   """``item_overlap`` without the overlapped loop (head_dim 64's
-  persistent form: two consumers, 128-key tiles; s36): the first and last
+  persistent form: two consumers, 128-key tiles): the first and last
   tiles leave the loops (their ``Q K^T``, 4 wgmma instructions each at
   head_dim 64, and ``P V``, 8 each), and the chained last turn adds a
   ``P V`` and the next item's ``Q K^T`` (8 + 4) with a second epilogue

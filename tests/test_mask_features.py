@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import jaxflash
 import jaxflash.triton as triton_backend
-from jaxflash import masks
+from jaxflash import masks, reference
 
 TILES = jaxflash.TritonConfig(
     block_q=32, block_k=16, block_q_dkv=16, block_k_dkv=32, block_q_dq=32,
@@ -38,46 +38,91 @@ def _run(args, interpret=True, config=TILES, **kw):
   return numerics.outputs_and_grads(fn, *args)
 
 
+def mask_kwargs(seed, t, s, *, causal=False, segments=None, window=None,
+                q_seq_lengths=None, kv_seq_lengths=None, soft_cap=None):
+  """flash_attention's mask keywords; ``segments``: None, ``("self",
+  n_docs, pad_tail)`` (one packed array, t == s), ``("pair", n_docs)``
+  (packed query and key ids, any lengths) or ``"random"``
+  (non-contiguous ids and padding)."""
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  kw = dict(causal=causal)
+  if segments is not None and segments[0] == "self":
+    _, n_docs, pad_tail = segments
+    kw["segment_ids"] = packed_segments(k1, 2, t, n_docs, pad_tail=pad_tail)
+  elif segments is not None and segments[0] == "pair":
+    kw["segment_ids"] = (packed_segments(k1, 2, t, segments[1]),
+                         packed_segments(k2, 2, s, segments[1]))
+  elif segments == "random":
+    kw["segment_ids"] = (jax.random.randint(k1, (2, t), -1, 3),
+                         jax.random.randint(k2, (2, s), -1, 3))
+  if window is not None:
+    kw["local_window_size"] = window
+  if q_seq_lengths is not None:
+    kw["q_seq_lengths"] = jnp.array(q_seq_lengths)
+  if kv_seq_lengths is not None:
+    kw["kv_seq_lengths"] = jnp.array(kv_seq_lengths)
+  if soft_cap is not None:
+    kw["logits_soft_cap"] = soft_cap
+  return kw
+
+
 @st.composite
 def mask_cases(draw):
   t = draw(st.integers(1, 130))
   same = draw(st.booleans())
   s = t if same else draw(st.integers(1, 130))
   heads, kv_heads = draw(st.sampled_from([(2, 2), (4, 2), (3, 1)]))
-  kw = dict(causal=draw(st.booleans()))
-  seg_kind = draw(st.sampled_from([None, "self", "pair", "random"]))
   seed = draw(st.integers(0, 2**16))
-  key = jax.random.key(seed)
-  k1, k2 = jax.random.split(key)
+  seg_kind = draw(st.sampled_from([None, "self", "pair", "random"]))
+  segments = None
   if seg_kind == "self" and same:
-    kw["segment_ids"] = packed_segments(k1, 2, t, draw(st.integers(1, 6)),
-                                        pad_tail=draw(st.integers(0, 5)) % t)
+    segments = ("self", draw(st.integers(1, 6)),
+                draw(st.integers(0, 5)) % t)
   elif seg_kind == "pair":
-    n = draw(st.integers(1, 4))
-    kw["segment_ids"] = (packed_segments(k1, 2, t, n),
-                         packed_segments(k2, 2, s, n))
-  elif seg_kind == "random":  # non-contiguous segments and padding
-    kw["segment_ids"] = (jax.random.randint(k1, (2, t), -1, 3),
-                         jax.random.randint(k2, (2, s), -1, 3))
-  if draw(st.booleans()):
-    kw["local_window_size"] = (draw(st.integers(0, 60)),
-                               draw(st.integers(0, 60)))
-  if draw(st.booleans()):
-    kw["q_seq_lengths"] = jnp.array(draw(st.lists(
-        st.integers(0, t), min_size=2, max_size=2)))
-  if draw(st.booleans()):
-    kw["kv_seq_lengths"] = jnp.array(draw(st.lists(
-        st.integers(0, s), min_size=2, max_size=2)))
-  if draw(st.booleans()):
-    kw["logits_soft_cap"] = draw(st.sampled_from([1.0, 5.0, 30.0]))
+    segments = ("pair", draw(st.integers(1, 4)))
+  elif seg_kind == "random":
+    segments = "random"
+  lengths = lambda n: st.lists(st.integers(0, n), min_size=2, max_size=2)
+  kw = mask_kwargs(
+      seed, t, s, causal=draw(st.booleans()), segments=segments,
+      window=draw(st.one_of(st.none(), st.tuples(st.integers(0, 60),
+                                                 st.integers(0, 60)))),
+      q_seq_lengths=draw(st.one_of(st.none(), lengths(t))),
+      kv_seq_lengths=draw(st.one_of(st.none(), lengths(s))),
+      soft_cap=draw(st.one_of(st.none(),
+                              st.sampled_from([1.0, 5.0, 30.0]))))
   dtype = draw(st.sampled_from([jnp.float32, jnp.bfloat16]))
   return (t, s, heads, kv_heads, dtype, seed), kw
 
 
-@settings(max_examples=14, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(case=mask_cases())
-def test_mask_combinations_match_reference(case):
+# Every commit's cases (`make test`): together every mask kind, each
+# combined with others -- packed self-attention ids with a padded tail,
+# query/key id pairs, random non-contiguous ids with padding, windows
+# aligned bottom-right at q_len < kv_len and q_len > kv_len, one-sided
+# windows, causal, per-row lengths (a zero one too), soft caps -- in
+# float32 and bfloat16, MHA/GQA/MQA.  Hypothesis draws many more
+# (`slow`, `make test-all`).
+EXPLICIT = {
+    "packed-causal-softcap-gqa-bf16": (
+        (70, 70, 4, 2, jnp.bfloat16, 1),
+        dict(causal=True, segments=("self", 4, 5), soft_cap=5.0)),
+    "pairs-window-lengths-mqa-f32": (
+        (37, 90, 3, 1, jnp.float32, 2),
+        dict(segments=("pair", 3), window=(20, 3),
+             q_seq_lengths=[37, 20], kv_seq_lengths=[90, 41])),
+    "random-ids-causal-window-zero-length-mha-bf16": (
+        (90, 37, 2, 2, jnp.bfloat16, 3),
+        dict(causal=True, segments="random", window=(0, 10),
+             kv_seq_lengths=[0, 30], soft_cap=30.0)),
+}
+
+
+def _explicit(name):
+  (t, s, heads, kv_heads, dtype, seed), kw = EXPLICIT[name]
+  return (t, s, heads, kv_heads, dtype, seed), mask_kwargs(seed, t, s, **kw)
+
+
+def _check_against_reference(case):
   (t, s, heads, kv_heads, dtype, seed), kw = case
   args = numerics.random_inputs(
       jax.random.key(seed + 1), batch=2, q_len=t, kv_len=s, heads=heads,
@@ -86,10 +131,20 @@ def test_mask_combinations_match_reference(case):
   numerics.check_rule(got, *args, **numerics.reference_kwargs(**kw))
 
 
-@settings(max_examples=6, deadline=None,
+@pytest.mark.parametrize("name", list(EXPLICIT))
+def test_mask_kinds_match_reference(name):
+  _check_against_reference(_explicit(name))
+
+
+@pytest.mark.slow
+@settings(max_examples=30, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(case=mask_cases())
-def test_keys_outside_the_mask_do_not_matter(case):
+def test_mask_combinations_match_reference(case):
+  _check_against_reference(case)
+
+
+def _check_hidden_keys_do_not_matter(case):
   """Perturbing every key/value a query may not see leaves its output
   bitwise unchanged (masked logits contribute exact zeros)."""
   (t, s, heads, kv_heads, _, seed), kw = case
@@ -97,12 +152,11 @@ def test_keys_outside_the_mask_do_not_matter(case):
       jax.random.key(seed), batch=2, q_len=t, kv_len=s, heads=heads,
       kv_heads=kv_heads, head_dim=32, dtype=jnp.float32)
   ref_kw = numerics.reference_kwargs(**kw)
-  spec = masks.MaskSpec(t, s, kw["causal"], None,
-                        *ref_kw.get("window", (None, None)))
-  segs = ref_kw.get("segment_ids") or (None, None)
-  allowed = np.asarray(spec.dense(
-      q_valid=kw.get("q_seq_lengths"), kv_valid=kw.get("kv_seq_lengths"),
-      q_seg=segs[0], k_seg=segs[1]))
+  allowed = np.asarray(reference.mask(
+      t, s, causal=kw["causal"], window=ref_kw.get("window", (None, None)),
+      segment_ids=ref_kw.get("segment_ids"),
+      q_seq_lengths=kw.get("q_seq_lengths"),
+      kv_seq_lengths=kw.get("kv_seq_lengths")))
   if allowed.ndim == 2:
     allowed = np.broadcast_to(allowed, (2, t, s))
   row = t // 2
@@ -110,11 +164,24 @@ def test_keys_outside_the_mask_do_not_matter(case):
   noise = 50.0 * jax.random.normal(jax.random.key(seed + 7), k.shape)
   k2 = jnp.where(hidden[:, :, None, None], k + noise, k)
   v2 = jnp.where(hidden[:, :, None, None], v - noise, v)
-  attend = functools.partial(jaxflash.flash_attention, implementation="triton",
-                             interpret=True, config=TILES, **kw)
+  attend = jax.jit(functools.partial(
+      jaxflash.flash_attention, implementation="triton", interpret=True,
+      config=TILES, **kw))
   a = np.asarray(attend(q, k, v))[:, row]
   b = np.asarray(attend(q, k2, v2))[:, row]
   np.testing.assert_array_equal(a, b)
+
+
+def test_keys_outside_the_mask_do_not_matter():
+  _check_hidden_keys_do_not_matter(_explicit("pairs-window-lengths-mqa-f32"))
+
+
+@pytest.mark.slow
+@settings(max_examples=10, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(case=mask_cases())
+def test_keys_outside_the_mask_do_not_matter_drawn(case):
+  _check_hidden_keys_do_not_matter(case)
 
 
 @pytest.mark.parametrize("what", ["padding", "empty_window", "zero_length",

@@ -1,4 +1,5 @@
-"""Tile ranges of MaskSpec against brute force over every (query, key)."""
+"""MaskSpec's visibility against the reference's own mask, and its tile
+ranges against brute force over every (query, key)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -6,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxflash import masks
+from jaxflash import masks, reference
 from jaxflash.masks import MaskSpec
 
 
@@ -22,6 +23,86 @@ def test_causal_alignment_pictures():
   np.testing.assert_array_equal(
       np.asarray(MaskSpec(3, 3, causal=True).dense()), np.tril(np.ones((3, 3))))
   assert np.asarray(MaskSpec(3, 4).dense()).all()
+
+
+@st.composite
+def mask_cases(draw, max_len=48):
+  """A mask of every kind: causal or not, offsets (default bottom-right,
+  or given), windows (incl. empty and one-sided) at q_len != kv_len,
+  segment ids with negative (padding) ids, sequence lengths."""
+  t, s = draw(st.integers(1, max_len)), draw(st.integers(1, max_len))
+  batch = 2
+  side = st.one_of(st.none(), st.integers(0, max_len + 8))
+  kw = dict(causal=draw(st.booleans()), window=(draw(side), draw(side)),
+            offset=draw(st.one_of(st.none(), st.integers(-max_len, max_len))))
+  if draw(st.booleans()):
+    ids = st.integers(-2, 2)
+    kw["segment_ids"] = tuple(
+        np.array(draw(st.lists(ids, min_size=batch * n, max_size=batch * n)),
+                 np.int32).reshape(batch, n) for n in (t, s))
+  for name, n in (("q_seq_lengths", t), ("kv_seq_lengths", s)):
+    if draw(st.booleans()):
+      kw[name] = np.array(draw(st.lists(st.integers(0, n), min_size=batch,
+                                        max_size=batch)), np.int32)
+  return t, s, kw
+
+
+def _spec_and_arrays(t, s, kw):
+  spec = MaskSpec(t, s, kw["causal"], kw["offset"], *kw["window"])
+  seg = kw.get("segment_ids") or (None, None)
+  return spec, dict(q_valid=kw.get("q_seq_lengths"),
+                    kv_valid=kw.get("kv_seq_lengths"), q_seg=seg[0],
+                    k_seg=seg[1])
+
+
+@settings(max_examples=400)
+@given(case=mask_cases(), pad=st.integers(0, 20))
+def test_visible_matches_reference_mask(case, pad):
+  """masks.visible, the kernels' elementwise mask, as the kernels call it
+  (indices of whole tiles, past the arrays' ends; per-row lengths and
+  segment ids broadcast from a batch axis), against the reference's own
+  mask, written independently from the definitions
+  (jaxflash.reference.mask).  Inside the arrays they agree; past their
+  ends nothing is visible.  NumPy on both sides: nothing to compile, so
+  many cases."""
+  t, s, kw = case
+  spec, arrays = _spec_and_arrays(t, s, kw)
+  q_idx = np.arange(t + pad)[None, :, None]
+  k_idx = np.arange(s + pad)[None, None, :]
+  vis_kw = {n: None if arrays[n] is None else arrays[n][:, None, None]
+            for n in ("q_valid", "kv_valid")}
+  if arrays["q_seg"] is not None:
+    # Positions past the ends carry id 0, a valid id: the index bounds
+    # must hide them, not the ids.
+    q_seg = np.pad(arrays["q_seg"], ((0, 0), (0, pad)))
+    k_seg = np.pad(arrays["k_seg"], ((0, 0), (0, pad)))
+    vis_kw.update(q_seg=q_seg[:, :, None], k_seg=k_seg[:, None, :])
+  got = np.broadcast_to(spec.visible(q_idx, k_idx, **vis_kw),
+                        (2, t + pad, s + pad))
+  want = np.broadcast_to(reference.mask(t, s, xp=np, **kw), (2, t, s))
+  np.testing.assert_array_equal(got[:, :t, :s], want)
+  assert not got[:, t:].any() and not got[:, :, s:].any()
+
+
+@settings(max_examples=30)
+@given(case=mask_cases(), shape=st.sampled_from([(1, 7), (9, 5), (6, 13),
+                                                 (16, 16)]))
+def test_dense_matches_reference_mask(case, shape):
+  """MaskSpec.dense (jax arrays) equals the reference's mask as the
+  reference builds it (jax arrays too).  A few shapes, so that eager jax
+  compiles each operation once."""
+  (_, _, kw), (t, s) = case, shape
+  kw = dict(kw)
+  for name, n in (("q_seq_lengths", t), ("kv_seq_lengths", s)):
+    if name in kw:
+      kw[name] = np.minimum(kw[name], n)
+  if "segment_ids" in kw:
+    kw["segment_ids"] = tuple(np.resize(ids, (2, n)) for ids, n in
+                              zip(kw["segment_ids"], (t, s)))
+  spec, arrays = _spec_and_arrays(t, s, kw)
+  got = np.asarray(spec.dense(**arrays))
+  want = np.asarray(reference.mask(t, s, **kw))
+  np.testing.assert_array_equal(np.broadcast_to(got, want.shape), want)
 
 
 def test_invalid_lengths():

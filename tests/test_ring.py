@@ -53,8 +53,9 @@ def _global_ring(mesh, axis, *, causal, zigzag, seg_ids, batch_axis=None,
 
 
 @pytest.mark.parametrize("causal,batch_axis", [
-    (False, None), (True, None), (True, "data")],
-    ids=["full", "causal", "causal-batch-on-data"])
+    pytest.param(False, None, id="full", marks=pytest.mark.slow),
+    pytest.param(True, None, id="causal", marks=pytest.mark.slow),
+    pytest.param(True, "data", id="causal-batch-on-data")])
 def test_ring_under_check_vma(causal, batch_axis):
   """shard_map's default check_vma=True: the ring's zeros (skipped pairs,
   initial accumulators) are typed as varying over the blocks' axes (the
@@ -83,12 +84,12 @@ def test_ring_under_check_vma(causal, batch_axis):
 
 
 @pytest.mark.parametrize("mesh_shape,causal,zigzag", [
-    ((4,), False, False),
-    ((4,), True, False),
-    ((8,), True, True),
-    ((2, 4), True, True),
-], ids=["4-full", "4-causal-contiguous", "8-causal-zigzag",
-        "2x4-data-context-zigzag"])
+    pytest.param((4,), False, False, id="4-full"),
+    pytest.param((4,), True, False, id="4-causal-contiguous"),
+    pytest.param((8,), True, True, id="8-causal-zigzag",
+                 marks=pytest.mark.slow),
+    pytest.param((2, 4), True, True, id="2x4-data-context-zigzag"),
+])
 def test_ring_matches_reference(mesh_shape, causal, zigzag):
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
