@@ -20,18 +20,6 @@ MAX_NAMED_STAGES = (FREE_NAMED_BARRIERS - 2) // 2
 
 # Options that do not combine: (option, other, why option excludes other).
 _EXCLUSIVE_OPTIONS = (
-    ("no_auto_barriers", "p_in_smem",
-     "drops the barrier that orders each step's write of P into shared"
-     " memory after the other warps' wgmma reads of the last one"),
-    ("late_rescale", "intra_wg_overlap",
-     "moves the rescale of the default loop (intra_wg_overlap's loop"
-     " rescales after P V)"),
-    ("pv_then_qk", "intra_wg_overlap", "has its own step order"),
-    ("groups_slowest", "groups_fastest", "is the other work-item order"),
-    ("pv_then_qk", "early_k_wait",
-     "has its own step order (the next K is waited for in the turn)"),
-    ("early_k_wait", "intra_wg_overlap",
-     "is not written for intra_wg_overlap's loop (its own barrier order)"),
     ("bwd_delta_in_regs", "bwd_stats_first",
      "leaves no dP^T starting value to store first"),
     ("bwd_atomic_dq", "bwd_split_dkv",
@@ -151,46 +139,6 @@ class MosaicConfig:
       barriers use the lower ones): two for the schedule, ``stages`` each
       for K and V, so ``stages <= 5``.  GPU only (inline PTX, which the
       interpreter does not run).
-    pv_then_qk: each consumer's turn on the tensor cores issues tile
-      ``t``'s ``P V`` and tile ``t + 1``'s ``Q K^T`` back to back, then
-      waits for both (FlashAttention-3's inter-warpgroup ping-pong,
-      arXiv 2407.08608 §3.1), instead of ``P V`` alone, waited for before
-      the next step issues its ``Q K^T``.  The default order leaves the
-      tensor cores idle from the end of a consumer's ``P V`` until that
-      consumer has woken, waited for the next K and issued the next
-      ``Q K^T``; ncu on the H200 (head_dim 256) showed that wait taking
-      twice tokamax's share of the consumers' stalls.  Not a default:
-      0.81-0.89x of it on the H200
-      (docs/benchmarks/h200-2026-12-01-pv-then-qk.md).  Not with
-      ``intra_wg_overlap`` or ``early_k_wait`` (the next K is waited for
-      inside the turn).
-    late_rescale: rescale the output accumulator by the step's ``alpha``
-      after the ping-pong barrier, just before ``P V`` (where tokamax's
-      compiled kernel does it, ncu 2026-12-01), instead of before the
-      barrier with the rest of the softmax.  Run on the H200 only within
-      tokamax's loop order (with ``early_k_wait`` and ``row_sum_in_pv``,
-      gpu config ``named-tokamax-order``): -1 to +3% on the plain grid,
-      -8 to -10% on the persistent one (2026-12-01, docs/perf-notes.md);
-      not a default.  The
-      interpretable form (no in-place accumulation) always rescales
-      there.
-    early_k_wait: each forward step waits for the next step's K inside
-      its ``P V`` wgmma scope (while the matmul runs, as tokamax's kernel)
-      instead of at the start of the next step.  Not with
-      ``intra_wg_overlap``.
-    row_sum_in_pv: at padded head_dim > 128 (where the row sum of ``P``
-      is not finished before the barriers), sum it inside the ``P V``
-      wgmma scope, while the matmul runs, instead of before issuing it
-      (tokamax's order at head_dim > 128).  No effect at head_dim <= 128.
-    split_kv_release: the forward's producer refills a slot's K as soon
-      as both consumers released that K (after their ``Q K^T``) and its V
-      once they released V (after their ``P V``), as tokamax's sm90
-      kernel, instead of both once both are released.  With the ping-pong
-      consumer 1's ``P V`` ends half a step after consumer 0's, so
-      waiting for V as well issues the next K in the slot about a step
-      later than it could go (always on with ``intra_wg_overlap``).  With
-      the 80-key tiles at head_dim 256 +0.3 to +2.5% in three runs on
-      the H200 (its rule there until ``intra_wg_overlap`` replaced it).
     persistent_pairs: on a causal call on the persistent grid, a work
       unit is two query groups of one (batch, head): the ``p``-th
       longest and the ``p``-th shortest (``G`` groups: group ``p`` and
@@ -213,37 +161,6 @@ class MosaicConfig:
       2048: the H200 default on causal calls of at most 1024 keys at
       head_dim 128 (tuning.json).  Without ``persistent`` or off causal
       calls it does nothing.
-    groups_fastest: the forward's work items are ordered query groups
-      fastest, then heads, then batch, as tokamax's sm90 kernel orders
-      its grid.  By default the plain grid launches batch fastest, then
-      query groups (longest first on causal calls), then heads, and the
-      persistent grid's round robin takes heads fastest, then query
-      groups, then batch.  Written because ncu measured 44% more L2 and
-      19% more DRAM throughput than tokamax's kernel in the head_dim 256
-      non-causal forward with 2048 keys at about the same cycle count
-      (docs/benchmarks/h200-2026-12-04-s26.md).  On the persistent grid
-      timed level on the H200 (non-causal, head_dim 64/256 with 8192 and
-      16384 keys, two copies against a copy of the default in shuffled
-      rounds: within 2%, the copies up to 1.4% apart): not a default.
-      Its plain-grid form was corrected after that run (it had launched
-      query groups slowest); corrected, level at head_dim 256 non-causal
-      with 2048-8192 keys (2026-12-04, s27).  On causal calls it
-      interleaves long and short groups in the launch order, so it is
-      meant for non-causal ones.
-    groups_slowest: the forward's work items are ordered query groups
-      slowest (the longest causal group of every (batch, head) first,
-      then the next longest of each, ...), then heads, then batch
-      fastest: a global longest-first order on causal calls, where the
-      default launches each head's groups longest first but one head
-      after another.  ``tools/persistent_balance.py`` models the plain
-      grid's makespan under the hardware's scheduler at 1.005x the ideal
-      with it against 1.018x (head_dim 128, 1024 keys) and 1.031x
-      (head_dim 256, 1024 keys) in the default order (it ignores L2
-      reuse, which the default's head-by-head order favours).  On the
-      persistent grid the round robin takes the same order.  On the
-      H200 0.83-0.99x of the default on causal calls at head_dim
-      128/256 with 1024-4096 keys (s28: the resident programs then
-      share no K/V in L2): not a default.  Not with ``groups_fastest``.
     kv_multicast: the forward runs in clusters of two CTAs, the two
       query groups of a cluster (adjacent ones of one (batch, head))
       sharing each K/V tile: each CTA's producer issues half of the tile
@@ -284,22 +201,6 @@ class MosaicConfig:
       of groups), but not its cross-CTA synchronisation: with the
       cluster barriers replaced by per-CTA ones it still passes (s28),
       so that part is covered by the ``gpu`` tests only.
-    exp2_poly_cols: in the forward's steps that take no mask (not the
-      overlapped loop's first and last tiles, and no step with segment
-      ids), the first this many key columns of each ``S`` tile take ``2^x``
-      from a cubic polynomial on the FMA and integer pipes
-      (:func:`jaxflash.mosaic_gpu.forward.exp2_poly`; FlashAttention-4's
-      software exponential, arXiv 2603.05451) instead of the MUFU unit's
-      ``ex2``, the rest from ``ex2``.  At head_dim 64 two consumers ask
-      the MUFU unit for 64 x block_kv exponentials per step each, about as
-      many cycles as the step's two matmuls take on the tensor cores; the
-      polynomial trades each of those exponentials for nine FMA/ALU
-      instructions.  0 (off), or a multiple of 8 below ``block_kv``.  On
-      the H200 (2026-12-04, s27) it lost 1-16% at head_dim 64 (16-48
-      columns, 1024-16384 keys) and was level at best at 128; ncu had the
-      MUFU pipe at 44% of its peak at head_dim 64 with 1024 keys (the
-      tensor pipe 43%), so no pipe limits that step, and the polynomial
-      adds issue slots: not a default.
     prefetch_q: with ``persistent``, the producer loads the next work
       item's Q (one copy per consumer) as soon as both consumers finished
       their ``Q K^T`` of the current one, and the output leaves through
@@ -338,8 +239,7 @@ class MosaicConfig:
       interpreter runs the
       threshold with the unconditional multiply (bit-identical: a
       multiply by 1), so only the branch is covered by the ``gpu`` tests
-      alone.  Not with ``exp2_poly_cols`` (the polynomial takes
-      exponents <= 0).
+      alone.
     deferred_row_sum: the online softmax's row sum ``l`` kept per thread,
       over the thread's own columns of each row, and added across the 4
       lanes that share a row once after the tile loop instead of every
@@ -365,38 +265,6 @@ class MosaicConfig:
       (docs/benchmarks/h200-2026-12-04-s25.md); the default on those
       calls.  Without ``prefetch_q`` on a persistent call it does
       nothing.
-    late_store_wait: with ``prefetch_q`` on the persistent grid, a
-      consumer waits for its item's output and LSE stores to have read
-      shared memory at the start of its next item's epilogue instead of
-      at the end of the item.  The
-      end-of-item wait (which tokamax's sm90 kernel also has) lies
-      between the last ``P V`` and the next item's first ``Q K^T``; the
-      late one comes a whole item after the stores were issued.  Written
-      in s32 after ncu's item-start waits (4.3-6.4% of the stall samples
-      at the short non-causal calls, s24; unchanged by
-      ``early_q_release``, s25) and the head_dim 128 non-causal call
-      with 2048 keys level with tokamax (s32).  Without ``prefetch_q``
-      it does nothing (the persistent grid then keeps the end-of-item
-      wait; Q is the consumer's own load there).
-      Untimed: the H100 runs of s33/s34 set it on the H100's then untuned
-      config (no persistent grid), where it builds the default's
-      kernel.
-    q_l2_prefetch: with ``prefetch_q`` on the persistent grid, the
-      producer prefetches each later item's Q into L2
-      (``plgpu.async_prefetch``, a TMA prefetch) when it starts that
-      item's loads, before it waits for "done with Q", as tokamax's sm90
-      kernel's Q warp does.  The Q load that follows the wait then reads
-      L2 rather than HBM.  Written in s33 (no GPU that session) for the
-      item-start waits: ncu had them at 4.3-6.9% of our stall samples on
-      the short non-causal calls against tokamax's 0.8-1.7%, with the Q
-      or the first K of the next item as the wait's object, not
-      isolated (s24, s25).  The interpreter runs the prefetch as a
-      no-op, so its tests check that the kernel still computes the same;
-      ``tests/test_lowering.py`` checks the prefetches reach the kernel.
-      Without ``prefetch_q`` it does nothing.
-      Untimed: the H100 runs of s33/s34 set it on the H100's then untuned
-      config (no persistent grid), where it builds the default's
-      kernel.
     q_double_buffer: with ``prefetch_q`` on the persistent grid, two Q
       buffers per consumer, used by alternate work items: the producer
       loads an item's Q as soon as it starts that item's loads (the
@@ -449,13 +317,13 @@ class MosaicConfig:
       Untimed: the H100 runs of s33/s34 set it on the H100's then untuned
       config (no persistent grid), where it builds the default's
       kernel.
-      Without ``intra_wg_overlap`` (s36, any consumer count, not with
-      ``early_k_wait`` or ``pv_then_qk``) the default loop runs on across
-      the items the same way: the last step's turn issues its ``P V``
-      and the next item's first ``Q K^T``, the epilogue runs under them,
-      and the other consumer's last ``P V`` (which waits for that
-      ``Q K^T``) overlaps this epilogue instead of both consumers'
-      epilogues leaving the tensor cores idle together.  "Done with Q" is
+      Without ``intra_wg_overlap`` (s36, any consumer count) the default
+      loop runs on across the items the same way: the last step's turn
+      issues its ``P V`` and the next item's first ``Q K^T``, the epilogue
+      runs under them, and the other consumer's last ``P V`` (which waits
+      for that ``Q K^T``) overlaps this epilogue instead of both
+      consumers' epilogues leaving the tensor cores idle together.  "Done
+      with Q" is
       signalled once the item's last ``S`` is read back.  For head_dim
       64's short items, where the per-item cost is (a two-point fit to
       the s35 grid at 1024 and 2048 keys: 2.0 us per item against
@@ -470,54 +338,6 @@ class MosaicConfig:
       2048 keys: +2.3% in rounds and +0.4% sustained on the H200 (s36),
       +2.6% / +1.2% on an H100 (s38), so both are the H200 default on
       head_dim 64 non-causal calls of 1025-2048 keys (tuning.json).
-    unmasked_first_tile: with ``intra_wg_overlap``, the first key tile
-      of an item (whose softmax the overlapped loop computes before the
-      loop, at the item's start) takes the element mask only where it is
-      not fully visible, as every later tile does (a ``lax.cond`` on the
-      tile's index), rather than always.  Every item of an unmasked call
-      (non-causal, no window or segment ids, whole tiles) then skips the
-      mask's 64 selects per thread and their compares on the critical
-      path of its start: 66 fewer SASS instructions per consumer warp and
-      item at head_dim 128 (``tools/sass_loops.py`` on the region before
-      the loop, s34).  Written in s34; the interpreter runs it in the
-      ``intra_wg_overlap`` cases, its ``gpu`` tests passed on an H100
-      (s34).  On the H200 (s35, against a copy of the default at head_dim
-      128): +1.0-2.2% non-causal with 2048 keys, level at 1024, -4-5%
-      causal from 4096 keys, and no gain with ``rescale_threshold``: not a
-      default (docs/benchmarks/h200-2026-12-05-s35.md).
-    split_tail: on the persistent grid, the work items of the last,
-      partial wave are split along the keys into runs of equal length,
-      one per program (Stream-K's "data-parallel + one-tile stream-K"
-      hybrid, arXiv 2301.03598: each program takes whole items round
-      robin, then ``1/P`` of the remaining key-tile steps, which span at
-      most two items).  An item's last part owns it; the others write
-      their unnormalised accumulator, running max and row sum to a
-      float32 workspace in global memory and signal a semaphore, and
-      the owner waits for them and merges them into its own accumulator
-      in the kernel, as FlashAttention's split-KV combine
-      (``forward.TailSplit``; until s40 the merge ran after the kernel,
-      in XLA).
-      Why: the benchmark's 16,384-token calls have 2048 work items at
-      head_dim 128 (1024 at 256, 4096 at 64) for 132 SMs, 15.5 waves
-      (7.8, 31.0): in the last one 64 SMs (100, 128) sit idle for an
-      item, about 3% of a call; cuDNN and tokamax lose the same.  Applies
-      to calls whose items all stream the same key tiles (no causal
-      mask, window or segment ids), on the default item order, without
-      clusters or ``item_overlap``, when the item count is not a
-      multiple of the program count; others run as without it.  Written
-      in s35; the interpreter runs it (two programs, no semaphores).  On
-      an H100, with the merge in XLA (s36) 3.4-7.5% slower at head_dim
-      128 with 2048 keys; with it in the kernel (s40) still 5.3% slower
-      there, 9% at head_dim 256 with 1024 keys, and 5.9% at head_dim 128
-      where only 4 items are split (the split kernel's cost, not the
-      merge's); +2% only at head_dim 64 with two consumers and 2048 keys,
-      whose last wave holds 4 items.  Not a default
-      (docs/backends.md).
-    kv_l2_prefetch: on the persistent grid, the producer prefetches each
-      later item's first K and V tiles into L2 when it starts that
-      item's loads (the other half of that wait's object; with
-      ``early_q_release`` those loads wait behind the next Q's).  Same
-      tests as ``q_l2_prefetch``, and untimed as it.
     lean_epilogue: the forward's epilogue as tokamax's sm90 kernel's:
       normalise with one reciprocal per row and a multiply per element
       (instead of a divide per element), store the output in 64-column
@@ -542,17 +362,6 @@ class MosaicConfig:
       From 8192 keys at 128 the default's 176-key tiles leave no room
       for its output slots (247,808 bytes of shared memory against
       232,448; ``head_dim_problem`` refuses it).
-    no_auto_barriers: compile the forward with Pallas'
-      ``unsafe_no_auto_barriers`` (as tokamax's sm90 kernel): no
-      warpgroup barrier around each shared-memory store and before each
-      TMA load (the producer's two per step).  The forward's explicit
-      syncs remain (``commit_smem`` and ``wait_smem_to_gmem`` each end in
-      a warpgroup barrier; the output store into Q's buffer is preceded
-      by one).  Written to time tokamax's last compile-level difference
-      at head_dim 256; not a default: -3% to +4% on the H200
-      (docs/benchmarks/h200-2026-12-01-no-auto-barriers.md).  GPU only,
-      not with ``p_in_smem`` (P's buffer is rewritten each step after
-      wgmmas of other warps read it).
     unpadded_kv: the forward reads K and V unpadded: the last key tile's
       rows past the keys are zero-filled by the TMA copy (which skips
       out-of-bounds reads) instead of by an XLA pad, which copies K and V
@@ -798,29 +607,15 @@ class MosaicConfig:
   persistent: bool = False
   intra_wg_overlap: bool = False
   named_barriers: bool = False
-  early_k_wait: bool = False
-  pv_then_qk: bool = False
-  late_rescale: bool = False
-  row_sum_in_pv: bool = False
-  split_kv_release: bool = False
   prefetch_q: bool = False
   persistent_pairs: bool = False
-  groups_fastest: bool = False
-  groups_slowest: bool = False
   kv_multicast: bool = False
-  exp2_poly_cols: int = 0
   rescale_threshold: int = 0
   deferred_row_sum: bool = False
   early_q_release: bool = False
-  late_store_wait: bool = False
-  q_l2_prefetch: bool = False
-  kv_l2_prefetch: bool = False
   q_double_buffer: bool = False
   item_overlap: bool = False
-  unmasked_first_tile: bool = False
-  split_tail: bool = False
   lean_epilogue: bool = False
-  no_auto_barriers: bool = False
   unpadded_kv: bool = False
   unpadded_q: bool = False
   bwd_block_q: int = 64
@@ -868,23 +663,12 @@ class MosaicConfig:
             f"bwd_dkv_block_q={dkv_q} with bwd_paired_dkv=True: the paired"
             " dK/dV kernel streams bwd_block_q rows (it needs"
             " bwd_dkv_block_q=None)")
-    cols = self.exp2_poly_cols
-    if (not isinstance(cols, int) or cols < 0 or cols % 8
-        or (cols and cols >= self.block_kv)):
-      raise ValueError(
-          f"exp2_poly_cols={cols!r} must be 0 or a multiple of 8 below"
-          f" block_kv={self.block_kv}")
     thr = self.rescale_threshold
     if not isinstance(thr, int) or not 0 <= thr <= MAX_RESCALE_THRESHOLD:
       raise ValueError(
           f"rescale_threshold={thr!r} must be an integer from 0 (off) to"
           f" {MAX_RESCALE_THRESHOLD} (P up to 2^threshold must stay exact"
           " in float16)")
-    if thr and cols:
-      raise ValueError(
-          f"rescale_threshold={thr} with exp2_poly_cols={cols}: the"
-          " polynomial takes exponents <= 0, and under the threshold they"
-          " run up to the threshold")
     for name in ("stages", "bwd_stages"):
       val = getattr(self, name)
       if not isinstance(val, int) or val < 2:

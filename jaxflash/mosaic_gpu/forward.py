@@ -52,47 +52,6 @@ from jaxflash.triton.common import out_struct
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
-# 2^f on f in [-1/2, 1/2], degree 3, fitted for least maximum relative
-# error (7.5e-5 in float32 Horner: below half an ulp of the bfloat16 and
-# float16 P that the P V matmul takes).
-_EXP2_POLY = (0.9999281167984009, 0.6932609677314758, 0.24261033535003662,
-              0.05517134442925453)
-# 1.5 * 2^23: x + this rounds x to an integer held in the low mantissa bits.
-_ROUND_MAGIC = 12582912.0
-
-
-def exp2_poly(x, magic):
-  """``2^x`` for finite ``x <= 0`` on the FMA and integer pipes, none of it
-  on the MUFU unit that ``exp2`` uses (FlashAttention-4's software
-  exponential, arXiv 2603.05451, with Cody and Waite's range reduction):
-  ``x = j + f`` with ``j = round(x)`` and ``f`` in [-1/2, 1/2], ``2^f``
-  by the polynomial above, and ``2^j`` added into the exponent bits.
-  Nine instructions against one, so only a share of a tile's columns
-  take it (:attr:`MosaicConfig.exp2_poly_cols`), to relieve the MUFU unit
-  where it is as busy as the tensor cores.
-
-  ``magic`` must equal ``_ROUND_MAGIC`` (broadcastable to ``x``) but be
-  computed at run time: XLA's simplifier, which compiles the interpreted
-  kernel on the CPU, cancels ``(x + M) - M`` to ``x`` for a literal
-  ``M`` (Mosaic GPU emits the two adds as written: its float ops carry
-  only the ``contract`` fast-math flag).
-
-  ``x`` is clamped at -125 so that the exponent stays in range: below, the
-  result is ``2^-125`` (about 2.4e-38) instead of smaller, against a row
-  maximum of 1.  Not for ``-inf`` (masked scores): those need exactly 0,
-  so masked steps keep ``exp2``."""
-  x = jnp.maximum(x, -125.0)
-  t = x + magic
-  f = x - (t - magic)
-  c0, c1, c2, c3 = _EXP2_POLY
-  p = ((c3 * f + c2) * f + c1) * f + c0
-  # The low 9 bits of round(x) are t's low mantissa bits; shifted into the
-  # exponent field they add round(x) to p's exponent (mod 2^32).
-  bits = (lax.bitcast_convert_type(p, jnp.int32)
-          + lax.shift_left(lax.bitcast_convert_type(t, jnp.int32),
-                           jnp.int32(23)))
-  return lax.bitcast_convert_type(bits, jnp.float32)
-
 
 def rescale_rows(acc, alpha, *, skip_unmoved: bool):
   """``acc * alpha`` row by row (``alpha`` in the row layout of the wgmma
@@ -261,31 +220,13 @@ class Problem:
 
 
 def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
-            n_programs: int | None, cluster: int,
-            tail: TailSplit | None = None):
+            n_programs: int | None, cluster: int):
   if prob.has_segments:
     q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, range_ref, *refs = refs
   else:
     q_ref, k_ref, v_ref, *refs = refs
     qseg_ref = kvseg_ref = range_ref = None
   o_ref, lse_ref, *refs = refs
-  # split_tail: the workspace of the split items' segments (TailSplit):
-  # one row block per program (a program holds at most one part that
-  # does not own its item), each consumer's rows of that part's
-  # unnormalised output and their running max and row sum, in float32.
-  accws_ref, mlws_ref = (None, None) if tail is None else refs[:2]
-  if tail is not None:
-    refs = refs[2:]
-  # split_tail on a GPU: one semaphore per split item and consumer, which
-  # each part that does not own the item signals once its workspace rows
-  # are written (global memory that Pallas zeroes before each call; each
-  # wait also takes back what it waited for).  The interpreter runs no
-  # semaphores; it runs the programs one after the other, so that an
-  # item's owner (its last part) reads what the others wrote before.
-  tail_sems = None
-  if tail is not None and in_place:
-    tail_sems = pl.get_global(
-        plgpu.SemaphoreType.REGULAR((tail.left * cfg.compute_wgs,)))
   (qo_smem2, k_smem, v_smem, lse_smem2, k_ready, v_ready,
    q_ready, k_free, v_free, *extra) = refs
   p_smem2 = extra.pop(0) if cfg.p_in_smem else None
@@ -298,11 +239,6 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
   # early_q_release (which needs intra_wg_overlap): "done with Q" from the
   # overlapped loop, before the last P V turn, and Q loaded first.
   early_q_release = prefetch and cfg.early_q_release
-  # late_store_wait: an item's output and LSE stores are waited for at the
-  # next item's epilogue, not at the end of their own (prefetch_q only:
-  # there Q has buffers of its own, so nothing before that epilogue
-  # rewrites what the stores read).
-  late_store_wait = prefetch and cfg.late_store_wait
   # q_double_buffer: two Q buffers per consumer, used by alternate items
   # (not with persistent_pairs, whose skipped items would break the
   # alternation); buffer ``buf`` of consumer ``w`` is
@@ -371,13 +307,9 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     n_steps = u_hi - u_lo
 
   def consume(b, h, group_start, u_lo, u_hi, first_step, item=None,
-              chain=None, part=None):
+              chain=None):
     """One work item on a consumer warpgroup: ring steps ``first_step +
     [0, u_hi - u_lo)``; ``item``: its number in the program's loop.
-    ``part=(is_segment, sm, j, owner, first_sm)`` with ``split_tail``
-    (:func:`for_each_item_and_segment`): a segment that does not own its
-    item goes to program ``sm``'s workspace rows; an owner merges the
-    others' first (:func:`merge_parts`).
     ``chain=(s_first, n_items)`` with ``item_overlap`` (``chained``):
     ``S`` of this item's first tile, issued and read back by the item
     before (valid from item 1), and the program's item count; returns
@@ -400,16 +332,6 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         jnp.full((bq, prob.head_dim_padded), 0.0, jnp.float32),
         plgpu.Layout.WGMMA)
     qk_scale = prob.softmax_scale * LOG2E
-
-    def wait_next_k(step):
-      """``early_k_wait``: wait for the next step's K now (inside the
-      ``P V`` scope, while the wgmma runs), as tokamax's kernel does,
-      rather than at the start of that step."""
-      if cfg.early_k_wait:
-        end_step = first_step + (u_hi - u_lo)
-        nxt = step + 1
-        pl.when(nxt < end_step)(
-            lambda: plgpu.barrier_wait(k_ready.at[lax.rem(nxt, stages)]))
 
     rescale = functools.partial(
         rescale_rows, skip_unmoved=bool(cfg.rescale_threshold) and in_place)
@@ -465,18 +387,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         alpha = jnp.where(m_next == m, 1.0, alpha)
       m_b = lax.broadcast_in_dim(m_use, s.shape, [0])
       x = s - m_b if scale is None else s * scale - m_b
-      cols = cfg.exp2_poly_cols
-      if cols and not masked:  # every score finite: a share off the MUFU
-        # The rounding constant from a row value (m_use is never +inf):
-        # see exp2_poly.
-        magic = jnp.where(m_use == jnp.inf, 0.0, _ROUND_MAGIC)
-        p = jnp.concatenate(
-            [exp2_poly(x[:, :cols],
-                       lax.broadcast_in_dim(magic, (x.shape[0], cols), [0])),
-             jnp.exp2(x[:, cols:])], axis=1)
-      else:
-        p = jnp.exp2(x)
-      return p, m_next, alpha
+      return jnp.exp2(x), m_next, alpha
 
     def probs_where_visible(s, t, m, full_lo, full_hi):
       """:func:`probs` for a tile whose masking is known only at run time:
@@ -492,21 +403,10 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
                       lambda: probs(s, t, m, masked=False),
                       lambda: probs(s, t, m, masked=True))
 
-    def probs_at(s, t, m, full_lo, full_hi):
-      """:func:`probs` for the overlapped loop's first tile: with the
-      element mask, or with ``unmasked_first_tile`` only where the tile
-      is not fully visible (:func:`probs_where_visible`), so that the
-      first tile of an unmasked call skips the mask's compares and
-      selects."""
-      if not cfg.unmasked_first_tile:
-        return probs(s, t, m, masked=True)
-      return probs_where_visible(s, t, m, full_lo, full_hi)
-
-    def scores(slot, *, waited=False):
-      """``S = Q K^T`` with tile ``slot``'s K (waited for unless
-      ``waited``, then released)."""
-      if not waited:
-        plgpu.barrier_wait(k_ready.at[slot])
+    def scores(slot):
+      """``S = Q K^T`` with tile ``slot``'s K (waited for, then
+      released)."""
+      plgpu.barrier_wait(k_ready.at[slot])
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].T)
@@ -526,53 +426,34 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       plgpu.commit_smem()
       return p_src
 
-    def add_pv(acc, p16, slot, while_running=lambda: None, row_sum=None,
-               p_src=None):
-      """``O += P V`` with tile ``slot``'s V (waits for the wgmma);
-      ``while_running()`` is issued after the wgmma, before that wait.
-      ``row_sum=(l, p)`` (``row_sum_in_pv``, tokamax's order at head_dim
-      > 128): also return ``l + rowsum(p)``, summed while the tensor
-      cores multiply.  ``p_src``: ``P`` already in place (then ``p16``
-      is not used)."""
+    def add_pv(acc, p16, slot, p_src=None):
+      """``O += P V`` with tile ``slot``'s V (waits for the wgmma).
+      ``p_src``: ``P`` already in place (then ``p16`` is not used)."""
       p_src = p_operand(p16) if p_src is None else p_src
 
       def issue(acc_ref):
         plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
-        l_next = None if row_sum is None else (
-            row_sum[0] + rsum(row_sum[1]))
-        while_running()
-        return l_next
 
       if in_place:
         # O += P V accumulated in the wgmma registers themselves
         # (FlashAttention-3); the interpreter rejects this idiom.  A fresh
         # accumulator instead spills at head_dim 256 (measured on the H200:
-        # 221 against 593 TFLOP/s, s4096).
-        if row_sum is None:
-          return pl.run_state(issue)(plgpu.ACC.init(acc))
-
-        def issue_and_sum(refs):
-          acc_ref, l_ref = refs
-          l_ref[...] = issue(acc_ref)
-        return pl.run_state(issue_and_sum)((plgpu.ACC.init(acc),
-                                            row_sum[0]))
+        # 221 against 593 TFLOP/s at 4096 keys).
+        return pl.run_state(issue)(plgpu.ACC.init(acc))
 
       # Interpretable form: a fresh scoped accumulator, added in registers.
       def pv(acc_ref):
-        l_next = issue(acc_ref)
-        return acc_ref[...], l_next
-      pv_out, l_next = pl.run_scoped(
+        issue(acc_ref)
+        return acc_ref[...]
+      return acc + pl.run_scoped(
           pv, plgpu.ACC((bq, prob.head_dim_padded), jnp.float32))
-      return acc + pv_out if row_sum is None else (acc + pv_out, l_next)
 
     def softmax_turn(s, t, carry, slot, *, masked):
       """Tile ``t``'s online-softmax step from its ``S``, up to this
       consumer's turn on the tensor cores (V waited for); ``masked`` a
       bool, or ``(full_lo, full_hi)``: the element mask where ``t`` lies
       outside those fully visible tiles (a ``lax.cond``):
-      ``(acc, m, l, P16, P)``, ``P`` (float32) returned when its row sum
-      is still to be added while ``P V`` runs (``row_sum_in_pv``), else
-      None."""
+      ``(acc, m, l, P16)``."""
       acc, m, l = carry
       if isinstance(masked, tuple):  # (full_lo, full_hi): at run time
         p, m_next, alpha = probs_where_visible(s, t, m, *masked)
@@ -580,8 +461,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         p, m_next, alpha = probs(s, t, m, masked=masked)
       l = l * alpha
       p16 = p.astype(dtype)
-      rescale_early = in_place and not cfg.late_rescale
-      if rescale_early:
+      if in_place:  # (the interpretable form rescales after the barrier)
         acc = rescale(acc, alpha)
       # As JAX's attention_mgpu: at head_dim <= 128, finishing the row sum
       # and pinning the softmax results before the barriers lets the
@@ -593,38 +473,30 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       ping.softmax_done()
       plgpu.barrier_wait(v_ready.at[slot])
       ping.before_pv()  # tensor cores free
-      sum_in_pv = not early_sum and cfg.row_sum_in_pv
-      if not early_sum and not sum_in_pv:
+      if not early_sum:
         l = l + rsum(p)
-      if not rescale_early:
+      if not in_place:
         acc = rescale(acc, alpha)
-      return acc, m_next, l, p16, (p if sum_in_pv else None)
+      return acc, m_next, l, p16
 
     def compute(step, t, carry, *, masked: bool):
       slot = lax.rem(step, stages)
-      acc, m_next, l, p16, p_sum = softmax_turn(
-          scores(slot, waited=cfg.early_k_wait), t, carry, slot,
-          masked=masked)
-      if p_sum is not None:
-        acc, l = add_pv(acc, p16, slot, lambda: wait_next_k(step),
-                        row_sum=(l, p_sum))
-      else:
-        acc = add_pv(acc, p16, slot, lambda: wait_next_k(step))
+      acc, m_next, l, p16 = softmax_turn(scores(slot), t, carry, slot,
+                                         masked=masked)
+      acc = add_pv(acc, p16, slot)
       v_free.arrive(slot)
       return acc, m_next, l
 
     def skip(step, carry):
       # A tile only the other consumer needs: observe and release it.
       slot = lax.rem(step, stages)
-      if not cfg.early_k_wait:
-        plgpu.barrier_wait(k_ready.at[slot])
+      plgpu.barrier_wait(k_ready.at[slot])
       k_free.arrive(slot)
       ping.issued()
       plgpu.barrier_wait(v_ready.at[slot])
       v_free.arrive(slot)
       ping.softmax_done()
       ping.before_pv()
-      wait_next_k(step)
       return carry
 
     def next_item_turn(acc, m, l, p_src, slot, *, turn_start: bool):
@@ -718,9 +590,6 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       slot_of = lambda t: lax.rem(first_step + t - u_lo, stages)
       step_of = lambda t: first_step + t - u_lo
 
-      def with_row_sum(acc, m, l, p16, p_sum):
-        return acc, m, (l if p_sum is None else l + rsum(p_sum)), p16
-
       # "Done with Q" once the item's last S is read back, before this
       # consumer's turn starts: with one Q buffer the other consumer's
       # last turn waits (for this consumer's next Q K^T) behind the load
@@ -730,8 +599,8 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       s0 = lax.cond(item > 0, lambda: chain[0],
                     lambda: scores(slot_of(u_lo)))
       pl.when(u_hi - u_lo == 1)(done_with_q)
-      acc, m, l, p16 = with_row_sum(*softmax_turn(
-          s0, u_lo, carry, slot_of(u_lo), masked=auto))
+      acc, m, l, p16 = softmax_turn(s0, u_lo, carry, slot_of(u_lo),
+                                    masked=auto)
 
       def more(acc, m, l, p16):
         """Tile u_lo's P V, the middle tiles, the last one's softmax."""
@@ -744,8 +613,8 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
             (acc, m, l))
         s = scores(slot_of(last))
         done_with_q()
-        return with_row_sum(*softmax_turn(s, last, (acc, m, l),
-                                          slot_of(last), masked=auto))
+        return softmax_turn(s, last, (acc, m, l), slot_of(last),
+                            masked=auto)
 
       acc, m, l, p16 = lax.cond(u_hi - u_lo > 1, more, lambda *c: c,
                                 acc, m, l, p16)
@@ -840,7 +709,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
                         lambda: scores(slot_of(lo)))
         else:
           s0 = scores(slot_of(lo))
-        p, m1, alpha = probs_at(s0, lo, m, full_lo, full_hi)
+        p, m1, alpha = probs(s0, lo, m, masked=True)
         l1 = l * alpha + rsum(p)
         return stash(p), m1, l1
 
@@ -943,169 +812,10 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       run(hi, u_hi, lambda t, c: skip(first_step + t - u_lo, c), ())
       return acc, m, l
 
-    def turn_loop(own, carry):
-      """``pv_then_qk`` (FlashAttention-3's ping-pong, arXiv 2407.08608
-      §3.1): a prologue issues ``S`` of the first own tile; each step
-      then runs tile ``t``'s softmax and, in this consumer's turn on the
-      tensor cores, issues ``O += P_t V_t`` and ``S_{t+1} = Q K_{t+1}^T``
-      back to back (the turn ends with ``ping.issued()``), waiting for
-      both only after that.  The last own tile takes ``P V`` alone (and
-      its element mask, wherever it lies: one masked tile per item).
-      The ping-pong hooks run in the same order as in :func:`compute`
-      (the prologue's ``issued`` stands for the one the last step no
-      longer makes), so the skip steps around it interleave as there."""
-      acc, m, l = carry
-      lo, full_lo, full_hi, hi = pipeline.computed_tiles(
-          u_lo, u_hi, own, range_ref is not None)
-      slot_of = lambda t: lax.rem(first_step + t - u_lo, stages)
-      run = lambda a, z, fn, c: lax.fori_loop(a, z, fn, c)
-      run(u_lo, lo, lambda t, c: skip(first_step + t - u_lo, c), ())
-      zeros_s = plgpu.layout_cast(jnp.full((bq, bk), 0.0, jnp.float32),
-                                  plgpu.Layout.WGMMA)
-      s = lax.cond(lo < hi, lambda: scores(slot_of(lo)), lambda: zeros_s)
-
-      def pv_and_next_s(acc, p16, slot, nxt, l, p_sum):
-        """``O += P V`` (this tile), then ``S`` of the next tile once its K
-        is in; both read back together.  ``(acc, S_next, l)``."""
-        p_src = p_operand(p16)
-
-        def issue(o_acc, s_acc):
-          plgpu.wgmma(o_acc, p_src, v_smem.at[slot])
-          l_next = l if p_sum is None else l + rsum(p_sum)
-          plgpu.barrier_wait(k_ready.at[nxt])
-          plgpu.wgmma(s_acc, qo_smem, k_smem.at[nxt].T)
-          ping.issued()  # this consumer's turn ends
-          return l_next
-
-        if in_place:
-          def body(refs):
-            o_acc, s_ref, l_ref = refs
-
-            def with_s(s_acc):
-              l_ref[...] = issue(o_acc, s_acc)
-              return s_acc[...]  # waits for both wgmmas
-            s_ref[...] = pl.run_scoped(
-                with_s, plgpu.ACC((bq, bk), jnp.float32))
-
-          acc, s_next, l = pl.run_state(body)(
-              (plgpu.ACC.init(acc), zeros_s, l))
-        else:  # interpretable form: a fresh P V accumulator
-          def both(o_acc, s_acc):
-            l_next = issue(o_acc, s_acc)
-            return o_acc[...], s_acc[...], l_next
-
-          pv, s_next, l = pl.run_scoped(
-              both, plgpu.ACC((bq, prob.head_dim_padded), jnp.float32),
-              plgpu.ACC((bq, bk), jnp.float32))
-          acc = acc + pv
-        k_free.arrive(nxt)
-        return acc, s_next, l
-
-      def step(t, carry, *, masked: bool):
-        acc, m, l, s = carry
-        slot = slot_of(t)
-        acc, m, l, p16, p_sum = softmax_turn(s, t, (acc, m, l), slot,
-                                             masked=masked)
-        acc, s, l = pv_and_next_s(acc, p16, slot, slot_of(t + 1), l, p_sum)
-        v_free.arrive(slot)
-        return acc, m, l, s
-
-      # Steps lo .. hi - 2.
-      acc, m, l, s = _masked_ranges(lo, jnp.maximum(hi - 1, lo), full_lo,
-                                    full_hi, step, (acc, m, l, s))
-
-      def last(carry):
-        slot = slot_of(hi - 1)
-        acc, m, l, p16, p_sum = softmax_turn(s, hi - 1, carry, slot,
-                                             masked=True)
-        if p_sum is not None:
-          acc, l = add_pv(acc, p16, slot, row_sum=(l, p_sum))
-        else:
-          acc = add_pv(acc, p16, slot)
-        v_free.arrive(slot)
-        return acc, m, l
-
-      acc, m, l = lax.cond(lo < hi, last, lambda c: c, (acc, m, l))
-      run(hi, u_hi, lambda t, c: skip(first_step + t - u_lo, c), ())
-      return acc, m, l
-
-    def merge_parts(acc, m, l, *, sm, j, first_sm):
-      """``split_tail``: the owner of left item ``j`` (program ``sm``,
-      holding its last key tiles) adds the parts of programs ``first_sm
-      .. sm - 1`` to its own, as FlashAttention's split-KV combine but on
-      the unnormalised accumulators (each part's ``acc`` and row sum
-      ``l`` against its own running max ``m``, base 2): against the
-      larger max ``M``, ``acc = acc 2^(m - M) + acc_p 2^(m_p - M)``,
-      likewise ``l``.  Parts are added in program order, one at a time
-      (one part's accumulator in registers beside this one's)."""
-      rows = pl.ds(wg * bq, bq)
-      n_others = tail.n_other_parts(sm, first_sm)
-      if tail_sems is not None:
-        # One thread spins until the others have signalled, then an
-        # acquire fence and the warpgroup barrier (CUTLASS's
-        # GenericBarrier::wait_eq); the wait takes the signals back.
-        pl.when(jnp.asarray(n_others) > 0)(lambda: plgpu.semaphore_wait(
-            tail_sems.at[j * cfg.compute_wgs + wg], n_others,
-            decrement=True, memory_scope="gpu"))
-
-      def add_part(s, carry):
-        acc, m, l = carry
-        m_p = plgpu.load(mlws_ref.at[s, 0, rows], layout=row,
-                         optimized=False)
-        l_p = plgpu.load(mlws_ref.at[s, 1, rows], layout=row,
-                         optimized=False)
-        top = jnp.maximum(m, m_p)
-        # Rows that no part saw a key of keep -inf: 2^(-inf - 0) = 0.
-        top_safe = jnp.where(top == -jnp.inf, 0.0, top)
-        a, a_p = jnp.exp2(m - top_safe), jnp.exp2(m_p - top_safe)
-        acc_p = plgpu.load(accws_ref.at[s, rows],
-                           layout=plgpu.Layout.WGMMA, optimized=False)
-        acc = (acc * lax.broadcast_in_dim(a, acc.shape, [0])
-               + acc_p * lax.broadcast_in_dim(a_p, acc.shape, [0]))
-        return acc, top, l * a + l_p * a_p
-
-      def add(s, carry):
-        if tail.total >= tail.programs:  # every run has a step
-          return add_part(s, carry)
-        g0, g1 = tail.run(s)  # runs of one step or none
-        return lax.cond(g1 > g0, lambda c: add_part(s, c), lambda c: c,
-                        carry)
-
-      return lax.fori_loop(first_sm, sm, add, (acc, m, l))
-
-    def epilogue(acc, m, l, part=None):
+    def epilogue(acc, m, l):
       """Normalise this consumer's rows of an item and store them and
-      their LSE (the variables of the item: :func:`consume`'s).
-      ``part=(is_segment, sm, j, owner, first_sm)`` (``split_tail``): a
-      segment that does not own its item writes ``acc``, ``m`` and ``l``
-      to program ``sm``'s workspace rows and signals; the owner (the
-      item's last part) first merges the other parts into its own
-      (:func:`merge_parts`)."""
+      their LSE (the variables of the item: :func:`consume`'s)."""
       l = finish_row_sum(l, deferred=deferred_sum)
-      stores = None
-      if part is not None:
-        segment, sm, j, owner, first_sm = part
-        stores = jnp.logical_not(segment) | owner
-        rows = pl.ds(wg * bq, bq)
-
-        @pl.when(jnp.logical_not(stores))
-        def _():
-          # Straight from registers into global memory (the float32
-          # accumulator has no shared-memory slot of its own).
-          accws_ref[sm, rows] = acc
-          mlws_ref[sm, 0, rows] = m
-          mlws_ref[sm, 1, rows] = l
-          if tail_sems is not None:
-            # After Pallas' warpgroup barrier (every thread's stores
-            # issued), one thread's release add at GPU scope: CUTLASS's
-            # GenericBarrier::arrive_inc.
-            plgpu.semaphore_signal(tail_sems.at[j * cfg.compute_wgs + wg],
-                                   memory_scope="gpu")
-
-        acc, m, l = lax.cond(
-            segment & owner,
-            lambda c: merge_parts(*c, sm=sm, j=j, first_sm=first_sm),
-            lambda c: c, (acc, m, l))
       empty = l == 0.0
       l_safe = jnp.where(empty, 1.0, l)
       if cfg.lean_epilogue:
@@ -1116,28 +826,12 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
         acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
       else:
         acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-      # Rounded here, or with split_tail chunk by chunk inside the store's
-      # branch (not held beside acc where a part writes acc instead).
-      out = acc.astype(dtype) if part is None else None
+      out = acc.astype(dtype)
       # Natural-log LSE, -inf for rows that see no key (traced where it
       # is stored).
       lse = lambda: jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
-      o_dst = o_ref.at[b, pl.ds(q_start, bq), h]
-      lse_dst = lse_ref.at[b, h, pl.ds(q_start, bq)]
-      if late_store_wait:
-        # The previous item's stores (issued a whole item ago) have read
-        # the output slots and the LSE buffer: a wait for reads long
-        # done, where the end-of-item wait below sits on the way to the
-        # next item's first Q K^T.  The chunk loop's waits then count
-        # this item's copies only.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      if stores is None:
-        store([columns_of(out)], [o_dst], lse, lse_dst)
-      else:
-        rounded = lambda cols: columns_of(acc)(cols).astype(dtype)
-        pl.when(stores)(lambda: store([rounded], [o_dst], lse, lse_dst))
-      if late_store_wait:
-        return  # the next item's epilogue (or the kernel's end) waits
+      store(out, o_ref.at[b, pl.ds(q_start, bq), h], lse,
+            lse_ref.at[b, h, pl.ds(q_start, bq)])
       # Persistent: the next item may rewrite these buffers (Q/O's, or
       # with prefetch_q the output slots and the LSE) once the stores
       # have read them (their GMEM writes finish in the background; the
@@ -1148,45 +842,26 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       plgpu.wait_smem_to_gmem(
           0, wait_read_only=persistent or cfg.lean_epilogue)
 
-    def columns_of(x):
-      """``x``'s columns ``cols`` (a slice; None: all of them)."""
-      return lambda cols: x if cols is None else x[:, cols]
-
-    def store(srcs, dsts, lse, lse_dst):
-      """The epilogue's copies of ``srcs`` (functions of a column slice,
-      None for all: this consumer's rows in the input dtype) to ``dsts``,
-      and of ``lse()`` to ``lse_dst``."""
+    def store(out, o_dst, lse, lse_dst):
+      """The epilogue's copies of ``out`` (this consumer's rows in the
+      input dtype) to ``o_dst`` and of ``lse()`` to ``lse_dst``."""
       if o_smem2 is not None:
         # 64-column chunks through alternating slots: a slot is
         # rewritten once the copy that last read it has (at most slots -
-        # 1 copies of this consumer still reading).  Several sources go
-        # chunk by chunk, each chunk's from all of them.
+        # 1 copies of this consumer still reading).
         n_chunks, slots = cfg.out_chunks(prob.head_dim_padded)
-        for n, (c, (src, o_dst)) in enumerate(
-            (c, sd) for c in range(n_chunks) for sd in zip(srcs, dsts)):
-          cols = slice(c * 64, (c + 1) * 64)
+        for c in range(n_chunks):
           plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-          o_smem2[wg, n % slots] = src(cols)
+          o_smem2[wg, c % slots] = out[:, c * 64:(c + 1) * 64]
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(o_smem2.at[wg, n % slots],
+          plgpu.copy_smem_to_gmem(o_smem2.at[wg, c % slots],
                                   o_dst.at[:, pl.ds(c * 64, 64)])
       else:
-        for n, (src, o_dst) in enumerate(zip(srcs, dsts)):
-          if n:  # the buffer's copy before this one has read it
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          if cfg.no_auto_barriers:
-            # The warpgroup barrier Pallas would put before this store:
-            # every warp's wgmma reads of Q, whose buffer O overwrites,
-            # are done.
-            plgpu.commit_smem()
-          qo_smem[...] = src(None)
-          if n < len(srcs) - 1:
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qo_smem, o_dst)
+        qo_smem[...] = out
       lse_smem[...] = lse()
       plgpu.commit_smem()
       if o_smem2 is None:
-        plgpu.copy_smem_to_gmem(qo_smem, dsts[-1])
+        plgpu.copy_smem_to_gmem(qo_smem, o_dst)
       plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
 
     if chained:  # one alternation over the program's items
@@ -1194,17 +869,12 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       next_q_slot, _ = q_buffer(item + 1, wg)
     else:
       ping.start()  # offset the two consumers by a half step
-    if cfg.early_k_wait:
-      pl.when(u_hi > u_lo)(
-          lambda: plgpu.barrier_wait(k_ready.at[lax.rem(first_step, stages)]))
     own = mask.kv_block_range(q_start, bq, bk)
     if chained:  # the epilogue runs inside the loop's last turn
       loop = overlapped_loop if cfg.intra_wg_overlap else chained_loop
       return loop(own, (acc, m, l))
     if cfg.intra_wg_overlap:
       acc, m, l = overlapped_loop(own, (acc, m, l))
-    elif cfg.pv_then_qk:
-      acc, m, l = turn_loop(own, (acc, m, l))
     else:
       acc, m, l = pipeline.tile_loop(
           u_lo, u_hi, own, first_step=first_step,
@@ -1214,7 +884,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     if prefetch and not early_q_release:
       # This consumer's last Q K^T completed: Q's buffer may be refilled.
       plgpu.barrier_arrive(q_done)
-    epilogue(acc, m, l, part)
+    epilogue(acc, m, l)
 
   def produce(b, h, u_lo, n_steps, first_step, group_start=None, item=None):
     """One work item on the producer: its K/V tiles into the ring (and
@@ -1240,36 +910,12 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     load_k = lambda step, slot: copy(k_ref, k_smem, k_ready, rows(step), slot)
     load_v = lambda step, slot: copy(v_ref, v_smem, v_ready, rows(step), slot)
 
-    def l2_prefetch():
-      # q_l2_prefetch / kv_l2_prefetch: TMA prefetches into L2 of what
-      # this item's first steps wait for (tokamax's Q warp prefetches its
-      # Q the same way before waiting for "done with Q").  The loads that
-      # follow then read L2, not HBM.  Item 0's loads are issued at once.
-      collective = "cluster" if cluster > 1 else None
-      if cfg.q_l2_prefetch and prefetch:
-        for w in range(cfg.compute_wgs):  # the loads' boxes (<= 256 rows)
-          plgpu.async_prefetch(
-              q_ref.at[b, pl.ds(group_start + w * bq, bq), h])
-      if cfg.kv_l2_prefetch:
-        @pl.when(n_steps > 0)
-        def _():
-          for ref in (k_ref, v_ref):
-            plgpu.async_prefetch(ref.at[rows(0)], collective_axes=collective)
-
-    if persistent and (cfg.q_l2_prefetch or cfg.kv_l2_prefetch):
-      pl.when(item > 0)(l2_prefetch)
-
-    if cfg.intra_wg_overlap or cfg.split_kv_release:
+    if cfg.intra_wg_overlap:
       # K and V of a slot refilled apart, each once its own consumers
-      # released it (tokamax's order).  Both consumers release K after
-      # their ``Q K^T``, V only after their ``P V`` (with the ping-pong,
-      # consumer 1's ends half a step later): waiting for both would issue
-      # the next K in that slot about a step later than it could go
-      # (``split_kv_release``: measured within noise on the H200).
-      # ``intra_wg_overlap``: V of step t is released a step later than K
-      # (its P V matmul runs in step t + 1); with one wait per slot for
-      # both, K of step s would wait for V of step s - stages, released at
-      # the end of step s - 1: no lead.
+      # released it (tokamax's order): V of step t is released a step
+      # later than K (its P V matmul runs in step t + 1); with one wait
+      # per slot for both, K of step s would wait for V of step s -
+      # stages, released at the end of step s - 1: no lead.
       loads = [([k_free], load_k), ([v_free], load_v)]
     else:
       loads = [([k_free, v_free], load)]
@@ -1306,7 +952,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
 
   def unit_coords(w):
     """Work unit ``w``'s (batch, head, unit of its (batch, head)) in the
-    persistent grid's default order: heads fastest, then query groups,
+    persistent grid's order: heads fastest, then query groups,
     then batch."""
     h = lax.rem(w, prob.num_heads)
     rest = lax.div(w, prob.num_heads)
@@ -1315,22 +961,18 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
   def for_each_item(run, extra=None):
     """Persistent grid: program ``sm`` takes work items ``sm, sm +
     n_programs, ...`` (heads fastest, then query groups, then batch; with
-    ``groups_fastest`` query groups, then heads; with ``groups_slowest``
-    heads, then batch, then query groups; with clusters
-    (``kv_multicast``) a unit is a pair of adjacent query groups, one
-    per CTA), the ring's step count running on across them: ``run(item, b, h,
-    group_start, u_lo, u_hi, first_step)``.  With ``persistent_pairs`` on
-    a causal call the units dealt out are pairs of query groups (the
-    ``p``-th longest, then the ``p``-th shortest: equal work per unit);
-    the second of a pair is skipped where it is the first (an odd group
-    count's middle group).  Returns the total steps and the program's
-    item count (loop iterations, skipped ones included).  With ``extra``
-    (not with pairs) ``run`` also takes ``extra=`` (its value from the
-    item before, ``extra`` for the first) and ``n_items=``, and returns
-    the next value."""
+    clusters (``kv_multicast``) a unit is a pair of adjacent query groups,
+    one per CTA), the ring's step count running on across them:
+    ``run(item, b, h, group_start, u_lo, u_hi, first_step)``.  With
+    ``persistent_pairs`` on a causal call the units dealt out are pairs
+    of query groups (the ``p``-th longest, then the ``p``-th shortest:
+    equal work per unit); the second of a pair is skipped where it is
+    the first (an odd group count's middle group).  Returns the total
+    steps and the program's item count (loop iterations, skipped ones
+    included).  With ``extra`` (not with pairs) ``run`` also takes
+    ``extra=`` (its value from the item before, ``extra`` for the first)
+    and ``n_items=``, and returns the next value."""
     sm = lax.axis_index("sm")
-    if tail is not None:
-      return for_each_item_and_segment(run, sm)
     units = prob.num_heads * n_units_per_bh * prob.batch
     n_items = lax.div(units - sm + n_programs - 1, n_programs)
     if pairs:
@@ -1342,18 +984,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     def body(i, carry):
       first_step, value = carry if extra is not None else (carry, None)
       w = sm + (lax.div(i, 2) if pairs else i) * n_programs
-      if cfg.groups_fastest:
-        u = lax.rem(w, n_units_per_bh)
-        rest = lax.div(w, n_units_per_bh)
-        h = lax.rem(rest, prob.num_heads)
-        b = lax.div(rest, prob.num_heads)
-      elif cfg.groups_slowest:
-        h = lax.rem(w, prob.num_heads)
-        rest = lax.div(w, prob.num_heads)
-        b = lax.rem(rest, prob.batch)
-        u = lax.div(rest, prob.batch)
-      else:
-        b, h, u = unit_coords(w)
+      b, h, u = unit_coords(w)
       if not pairs:
         group_start, u_lo, u_hi = item_ranges(b, cluster_group(u))
         if extra is None:
@@ -1377,43 +1008,6 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     total, _ = lax.fori_loop(0, n_items, body, (jnp.int32(0), extra))
     return total, n_items
 
-  def for_each_item_and_segment(run, sm):
-    """:attr:`MosaicConfig.split_tail` (:class:`TailSplit`): program
-    ``sm``'s ``tail.whole`` items round robin, then its segments of the
-    left items, ``run(i, b, h, group_start, lo, hi, first_step,
-    part=(is_segment, sm, j, owner, first_sm))`` for each (a segment's
-    ``[lo, hi)`` the key tiles of its run, ``j`` its left item, ``owner``
-    whether it holds the item's last tile, ``first_sm`` the program that
-    holds the first), the ring's step count running on across them.  A
-    run spans at most two items and is at most one item long: its first
-    segment ends an item (it owns it, or a later program does), its
-    second begins one that later programs finish; so a program holds at
-    most one part that it does not own, and one workspace row block per
-    program serves.  An owner waits only for lower programs' parts, in
-    either order; the second segment goes first so that the wait does
-    not hold it up: in the other order a program's part of the next
-    item would start only after its own wait, which waits for the
-    program before's part of its item, started only after that
-    program's wait, and so on down a chain of programs.  Returns the
-    total steps and the count of items and segments."""
-    n_segments = tail.n_segments(sm, jnp)
-
-    def body(i, first_step):
-      segment = i >= tail.whole
-      _, j, seg_lo, seg_hi, owner = tail.segment(
-          sm, jnp.maximum(i - tail.whole, 0), jnp)
-      w = jnp.where(segment, tail.first_left + j, sm + i * tail.programs)
-      b, h, u = unit_coords(w)
-      group_start, u_lo, u_hi = item_ranges(b, u)
-      lo = jnp.where(segment, u_lo + seg_lo, u_lo)
-      hi = jnp.where(segment, u_lo + seg_hi, u_hi)
-      run(i, b, h, group_start, lo, hi, first_step,
-          part=(segment, sm, j, owner, tail.first_program(j)))
-      return first_step + (hi - lo)
-
-    n_items = tail.whole + n_segments
-    return lax.fori_loop(0, n_items, body, jnp.int32(0)), n_items
-
   @pl.when(wg < cfg.compute_wgs)
   def _consumer():
     pipeline.split_registers(False, cfg.compute_wgs, cfg.consumer_registers)
@@ -1427,8 +1021,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
                 *args, item=item, chain=(extra, n_items)),
             extra=zeros_s)
       else:
-        for_each_item(lambda item, *args, **kw: consume(*args, item=item,
-                                                        **kw))
+        for_each_item(lambda item, *args: consume(*args, item=item))
       plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.lean_epilogue)
     else:
       consume(b, h, group_start, u_lo, u_hi, 0)
@@ -1438,7 +1031,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     pipeline.split_registers(True, cfg.compute_wgs, cfg.consumer_registers)
     if persistent:
       total_steps, n_items = for_each_item(
-          lambda item, b, h, group_start, u_lo, u_hi, first, **_: produce(
+          lambda item, b, h, group_start, u_lo, u_hi, first: produce(
               b, h, u_lo, u_hi - u_lo, first, group_start, item))
       pipeline.drain(total_steps, stages, [k_free, v_free])
       if double_q:  # the last two items' "done with Q"
@@ -1482,9 +1075,7 @@ def _chains_items(cfg: MosaicConfig, prob: Problem) -> bool:
   (``intra_wg_overlap``) also needs the two consumers' ping-pong and the
   next Q loadable before the item's last turn (``early_q_release`` or
   ``q_double_buffer``); the plain one (:func:`_kernel`'s
-  ``chained_loop``) signals "done with Q" before that turn itself, and
-  does not take ``early_k_wait`` (its first K of an item is waited for
-  in the item before) or ``pv_then_qk``."""
+  ``chained_loop``) signals "done with Q" before that turn itself."""
   mask = prob.mask
   uniform = (not mask.causal and mask.window_left is None
              and mask.window_right is None and not prob.has_segments
@@ -1494,7 +1085,7 @@ def _chains_items(cfg: MosaicConfig, prob: Problem) -> bool:
   if cfg.intra_wg_overlap:
     return bool(_use_schedule(cfg)
                 and (cfg.early_q_release or _double_q(cfg, prob)))
-  return not (cfg.early_k_wait or cfg.pv_then_qk)
+  return True
 
 
 def _cluster_size(cfg: MosaicConfig, prob: Problem, n_groups: int) -> int:
@@ -1528,123 +1119,8 @@ def _units_per_bh(cfg: MosaicConfig, prob: Problem, n_groups: int) -> int:
   return n_groups // _cluster_size(cfg, prob, n_groups)
 
 
-@dataclasses.dataclass(frozen=True)
-class TailSplit:
-  """:attr:`MosaicConfig.split_tail`'s static schedule (Stream-K's hybrid,
-  arXiv 2301.03598): ``programs`` programs take ``whole`` work items each
-  round robin (units ``sm + i * programs``), then the ``left`` items after
-  them (units ``first_left + j``), ``steps`` key tiles each, are cut into
-  ``programs`` runs of consecutive key-tile steps: program ``sm`` takes
-  steps ``[run(sm)[0], run(sm)[1])`` of the ``left * steps`` in item-major
-  order, at most ``steps`` of them (``left < programs``), so at most two
-  items (its segments ``k = 0, 1``).  A left item's last part (the
-  segment that holds its last key tile) owns it: it merges the others'
-  workspace rows into its own accumulator in the kernel and stores the
-  item's output.  A program's first segment ends an item and owns it
-  unless the run lies inside the item, and its second holds the next
-  item's first tiles only, so each program writes at most one part:
-  the workspace has one row block per program.  Where there are fewer
-  left steps than programs, some runs are empty (of the programs
-  between an item's first and last part, only those with a step hold a
-  part)."""
-
-  programs: int
-  whole: int
-  left: int
-  steps: int
-
-  @property
-  def first_left(self) -> int:
-    return self.whole * self.programs
-
-  @property
-  def total(self) -> int:
-    return self.left * self.steps
-
-  def run(self, sm):
-    """Program ``sm``'s steps ``[g0, g1)`` of the left items' (ints, or
-    int32 arrays in the kernel)."""
-    return (sm * self.total // self.programs,
-            (sm + 1) * self.total // self.programs)
-
-  def n_segments(self, sm, xp):
-    """How many items program ``sm``'s run touches (0, 1 or 2); ``xp``:
-    ``jax.numpy`` in the kernel, ``numpy`` in the tests."""
-    g0, g1 = self.run(sm)
-    return xp.where(g1 > g0, (g1 - 1) // self.steps - g0 // self.steps + 1,
-                    0)
-
-  def segment(self, sm, c, xp):
-    """Program ``sm``'s ``c``-th segment in its processing order: ``(k,
-    j, lo, hi, owner)``, its place in the run, its left item, its key
-    tiles ``[lo, hi)`` of that item, and whether it holds the item's
-    last tile (then it owns the item).  The run's second segment (``k =
-    1``) goes first (``for_each_item_and_segment`` says why)."""
-    g0, g1 = self.run(sm)
-    k = xp.maximum(self.n_segments(sm, xp) - 1 - c, 0)
-    j = g0 // self.steps + k
-    lo = xp.maximum(g0 - j * self.steps, 0)
-    hi = xp.minimum(g1 - j * self.steps, self.steps)
-    return k, j, lo, hi, g1 - j * self.steps >= self.steps
-
-  def n_other_parts(self, owner, first):
-    """How many parts of an item other than its owner's there are: those
-    of programs ``first .. owner - 1`` whose runs are not empty (all of
-    them, unless there are fewer left steps than programs; then every
-    run has one step or none, and an item ``steps`` parts)."""
-    if self.total >= self.programs:
-      return owner - first
-    return self.steps - 1
-
-  def first_program(self, j):
-    """The program whose run holds left item ``j``'s first step: the
-    last ``sm`` with ``run(sm)[0] <= j * steps``."""
-    return ((j * self.steps + 1) * self.programs + self.total - 1
-            ) // self.total - 1
-
-  def parts(self) -> list[list[tuple[int, int, int, int]]]:
-    """Per left item ``j``: its segments ``(sm, k, lo, hi)`` (key tiles
-    ``[lo, hi)`` of the item), which cover ``[0, steps)`` once."""
-    out = [[] for _ in range(self.left)]
-    for sm in range(self.programs):
-      g0, g1 = self.run(sm)
-      for k in range(2):
-        j = g0 // self.steps + k
-        lo = max(g0 - j * self.steps, 0)
-        hi = min(g1 - j * self.steps, self.steps)
-        if j < self.left and lo < hi:
-          out[j].append((sm, k, lo, hi))
-    return out
-
-
-# The persistent grid's program count in the interpreter (tests raise it
-# to run split_tail's merges of several parts).
+# The persistent grid's program count in the interpreter.
 INTERPRET_PROGRAMS = 2
-
-
-def tail_split(cfg: MosaicConfig, prob: Problem, n_programs: int | None,
-               units: int) -> TailSplit | None:
-  """The :class:`TailSplit` of a call, or None where
-  :attr:`MosaicConfig.split_tail` does not apply: not the persistent
-  grid; items that stream different key tiles (a causal mask, a window,
-  segment ids); another item order, clusters or ``item_overlap``;
-  ``no_auto_barriers`` (a part's signal relies on Pallas' warpgroup
-  barrier after its stores); or an item count that the programs divide
-  (no partial wave)."""
-  mask = prob.mask
-  n_groups = prob.q_pad // (cfg.compute_wgs * cfg.block_q)
-  if (not cfg.split_tail or n_programs is None or mask.causal
-      or mask.window_left is not None or mask.window_right is not None
-      or prob.has_segments or cfg.groups_fastest or cfg.groups_slowest
-      or _paired(cfg, prob) or _cluster_size(cfg, prob, n_groups) > 1
-      or _chains_items(cfg, prob) or cfg.no_auto_barriers
-      or units % n_programs == 0):
-    return None
-  steps = -(-mask.kv_len // cfg.block_kv)  # every item's key tiles
-  if steps == 0:
-    return None
-  return TailSplit(programs=n_programs, whole=units // n_programs,
-                   left=units % n_programs, steps=steps)
 
 
 class _PingPong:
@@ -1815,43 +1291,26 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
   n_programs = None
   # Mosaic GPU launches the last grid axis fastest (blockIdx.x; Pallas
   # reverses the grid for CUDA): batch, then query groups (the longest
-  # causal group first), then heads; with groups_fastest query groups,
-  # then heads, then batch (tokamax's order); with groups_slowest batch,
-  # then heads, then query groups (every (batch, head)'s longest causal
-  # group before any second longest: a global longest-first order).
-  # kv_multicast: the grid counts clusters, whose two CTAs take adjacent
-  # query groups ("q_seq" program p: groups 2p and 2p + 1).
-  n_programs_q = n_groups // cluster
-  grid = (prob.num_heads, n_programs_q, prob.batch)
+  # causal group first), then heads.  kv_multicast: the grid counts
+  # clusters, whose two CTAs take adjacent query groups ("q_seq" program
+  # p: groups 2p and 2p + 1).
+  grid = (prob.num_heads, n_groups // cluster, prob.batch)
   grid_names = ("heads", "q_seq", "batch")
-  if cfg.groups_fastest:
-    grid, grid_names = (prob.batch, prob.num_heads, n_programs_q), (
-        "batch", "heads", "q_seq")
-  elif cfg.groups_slowest:
-    grid, grid_names = (n_programs_q, prob.num_heads, prob.batch), (
-        "q_seq", "heads", "batch")
-  units = prob.num_heads * prob.batch * _units_per_bh(cfg, prob, n_groups)
   if cfg.persistent:
     # One program per SM (per cluster of SMs); interpreted runs use
     # INTERPRET_PROGRAMS so that each program loops over several work
     # items.
+    units = prob.num_heads * prob.batch * _units_per_bh(cfg, prob, n_groups)
     n_sm = INTERPRET_PROGRAMS if interpret else _sm_count() // cluster
     n_programs = min(n_sm, units)
     grid, grid_names = (n_programs,), ("sm",)
-  tail = tail_split(cfg, prob, n_programs, units)
-  group_rows = cfg.compute_wgs * bq
-  if tail is not None:  # the segments' workspace (acc; m and l)
-    out_type += [
-        out_struct((tail.programs, group_rows, dp), jnp.float32, q, k, v),
-        out_struct((tail.programs, 2, group_rows), jnp.float32, q, k, v)]
   kernel = functools.partial(_kernel, prob=prob, cfg=cfg, dtype=dtype,
                              in_place=not interpret, n_programs=n_programs,
-                             cluster=cluster, tail=tail)
-  results = pipeline.launch(
+                             cluster=cluster)
+  return pipeline.launch(
       kernel, out_type=out_type, scratch=scratch, grid=grid,
       grid_names=grid_names, consumers=cfg.compute_wgs,
       interpret=interpret,
       reduction_scratch_bytes=cfg.fwd_reduction_scratch(dp),
-      no_auto_barriers=cfg.no_auto_barriers, cluster=cluster,
+      cluster=cluster,
   )(q, k, v, *(segments or ()))
-  return results[:2]

@@ -51,18 +51,15 @@ TILED = tiled_over(64)
 
 def launch(body, *, out_type, scratch, grid, grid_names, consumers: int,
            interpret, reduction_scratch_bytes: int | None = None,
-           no_auto_barriers: bool = False, cluster: int = 1):
+           cluster: int = 1):
   """``plgpu.kernel`` in the layout every jaxflash Hopper kernel uses:
   ``consumers`` compute warpgroups plus one producer (thread axis
   ``"wg"``, the producer last), hardware-approximate ``exp2``/``tanh``.
   ``reduction_scratch_bytes``: shared memory for cross-warp reductions
   (None: Pallas' default; lowering fails if a reduction needs more).
-  ``no_auto_barriers``: Pallas' ``unsafe_no_auto_barriers`` (the kernel
-  orders its shared-memory accesses itself).  ``cluster`` > 1: CTAs per
-  cluster (axis ``"cluster"``; ``grid`` then counts clusters)."""
+  ``cluster`` > 1: CTAs per cluster (axis ``"cluster"``; ``grid`` then
+  counts clusters)."""
   params = dict(approx_math=True)
-  if no_auto_barriers:
-    params["unsafe_no_auto_barriers"] = True
   if reduction_scratch_bytes is not None:
     params["reduction_scratch_bytes"] = reduction_scratch_bytes
   return plgpu.kernel(
