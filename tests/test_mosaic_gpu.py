@@ -1618,19 +1618,12 @@ def test_default_config_rules():
 
 def test_tuning_rules_checked():
   """tuning.json's rules are checked when it is read (this file's
-  passes), and a malformed rule, a misspelt kind or a head_dim without
-  an entry is a ValueError naming it."""
+  passes), and a malformed rule or an alias to a kind without an entry
+  is a ValueError naming it."""
   import copy
 
   from jaxflash.mosaic_gpu import config
   good = config._tuning()
-  config.check_tuning(good)
-  h100 = "NVIDIA H100 80GB HBM3"
-  # kind_kv_rules is empty since s40 (the H100's rules became the H200
-  # entry's): a well-formed one to break.
-  good = copy.deepcopy(good)
-  good["kind_kv_rules"] = {h100: {"64": [
-      {"causal": False, "min_kv": 1024, "fields": {"compute_wgs": 3}}]}}
   config.check_tuning(good)
 
   def bad(edit, match):
@@ -1639,24 +1632,22 @@ def test_tuning_rules_checked():
     with pytest.raises(ValueError, match=match):
       config.check_tuning(tuning)
 
-  rules = lambda t: t["kind_kv_rules"][h100]["64"]  # noqa: E731
-  bad(lambda t: t["kind_kv_rules"].update({"NVIDIA H100": {}}),
-      "'NVIDIA H100' has no entry and no alias")
-  bad(lambda t: t["kind_kv_rules"][h100].update({"32": []}),
-      "head_dim 32 has no entry in 'NVIDIA H200'")
-  bad(lambda t: t["kind_kv_rules"][h100].update({"64": {"causal": True}}),
+  entry = lambda t: t["devices"]["NVIDIA H200"]["64"]  # noqa: E731
+  rules = lambda t: entry(t)["kv_rules"]  # noqa: E731
+  bad(lambda t: t["aliases"].update({"NVIDIA H100": "NVIDIA H300"}),
+      "'NVIDIA H100' names 'NVIDIA H300', which has no entry")
+  bad(lambda t: entry(t).update(kv_rules={"causal": True}),
       "a list of rules")
   bad(lambda t: rules(t)[0].update(min_kv="1024"), "is not")
   bad(lambda t: rules(t)[0].update(causal=1), "is not")
   bad(lambda t: rules(t)[0]["fields"].update(compute_wg=3),
       r"\['compute_wg'\] are not MosaicConfig fields")
-  bad(lambda t: t["devices"]["NVIDIA H200"]["64"]["kv_rules"].append(
+  bad(lambda t: rules(t).append(
       {"causal": False, "min_kv": -1, "fields": {}}),
       "NVIDIA H200 64 kv_rules")
   # A key given twice (json.loads would keep the last silently).
-  with pytest.raises(ValueError, match=r"given twice.*\['status'\]"):
-    config.load_tuning('{"status": {}, "devices": {}, "status": {}}')
-
+  with pytest.raises(ValueError, match=r"given twice.*\['about'\]"):
+    config.load_tuning('{"about": "", "devices": {}, "about": ""}')
 
 
 def test_deterministic_turns_off_atomic_dq(monkeypatch):
