@@ -301,7 +301,7 @@ def index_tile(start, shape, axis: int, *, vectors: bool = True):
   644 bytes causal with the tile, none with the vector; the causal d128
   dK/dV kernel 24 / 68 bytes -> none.  On the H200 the vectors ran level
   to +4% in the forward (d128, 2048-16384 keys) and level to +1.4%
-  forward+backward (docs/benchmarks/h200-2026-12-03-s21.md).
+  forward+backward (docs/benchmarks/, 2026-12-03).
   ``vectors=False``: the iota tile itself, for the paired backward
   kernels' held side (built once before the loop, as measured there)."""
   if not vectors:
