@@ -176,22 +176,13 @@ def _mosaic_case(shape):
     dict(intra_wg_overlap=True),
     dict(intra_wg_overlap=True, block_kv=128),
     dict(intra_wg_overlap=True, named_barriers=True, block_kv=128),
-    dict(named_barriers=True, early_k_wait=True),
     dict(named_barriers=True, persistent=True),
     dict(named_barriers=True, compute_wgs=1, schedule_barrier=False),
-    dict(named_barriers=True, row_sum_in_pv=True),
-    dict(named_barriers=True, split_kv_release=True),
     dict(named_barriers=True, persistent=True, prefetch_q=True),
-    dict(persistent=True, prefetch_q=True, split_kv_release=True),
+    dict(persistent=True, prefetch_q=True),
     dict(named_barriers=True, block_kv=192),
     dict(named_barriers=True, lean_epilogue=True),
     dict(named_barriers=True, lean_epilogue=True, persistent=True),
-    dict(named_barriers=True, no_auto_barriers=True),
-    dict(named_barriers=True, pv_then_qk=True),
-    dict(named_barriers=True, pv_then_qk=True, persistent=True,
-         prefetch_q=True, row_sum_in_pv=True),
-    dict(named_barriers=True, late_rescale=True, early_k_wait=True,
-         row_sum_in_pv=True),
     # Three consumers: the d64 default's forms.
     dict(named_barriers=True, compute_wgs=3, block_kv=128),
     dict(named_barriers=True, compute_wgs=3, block_kv=128, persistent=True,
@@ -210,11 +201,10 @@ def _mosaic_case(shape):
          p_in_smem=True, block_kv=128),
     # rescale_threshold: on the GPU, O's rescale behind a per-warp branch
     # (inline Mosaic GPU, which the interpreter does not run, so these
-    # lowerings are its only CPU check): the plain loop (with and without
-    # late_rescale), the overlapped loop, three consumers, and the head_dim
-    # 256 non-causal default's form (lean epilogue, K/V multicast).
+    # lowerings are its only CPU check): the plain loop, the overlapped
+    # loop, three consumers, and the head_dim 256 non-causal default's
+    # form (lean epilogue, K/V multicast).
     dict(named_barriers=True, rescale_threshold=8),
-    dict(named_barriers=True, late_rescale=True, rescale_threshold=8),
     dict(named_barriers=True, intra_wg_overlap=True, block_kv=128,
          rescale_threshold=8),
     dict(named_barriers=True, compute_wgs=3, block_kv=128,
@@ -224,25 +214,19 @@ def _mosaic_case(shape):
     # deferred_row_sum (inline Mosaic GPU too): every loop form that sums
     # P's rows, and with the threshold.
     dict(named_barriers=True, deferred_row_sum=True),
-    dict(named_barriers=True, row_sum_in_pv=True, deferred_row_sum=True),
-    dict(named_barriers=True, pv_then_qk=True, row_sum_in_pv=True,
-         deferred_row_sum=True),
     dict(named_barriers=True, intra_wg_overlap=True, block_kv=128,
          consumer_registers=240, persistent=True, prefetch_q=True,
          early_q_release=True, deferred_row_sum=True),
     dict(named_barriers=True, compute_wgs=3, block_kv=128,
          deferred_row_sum=True),
-    dict(named_barriers=True, block_kv=128, exp2_poly_cols=32,
-         deferred_row_sum=True),
     dict(named_barriers=True, intra_wg_overlap=True, lean_epilogue=True,
          kv_multicast=True, consumer_registers=240, rescale_threshold=8,
          deferred_row_sum=True),
-    # Two Q buffers per consumer with the L2 prefetches (the head_dim 128
-    # persistent form: 226 of 227 KiB; head_dim 256 does not fit).
+    # Two Q buffers per consumer (the head_dim 128 persistent form: 226
+    # of 227 KiB; head_dim 256 does not fit).
     dict(named_barriers=True, intra_wg_overlap=True, block_kv=128,
          consumer_registers=240, persistent=True, prefetch_q=True,
-         early_q_release=True, lean_epilogue=True, q_double_buffer=True,
-         q_l2_prefetch=True, kv_l2_prefetch=True),
+         early_q_release=True, lean_epilogue=True, q_double_buffer=True),
     # The overlapped loop run on across items, with one Q buffer and two.
     dict(named_barriers=True, intra_wg_overlap=True, block_kv=128,
          consumer_registers=240, persistent=True, prefetch_q=True,
@@ -250,35 +234,25 @@ def _mosaic_case(shape):
     dict(named_barriers=True, intra_wg_overlap=True, block_kv=128,
          consumer_registers=240, persistent=True, prefetch_q=True,
          q_double_buffer=True, item_overlap=True),
-    # The overlapped loop's first tile unmasked where fully visible (its
-    # lax.cond over the two softmax forms), on the persistent grid.
-    dict(named_barriers=True, intra_wg_overlap=True, block_kv=128,
-         consumer_registers=240, persistent=True, prefetch_q=True,
-         early_q_release=True, lean_epilogue=True,
-         unmasked_first_tile=True),
 ], ["default", "p-in-smem", "one-wg", "deep", "wide", "persistent",
-        "overlap", "overlap-wide", "named-overlap-wide", "named-early",
-        "named-persistent",
-        "named-one-wg", "named-row-sum-in-pv", "named-split-kv",
-        "named-prefetch-q", "prefetch-q-split-kv", "named-kv192",
-        "named-lean", "named-lean-persistent", "named-no-auto-barriers",
-        "named-pv-then-qk", "named-pv-then-qk-persistent",
-        "named-tokamax-order", "three-wg", "three-wg-prefetch-q",
+        "overlap", "overlap-wide", "named-overlap-wide",
+        "named-persistent", "named-one-wg",
+        "named-prefetch-q", "prefetch-q", "named-kv192",
+        "named-lean", "named-lean-persistent",
+        "three-wg", "three-wg-prefetch-q",
         "named-kv80", "named-kv80-unpadded", "named-kv176-p-in-smem",
         "kv96-p-in-smem-persistent", "named-kv80-unpadded-regs240",
         "named-overlap-kv176-regs240",
         "named-three-wg-overlap-p-in-smem", "named-rescale",
-        "named-late-rescale-threshold", "named-overlap-rescale",
+        "named-overlap-rescale",
         "three-wg-rescale", "named-overlap-lean-multicast-rescale",
-        "named-deferred-sum", "named-row-sum-in-pv-deferred-sum",
-        "named-pv-then-qk-row-sum-in-pv-deferred-sum",
+        "named-deferred-sum",
         "named-overlap-persistent-early-q-deferred-sum",
-        "three-wg-deferred-sum", "named-exp2-poly-deferred-sum",
+        "three-wg-deferred-sum",
         "named-overlap-lean-multicast-rescale-deferred-sum",
-        "named-overlap-persistent-double-q-l2-prefetch",
+        "named-overlap-persistent-double-q",
         "named-overlap-persistent-item-overlap",
-        "named-overlap-persistent-double-q-item-overlap",
-        "named-overlap-persistent-unmasked-first"],
+        "named-overlap-persistent-double-q-item-overlap"],
     every_commit={"default", "persistent", "named-persistent",
                   "named-prefetch-q", "three-wg", "three-wg-prefetch-q",
                   "named-kv80-unpadded"}))
@@ -567,39 +541,6 @@ def _store_order(module_text):
     elif "cp.async.bulk.global.shared" in line:
       toks.append("L")
   return " ".join(toks)
-
-
-def test_late_store_wait_moves_the_wait_to_the_next_epilogue(monkeypatch):
-  """``late_store_wait`` on the persistent head_dim 128 forward: the wait
-  for the stores' reads leaves the end of the item (before the next
-  item's first ``Q K^T``) for the start of the next epilogue.  The
-  interpreter runs stores synchronously, so no interpreter test sees
-  where this wait is; this one checks the kernel the GPU gets."""
-  monkeypatch.syspath_prepend(pathlib.Path(__file__).parents[1] / "tools")
-  base = _forward_kernel_ops(128, False, "persistent=1,late_store_wait=0")
-  late = _forward_kernel_ops(128, False, "persistent=1,late_store_wait=1")
-  # Two 64-column output chunks through two slots; the kernel's last W0.
-  assert _store_order(base) == "W1 O W1 O L W0 W0"
-  assert _store_order(late) == "W0 W1 O W1 O L W0"
-
-
-def test_l2_prefetches_reach_the_kernel(monkeypatch):
-  """``q_l2_prefetch`` / ``kv_l2_prefetch`` on the persistent head_dim 128
-  forward: a TMA prefetch of each consumer's rows of the next item's Q
-  (two), two of its first K and V tiles, in the producer's item loop.
-  The interpreter runs prefetches as no-ops, so only the kernel the GPU
-  gets can show them."""
-  monkeypatch.syspath_prepend(pathlib.Path(__file__).parents[1] / "tools")
-  prefetch = "cp.async.bulk.prefetch.tensor"
-
-  def count(overrides):
-    return _forward_kernel_ops(128, False,
-                               "persistent=1," + overrides).count(prefetch)
-
-  assert count("q_l2_prefetch=0,kv_l2_prefetch=0") == 0
-  assert count("q_l2_prefetch=1,kv_l2_prefetch=0") == 2
-  assert count("q_l2_prefetch=0,kv_l2_prefetch=1") == 2
-  assert count("q_l2_prefetch=1,kv_l2_prefetch=1") == 4
 
 
 def test_item_overlap_chains_the_items_in_the_kernel(monkeypatch):

@@ -35,32 +35,15 @@ RACES = plgpu.InterpretGPUParams(detect_races=True)
 
 
 @pytest.fixture(autouse=True)
-def _no_races(capfd, request):
-  """jax's race detector prints "RACE DETECTED" and carries on: fail on it
-  (split_tail's tests: on any race but the merge's, _tail_merge_race)."""
+def _no_races(capfd):
+  """jax's race detector prints "RACE DETECTED" and carries on: fail on
+  it."""
   yield
   out, err = capfd.readouterr()
   races = (out + err).split("RACE DETECTED")[1:]
-  if "split_tail" in request.node.name:
-    races = [r for r in races if not _tail_merge_race(r)]
   assert not races, out + err
 
 
-def _tail_merge_race(report: str) -> bool:
-  """Whether a race report is split_tail's merge: an item's owner reading
-  the workspace rows that a part in an earlier program wrote.  On a GPU
-  the part's semaphore signal and the owner's wait order the two; the
-  interpreter runs no semaphores (the kernel leaves them out there), runs
-  the programs one after the other, which orders them as well, but
-  starts each program's clocks afresh, so its detector reports the pair.
-  Any other pair of accesses is still a race."""
-  accesses = [line for line in report.splitlines()
-              if line.strip().startswith(("read of", "write of"))][:2]
-  return (len(accesses) == 2
-          and "merge_parts.<locals>.add_part)" in accesses[0]
-          and accesses[0].strip().startswith("read of")
-          and "epilogue.<locals>._)" in accesses[1]
-          and accesses[1].strip().startswith("write of"))
 ONE_WG = mosaic_gpu.INTERPRET_CONFIG
 TWO_WG = mosaic_gpu.MosaicConfig(block_q=64, block_kv=64, stages=2,
                                  compute_wgs=2, p_in_smem=True,
@@ -141,8 +124,7 @@ def _run(case, interpret, config):
 def _forward_spy(name: str):
   """Records each answer of ``forward.<name>`` while the block traces
   kernels: ``_chains_items`` (whether the forward's loop runs on across
-  work items, ``item_overlap``) or ``tail_split`` (the TailSplit plan,
-  None where split_tail does not apply).  jax's caches are cleared
+  work items, ``item_overlap``).  jax's caches are cleared
   first: a call traced before (another test's, in this worker) would not
   be traced again."""
   from jaxflash.mosaic_gpu import forward
@@ -178,10 +160,6 @@ VARIANT_CASES = [
 # Options of the Hopper kernels, each run in the interpreter (race
 # detection) over the CASES that exercise it: {id: (MosaicConfig fields
 # over the case's own config, case names)}.
-_EARLY_K_CASES = ["d64-full", "d64-causal-2wg", "d96-gqa-q200-k300",
-                  "d64-stages4-window-far", "d32-tiny-window-empty",
-                  "d64-persistent-2wg-causal",
-                  "d128-persistent-window-q200-k300"]
 INTERPRET_VARIANTS = {
     # S_t and P_{t-1} V_{t-1} issued together, prologue and epilogue under
     # lax.cond, K and V released apart: one and two consumers, causal,
@@ -191,27 +169,6 @@ INTERPRET_VARIANTS = {
         "d64-len1", "d64-stages4-window-far", "d32-tiny-window-empty",
         "d256-causal-q300-k100", "d64-persistent-2wg-causal",
         "d128-persistent-window-q200-k300"]),
-    # Each step waits for the next K inside its P V scope (and skip steps
-    # at their end); skip steps on both sides, persistent items whose ring
-    # runs on.
-    "early_k_wait": (dict(early_k_wait=True), _EARLY_K_CASES),
-    # head_dim > 128: P's row sum inside the P V scope, with the early K
-    # wait there.
-    "row_sum_in_pv": (dict(row_sum_in_pv=True, early_k_wait=True),
-                      ["d256-causal-q300-k100", "d256-split-dkv-gqa"]),
-    # The producer refills K and V of a slot on their own release signals.
-    "split_kv_release": (dict(split_kv_release=True), _EARLY_K_CASES),
-    # Each consumer's turn issues P V and the next Q K^T back to back:
-    # leading and trailing skips, a consumer with no tile of its own, one
-    # own tile, the persistent grid.
-    "pv_then_qk": (dict(pv_then_qk=True), [
-        "d64-full", "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window",
-        "d64-len1", "d64-stages4-short", "d64-stages4-window-far",
-        "d32-tiny-window-empty", "d256-causal-q300-k100",
-        "d64-persistent-2wg-causal", "d128-persistent-window-q200-k300"]),
-    # ... with the row sum added inside the turn (padded head_dim 256).
-    "pv_then_qk+row_sum_in_pv": (dict(pv_then_qk=True, row_sum_in_pv=True),
-                                 ["d256-causal-q300-k100"]),
     # P computed under dP's wgmma (S's waited for alone), dS^T after dV's
     # wgmma is issued: the dK/dV and dQ kernels with one and two
     # consumers (the dQ kernel at head_dim 256 beside the paired dK/dV
@@ -278,32 +235,7 @@ INTERPRET_VARIANTS.update({
         dict(intra_wg_overlap=True, persistent=True, prefetch_q=True,
              early_q_release=True),
         ["d64-persistent-2wg-causal", "d128-persistent-window-q200-k300",
-         "d256-causal-q300-k100"]),
-    # The output's and LSE's stores waited for at the next item's
-    # epilogue: with and without the overlap's early Q.
-    "prefetch_q+late_store_wait": (
-        dict(_PQ, late_store_wait=True), _CHUNKED_OUT_CASES),
-    "intra_wg_overlap+prefetch_q+early_q_release+late_store_wait": (
-        dict(_PQ_OVERLAP, late_store_wait=True),
-        ["d64-persistent-2wg-causal", "d128-persistent-window-q200-k300",
-         "d256-causal-q300-k100"]),
-    # Later items' Q and first K/V tiles prefetched into L2 by the
-    # producer (a no-op in the interpreter: these check that the kernel
-    # around them computes the same; test_lowering checks that they reach
-    # the kernel): the Q prefetch's form, the H200 head_dim 128 form,
-    # the clusters' split prefetch.
-    "prefetch_q+l2_prefetch": (
-        dict(_PQ, q_l2_prefetch=True, kv_l2_prefetch=True),
-        ["d64-persistent-2wg-causal", "d128-persistent-window-q200-k300",
-         "d96-gqa-q200-k300"]),
-    "intra_wg_overlap+prefetch_q+early_q_release+l2_prefetch": (
-        dict(_PQ_OVERLAP, q_l2_prefetch=True, kv_l2_prefetch=True),
-        ["d128-full-6tiles", "d64-persistent-2wg-causal",
-         "d128-persistent-window-q200-k300"]),
-    "kv_multicast+persistent+l2_prefetch": (
-        dict(_PQ, kv_multicast=True, q_l2_prefetch=True,
-             kv_l2_prefetch=True),
-        ["d128-mqa-2wg"]),
+         "d256-causal-q300-k100", "d128-full-6tiles"]),
     # Two Q buffers per consumer, alternate items (eight items per
     # program: each buffer refilled three times): one and two consumers,
     # a consumer whose rows are all padding (q130), causal skips,
@@ -383,26 +315,6 @@ INTERPRET_VARIANTS.update({
         dict(persistent=True, persistent_pairs=True, intra_wg_overlap=True,
              lean_epilogue=True),
         ["d64-persistent-2wg-causal", "d96-gqa-q200-k300"]),
-    # A quarter of each unmasked step's exponentials from the polynomial
-    # (exp2_poly_cols): full tiles, a key length that cuts the last tile,
-    # causal diagonals (masked steps keep exp2), GQA, the persistent grid.
-    "exp2_poly_cols": (
-        dict(exp2_poly_cols=16),
-        ["d64-full", "d128-full-6tiles", "d96-gqa-q200-k300",
-         "d64-persistent-2wg-causal"]),
-    # Work items ordered query groups fastest: the plain grid's launch
-    # order (GQA, two batches) and the persistent round robin's.
-    "groups_fastest": (
-        dict(groups_fastest=True),
-        ["d96-gqa-q200-k300", "d64-persistent-2wg-causal",
-         "d128-persistent-window-q200-k300", "d64-causal-2wg"]),
-    # Work items ordered query groups slowest (a global longest-first
-    # order on causal calls): the plain grid and the persistent round
-    # robin, causal; GQA with two batches.
-    "groups_slowest": (
-        dict(groups_slowest=True),
-        ["d64-causal-2wg", "d64-persistent-2wg-causal",
-         "d96-gqa-q200-k300"]),
     # Two-CTA clusters sharing each K/V tile by TMA multicast, with the
     # rings' free signals as cluster barriers: one and two consumers, a
     # last key tile cut by the key length (17 keys), MQA; on the
@@ -479,16 +391,6 @@ INTERPRET_VARIANTS.update({
     "rescale_threshold+intra_wg_overlap": (
         dict(rescale_threshold=8, intra_wg_overlap=True),
         ["d128-window", "d256-causal-q300-k100", "d64-full"]),
-    # The overlapped loop's first tile without the element mask where it
-    # is fully visible: unmasked calls (every first tile visible, one
-    # item per program and several), and masked ones whose first tiles
-    # are partly visible (causal, windows, padding rows and keys, rows
-    # that see no key: the mask branch).
-    "intra_wg_overlap+unmasked_first_tile": (
-        dict(intra_wg_overlap=True, unmasked_first_tile=True),
-        ["d64-full", "d128-full-6tiles", "d64-causal-2wg",
-         "d96-gqa-q200-k300", "d128-window", "d32-tiny-window-empty",
-         "d128-persistent-window-q200-k300"]),
 })
 
 
@@ -500,25 +402,15 @@ INTERPRET_VARIANTS.update({
 # early_q_release, persistent_pairs, kv_multicast, and since s37
 # prefetch_q with q_double_buffer: head_dim 64's default at up to 1024
 # keys) run every case.
-EXPERIMENTS = {"three_wgs+intra_wg_overlap", "early_k_wait", "row_sum_in_pv",
-               "split_kv_release", "pv_then_qk", "pv_then_qk+row_sum_in_pv",
-               "bwd_dq_late_release", "bwd_dkv_late_release",
-               "bwd_dkv_late_release+early_dv",
+EXPERIMENTS = {"three_wgs+intra_wg_overlap",
                "block_kv_80", "block_kv_176", "bwd_dkv_block_q_80",
                "block_kv_176+intra_wg_overlap",
-               "groups_fastest", "groups_slowest", "exp2_poly_cols",
                "rescale_threshold", "rescale_threshold+intra_wg_overlap",
-               "prefetch_q+late_store_wait",
-               "intra_wg_overlap+prefetch_q+early_q_release+late_store_wait",
-               "prefetch_q+l2_prefetch",
-               "intra_wg_overlap+prefetch_q+early_q_release+l2_prefetch",
-               "kv_multicast+persistent+l2_prefetch",
                "intra_wg_overlap+prefetch_q+early_q_release+q_double_buffer",
                "kv_multicast+persistent+q_double_buffer",
                "persistent_pairs+prefetch_q+q_double_buffer",
                "item_overlap", "item_overlap+q_double_buffer",
-               "kv_multicast+item_overlap",
-               "intra_wg_overlap+unmasked_first_tile"}
+               "kv_multicast+item_overlap"}
 
 
 def _variant_params():
@@ -554,228 +446,6 @@ def test_interpret_variant_d64_gqa_chains(variant, name):
   with _forward_spy("_chains_items") as seen:
     jax.jit(_case_fn(case, RACES, config)).trace(q, kv, kv)
   assert seen and all(seen)
-
-
-@pytest.mark.parametrize("programs,units,steps", [
-    (132, 2048, 16), (132, 2048, 8), (132, 1024, 16), (132, 4096, 16),
-    (132, 100, 8), (132, 152, 4), (132, 133, 2), (2, 3, 5), (2, 3, 1),
-    (2, 5, 2), (7, 30, 3)])
-def test_tail_split_plan_covers_every_step_once(programs, units, steps):
-  """split_tail's schedule: each left item's key tiles are covered once by
-  its segments; every program takes whole items alike and then a run of
-  the left steps (at most two segments); the slowest program has at most
-  one step more than the mean."""
-  from jaxflash.mosaic_gpu import forward
-  plan = forward.TailSplit(programs, units // programs, units % programs,
-                           steps)
-  slots = []
-  load = [plan.whole * steps] * programs
-  for segs in plan.parts():
-    spans = sorted((lo, hi) for _, _, lo, hi in segs)
-    assert spans[0][0] == 0 and spans[-1][1] == steps
-    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-    for sm, k, lo, hi in segs:
-      slots.append((sm, k))
-      load[sm] += hi - lo
-  assert len(slots) == len(set(slots)) and all(k in (0, 1) for _, k in slots)
-  assert max(load) - min(load) <= 1
-  assert max(load) <= -(-units * steps // programs)
-
-
-# split_tail in the interpreter (2 programs): one batch and an odd number
-# of work items, so that the last one is split between the two programs.
-# (name, q_len, kv_len, heads, kv_heads, head_dim, dtype, base config,
-#  fields): one, two and three consumers, the plain loop and the overlap
-# with the next Q prefetched (the H200's head_dim 128 form), key runs of
-# one tile and of several, a consumer whose rows are all padding (q 100
-# of 128), padded keys, GQA, and Q read unpadded (rows past the output
-# dropped).
-_SPLIT_TAIL = [
-    ("d64-1wg-k320", 64, 320, 3, 3, 64, jnp.bfloat16, PERSISTENT, {}),
-    ("d64-1wg-k64-one-tile", 64, 64, 3, 1, 64, jnp.float16, PERSISTENT, {}),
-    ("d128-2wg-prefetch-q384-k200", 384, 200, 1, 1, 128, jnp.bfloat16,
-     TWO_WG, dict(prefetch_q=True)),
-    ("d128-overlap-q100-k256-gqa", 100, 256, 3, 1, 128, jnp.bfloat16,
-     TWO_WG, dict(intra_wg_overlap=True, prefetch_q=True,
-                  early_q_release=True, lean_epilogue=True)),
-    ("d64-2wg-lean-unpadded-q100-k130", 100, 130, 5, 5, 64, jnp.float16,
-     TWO_WG, dict(lean_epilogue=True, unpadded_q=True, unpadded_kv=True)),
-    # Three consumers (192-row groups, the head_dim 64 default from 1024
-    # keys since s40) with the next Q prefetched.
-    ("d64-3wg-prefetch-q-k260", 192, 260, 3, 1, 64, jnp.bfloat16, TWO_WG,
-     dict(compute_wgs=3, schedule_barrier=False, prefetch_q=True,
-          unpadded_kv=True)),
-]
-
-
-@pytest.mark.parametrize("case", _SPLIT_TAIL, ids=[c[0] for c in _SPLIT_TAIL])
-def test_interpret_split_tail(case):
-  """split_tail: outputs, LSE and gradients by the numerics rule, with the
-  last work item split along the keys between the two programs (the plan
-  is in force: checked), in the interpreter with race detection."""
-  from jaxflash.mosaic_gpu import forward
-  name, t, s, h, kh, d, dtype, base, fields = case
-  config = dataclasses.replace(base, persistent=True, split_tail=True,
-                               **fields)
-  group_rows = config.compute_wgs * config.block_q
-  units = h * -(-t // group_rows)
-  assert units % 2 == 1  # a partial wave for 2 programs
-  prob = forward.Problem(
-      mask=masks.MaskSpec(t, s, False, None, None, None), softmax_scale=1.0,
-      batch=1, num_heads=h, num_kv_heads=kh,
-      q_pad=-(-t // group_rows) * group_rows,
-      kv_pad=-(-s // config.block_kv) * config.block_kv,
-      head_dim_padded=d)
-  plan = forward.tail_split(config, prob, 2, units)
-  assert plan is not None and plan.left == 1
-  args = numerics.random_inputs(
-      jax.random.key(zlib.crc32(name.encode())), batch=1, q_len=t,
-      kv_len=s, heads=h, kv_heads=kh, head_dim=d, dtype=dtype)
-  spec = masks.MaskSpec(t, s, False, None, None, None)
-
-  def fn(q, k, v):
-    return mosaic_attention(q, k, v, mask=spec, softmax_scale=d ** -0.5,
-                                config=config, interpret=RACES)
-
-  with _forward_spy("tail_split") as plans:
-    numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
-                        causal=False)
-  assert plans and set(plans) == {plan}  # the kernel ran the split
-
-
-@pytest.mark.parametrize("programs,units,steps", [
-    (132, 2048, 16), (132, 2048, 47), (132, 1024, 16), (132, 4096, 16),
-    (132, 4096, 64), (132, 100, 8), (132, 152, 4), (132, 133, 2),
-    (132, 133, 132), (2, 3, 5), (2, 3, 1), (2, 3, 2), (2, 5, 2), (7, 30, 3),
-    (7, 30, 4)])
-def test_tail_split_owners(programs, units, steps):
-  """The kernel's segments (TailSplit.segment, which the kernel evaluates
-  on int32 arrays) against TailSplit.parts(): each program's segments,
-  in its processing order, cover the same key tiles; every left item
-  has one owner, the program that holds its last step, whose run's
-  first segment (k = 0) it is; a non-owner never passes the owner test;
-  the owner's other parts are those of the programs first_program(j) ..
-  owner - 1 whose runs are not empty (n_other_parts of them); a program
-  holds at most one part it does not own (the workspace has one row
-  block per program).  A simulation of the
-  signals and waits (each program runs its segments in order; a
-  non-owner signals its item, an owner waits for n_other_parts signals)
-  runs to the end.  With fewer left steps than programs (4096 items of
-  16 steps, 133 of 2, ...) some runs are empty."""
-  from jaxflash.mosaic_gpu import forward
-  plan = forward.TailSplit(programs, units // programs, units % programs,
-                           steps)
-  order = {}  # program -> [(k, j, lo, hi, owner)] in processing order
-  for sm in range(programs):
-    n = int(plan.n_segments(sm, np))
-    assert n <= 2
-    order[sm] = [tuple(int(x) for x in plan.segment(sm, c, np))
-                 for c in range(n)]
-    assert [seg[0] for seg in order[sm]] == list(range(n))[::-1]
-  got = sorted((sm, k, lo, hi) for sm, segs in order.items()
-               for k, _, lo, hi, _ in segs)
-  assert got == sorted((sm, k, lo, hi) for segs in plan.parts()
-                       for sm, k, lo, hi in segs)
-  for j, segs in enumerate(plan.parts()):
-    owners = [(sm, k) for sm, k, _, hi in segs if hi == steps]
-    assert len(owners) == 1 and owners[0][1] == 0
-    owner = owners[0][0]
-    assert [seg[4] for seg in order[owner] if seg[1] == j] == [True]
-    assert not any(seg[4] for sm, ss in order.items() if sm != owner
-                   for seg in ss if seg[1] == j)
-    first = plan.first_program(j)
-    others = sorted((sm, k) for sm, k, _, _ in segs if sm != owner)
-    assert [sm for sm, _ in others] == [
-        s for s in range(first, owner) if plan.run(s)[1] > plan.run(s)[0]]
-    assert len(others) == plan.n_other_parts(owner, first)
-  assert all(sum(not seg[4] for seg in segs) <= 1
-             for segs in order.values())
-  # The signals and waits, round-robin over the programs.
-  signals, done = [0] * plan.left, {sm: 0 for sm in order}
-  firsts = [plan.first_program(j) for j in range(plan.left)]
-  moved = True
-  while moved:
-    moved = False
-    for sm, segs in order.items():
-      if done[sm] == len(segs):
-        continue
-      _, j, _, _, owner = segs[done[sm]]
-      if owner and signals[j] < plan.n_other_parts(sm, firsts[j]):
-        continue  # waiting
-      if not owner:
-        signals[j] += 1
-      done[sm] += 1
-      moved = True
-  assert all(done[sm] == len(segs) for sm, segs in order.items())
-
-
-@pytest.mark.parametrize("programs,heads,q_len,kv_len", [
-    (4, 7, 64, 150), (5, 3, 128, 150)], ids=["p4-u7-k150", "p5-u6-k150"])
-def test_interpret_split_tail_many_programs(programs, heads, q_len, kv_len,
-                                            monkeypatch):
-  """split_tail in the interpreter with more programs than its usual two
-  (forward.INTERPRET_PROGRAMS), one consumer of 64 rows, keys of three
-  64-key tiles (the last partial): 7 items over 4 programs leave 3 split
-  into runs of 2-3 tiles, so a program runs two segments (the second
-  first) and an owner merges one part; 6 items over 5 programs leave 1
-  item of 3 tiles over 5 runs of one tile or none, so its owner merges
-  two parts and skips an empty program between them.  Outputs, LSE and
-  gradients by the numerics rule; the plan checked."""
-  from jaxflash.mosaic_gpu import forward
-  monkeypatch.setattr(forward, "INTERPRET_PROGRAMS", programs)
-  config = dataclasses.replace(PERSISTENT, split_tail=True)
-  units = heads * -(-q_len // config.block_q)
-  prob = forward.Problem(
-      mask=masks.MaskSpec(q_len, kv_len, False, None, None, None),
-      softmax_scale=1.0, batch=1, num_heads=heads, num_kv_heads=1,
-      q_pad=-(-q_len // config.block_q) * config.block_q,
-      kv_pad=-(-kv_len // config.block_kv) * config.block_kv,
-      head_dim_padded=64)
-  plan = forward.tail_split(config, prob, programs, units)
-  assert plan is not None and plan.steps == 3
-  if programs == 4:
-    assert plan.left == 3 and max(
-        int(plan.n_segments(s, np)) for s in range(programs)) == 2
-  else:
-    assert plan.left == 1 and plan.total < programs
-    assert plan.n_other_parts(4, plan.first_program(0)) == 2
-  args = numerics.random_inputs(
-      jax.random.key(programs), batch=1, q_len=q_len, kv_len=kv_len,
-      heads=heads, kv_heads=1, head_dim=64, dtype=jnp.bfloat16)
-  spec = masks.MaskSpec(q_len, kv_len, False, None, None, None)
-
-  def fn(q, k, v):
-    return mosaic_attention(q, k, v, mask=spec, softmax_scale=0.125,
-                                config=config, interpret=RACES)
-
-  with _forward_spy("tail_split") as plans:
-    numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
-                        causal=False)
-  assert plans and set(plans) == {plan}
-
-
-def test_split_tail_applies_only_to_uniform_items():
-  """No plan where items differ (causal, windows, segment ids), on the
-  plain grid, where the programs divide the items, or without Pallas'
-  barriers."""
-  from jaxflash.mosaic_gpu import forward
-  cfg = dataclasses.replace(TWO_WG, persistent=True, split_tail=True)
-
-  def prob(causal=False, window=(None, None), segments=False):
-    return forward.Problem(
-        mask=masks.MaskSpec(128, 256, causal, None, *window),
-        softmax_scale=1.0, batch=1, num_heads=3, num_kv_heads=3, q_pad=128,
-        kv_pad=256, head_dim_padded=64, has_segments=segments)
-  assert forward.tail_split(cfg, prob(), 2, 3) is not None
-  assert forward.tail_split(cfg, prob(causal=True), 2, 3) is None
-  assert forward.tail_split(cfg, prob(window=(10, 10)), 2, 3) is None
-  assert forward.tail_split(cfg, prob(segments=True), 2, 3) is None
-  assert forward.tail_split(cfg, prob(), None, 3) is None
-  assert forward.tail_split(cfg, prob(), 2, 4) is None
-  off = dataclasses.replace(cfg, split_tail=False)
-  assert forward.tail_split(off, prob(), 2, 3) is None
-  no_bar = dataclasses.replace(cfg, no_auto_barriers=True, p_in_smem=False)
-  assert forward.tail_split(no_bar, prob(), 2, 3) is None
 
 
 def _max_jump_inputs(t, h, d, jump_key, jump_query):
@@ -827,10 +497,8 @@ def test_rescale_threshold_where_the_row_max_jumps(overlap):
 
 def _gpu_form(head_dim, form, causal, t, **fields):
   """The H200's tuned config for a call with ``fields`` over it
-  (``tuned``), or over that three consumers, the plain loop with
-  ``late_rescale``, ``pv_then_qk``, or the plain loop summing each
-  ``P``'s rows while its ``P V`` runs (``row-sum-in-pv``, head_dim >
-  128; also with ``pv_then_qk``)."""
+  (``tuned``), or over that three consumers or the plain loop (no
+  intra-warpgroup overlap) on the plain grid."""
   plain = dict(intra_wg_overlap=False, early_q_release=False,
                consumer_registers=None, persistent=False,
                persistent_pairs=False, kv_multicast=False)
@@ -841,18 +509,14 @@ def _gpu_form(head_dim, form, causal, t, **fields):
       "tuned": {},
       "three-wg": dict(compute_wgs=3, schedule_barrier=False,
                        persistent=False, consumer_registers=None),
-      "plain-loop": dict(plain, late_rescale=True),
-      "pv-then-qk": dict(plain, pv_then_qk=True),
-      "row-sum-in-pv": dict(plain, row_sum_in_pv=True),
-      "pv-then-qk-row-sum-in-pv": dict(plain, pv_then_qk=True,
-                                       row_sum_in_pv=True),
+      "plain-loop": plain,
   }[form])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim,form", [
     (64, "tuned"), (128, "tuned"), (256, "tuned"), (64, "three-wg"),
-    (128, "plain-loop"), (96, "pv-then-qk")])
+    (128, "plain-loop")])
 def test_gpu_rescale_threshold_where_the_row_max_jumps(head_dim, form):
   """The same kind of inputs as test_rescale_threshold_where_the_row_max_jumps
   on the GPU, where each warp skips O's rescale while its rows' reference
@@ -869,9 +533,7 @@ def test_gpu_rescale_threshold_where_the_row_max_jumps(head_dim, form):
 @pytest.mark.parametrize("head_dim,form,threshold", [
     (64, "tuned", 0), (128, "tuned", 0), (256, "tuned", 0),
     (128, "tuned", 8), (256, "tuned", 8), (64, "three-wg", 8),
-    (128, "plain-loop", 0), (96, "pv-then-qk", 8),
-    (256, "row-sum-in-pv", 0), (256, "pv-then-qk-row-sum-in-pv", 8),
-    (256, "plain-loop", 8)])
+    (128, "plain-loop", 0), (256, "plain-loop", 8)])
 def test_gpu_deferred_row_sum(head_dim, form, threshold):
   """``deferred_row_sum`` (each lane's share of ``l`` added across the
   row's lanes once, after the tile loop; GPU only) in every loop form
@@ -892,14 +554,11 @@ def test_gpu_deferred_row_sum(head_dim, form, threshold):
 
 
 def test_rescale_threshold_is_checked():
-  """Out of range, or with the polynomial exp2 (which takes exponents
-  <= 0): ValueError naming the values."""
+  """Out of range: ValueError naming the value."""
   with pytest.raises(ValueError, match="rescale_threshold=9"):
     mosaic_gpu.MosaicConfig(rescale_threshold=9)
   with pytest.raises(ValueError, match="rescale_threshold=-1"):
     mosaic_gpu.MosaicConfig(rescale_threshold=-1)
-  with pytest.raises(ValueError, match="exp2_poly_cols=16"):
-    mosaic_gpu.MosaicConfig(rescale_threshold=8, exp2_poly_cols=16)
   assert mosaic_gpu.MosaicConfig(rescale_threshold=8).rescale_threshold == 8
 
 
@@ -997,27 +656,15 @@ GPU_CONFIGS = {
     # The same, "done with Q" before the last P V and Q loaded first
     # (early_q_release; the H200 default at head_dim 128 up to 2048 keys).
     "named-overlap-persistent-early-q": _D128_PERSISTENT,
-    # The same with the stores waited for at the next item's epilogue
-    # (late_store_wait; written in s32, first run on a GPU in s33).
-    "named-overlap-persistent-early-q-late-store": dataclasses.replace(
-        _D128_PERSISTENT, late_store_wait=True),
-    # The same with later items' Q and first K/V tiles prefetched into L2
-    # (q_l2_prefetch, kv_l2_prefetch; written in s33, first run on an
-    # H100 in s33), and on the clusters' persistent grid (the split K/V
-    # prefetch).
-    "named-overlap-persistent-early-q-l2-prefetch": dataclasses.replace(
-        _D128_PERSISTENT, q_l2_prefetch=True, kv_l2_prefetch=True),
-    "multicast-persistent-l2-prefetch": mosaic_gpu.MosaicConfig(
+    # The clusters' persistent grid with the next Q prefetched.
+    "multicast-persistent": mosaic_gpu.MosaicConfig(
         named_barriers=True, block_kv=128, persistent=True, prefetch_q=True,
-        kv_multicast=True, q_l2_prefetch=True, kv_l2_prefetch=True),
+        kv_multicast=True),
     # Two Q buffers per consumer, alternate items (q_double_buffer; s33,
-    # first run on an H100 in s33): the head_dim 128 form (with and
-    # without the prefetches) and the head_dim 64 form (no overlap).
+    # first run on an H100 in s33): the head_dim 128 form and the
+    # head_dim 64 form (no overlap).
     "named-overlap-persistent-early-q-double-q": dataclasses.replace(
         _D128_PERSISTENT, q_double_buffer=True),
-    "named-overlap-persistent-early-q-double-q-l2-prefetch":
-        dataclasses.replace(_D128_PERSISTENT, q_double_buffer=True,
-                            q_l2_prefetch=True, kv_l2_prefetch=True),
     "named-persistent-double-q": mosaic_gpu.MosaicConfig(
         named_barriers=True, block_kv=128, persistent=True, prefetch_q=True,
         q_double_buffer=True),
@@ -1040,10 +687,6 @@ GPU_CONFIGS = {
     "named-three-wg-prefetch-q-item-overlap": mosaic_gpu.MosaicConfig(
         named_barriers=True, compute_wgs=3, block_kv=128, unpadded_kv=True,
         persistent=True, prefetch_q=True, item_overlap=True),
-    # The overlapped loop's first tile unmasked where fully visible
-    # (unmasked_first_tile; s34): the head_dim 128 persistent default.
-    "named-overlap-persistent-early-q-unmasked-first":
-        dataclasses.replace(_D128_PERSISTENT, unmasked_first_tile=True),
     # The head_dim 256 non-causal form of 2049+ keys with the lean
     # epilogue (the candidate of docs/perf-notes.md "Next" 1).
     "named-overlap-persistent-early-q-lean-kv64": mosaic_gpu.MosaicConfig(
@@ -1056,20 +699,6 @@ GPU_CONFIGS = {
         intra_wg_overlap=True, named_barriers=True, block_kv=128,
         consumer_registers=240, persistent=True, persistent_pairs=True,
         lean_epilogue=True),
-    # The head_dim 64 forward's tiles with a quarter of the unmasked
-    # steps' exponentials from the polynomial (exp2_poly_cols), on the
-    # plain and the persistent grid.
-    "named-kv128-exp2-poly": mosaic_gpu.MosaicConfig(
-        named_barriers=True, block_kv=128, exp2_poly_cols=32),
-    "named-kv128-persistent-exp2-poly": mosaic_gpu.MosaicConfig(
-        named_barriers=True, block_kv=128, persistent=True, prefetch_q=True,
-        exp2_poly_cols=32),
-    # The head_dim 256 non-causal defaults' two forms with the work
-    # items ordered query groups fastest (groups_fastest).
-    "named-overlap-lean-epilogue-kv64-groups-fastest": dataclasses.replace(
-        _D256_PLAIN, groups_fastest=True),
-    "named-overlap-persistent-early-q-kv64-groups-fastest":
-        dataclasses.replace(_D256_PERSISTENT, groups_fastest=True),
     # FlashAttention-4's conditional rescaling, with each warp's branch
     # around O's rescale (GPU only): the head_dim 256 non-causal default's
     # form, the head_dim 128 short non-causal one, and three consumers
@@ -1098,13 +727,6 @@ GPU_CONFIGS = {
         _D256_PLAIN, kv_multicast=True),
     "named-overlap-persistent-early-q-kv64-multicast": dataclasses.replace(
         _D256_PERSISTENT, kv_multicast=True),
-    # The head_dim 128 and 256 causal plain-grid defaults with the work
-    # items ordered query groups slowest (groups_slowest).
-    "named-overlap-lean-epilogue-groups-slowest": mosaic_gpu.MosaicConfig(
-        intra_wg_overlap=True, named_barriers=True, block_kv=128,
-        consumer_registers=240, lean_epilogue=True, groups_slowest=True),
-    "named-overlap-lean-epilogue-kv64-groups-slowest": dataclasses.replace(
-        _D256_PLAIN, groups_slowest=True),
     # The head_dim 256 non-causal defaults' two forms at every head_dim:
     # 64-key tiles at 240 registers, persistent with the next Q
     # prefetched, or on the plain grid with the lean epilogue.
@@ -1127,24 +749,13 @@ GPU_CONFIGS = {
         compute_wgs=3, intra_wg_overlap=True, named_barriers=True,
         p_in_smem=True, block_kv=128),
     # Hardware named barriers for the ping-pong and the consumed signals
-    # (inline PTX: no interpreter), with and without the early K wait.
+    # (inline PTX: no interpreter).
     "named": mosaic_gpu.MosaicConfig(named_barriers=True),
-    "named-early": mosaic_gpu.MosaicConfig(named_barriers=True,
-                                           early_k_wait=True),
     "named-persistent": mosaic_gpu.MosaicConfig(named_barriers=True,
-                                                persistent=True,
-                                                early_k_wait=True),
+                                                persistent=True),
     "named-one-wg-deep": mosaic_gpu.MosaicConfig(
         named_barriers=True, compute_wgs=1, schedule_barrier=False,
         block_kv=64, stages=5),
-    "named-row-sum": mosaic_gpu.MosaicConfig(named_barriers=True,
-                                             row_sum_in_pv=True),
-    # K and V of a slot refilled on their own release signals.
-    "named-split-kv": mosaic_gpu.MosaicConfig(named_barriers=True,
-                                              split_kv_release=True),
-    "named-split-kv-persistent": mosaic_gpu.MosaicConfig(
-        named_barriers=True, split_kv_release=True, persistent=True),
-    "split-kv": mosaic_gpu.MosaicConfig(split_kv_release=True),
     # The next item's Q loaded by the producer, the output in chunks.
     "named-prefetch-q": mosaic_gpu.MosaicConfig(
         named_barriers=True, persistent=True, prefetch_q=True),
@@ -1152,9 +763,6 @@ GPU_CONFIGS = {
     # reduction scratch.
     "named-kv192": mosaic_gpu.MosaicConfig(named_barriers=True,
                                            block_kv=192),
-    "named-split-kv-prefetch-q": mosaic_gpu.MosaicConfig(
-        named_barriers=True, persistent=True, prefetch_q=True,
-        split_kv_release=True),
     # Three consumers without the ping-pong (FA3's 192-row tile at d64):
     # the H200 d64 default's two forms with it.
     "named-three-wg": _THREE_WG,
@@ -1165,27 +773,6 @@ GPU_CONFIGS = {
                                                    lean_epilogue=True),
     "named-lean-epilogue-persistent": mosaic_gpu.MosaicConfig(
         named_barriers=True, lean_epilogue=True, persistent=True),
-    # P V and the next Q K^T in one tensor-core turn (FA3's ping-pong).
-    "named-pv-then-qk": mosaic_gpu.MosaicConfig(named_barriers=True,
-                                                pv_then_qk=True),
-    "named-pv-then-qk-persistent": mosaic_gpu.MosaicConfig(
-        named_barriers=True, pv_then_qk=True, persistent=True,
-        prefetch_q=True),
-    "pv-then-qk-row-sum": mosaic_gpu.MosaicConfig(pv_then_qk=True,
-                                                  row_sum_in_pv=True),
-    # tokamax's loop order: next K inside P V's scope, row sum during
-    # P V, the accumulator rescaled after the ping-pong barrier.
-    "named-tokamax-order": mosaic_gpu.MosaicConfig(
-        named_barriers=True, early_k_wait=True, row_sum_in_pv=True,
-        late_rescale=True),
-    # tokamax's compile flag: no automatic barriers in the forward.
-    "named-no-auto-barriers": mosaic_gpu.MosaicConfig(
-        named_barriers=True, no_auto_barriers=True),
-    "named-no-auto-barriers-prefetch-q": mosaic_gpu.MosaicConfig(
-        named_barriers=True, no_auto_barriers=True, persistent=True,
-        prefetch_q=True),
-    "no-auto-barriers-persistent": mosaic_gpu.MosaicConfig(
-        no_auto_barriers=True, persistent=True),
     # FlashAttention-3's register split in the backward (240 / 32).
     "bwd-regs240": mosaic_gpu.MosaicConfig(bwd_consumer_registers=240),
     "bwd-regs240-atomic": mosaic_gpu.MosaicConfig(
@@ -1256,10 +843,6 @@ GPU_CONFIGS = {
     "named-kv80-unpadded-regs240": mosaic_gpu.MosaicConfig(
         named_barriers=True, block_kv=80, unpadded_kv=True,
         consumer_registers=240),
-    # ... and K and V refilled on their own release signals over it.
-    "named-kv80-unpadded-split-kv": mosaic_gpu.MosaicConfig(
-        named_barriers=True, block_kv=80, unpadded_kv=True,
-        split_kv_release=True),
     # Q and O unpadded too (TMA zero-fills Q, clips O's store): two
     # consumers, and the d64 default's three-consumer forms.
     "unpadded-q": mosaic_gpu.MosaicConfig(unpadded_kv=True, unpadded_q=True),
@@ -1322,18 +905,16 @@ def test_gpu_long_three_consumers(causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split_kv", [False, True])
 @pytest.mark.parametrize("kv_len", [8195, 16384])
 @pytest.mark.parametrize("head_dim", [128, 256])
-def test_gpu_long_fa3_tiles(head_dim, kv_len, split_kv):
+def test_gpu_long_fa3_tiles(head_dim, kv_len):
   """Non-causal calls from 8192 keys at head_dim 128 and 256 with the
   H200's tuned config, on whichever Hopper card runs the test:
   FlashAttention-3's 176- and 80-key tiles with K and V unpadded (the
   176-key tiles by tuning.json's kv_rules; the 80-key ones, a default
   until the intra-warpgroup overlap beat them, set here), so the last
   tile runs past the keys (TMA zero-fills it; 8195 keys are first padded
-  to 8 rows); GQA, gradients too; with ``split_kv_release`` set to
-  ``split_kv``, so that both forms run at both head_dims."""
+  to 8 rows); GQA, gradients too."""
   config = mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=False,
                                      kv_len=kv_len)
   if head_dim == 256:  # the 80-key tiles: no longer the tuned default there
@@ -1345,7 +926,6 @@ def test_gpu_long_fa3_tiles(head_dim, kv_len, split_kv):
                                  consumer_registers=None, persistent=False,
                                  early_q_release=False, lean_epilogue=False,
                                  kv_multicast=False)
-  config = dataclasses.replace(config, split_kv_release=split_kv)
   assert config.block_kv == {128: 176, 256: 80}[head_dim]
   assert config.unpadded_kv
   case = (f"long-{kv_len}-{head_dim}", 2048, kv_len, 4, 2, head_dim,
@@ -1376,16 +956,9 @@ def test_gpu_long_overlap(head_dim, causal, kv_len):
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [
     dict(q_double_buffer=True),
-    dict(q_double_buffer=True, q_l2_prefetch=True, kv_l2_prefetch=True),
-    dict(q_l2_prefetch=True, kv_l2_prefetch=True),
-    dict(late_store_wait=True),
     dict(item_overlap=True),
     dict(item_overlap=True, q_double_buffer=True),
-    dict(unmasked_first_tile=True),
-    dict(split_tail=True),
-], ids=["double-q", "double-q-l2-prefetch", "l2-prefetch", "late-store",
-        "item-overlap", "double-q-item-overlap", "unmasked-first",
-        "split-tail"])
+], ids=["double-q", "item-overlap", "double-q-item-overlap"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gpu_long_persistent_items(head_dim, options):
   """The persistent grid's options across work items on the H200's
@@ -1393,13 +966,9 @@ def test_gpu_long_persistent_items(head_dim, options):
   prefetched): 8192 queries make 512 items over 132 SMs at head_dim 128
   (344 of 192 rows at 64, three consumers since s40), so each program
   runs two to four and every Q buffer is refilled (the CASES give a
-  program one item at most on a GPU); GQA, gradients too.  split_tail
-  splits the last 116 items (512 - 3 x 132; 80 at head_dim 64) along
-  the keys.  item_overlap
+  program one item at most on a GPU); GQA, gradients too.  item_overlap
   chains the overlapped loop (head_dim 128's default) or the plain one
-  (64's, s36); unmasked_first_tile needs the overlapped loop."""
-  if head_dim == 64 and options.get("unmasked_first_tile"):
-    pytest.skip(f"{options}: head_dim 64's default has no overlap")
+  (64's, s36)."""
   config = dataclasses.replace(
       mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=False,
                                 kv_len=1024), **options)
@@ -1518,44 +1087,13 @@ def test_gpu_item_overlap_plain_chains(q_len, kv_len, fields):
   assert seen and all(seen)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("head_dim,kv_len,q_len,heads", [
-    (64, 1024, 2048, 6), (64, 2048, 2048, 6), (128, 1024, 2048, 6),
-    (128, 2048, 2048, 6), (256, 1024, 2048, 6), (64, 1024, 2176, 4)])
-def test_gpu_split_tail(head_dim, kv_len, q_len, heads):
-  """split_tail on the H200's tuned non-causal config of the benchmark's
-  persistent calls (132 programs; head_dim 128 with 1024 keys without its
-  two-CTA clusters, head_dim 64 with 2048 without its chained items,
-  neither of which split_tail takes): 2 x 2048 queries x 6
-  heads make 192 items of 128 rows, so the last 60 are split along the
-  keys, between two or three programs each, whose parts the owner merges
-  in the kernel after its semaphore wait.  2 x 2176 queries x 4 heads
-  make 136 items: the last 4, of 8 key tiles each, go to 32 programs of
-  one tile (the others' runs are empty), 8 parts per item.  GQA,
-  gradients too; the split is checked to run."""
-  # head_dim 64 with two consumers, as before s40 (the default's three
-  # would make 132 items of 192 rows here: no partial wave).
-  config = dataclasses.replace(
-      mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=False,
-                                kv_len=kv_len), split_tail=True,
-      kv_multicast=False, item_overlap=False,
-      **(dict(compute_wgs=2) if head_dim == 64 else {}))
-  assert config.persistent
-  case = (f"split-tail-{head_dim}-{kv_len}-{q_len}", q_len, kv_len, heads,
-          2, head_dim, jnp.bfloat16, False, None, None)
-  with _forward_spy("tail_split") as plans:
-    _run(case, False, config)
-  assert plans and all(p is not None and p.left > 0 for p in plans)
-
-
 def test_item_overlap_only_where_consumers_take_the_same_turns():
   """item_overlap chains the items of calls on which every consumer
   computes every key tile of every item (no causal mask, window, segment
   ids, or consumer of padding rows only), on the persistent grid with
   the Q prefetch; the overlapped loop with the ping-pong and the next Q
   loadable before an item's last turn (early_q_release or
-  q_double_buffer), the plain loop with any consumer count, not with
-  early_k_wait or pv_then_qk."""
+  q_double_buffer), the plain loop with any consumer count."""
   from jaxflash.mosaic_gpu import forward as fwd
   on = mosaic_gpu.MosaicConfig(
       item_overlap=True, intra_wg_overlap=True, persistent=True,
@@ -1588,8 +1126,7 @@ def test_item_overlap_only_where_consumers_take_the_same_turns():
     assert chains(cfg)
   assert not chains(plain, causal=True)
   assert not chains(plain, q_len=1984, q_pad=2048)
-  for off in (dict(early_k_wait=True), dict(pv_then_qk=True),
-              dict(prefetch_q=False), dict(persistent=False),
+  for off in (dict(prefetch_q=False), dict(persistent=False),
               dict(item_overlap=False)):
     assert not chains(dataclasses.replace(plain, **off)), off
 
@@ -1657,8 +1194,6 @@ def test_config_validation():
                      (dict(bwd_compute_wgs=3), "bwd_compute_wgs=3"),
                      (dict(bwd_block_q=32), "bwd_block_q=32"),
                      (dict(bwd_stages=1), "bwd_stages=1"),
-                     (dict(intra_wg_overlap=True, early_k_wait=True),
-                      "early_k_wait=True"),
                      (dict(named_barriers=True, stages=6), "stages=6"),
                      (dict(bwd_consumer_registers=248), "got 248"),
                      (dict(consumer_registers=248),
@@ -1671,16 +1206,6 @@ def test_config_validation():
                       "compute_wgs=1"),
                      (dict(compute_wgs=3, consumer_registers=168),
                       "consumer_registers=168"),
-                     (dict(no_auto_barriers=True, p_in_smem=True),
-                      "p_in_smem=False"),
-                     (dict(pv_then_qk=True, early_k_wait=True),
-                      "early_k_wait=False"),
-                     (dict(pv_then_qk=True, intra_wg_overlap=True),
-                      "intra_wg_overlap=False"),
-                     (dict(late_rescale=True, intra_wg_overlap=True),
-                      "intra_wg_overlap=False"),
-                     (dict(groups_slowest=True, groups_fastest=True),
-                      "groups_fastest=False"),
                      (dict(bwd_paired_dkv=True, bwd_atomic_dq=True),
                       "bwd_atomic_dq=False"),
                      (dict(bwd_early_dv=True), "bwd_softmax_overlap=True"),
@@ -1890,7 +1415,7 @@ def test_default_config_rules():
     # 8192 keys non-causal; at every length causal).
     assert cfg.lean_epilogue == (kv is not None and not fa3), (causal, kv)
     assert cfg.consumer_registers == (None if fa3 else 240), (causal, kv)
-    assert cfg.unpadded_kv and not cfg.split_kv_release
+    assert cfg.unpadded_kv
     # early_q_release on every overlapped non-causal call (it acts on the
     # persistent ones, up to 2048 keys).
     assert cfg.early_q_release == (kv is not None and not fa3
@@ -1985,19 +1510,12 @@ def test_default_config_rules():
 
 def test_tuning_rules_checked():
   """tuning.json's rules are checked when it is read (this file's
-  passes), and a malformed rule, a misspelt kind or a head_dim without
-  an entry is a ValueError naming it."""
+  passes), and a malformed rule or an alias to a kind without an entry
+  is a ValueError naming it."""
   import copy
 
   from jaxflash.mosaic_gpu import config
   good = config._tuning()
-  config.check_tuning(good)
-  h100 = "NVIDIA H100 80GB HBM3"
-  # kind_kv_rules is empty since s40 (the H100's rules became the H200
-  # entry's): a well-formed one to break.
-  good = copy.deepcopy(good)
-  good["kind_kv_rules"] = {h100: {"64": [
-      {"causal": False, "min_kv": 1024, "fields": {"compute_wgs": 3}}]}}
   config.check_tuning(good)
 
   def bad(edit, match):
@@ -2006,24 +1524,22 @@ def test_tuning_rules_checked():
     with pytest.raises(ValueError, match=match):
       config.check_tuning(tuning)
 
-  rules = lambda t: t["kind_kv_rules"][h100]["64"]  # noqa: E731
-  bad(lambda t: t["kind_kv_rules"].update({"NVIDIA H100": {}}),
-      "'NVIDIA H100' has no entry and no alias")
-  bad(lambda t: t["kind_kv_rules"][h100].update({"32": []}),
-      "head_dim 32 has no entry in 'NVIDIA H200'")
-  bad(lambda t: t["kind_kv_rules"][h100].update({"64": {"causal": True}}),
+  entry = lambda t: t["devices"]["NVIDIA H200"]["64"]  # noqa: E731
+  rules = lambda t: entry(t)["kv_rules"]  # noqa: E731
+  bad(lambda t: t["aliases"].update({"NVIDIA H100": "NVIDIA H300"}),
+      "'NVIDIA H100' names 'NVIDIA H300', which has no entry")
+  bad(lambda t: entry(t).update(kv_rules={"causal": True}),
       "a list of rules")
   bad(lambda t: rules(t)[0].update(min_kv="1024"), "is not")
   bad(lambda t: rules(t)[0].update(causal=1), "is not")
   bad(lambda t: rules(t)[0]["fields"].update(compute_wg=3),
       r"\['compute_wg'\] are not MosaicConfig fields")
-  bad(lambda t: t["devices"]["NVIDIA H200"]["64"]["kv_rules"].append(
+  bad(lambda t: rules(t).append(
       {"causal": False, "min_kv": -1, "fields": {}}),
       "NVIDIA H200 64 kv_rules")
   # A key given twice (json.loads would keep the last silently).
-  with pytest.raises(ValueError, match=r"given twice.*\['status'\]"):
-    config.load_tuning('{"status": {}, "devices": {}, "status": {}}')
-
+  with pytest.raises(ValueError, match=r"given twice.*\['about'\]"):
+    config.load_tuning('{"about": "", "devices": {}, "about": ""}')
 
 
 def test_deterministic_turns_off_atomic_dq(monkeypatch):
@@ -2287,8 +1803,6 @@ SEG_CASES = [
      PERSISTENT_2WG),
     ("packed-causal-2wg-overlap", 256, 256, True, None, dict(docs=5, pad=9),
      dataclasses.replace(TWO_WG, intra_wg_overlap=True)),
-    ("packed-causal-2wg-pv-then-qk", 256, 256, True, None,
-     dict(docs=5, pad=9), dataclasses.replace(TWO_WG, pv_then_qk=True)),
     ("packed-causal-2wg-softmax-overlap", 256, 256, True, None,
      dict(docs=5, pad=9),
      dataclasses.replace(TWO_WG, bwd_softmax_overlap=True)),
@@ -2356,8 +1870,6 @@ GPU_SEG_OVERRIDES = {
     "packed-causal-persistent": dict(persistent=True),
     "packed-causal-2wg-overlap": dict(intra_wg_overlap=True,
                                       persistent=False),
-    "packed-causal-2wg-pv-then-qk": dict(pv_then_qk=True,
-                                         intra_wg_overlap=False),
     "packed-causal-2wg-softmax-overlap": dict(bwd_softmax_overlap=True),
     "packed-lengths-paired-dkv": dict(bwd_paired_dkv=True),
     "packed-lengths-paired-dq": dict(bwd_paired_dq=True),
@@ -2516,26 +2028,3 @@ def test_interpreter_refused_inside_multi_device_shard_map():
     sharded(2)
   np.testing.assert_array_equal(sharded(1), attend(q, q, q))
 
-
-def test_exp2_poly_accuracy():
-  """The software exponential within 7.6e-5 relative of 2^x on [-125, 0]
-  (jit-compiled with a run-time rounding constant, as the kernel calls
-  it), 2^-125 below, and the config's column count validated."""
-  from jaxflash.mosaic_gpu import forward
-  x = jnp.concatenate([jnp.linspace(-130.0, 0.0, 100_001, dtype=jnp.float32),
-                       jnp.array([-1e30, -125.5, -125.0, -0.5, 0.0])])
-
-  @jax.jit
-  def poly(x, zero):
-    magic = jnp.where(zero == jnp.inf, 0.0, forward._ROUND_MAGIC)
-    return forward.exp2_poly(x, magic)
-
-  got = np.asarray(poly(x, jnp.zeros_like(x)), np.float64)
-  want = np.exp2(np.asarray(x, np.float64))
-  inside = np.asarray(x) >= -125.0
-  assert np.abs(got[inside] / want[inside] - 1).max() < 7.6e-5
-  np.testing.assert_allclose(got[~inside], 2.0 ** -125, rtol=1e-4)
-  for bad in (-8, 4, 64, 128):
-    with pytest.raises(ValueError, match="exp2_poly_cols"):
-      mosaic_gpu.MosaicConfig(block_kv=64, exp2_poly_cols=bad)
-  mosaic_gpu.MosaicConfig(block_kv=128, exp2_poly_cols=64)  # accepted

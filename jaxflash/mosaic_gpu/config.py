@@ -19,18 +19,6 @@ MAX_NAMED_STAGES = (FREE_NAMED_BARRIERS - 2) // 2
 
 # Options that do not combine: (option, other, why option excludes other).
 _EXCLUSIVE_OPTIONS = (
-    ("no_auto_barriers", "p_in_smem",
-     "drops the barrier that orders each step's write of P into shared"
-     " memory after the other warps' wgmma reads of the last one"),
-    ("late_rescale", "intra_wg_overlap",
-     "moves the rescale of the default loop (intra_wg_overlap's loop"
-     " rescales after P V)"),
-    ("pv_then_qk", "intra_wg_overlap", "has its own step order"),
-    ("groups_slowest", "groups_fastest", "is the other work-item order"),
-    ("pv_then_qk", "early_k_wait",
-     "has its own step order (the next K is waited for in the turn)"),
-    ("early_k_wait", "intra_wg_overlap",
-     "is not written for intra_wg_overlap's loop (its own barrier order)"),
     ("bwd_paired_dkv", "bwd_atomic_dq",
      "has no dQ in its dK/dV kernel (the dQ kernel runs)"),
     ("bwd_paired_dq", "bwd_atomic_dq",
@@ -44,522 +32,79 @@ MAX_RESCALE_THRESHOLD = 8
 
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
-  """Tiles and pipeline of the Hopper forward kernel; frozen (static).
+  """Tiles and pipeline of the Hopper kernels; frozen (a static argument).
+
+  Forward fields first, then the backward's (``bwd_*``).  The tuned
+  values per device kind and head_dim are in ``tuning.json``
+  (:func:`default_config`).
 
   Attributes:
-    block_q: query rows per consumer warpgroup (a multiple of 64: one
-      ``wgmma`` M-tile is 64 rows).
-    block_kv: key rows per pipeline stage of the forward: a multiple of
-      16 from 64.  Multiples of 64 keep the 128-byte swizzle; others
-      (FlashAttention-3's 80 at head_dim 256 and 176 at 128,
-      hopper/tile_size.h) store V, and ``P`` with ``p_in_smem``, with the
-      widest swizzle that divides them (``pipeline.tiled_over``): 64
-      bytes at multiples of 32, 32 bytes otherwise.  On the H200 the
-      176-key tiles are the head_dim 128 default for non-causal calls
-      from 8192 keys (tuning.json's ``kv_rules``; +4-6.5% over 128 keys
-      there, level with ``intra_wg_overlap``); shorter and causal calls
-      lose with them (176 keys at head_dim 128 causal spills;
-      docs/benchmarks/h200-2026-12-02-fa3-tiles.md).  The 80-key tiles
-      at 256 were the default there until ``intra_wg_overlap`` beat
-      them (docs/benchmarks/h200-2026-12-03-s20.md).
-    stages: depth of the K/V shared-memory ring filled by TMA (>= 2).
-    compute_wgs: consumer warpgroups per program (1, 2 or 3); a producer
-      warpgroup issues the TMA copies (warp specialisation).  Two run
-      FlashAttention-3's ping-pong (``schedule_barrier``); three
-      (FlashAttention-3's 192-row tile at head_dim 64, hopper/tile_size.h)
-      run without it (``schedule_barrier`` has no effect), at
-      ``THREE_CONSUMER_REGISTERS`` per thread, and load each key/value
-      tile for a third more query rows.  Meant for head_dim 64: 160
-      registers hold a 64 x 128 float32 ``S`` and a 64 x 64 ``O``; larger
-      ``O`` tiles or 192-key tiles spill (876 bytes measured at
-      ``block_kv=192``, head_dim 64).  Refused above padded head_dim
-      192 (:data:`MAX_THREE_WG_HEAD_DIM`: ptxas cannot fit the 64 x 256
-      accumulator).  The default for every head_dim 64 call from 1024
-      keys on the H200 and the H100 SXM (over two consumers +4-11% on the
-      H200 in s40, +3-10% on an H100 in s39).
-    consumer_registers: registers per thread of each forward consumer
-      warpgroup (``setmaxnreg``), None for the default: 232 with two
-      consumers (tokamax's split, the producer 40), 160 with three.  240
-      is FlashAttention-3's split for two (the producer 24), the H200
-      default with ``intra_wg_overlap``: its two accumulators, the
-      float32 ``S`` and the 16-bit ``P`` of the step before fit there
-      without spills at head_dim 256 with 64-key tiles (40 bytes spilled
-      at 232) and at 128 with 128-key tiles.  A multiple of 8 from the
-      launch allocation that leaves the producer at least 24
-      (``producer_registers``); with two or three consumers only.
-    p_in_smem: stage the probabilities ``P`` through shared memory for the
-      ``P V`` wgmma (``True``), or feed them from registers (``False``, as
-      FlashAttention-3).  Pallas' Mosaic GPU interpreter only runs the
-      shared-memory form, so interpreted tests use it; the GPU tests cover
-      both.
-    schedule_barrier: with two consumer warpgroups, alternate their
-      matmuls (FlashAttention-3's ping-pong, arXiv 2407.08608 §3.1).
-    persistent: a grid of one program per SM, each looping over work
-      items (head, query group, batch) with the K/V ring running on across
-      them, so one item's epilogue overlaps the next one's K/V loads (as
-      tokamax's non-causal default; without ``prefetch_q`` the next Q
-      load still waits for the output's copy out of shared memory).  The
-      tuned defaults turn it on for non-causal calls with up to 2048 keys
-      at head_dim 128 and at 64 (``persistent_max_kv`` in tuning.json;
-      +3-6% there on the H200; at head_dim 128 with ``early_q_release``,
-      without which the plain grid with ``lean_epilogue`` was faster
-      from 1025 keys; at 64 it was the default up to 16384 keys until
-      sustained-load timing had the plain grid 3-5% faster from 4096,
-      2026-12-04 s29), and at head_dim 256 for non-causal calls up to
-      1024 keys (with ``prefetch_q``; from 2049 keys too until s29,
-      where it ran 6% behind ``kv_multicast``'s plain grid under
-      sustained load), and for causal
-      calls up to 4096 keys at head_dim 64 (+7.5% at 2048 keys, +2% at
-      4096, 2026-12-04) and, with ``persistent_pairs``, up to 1024 keys
-      at head_dim 128; without the pairs it is slower on causal calls at
-      head_dim >= 128.  Since s40 every head_dim 64 causal call runs it
-      (from 4097 keys by a kv rule, with three consumers): on the H200
-      +11% at 8192 keys and +6% at 16384 (s40), on an H100 +5% and
-      +2.4-5.6% (s39).
-    intra_wg_overlap: FlashAttention-3's intra-warpgroup overlap
-      (arXiv 2407.08608 §3.2): each consumer issues ``S_t = Q K_t^T`` and
-      ``O += P_{t-1} V_{t-1}`` back to back and computes tile ``t``'s
-      softmax while the ``P V`` wgmma runs; the producer reloads K and V
-      slots on separate barriers.  The turns alternate between the two
-      consumers as FlashAttention-3's ping-pong: a consumer's turn issues
-      both matmuls and hands over at once, so the other's next pair
-      queues behind them.  An experiment: the
-      first form (both consumers meeting twice a step, so issuing
-      together) ran 0.57-0.69x of the default on the H200 at head_dim
-      128.
-    named_barriers: the forward's "slot consumed" signals and the
-      ping-pong schedule on hardware named barriers (``bar.arrive`` /
-      ``bar.sync``, as tokamax's sm90 kernel) instead of mbarriers: no
-      phase tracking or try-wait loop.  Ids from 4 (Mosaic GPU's own
-      barriers use the lower ones): two for the schedule, ``stages`` each
-      for K and V, so ``stages <= 5``.  GPU only (inline PTX, which the
-      interpreter does not run).
-    pv_then_qk: each consumer's turn on the tensor cores issues tile
-      ``t``'s ``P V`` and tile ``t + 1``'s ``Q K^T`` back to back, then
-      waits for both (FlashAttention-3's inter-warpgroup ping-pong,
-      arXiv 2407.08608 §3.1), instead of ``P V`` alone, waited for before
-      the next step issues its ``Q K^T``.  The default order leaves the
-      tensor cores idle from the end of a consumer's ``P V`` until that
-      consumer has woken, waited for the next K and issued the next
-      ``Q K^T``; ncu on the H200 (head_dim 256) showed that wait taking
-      twice tokamax's share of the consumers' stalls.  Not a default:
-      0.81-0.89x of it on the H200
-      (docs/benchmarks/h200-2026-12-01-pv-then-qk.md).  Not with
-      ``intra_wg_overlap`` or ``early_k_wait`` (the next K is waited for
-      inside the turn).
-    late_rescale: rescale the output accumulator by the step's ``alpha``
-      after the ping-pong barrier, just before ``P V`` (where tokamax's
-      compiled kernel does it, ncu 2026-12-01), instead of before the
-      barrier with the rest of the softmax.  Run on the H200 only within
-      tokamax's loop order (with ``early_k_wait`` and ``row_sum_in_pv``,
-      gpu config ``named-tokamax-order``): -1 to +3% on the plain grid,
-      -8 to -10% on the persistent one (2026-12-01, docs/perf-notes.md);
-      not a default.  The
-      interpretable form (no in-place accumulation) always rescales
-      there.
-    early_k_wait: each forward step waits for the next step's K inside
-      its ``P V`` wgmma scope (while the matmul runs, as tokamax's kernel)
-      instead of at the start of the next step.  Not with
-      ``intra_wg_overlap``.
-    row_sum_in_pv: at padded head_dim > 128 (where the row sum of ``P``
-      is not finished before the barriers), sum it inside the ``P V``
-      wgmma scope, while the matmul runs, instead of before issuing it
-      (tokamax's order at head_dim > 128).  No effect at head_dim <= 128.
-    split_kv_release: the forward's producer refills a slot's K as soon
-      as both consumers released that K (after their ``Q K^T``) and its V
-      once they released V (after their ``P V``), as tokamax's sm90
-      kernel, instead of both once both are released.  With the ping-pong
-      consumer 1's ``P V`` ends half a step after consumer 0's, so
-      waiting for V as well issues the next K in the slot about a step
-      later than it could go (always on with ``intra_wg_overlap``).  With
-      the 80-key tiles at head_dim 256 +0.3 to +2.5% in three runs on
-      the H200 (its rule there until ``intra_wg_overlap`` replaced it).
-    persistent_pairs: on a causal call on the persistent grid, a work
-      unit is two query groups of one (batch, head): the ``p``-th
-      longest and the ``p``-th shortest (``G`` groups: group ``p`` and
-      ``G - 1 - p`` counted from the longest), one after the other, so
-      that on a square causal call every unit has about the same work
-      and the static round robin over units is balanced.  Over single
-      items it is not: by ``tools/persistent_balance.py`` the round
-      robin's makespan is 1.15-1.72x the ideal on the benchmark grid's
-      causal calls at head_dim 128/256 with 1024-4096 keys, the pairs'
-      1.03x (the plain grid's launch order under the hardware's
-      scheduler 1.00-1.03x).  The pairing is
-      the one zigzag context parallelism uses to balance causal work
-      across devices.  On the H200 (2026-12-04, one run, rotated
-      rounds) it made the causal persistent grid 14-69% faster at
-      head_dim 128/256, but against the default plain grid it was +3.5%,
-      +0.6%, -2.6% at head_dim 128 with 1024/2048/4096 keys and -1.6 to
-      -5% at 256, and at head_dim 64 slower than the persistent grid
-      without it.  At head_dim 128 with 1024 keys it ran +3.5-4% over the
-      plain grid again in two more runs (2026-12-04, s27), and level at
-      2048: the H200 default on causal calls of at most 1024 keys at
-      head_dim 128 (tuning.json).  Without ``persistent`` or off causal
-      calls it does nothing.
-    groups_fastest: the forward's work items are ordered query groups
-      fastest, then heads, then batch, as tokamax's sm90 kernel orders
-      its grid.  By default the plain grid launches batch fastest, then
-      query groups (longest first on causal calls), then heads, and the
-      persistent grid's round robin takes heads fastest, then query
-      groups, then batch.  Written because ncu measured 44% more L2 and
-      19% more DRAM throughput than tokamax's kernel in the head_dim 256
-      non-causal forward with 2048 keys at about the same cycle count
-      (docs/benchmarks/h200-2026-12-04-s26.md).  On the persistent grid
-      timed level on the H200 (non-causal, head_dim 64/256 with 8192 and
-      16384 keys, two copies against a copy of the default in shuffled
-      rounds: within 2%, the copies up to 1.4% apart): not a default.
-      Its plain-grid form was corrected after that run (it had launched
-      query groups slowest); corrected, level at head_dim 256 non-causal
-      with 2048-8192 keys (2026-12-04, s27).  On causal calls it
-      interleaves long and short groups in the launch order, so it is
-      meant for non-causal ones.
-    groups_slowest: the forward's work items are ordered query groups
-      slowest (the longest causal group of every (batch, head) first,
-      then the next longest of each, ...), then heads, then batch
-      fastest: a global longest-first order on causal calls, where the
-      default launches each head's groups longest first but one head
-      after another.  ``tools/persistent_balance.py`` models the plain
-      grid's makespan under the hardware's scheduler at 1.005x the ideal
-      with it against 1.018x (head_dim 128, 1024 keys) and 1.031x
-      (head_dim 256, 1024 keys) in the default order (it ignores L2
-      reuse, which the default's head-by-head order favours).  On the
-      persistent grid the round robin takes the same order.  On the
-      H200 0.83-0.99x of the default on causal calls at head_dim
-      128/256 with 1024-4096 keys (s28: the resident programs then
-      share no K/V in L2): not a default.  Not with ``groups_fastest``.
-    kv_multicast: the forward runs in clusters of two CTAs, the two
-      query groups of a cluster (adjacent ones of one (batch, head))
-      sharing each K/V tile: each CTA's producer issues half of the tile
-      by TMA multicast into both CTAs' shared memory (FlashAttention-3's
-      and CUTLASS' cluster multicast), so each tile crosses from L2 once
-      per two query groups instead of once per group, and the rings'
-      "free" signals are cluster barriers (mbarriers arrived on in both
-      CTAs; named barriers cannot span CTAs, so with ``named_barriers``
-      only the ping-pong stays on them).  On the plain grid the grid has
-      half the query-group programs; on the persistent grid a cluster
-      takes a pair of query groups per work unit (half the programs, one
-      per two SMs).  Both CTAs of a cluster must stream the same key
-      tiles, so it applies only to calls whose key range is the same for
-      every query group (no causal mask, local window or segment ids)
-      and whose query-group count is even, with one consumer or the
-      two-consumer ping-pong (a cluster barrier takes one arrival per
-      warpgroup, so nothing else keeps a skipping consumer's warps
-      together); elsewhere the kernel runs without clusters.  Written
-      because ncu measured, at head_dim 256
-      non-causal with 2048 keys, 1.43x tokamax's L2 lookups in
-      jaxflash's forward, while the H200 runs it under its power cap
-      at a lower clock than tokamax's and cuDNN's
-      (docs/benchmarks/h200-2026-12-04-s28.md).  Measured there against
-      the default (four runs): +1.2 to +4% at head_dim 128 with 1024
-      keys on the persistent grid (the H200 default there), level at
-      2048, and slower elsewhere: -5% at head_dim 64, -1% at 256 on the
-      plain grid, -2 to -3% at 128 on the plain grid from 4096 keys, -10
-      to -12% at 256 on the persistent grid from 4096 keys (not the
-      cluster count: 56-66 clusters ran alike, s29 §2; lockstep between
-      the two CTAs is not isolated).  Under sustained load (0.5-3 s
-      back to back, at the power cap) it ran 2.4% faster than the
-      default at head_dim 256 with 2048 keys on the plain grid, drawing
-      tokamax's power (s28 §6), and on the plain grid 5-8% faster than
-      the persistent default from 2048 to 16384 keys (s29), where the
-      benchmark's 20 ms rounds had it level or up to 4% slower: the H200
-      default at 256 for non-causal calls from 1025 keys since s29.  The
-      interpreter runs it (cluster indexing, the persistent grid's pairs
-      of groups), but not its cross-CTA synchronisation: with the
-      cluster barriers replaced by per-CTA ones it still passes (s28),
-      so that part is covered by the ``gpu`` tests only.
-    exp2_poly_cols: in the forward's steps that take no mask (not the
-      overlapped loop's first and last tiles, and no step with segment
-      ids), the first this many key columns of each ``S`` tile take ``2^x``
-      from a cubic polynomial on the FMA and integer pipes
-      (:func:`jaxflash.mosaic_gpu.forward.exp2_poly`; FlashAttention-4's
-      software exponential, arXiv 2603.05451) instead of the MUFU unit's
-      ``ex2``, the rest from ``ex2``.  At head_dim 64 two consumers ask
-      the MUFU unit for 64 x block_kv exponentials per step each, about as
-      many cycles as the step's two matmuls take on the tensor cores; the
-      polynomial trades each of those exponentials for nine FMA/ALU
-      instructions.  0 (off), or a multiple of 8 below ``block_kv``.  On
-      the H200 (2026-12-04, s27) it lost 1-16% at head_dim 64 (16-48
-      columns, 1024-16384 keys) and was level at best at 128; ncu had the
-      MUFU pipe at 44% of its peak at head_dim 64 with 1024 keys (the
-      tensor pipe 43%), so no pipe limits that step, and the polynomial
-      adds issue slots: not a default.
-    prefetch_q: with ``persistent``, the producer loads the next work
-      item's Q (one copy per consumer) as soon as both consumers finished
-      their ``Q K^T`` of the current one, and the output leaves through
-      its own shared-memory slots (64-column chunks, two slots per
-      consumer, as tokamax's persistent sm90 kernel), so the next Q's load
-      overlaps this item's epilogue instead of following it.  Without
-      ``persistent`` (the per-call rule of tuning.json turns that on)
-      there is no next item and the option does nothing.  The forward
-      then reserves no cross-warp reduction scratch (its reductions are
-      along the rows of wgmma tiles, within a warp), which keeps head_dim
-      256 inside shared memory.
+    block_q: query rows per consumer warpgroup; a multiple of 64 (one
+      ``wgmma`` M-tile).
+    block_kv: key rows per stage of the forward's K/V ring; a multiple of
+      16 from 64.  Widths that 64 does not divide (FlashAttention-3's 80
+      and 176) put V and a staged ``P`` in a narrower swizzle
+      (``pipeline.tiled_over``).
+    stages: depth of the forward's K/V shared-memory ring (>= 2).
+    compute_wgs: consumer warpgroups per program beside the producer
+      warpgroup: 1, 2 (the ping-pong pair) or 3 (no ping-pong; padded
+      head_dim up to :data:`MAX_THREE_WG_HEAD_DIM`).
+    consumer_registers: registers per consumer thread (``setmaxnreg``);
+      None for 232 with two consumers and 160 with three.  A multiple of
+      8 that leaves the producer at least 24; two or three consumers only.
+    p_in_smem: stage ``P`` through shared memory for the ``P V`` wgmma
+      instead of passing it in registers.  The interpreter runs only this
+      form; the backward kernels take it too.
+    schedule_barrier: with two consumers, alternate their matmuls
+      (FlashAttention-3's ping-pong, arXiv 2407.08608 §3.1); no effect
+      otherwise.
+    persistent: one program per SM looping over the work items (head,
+      query group, batch) with the K/V ring running on across them.
+      tuning.json's ``persistent_max_kv`` turns it on per call.
+    intra_wg_overlap: FlashAttention-3's intra-warpgroup overlap (arXiv
+      2407.08608 §3.2): a turn issues ``S_t = Q K_t^T`` and ``O +=
+      P_{t-1} V_{t-1}`` together; tile ``t``'s softmax runs under the
+      ``P V``.
+    named_barriers: the forward's "slot free" signals and ping-pong on
+      hardware named barriers instead of mbarriers; ``stages`` at most
+      :data:`MAX_NAMED_STAGES`.  GPU only.
+    prefetch_q: with ``persistent``, the producer loads each item's Q and
+      the output leaves through its own 64-column slots, so the next Q
+      loads under this item's epilogue.  No effect without ``persistent``.
+    persistent_pairs: with ``persistent`` on causal calls, a work unit is
+      the ``p``-th longest and the ``p``-th shortest query group of one
+      (batch, head), so the round robin's units take equal work.
+    kv_multicast: clusters of two CTAs on adjacent query groups share each
+      K/V tile by TMA multicast.  Applies where every group streams the
+      same key tiles (no causal mask, window or segment ids), the group
+      count is even and the program has one consumer or the ping-pong;
+      other calls run without clusters.
     rescale_threshold: FlashAttention-4's conditional rescaling (arXiv
-      2603.05451): each row's reference max in the forward's online
-      softmax, against which ``P``, the row sum and ``O`` are kept, moves
-      only when the row's max exceeds it by more than
-      ``2^rescale_threshold`` (an integer, in powers of two; 0: every
-      step, the exact FlashAttention-2 update).  ``P`` then runs up to
-      ``2^threshold`` (exact in float32 and in ``P``'s 16-bit format,
-      hence at most 8) and the final ``O / l`` and the LSE are the same
-      for any reference.  Where the reference stays, ``alpha`` is 1 and
-      on the GPU each warp skips its rescale of ``O`` (a branch,
-      :func:`jaxflash.mosaic_gpu.forward.rescale_rows`): one FMUL per
-      accumulator element, the step's largest instruction class (130
-      FMULs per thread per step at head_dim 256, against 34
-      exponentials; PTX of the compiled loop and ncu's opcode counts,
-      s28).  Written (s29) because the H200 forward is power-bound under
-      sustained load and cuDNN's d256 forward executes 24% fewer
-      instructions than ours.  The H200 default at head_dim 256 with
-      ``deferred_row_sum`` (s31: 1.08-1.13x of the best anchor under
-      sustained load, 1.16-1.20x in rounds, non-causal; the old default
-      was level; docs/benchmarks/h200-2026-12-05-s31.md); at head_dim
-      128 on causal calls up to 8192 keys and non-causal calls of
-      1025-2048 keys (tuning.json's kv_rules; s35: +0.6-2.6% causal in
-      rounds, +1.6% non-causal 2048 sustained, -2% non-causal at 1024
-      and -1-3% from 8192; docs/benchmarks/h200-2026-12-05-s35.md).  The
-      interpreter runs the
-      threshold with the unconditional multiply (bit-identical: a
-      multiply by 1), so only the branch is covered by the ``gpu`` tests
-      alone.  Not with ``exp2_poly_cols`` (the polynomial takes
-      exponents <= 0).
-    deferred_row_sum: the online softmax's row sum ``l`` kept per thread,
-      over the thread's own columns of each row, and added across the 4
-      lanes that share a row once after the tile loop instead of every
-      step (FlashAttention-3's order: hopper/softmax.h sums without the
-      warp reduction per step and runs ``quad_allreduce_`` in
-      ``finalize``; :func:`jaxflash.mosaic_gpu.forward.row_sum`).  Saves
-      2 shuffles and 2 adds per row and step (4 + 4 per thread; the main
-      loop's count in ``tools/sass_loops.py``).  Inline Mosaic GPU: the
-      interpreter runs the per-step sum, so only the ``gpu`` tests cover
-      it.  Written in s30; the H200 default at head_dim 256 (s31), and
-      with ``rescale_threshold`` at 128 (s35).
-    early_q_release: with ``intra_wg_overlap`` and ``prefetch_q`` on the
-      persistent grid, a consumer signals "done with Q" as soon as its
-      last ``Q K^T`` has been read back, before the last tile's ``P V``
-      turn, instead of after it, and the producer loads the next item's
-      Q before that item's first K/V tiles (before, Q also waited for the
-      last V slot, freed only by the last ``P V``).  Written because ncu
-      measured the item-start waits at 4.3-6.4% of the stall samples in
-      the short non-causal forwards, against tokamax's 0.8-1.7%
-      (docs/benchmarks/h200-2026-12-03-s24.md).  On the H200: +2.2% at
-      head_dim 128 with 1024 keys, level at 128 with 2048 and at 256
-      with 4096, and that share unchanged
-      (docs/benchmarks/h200-2026-12-04-s25.md); the default on those
-      calls.  Without ``prefetch_q`` on a persistent call it does
-      nothing.
-    late_store_wait: with ``prefetch_q`` on the persistent grid, a
-      consumer waits for its item's output and LSE stores to have read
-      shared memory at the start of its next item's epilogue instead of
-      at the end of the item.  The
-      end-of-item wait (which tokamax's sm90 kernel also has) lies
-      between the last ``P V`` and the next item's first ``Q K^T``; the
-      late one comes a whole item after the stores were issued.  Written
-      in s32 after ncu's item-start waits (4.3-6.4% of the stall samples
-      at the short non-causal calls, s24; unchanged by
-      ``early_q_release``, s25) and the head_dim 128 non-causal call
-      with 2048 keys level with tokamax (s32).  Without ``prefetch_q``
-      it does nothing (the persistent grid then keeps the end-of-item
-      wait; Q is the consumer's own load there).
-      Untimed: the H100 runs of s33/s34 set it on the H100's then untuned
-      config (no persistent grid), where it builds the default's
-      kernel.
-    q_l2_prefetch: with ``prefetch_q`` on the persistent grid, the
-      producer prefetches each later item's Q into L2
-      (``plgpu.async_prefetch``, a TMA prefetch) when it starts that
-      item's loads, before it waits for "done with Q", as tokamax's sm90
-      kernel's Q warp does.  The Q load that follows the wait then reads
-      L2 rather than HBM.  Written in s33 (no GPU that session) for the
-      item-start waits: ncu had them at 4.3-6.9% of our stall samples on
-      the short non-causal calls against tokamax's 0.8-1.7%, with the Q
-      or the first K of the next item as the wait's object, not
-      isolated (s24, s25).  The interpreter runs the prefetch as a
-      no-op, so its tests check that the kernel still computes the same;
-      ``tests/test_lowering.py`` checks the prefetches reach the kernel.
-      Without ``prefetch_q`` it does nothing.
-      Untimed: the H100 runs of s33/s34 set it on the H100's then untuned
-      config (no persistent grid), where it builds the default's
-      kernel.
-    q_double_buffer: with ``prefetch_q`` on the persistent grid, two Q
-      buffers per consumer, used by alternate work items: the producer
-      loads an item's Q as soon as it starts that item's loads (the
-      buffer was last read two items ago), ahead of the item's first K/V
-      tiles, instead of waiting for the consumers to be done with the
-      previous item's Q.  Q then lands about two ring steps before the
-      item starts, and the next item's first K/V loads no longer queue
-      behind that wait (with ``early_q_release`` they do, without it Q
-      queues behind the last slot's release).  tokamax's Q warp waits
-      for its consumers as our producer does; FlashAttention-3 keeps one
-      Q buffer too.  Costs a second Q tile per consumer in shared memory
-      (at head_dim 128 with 128-key tiles and two stages: 226 of 227
-      KiB; head_dim 256 does not fit).  Not with ``persistent_pairs`` on
-      causal calls (their skipped items would break the alternation;
-      shared memory is still counted).  Written in s33 (no GPU that
-      session) for the item-start waits; the interpreter runs it with
-      race detection.  Timed first in s36 (the H100 runs of s33/s34 had
-      built the default's kernel): on the H200 +6.3% in 20 ms rounds and
-      +4.5% sustained at head_dim 64 non-causal with 1024 keys, level at
-      2048, so the H200 default there up to 1024 keys (tuning.json);
-      with ``item_overlap`` at 1025-2048 keys since s38 (see there).
-      With ``prefetch_q`` on head_dim 64's persistent causal grid (s37,
-      an H100): +4.0% in rounds and +1.7% sustained at 1024 keys (where
-      ``prefetch_q`` alone loses 3%), +1.4% / -0.5% at 2048, level at
-      4096; so both are the H200 default on causal calls of at most 1024
-      keys too.
-    item_overlap: with ``intra_wg_overlap``, two consumers and
-      ``prefetch_q`` (with ``early_q_release`` or ``q_double_buffer``) on
-      the persistent grid, the overlapped loop runs on across a
-      program's work items.  An item's last turn on the tensor cores
-      issues its last ``P V`` and the next item's first ``Q K^T`` back
-      to back; the item's epilogue (normalise, store O and the LSE) runs
-      while that ``Q K^T`` computes; the ping-pong keeps one alternation
-      over all the program's items.  (FlashAttention-3's persistent
-      kernel overlaps one tile's epilogue with the next tile's matmuls,
-      arXiv 2407.08608 §3.1.)  Before, each item ended with its last
-      ``P V`` waited for alone, the other consumer's last turn, the
-      epilogue, and only then the next item's first ``Q K^T``.  Applies
-      to calls where both consumers compute every key tile of every
-      item: no causal mask, window or segment ids, and no consumer whose
-      query rows are all padding; others run as without it.  With one Q
-      buffer the last turn issues its ``P V`` and then waits for the
-      next Q to land (loaded after both consumers' "done with Q"),
-      holding the turn and the epilogue behind it; with
-      ``q_double_buffer`` that Q is there long before.  Written in s33 (no
-      GPU that session) for the per-item cost at head_dim 128 with 2048
-      keys (an item takes 29-31 us against 22.5 us of matmul, s32); the
-      interpreter runs its mbarrier form with race detection, the
-      named-barrier form runs only on the GPU.
-      Untimed: the H100 runs of s33/s34 set it on the H100's then untuned
-      config (no persistent grid), where it builds the default's
-      kernel.
-      Without ``intra_wg_overlap`` (s36, any consumer count, not with
-      ``early_k_wait`` or ``pv_then_qk``) the default loop runs on across
-      the items the same way: the last step's turn issues its ``P V``
-      and the next item's first ``Q K^T``, the epilogue runs under them,
-      and the other consumer's last ``P V`` (which waits for that
-      ``Q K^T``) overlaps this epilogue instead of both consumers'
-      epilogues leaving the tensor cores idle together.  "Done with Q" is
-      signalled once the item's last ``S`` is read back.  For head_dim
-      64's short items, where the per-item cost is (a two-point fit to
-      the s35 grid at 1024 and 2048 keys: 2.0 us per item against
-      tokamax's 0.5, docs/backends.md).  The interpreter runs it
-      (mbarrier ping-pong, one, two and three consumers, one and two Q
-      buffers) with race detection; on the
-      CPU's ptxas (sm_90a) it has no spill at head_dim 64 (main loop 435
-      instructions per trip, 429 with two Q buffers, against 426) and
-      460/584 bytes at 256.  On the H200 (s36): its GPU tests pass;
-      +4.8% at head_dim 64 with 1024 keys, -1-2% at 2048, below
-      ``q_double_buffer`` alone (+6.3%).  With ``q_double_buffer`` at
-      2048 keys: +2.3% in rounds and +0.4% sustained on the H200 (s36),
-      +2.6% / +1.2% on an H100 (s38), so both are the H200 default on
-      head_dim 64 non-causal calls of 1025-2048 keys (tuning.json).
-    unmasked_first_tile: with ``intra_wg_overlap``, the first key tile
-      of an item (whose softmax the overlapped loop computes before the
-      loop, at the item's start) takes the element mask only where it is
-      not fully visible, as every later tile does (a ``lax.cond`` on the
-      tile's index), rather than always.  Every item of an unmasked call
-      (non-causal, no window or segment ids, whole tiles) then skips the
-      mask's 64 selects per thread and their compares on the critical
-      path of its start: 66 fewer SASS instructions per consumer warp and
-      item at head_dim 128 (``tools/sass_loops.py`` on the region before
-      the loop, s34).  Written in s34; the interpreter runs it in the
-      ``intra_wg_overlap`` cases, its ``gpu`` tests passed on an H100
-      (s34).  On the H200 (s35, against a copy of the default at head_dim
-      128): +1.0-2.2% non-causal with 2048 keys, level at 1024, -4-5%
-      causal from 4096 keys, and no gain with ``rescale_threshold``: not a
-      default (docs/benchmarks/h200-2026-12-05-s35.md).
-    split_tail: on the persistent grid, the work items of the last,
-      partial wave are split along the keys into runs of equal length,
-      one per program (Stream-K's "data-parallel + one-tile stream-K"
-      hybrid, arXiv 2301.03598: each program takes whole items round
-      robin, then ``1/P`` of the remaining key-tile steps, which span at
-      most two items).  An item's last part owns it; the others write
-      their unnormalised accumulator, running max and row sum to a
-      float32 workspace in global memory and signal a semaphore, and
-      the owner waits for them and merges them into its own accumulator
-      in the kernel, as FlashAttention's split-KV combine
-      (``forward.TailSplit``; until s40 the merge ran after the kernel,
-      in XLA).
-      Why: the benchmark's 16,384-token calls have 2048 work items at
-      head_dim 128 (1024 at 256, 4096 at 64) for 132 SMs, 15.5 waves
-      (7.8, 31.0): in the last one 64 SMs (100, 128) sit idle for an
-      item, about 3% of a call; cuDNN and tokamax lose the same.  Applies
-      to calls whose items all stream the same key tiles (no causal
-      mask, window or segment ids), on the default item order, without
-      clusters or ``item_overlap``, when the item count is not a
-      multiple of the program count; others run as without it.  Written
-      in s35; the interpreter runs it (two programs, no semaphores).  On
-      an H100, with the merge in XLA (s36) 3.4-7.5% slower at head_dim
-      128 with 2048 keys; with it in the kernel (s40) still 5.3% slower
-      there, 9% at head_dim 256 with 1024 keys, and 5.9% at head_dim 128
-      where only 4 items are split (the split kernel's cost, not the
-      merge's); +2% only at head_dim 64 with two consumers and 2048 keys,
-      whose last wave holds 4 items.  Not a default
-      (docs/backends.md).
-    kv_l2_prefetch: on the persistent grid, the producer prefetches each
-      later item's first K and V tiles into L2 when it starts that
-      item's loads (the other half of that wait's object; with
-      ``early_q_release`` those loads wait behind the next Q's).  Same
-      tests as ``q_l2_prefetch``, and untimed as it.
-    lean_epilogue: the forward's epilogue as tokamax's sm90 kernel's:
-      normalise with one reciprocal per row and a multiply per element
-      (instead of a divide per element), store the output in 64-column
-      chunks through two slots of its own per consumer (``prefetch_q``'s
-      form, also without ``persistent``), each chunk's TMA copy issued
-      as soon as it is written, and end each work item waiting only
-      until the stores have read shared memory, not until they reached
-      global memory (kernel completion publishes them).  At head_dim 256
-      the slots fit only without the reduction scratch (as
-      ``prefetch_q``).  Written to time the head_dim 256 gap to
-      tokamax: no faster on the H200 at 8192 and 16384 keys
-      (docs/benchmarks/h200-2026-12-01-lean-epilogue.md), but +2-5% on
-      the plain grid at head_dim 256 with 2048 non-causal keys in three
-      runs, where it became the H200 default (1025-2048 keys;
-      docs/benchmarks/h200-2026-12-03-s22.md; from 1025 keys with
-      ``kv_multicast`` since s29).  With the overlap
-      (``intra_wg_overlap``) it is also the H200 default on causal
-      calls at head_dim 256 (+3.5-6.5% at 1024-8192 keys, level at
-      16384) and on non-causal calls below 8192 keys at 128 (+0.5-2% at
-      2048, +2-3.3% at 4096, level at 1024 over two sessions' runs;
-      docs/benchmarks/h200-2026-12-03-s23.md).
-      From 8192 keys at 128 the default's 176-key tiles leave no room
-      for its output slots (247,808 bytes of shared memory against
-      232,448; ``head_dim_problem`` refuses it).
-    no_auto_barriers: compile the forward with Pallas'
-      ``unsafe_no_auto_barriers`` (as tokamax's sm90 kernel): no
-      warpgroup barrier around each shared-memory store and before each
-      TMA load (the producer's two per step).  The forward's explicit
-      syncs remain (``commit_smem`` and ``wait_smem_to_gmem`` each end in
-      a warpgroup barrier; the output store into Q's buffer is preceded
-      by one).  Written to time tokamax's last compile-level difference
-      at head_dim 256; not a default: -3% to +4% on the H200
-      (docs/benchmarks/h200-2026-12-01-no-auto-barriers.md).  GPU only,
-      not with ``p_in_smem`` (P's buffer is rewritten each step after
-      wgmmas of other warps read it).
-    unpadded_kv: the forward reads K and V unpadded: the last key tile's
-      rows past the keys are zero-filled by the TMA copy (which skips
-      out-of-bounds reads) instead of by an XLA pad, which copies K and V
-      whenever the key length is not a multiple of ``block_kv`` (with
-      80- or 176-key tiles, at every power-of-two length: on the H200
-      the unpadded forms ran 2-21% faster than the padded ones).  The
-      padded keys are masked either way (``MaskSpec.kv_block_range`` ends
-      the unmasked tiles at the last whole one).  K and V are still
-      padded to a multiple of 8 rows where 8 does not divide the key
-      length: Mosaic GPU tiles the global side of a swizzled TMA copy by
-      8 rows.  GPU only: the interpreter's slices clamp at the end of
-      the array.  The H200 default at every head_dim (it changed nothing
-      measurable where no pad was needed).
-    unpadded_q: the forward reads Q and writes O unpadded (to a multiple
-      of 8 rows, as ``unpadded_kv``): the last query group's rows past
-      the queries are zero-filled by the TMA copy of Q and dropped by
-      the TMA store of O, instead of an XLA pad of Q and a slice of O.
-      Those copies happen wherever ``compute_wgs * block_q`` does not
-      divide the query length: with three consumers (192-row groups) at
-      every power-of-two length.  The log-sum-exp keeps its padded
-      length.  GPU only (the interpreter's slices clamp).  The H200
-      default at head_dim 64: forward +1.6/+4.5/+7.4% non-causal at
-      16384/8192/4096 tokens, +3.3% causal at 16384 (one run,
-      docs/benchmarks/h200-2026-12-03-s19.md).
+      2603.05451): a row's reference max moves only when the row max
+      passes it by more than ``2^rescale_threshold``; 0 (every step) to
+      :data:`MAX_RESCALE_THRESHOLD`.  On the GPU a warp then skips ``O``'s
+      rescale where no row moved.
+    deferred_row_sum: keep each lane's share of the row sum ``l`` and add
+      the 4 lanes of a row once after the tile loop (FlashAttention-3's
+      order).  GPU only in effect: the interpreter sums every step.
+    early_q_release: with ``prefetch_q``, signal "done with Q" once the
+      last ``Q K^T`` is read back rather than after the last ``P V``, and
+      load the next Q before its K/V tiles.  Needs ``intra_wg_overlap``.
+    q_double_buffer: with ``prefetch_q``, two Q buffers per consumer used
+      by alternate items, so an item's Q loads without waiting for the
+      previous one; not with causal ``persistent_pairs``.
+    item_overlap: with ``prefetch_q``, the tile loop runs on across work
+      items (an item's epilogue under the next item's first ``Q K^T``)
+      where every consumer computes every key tile
+      (``forward._chains_items``); with ``intra_wg_overlap`` it needs the
+      ping-pong and ``early_q_release`` or ``q_double_buffer``.
+    lean_epilogue: tokamax's epilogue: normalise by one reciprocal per
+      row, store the output in 64-column chunks through two slots per
+      consumer, and wait only for the stores' shared-memory reads.
+    unpadded_kv: read K and V unpadded (to a multiple of 8 rows); TMA
+      zero-fills the last tile instead of an XLA pad.  GPU only.
+    unpadded_q: read Q and write O unpadded (to a multiple of 8 rows);
+      TMA zero-fills Q and clips O's store.  GPU only.
     bwd_block_q, bwd_block_kv: the backward's query and key tiles
       (multiples of 64): the dQ kernel holds ``bwd_block_q`` query rows per
       consumer and streams ``bwd_block_kv`` keys, the dK/dV kernel the converse.
@@ -604,29 +149,15 @@ class MosaicConfig:
   persistent: bool = False
   intra_wg_overlap: bool = False
   named_barriers: bool = False
-  early_k_wait: bool = False
-  pv_then_qk: bool = False
-  late_rescale: bool = False
-  row_sum_in_pv: bool = False
-  split_kv_release: bool = False
   prefetch_q: bool = False
   persistent_pairs: bool = False
-  groups_fastest: bool = False
-  groups_slowest: bool = False
   kv_multicast: bool = False
-  exp2_poly_cols: int = 0
   rescale_threshold: int = 0
   deferred_row_sum: bool = False
   early_q_release: bool = False
-  late_store_wait: bool = False
-  q_l2_prefetch: bool = False
-  kv_l2_prefetch: bool = False
   q_double_buffer: bool = False
   item_overlap: bool = False
-  unmasked_first_tile: bool = False
-  split_tail: bool = False
   lean_epilogue: bool = False
-  no_auto_barriers: bool = False
   unpadded_kv: bool = False
   unpadded_q: bool = False
   bwd_block_q: int = 64
@@ -666,23 +197,12 @@ class MosaicConfig:
             f"bwd_dkv_block_q={dkv_q} with bwd_paired_dkv=True: the paired"
             " dK/dV kernel streams bwd_block_q rows (it needs"
             " bwd_dkv_block_q=None)")
-    cols = self.exp2_poly_cols
-    if (not isinstance(cols, int) or cols < 0 or cols % 8
-        or (cols and cols >= self.block_kv)):
-      raise ValueError(
-          f"exp2_poly_cols={cols!r} must be 0 or a multiple of 8 below"
-          f" block_kv={self.block_kv}")
     thr = self.rescale_threshold
     if not isinstance(thr, int) or not 0 <= thr <= MAX_RESCALE_THRESHOLD:
       raise ValueError(
           f"rescale_threshold={thr!r} must be an integer from 0 (off) to"
           f" {MAX_RESCALE_THRESHOLD} (P up to 2^threshold must stay exact"
           " in float16)")
-    if thr and cols:
-      raise ValueError(
-          f"rescale_threshold={thr} with exp2_poly_cols={cols}: the"
-          " polynomial takes exponents <= 0, and under the threshold they"
-          " run up to the threshold")
     for name in ("stages", "bwd_stages"):
       val = getattr(self, name)
       if not isinstance(val, int) or val < 2:
@@ -1028,31 +548,19 @@ def tuned_device_kinds() -> list[str]:
           + list(tuning.get("aliases", {})))
 
 
-@functools.cache
 def _entries(device_kind: str | None) -> dict:
   """tuning.json's entry for this device kind: its own, the one its alias
-  names (the H100 SXM runs the H200's: 1.05-1.30x of the default entry's
-  forward on an H100, s35), else ``default``; with the kind's own
-  ``kind_kv_rules`` after each head_dim's ``kv_rules`` (none since s40:
-  the H100 SXM's head_dim 64 rules of s39 became the H200 entry's when
-  the H200 measured the same gains)."""
+  names, else ``default``."""
   tuning = _tuning()
   kind = tuning.get("aliases", {}).get(device_kind, device_kind)
-  entries = tuning["devices"].get(kind or "", tuning["devices"]["default"])
-  extra = tuning.get("kind_kv_rules", {}).get(device_kind or "", {})
-  return {dim: ({**fields, "kv_rules": [*fields.get("kv_rules", []),
-                                        *extra[dim]]}
-                if dim in extra else fields)
-          for dim, fields in entries.items()}
+  return tuning["devices"].get(kind or "", tuning["devices"]["default"])
 
 
 def check_tuning(tuning: dict) -> None:
   """ValueError, naming the place and the offending value, where
-  tuning.json's rules are malformed: each ``kv_rules`` and
-  ``kind_kv_rules`` item must be ``{"causal": bool, "min_kv": int >= 0,
-  "fields": {MosaicConfig field: value}}``; a ``kind_kv_rules`` kind
-  must have an entry or an alias (a misspelt kind would be ignored), and
-  its head_dims must be in that entry."""
+  tuning.json's rules are malformed: each ``kv_rules`` item must be
+  ``{"causal": bool, "min_kv": int >= 0, "fields": {MosaicConfig field:
+  value}}``, and each alias must name a kind with an entry."""
   names = {f.name for f in dataclasses.fields(MosaicConfig)}
 
   def check(rules, where):
@@ -1078,17 +586,10 @@ def check_tuning(tuning: dict) -> None:
   for kind, entries in tuning["devices"].items():
     for dim, fields in entries.items():
       check(fields.get("kv_rules", []), f"{kind} {dim} kv_rules")
-  aliases = tuning.get("aliases", {})
-  for kind, dims in tuning.get("kind_kv_rules", {}).items():
-    target = aliases.get(kind, kind)
+  for kind, target in tuning.get("aliases", {}).items():
     if target not in tuning["devices"]:
-      raise ValueError(f"tuning.json kind_kv_rules: {kind!r} has no entry"
-                       " and no alias")
-    for dim, rules in dims.items():
-      if dim not in tuning["devices"][target]:
-        raise ValueError(f"tuning.json kind_kv_rules {kind!r}: head_dim"
-                         f" {dim} has no entry in {target!r}")
-      check(rules, f"kind_kv_rules {kind!r} {dim}")
+      raise ValueError(f"tuning.json aliases: {kind!r} names {target!r},"
+                       " which has no entry")
 
 
 def default_config(device_kind: str | None, head_dim_padded: int, *,
@@ -1102,36 +603,11 @@ def default_config(device_kind: str | None, head_dim_padded: int, *,
   of the call's setting (False where that setting is not given).
 
   An entry's ``persistent_max_kv`` rule turns on the persistent forward
-  for calls with at most that many keys (per causal setting): measured on
-  the H200, it pays where the key loop is short and the prologue and
-  epilogue it overlaps are a large share of a program, and loses on
-  causal calls at head_dim >= 128 (their longest-first order is lost)
-  except with ``persistent_pairs``, which restores it: the H200 head_dim
-  128 entry runs causal calls of up to 1024 keys persistent with pairs.
-
-  An entry's ``kv_rules`` (a list of ``{"causal": bool, "min_kv": int,
-  "fields": {...}}``) replace those fields for calls of that causal setting
-  with at least ``min_kv`` keys (none applies where ``kv_len`` is not given),
-  and then a device kind's own ``kind_kv_rules`` (none since s40). On the H200
-  the head_dim 64 backward's 128-query tiles pay on every non-causal call and
-  on causal calls from 4096 keys, the head_dim 64 forward's three consumers on
-  every call from 1024 keys (and the persistent grid on every causal call),
-  the forward's 176-key tiles at head_dim 128 on non-causal calls from 8192
-  keys (without the intra-warpgroup overlap, which the head_dim 128 entry sets
-  for the other calls), and the overlap at head_dim 256 on causal calls and on
-  non-causal ones from 1025 keys (the persistent grid without it below), and
-  at head_dim 256 the lean epilogue and ``kv_multicast`` on non-causal calls
-  from 1025 keys (the plain grid); the lean epilogue on every causal call at
-  256 and on non-causal calls below 8192 keys at 128; ``early_q_release`` on
-  non-causal calls at head_dim 128 below 8192 keys (it acts only on the
-  persistent ones, up to 2048 keys); and ``kv_multicast`` on non-causal calls
-  of at most 1024 keys at 128; and at 128 ``rescale_threshold`` 8 with
-  ``deferred_row_sum`` on causal calls up to 8192 keys and non-causal calls of
-  1025-2048 keys; at 64 ``q_double_buffer`` on non-causal calls of at most
-  2048 keys (with ``item_overlap`` from 1025), and with ``prefetch_q`` on
-  causal calls of at most 1024 keys. Where the benchmark's 20 ms samples and
-  sustained load (0.5-1 s samples, the card at its power cap) disagree, the
-  rules follow sustained load (docs/benchmarks/h200-2026-12-04-s29.md).
+  for calls with at most that many keys (per causal setting).  Its
+  ``kv_rules`` (a list of ``{"causal": bool, "min_kv": int, "fields":
+  {...}}``) then replace those fields, in order, for calls of that causal
+  setting with at least ``min_kv`` keys (none applies where ``kv_len`` is
+  not given).  Measurements behind the values: docs/benchmarks/.
   """
   entries = _entries(device_kind)
   dims = sorted(int(d) for d in entries)

@@ -24,6 +24,16 @@ registers and ``P V`` accumulates into it in place
 attention_mgpu); the Mosaic GPU interpreter rejects that idiom, so
 interpreted runs write ``P V`` into a fresh scoped accumulator and add it
 in registers (docs/backends.md lists what only the GPU tests cover).
+
+Where things are, in the order of this module: the online softmax
+(:func:`softmax_step`, :func:`rescale_rows`, :func:`row_sum`); the
+operands (:class:`_Refs`); the schedule of work items, plain grid,
+persistent grid and its pairs (:class:`_Schedule`); one work item on a
+consumer (:class:`_Item`: the scores, the element mask in
+:meth:`_Item.apply_mask`, ``P V``, the epilogue); the main loops over
+an item's key tiles (:func:`_plain_loop`, :func:`_overlapped_loop`,
+:func:`_chained_loop`); the producer (:func:`_produce`); the kernel
+(:func:`_kernel`); the launch (:func:`forward`).
 """
 
 from __future__ import annotations
@@ -52,46 +62,11 @@ from jaxflash.mosaic_gpu.config import MosaicConfig
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
-# 2^f on f in [-1/2, 1/2], degree 3, fitted for least maximum relative
-# error (7.5e-5 in float32 Horner: below half an ulp of the bfloat16 and
-# float16 P that the P V matmul takes).
-_EXP2_POLY = (0.9999281167984009, 0.6932609677314758, 0.24261033535003662,
-              0.05517134442925453)
-# 1.5 * 2^23: x + this rounds x to an integer held in the low mantissa bits.
-_ROUND_MAGIC = 12582912.0
 
-
-def exp2_poly(x, magic):
-  """``2^x`` for finite ``x <= 0`` on the FMA and integer pipes, none of it
-  on the MUFU unit that ``exp2`` uses (FlashAttention-4's software
-  exponential, arXiv 2603.05451, with Cody and Waite's range reduction):
-  ``x = j + f`` with ``j = round(x)`` and ``f`` in [-1/2, 1/2], ``2^f``
-  by the polynomial above, and ``2^j`` added into the exponent bits.
-  Nine instructions against one, so only a share of a tile's columns
-  take it (:attr:`MosaicConfig.exp2_poly_cols`), to relieve the MUFU unit
-  where it is as busy as the tensor cores.
-
-  ``magic`` must equal ``_ROUND_MAGIC`` (broadcastable to ``x``) but be
-  computed at run time: XLA's simplifier, which compiles the interpreted
-  kernel on the CPU, cancels ``(x + M) - M`` to ``x`` for a literal
-  ``M`` (Mosaic GPU emits the two adds as written: its float ops carry
-  only the ``contract`` fast-math flag).
-
-  ``x`` is clamped at -125 so that the exponent stays in range: below, the
-  result is ``2^-125`` (about 2.4e-38) instead of smaller, against a row
-  maximum of 1.  Not for ``-inf`` (masked scores): those need exactly 0,
-  so masked steps keep ``exp2``."""
-  x = jnp.maximum(x, -125.0)
-  t = x + magic
-  f = x - (t - magic)
-  c0, c1, c2, c3 = _EXP2_POLY
-  p = ((c3 * f + c2) * f + c1) * f + c0
-  # The low 9 bits of round(x) are t's low mantissa bits; shifted into the
-  # exponent field they add round(x) to p's exponent (mod 2^32).
-  bits = (lax.bitcast_convert_type(p, jnp.int32)
-          + lax.shift_left(lax.bitcast_convert_type(t, jnp.int32),
-                           jnp.int32(23)))
-  return lax.bitcast_convert_type(bits, jnp.float32)
+# ---------------------------------------------------------------------------
+# The online softmax (FlashAttention, arXiv 2205.14135; FlashAttention-2,
+# 2307.08691 Algorithm 1; FlashAttention-3, 2407.08608): per key tile the
+# new row max, P against it, the rescale of the row sum and of O.
 
 
 def rescale_rows(acc, alpha, *, skip_unmoved: bool):
@@ -108,7 +83,7 @@ def rescale_rows(acc, alpha, *, skip_unmoved: bool):
   and the branch skips the step's largest instruction class: one FMUL
   per accumulator element, 128 per thread per step at head_dim 256 and
   64 at 128 against 32 or 64 exponentials (the compiled loop's PTX;
-  ncu's top opcode class at d256, s28/s29).  Multiplying by exactly 1
+  ncu's top opcode class at head_dim 256).  Multiplying by exactly 1
   changes no value, so both forms give bit-identical results; the
   interpreter runs the multiply."""
   if not skip_unmoved:
@@ -239,6 +214,40 @@ def finish_row_sum(l, *, deferred: bool):
   return quad_sum(l)
 
 
+def softmax_step(s, m, *, scale, threshold: int, masked: bool):
+  """One tile's online-softmax update in base 2 (FlashAttention-2,
+  arXiv 2307.08691 Algorithm 1; the running max and rescale of
+  FlashAttention, arXiv 2205.14135): from the scores ``s`` of a tile and
+  the running row max ``m`` (already scaled), ``(P, m_next, alpha)``:
+  ``P = 2^(s scale - m_next)`` (float32), the new max and ``alpha =
+  2^(m - m_next)``, the factor that rescales the row sum and ``O``
+  accumulated so far.  ``scale`` None: ``s`` is already scaled.
+
+  ``threshold`` > 0: FlashAttention-4's conditional rescaling (arXiv
+  2603.05451): the row's reference max (against which ``P``, the row sum
+  and ``O`` are kept) moves only when the row's max grows past it by
+  more than ``2^threshold``, else ``P`` runs up to ``2^threshold``, exact
+  in float32 and in ``P``'s 16-bit format.  The final ``O / l`` and the
+  LSE (``m + log2 l``) are the same for any reference.  A row that has
+  seen no key moves at once (anything > -inf); -inf stays -inf.
+
+  ``masked``: the tile took the element mask, so a row may have seen no
+  key yet (``m_next = -inf``)."""
+  row_max = s.max(axis=1)
+  m_next = jnp.maximum(m, row_max if scale is None else row_max * scale)
+  if threshold:
+    m_next = jnp.where(m_next > m + threshold, m_next, m)
+  # While a row has seen no key, m = -inf: subtract 0 instead so that
+  # exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
+  m_use = jnp.where(m_next == -jnp.inf, 0.0, m_next) if masked else m_next
+  alpha = jnp.exp2(m - m_use)
+  if threshold:  # exactly 1 where the reference stayed
+    alpha = jnp.where(m_next == m, 1.0, alpha)
+  m_b = lax.broadcast_in_dim(m_use, s.shape, [0])
+  x = s - m_b if scale is None else s * scale - m_b
+  return jnp.exp2(x), m_next, alpha
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
   """Static description of a padded call: ``mask`` speaks of the unpadded
@@ -260,1078 +269,184 @@ class Problem:
   has_segments: bool = False
 
 
-def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
-            n_programs: int | None, cluster: int,
-            tail: TailSplit | None = None):
-  if prob.has_segments:
-    q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, range_ref, *refs = refs
-  else:
-    q_ref, k_ref, v_ref, *refs = refs
-    qseg_ref = kvseg_ref = range_ref = None
-  o_ref, lse_ref, *refs = refs
-  # split_tail: the workspace of the split items' segments (TailSplit):
-  # one row block per program (a program holds at most one part that
-  # does not own its item), each consumer's rows of that part's
-  # unnormalised output and their running max and row sum, in float32.
-  accws_ref, mlws_ref = (None, None) if tail is None else refs[:2]
-  if tail is not None:
-    refs = refs[2:]
-  # split_tail on a GPU: one semaphore per split item and consumer, which
-  # each part that does not own the item signals once its workspace rows
-  # are written (global memory that Pallas zeroes before each call; each
-  # wait also takes back what it waited for).  The interpreter runs no
-  # semaphores; it runs the programs one after the other, so that an
-  # item's owner (its last part) reads what the others wrote before.
-  tail_sems = None
-  if tail is not None and in_place:
-    tail_sems = pl.get_global(
-        plgpu.SemaphoreType.REGULAR((tail.left * cfg.compute_wgs,)))
-  (qo_smem2, k_smem, v_smem, lse_smem2, k_ready, v_ready,
-   q_ready, k_free, v_free, *extra) = refs
-  p_smem2 = extra.pop(0) if cfg.p_in_smem else None
-  persistent = n_programs is not None
-  # prefetch_q or lean_epilogue: the output's own slots; prefetch_q: "both
-  # consumers are done with Q" (the producer then loads the next item's).
-  prefetch = cfg.prefetches_q
-  o_smem2 = extra.pop(0) if cfg.out_slots else None
-  q_free = extra.pop(0) if prefetch else None
-  # early_q_release (which needs intra_wg_overlap): "done with Q" from the
-  # overlapped loop, before the last P V turn, and Q loaded first.
-  early_q_release = prefetch and cfg.early_q_release
-  # late_store_wait: an item's output and LSE stores are waited for at the
-  # next item's epilogue, not at the end of their own (prefetch_q only:
-  # there Q has buffers of its own, so nothing before that epilogue
-  # rewrites what the stores read).
-  late_store_wait = prefetch and cfg.late_store_wait
-  # q_double_buffer: two Q buffers per consumer, used by alternate items
-  # (not with persistent_pairs, whose skipped items would break the
-  # alternation); buffer ``buf`` of consumer ``w`` is
-  # ``qo_smem2[buf * compute_wgs + w]``.
-  double_q = _double_q(cfg, prob)
+# ---------------------------------------------------------------------------
+# The kernel's operands and what every work item of a program shares.
 
-  def q_buffer(item, w):
+
+@dataclasses.dataclass(frozen=True)
+class _Refs:
+  """The forward kernel's operands and scratch, by name (the order of
+  :func:`forward`'s ``scratch`` list)."""
+
+  q: object
+  k: object
+  v: object
+  q_seg: object  # segment ids (None without them)
+  kv_seg: object
+  seg_range: object
+  o: object
+  lse: object
+  qo_smem2: object  # Q (and with the plain epilogue O), per Q buffer
+  k_smem: object  # the K/V ring
+  v_smem: object
+  lse_smem2: object
+  k_ready: object  # TMA completion per ring slot
+  v_ready: object
+  q_ready: object  # per Q buffer
+  k_free: object  # "slot consumed" (pipeline.MBarriers or NamedBarriers)
+  v_free: object
+  p_smem2: object  # P staged for P V (p_in_smem)
+  o_smem2: object  # the output's own slots (MosaicConfig.out_slots)
+  q_free: object  # "done with Q" (prefetch_q)
+  schedule: object  # the ping-pong's mbarrier
+  exit_barrier: object  # the producers' rendezvous (clusters)
+
+  @classmethod
+  def unpack(cls, refs, prob: Problem, cfg: MosaicConfig, cluster: int):
+    if prob.has_segments:
+      q, k, v, q_seg, kv_seg, seg_range, *refs = refs
+    else:
+      q, k, v, *refs = refs
+      q_seg = kv_seg = seg_range = None
+    o, lse, *refs = refs
+    (qo_smem2, k_smem, v_smem, lse_smem2, k_ready, v_ready,
+     q_ready, k_free, v_free, *extra) = refs
+    p_smem2 = extra.pop(0) if cfg.p_in_smem else None
+    o_smem2 = extra.pop(0) if cfg.out_slots else None
+    q_free = extra.pop(0) if cfg.prefetches_q else None
+    # kv_multicast: two CTAs per cluster (``cluster``, from
+    # _cluster_size), one query group each, share the K/V ring; its
+    # "free" signals are then cluster mbarriers.
+    exit_barrier = extra.pop() if cluster > 1 else None
+    # Named, the consumed signals take the ids after the schedule's two
+    # (4 + 2 + [0, 2 * stages): config.MAX_NAMED_STAGES), above Mosaic
+    # GPU's warpgroup barriers (1 + warpgroup index: at most 4, three
+    # consumers).
+    first = pipeline.FIRST_NAMED_BARRIER + 2
+    named_rings = cfg.named_barriers and cluster == 1
+    k_free = pipeline.ring_free(k_free, named_rings, cfg.compute_wgs, first)
+    v_free = pipeline.ring_free(v_free, named_rings, cfg.compute_wgs,
+                                first + cfg.stages)
+    return cls(q, k, v, q_seg, kv_seg, seg_range, o, lse, qo_smem2, k_smem,
+               v_smem, lse_smem2, k_ready, v_ready, q_ready, k_free,
+               v_free, p_smem2, o_smem2, q_free,
+               extra[-1] if _use_schedule(cfg) else None, exit_barrier)
+
+
+class _Ctx:
+  """What every work item of a program shares: the call, the config, the
+  refs, this warpgroup (``wg``) and its ping-pong, and the forms the
+  config selects for this call."""
+
+  def __init__(self, prob: Problem, cfg: MosaicConfig, dtype, *,
+               in_place: bool, refs: _Refs, wg, ping, persistent: bool,
+               cluster: int):
+    self.prob, self.cfg, self.dtype, self.in_place = prob, cfg, dtype, in_place
+    self.r, self.wg, self.ping = refs, wg, ping
+    self.persistent, self.cluster = persistent, cluster
+    # prefetch_q: the producer loads each item's Q once both consumers
+    # are done with the last ("q_free").
+    self.prefetch = cfg.prefetches_q
+    # early_q_release (which needs intra_wg_overlap): "done with Q" from
+    # the overlapped loop, before the last P V turn, and Q loaded first.
+    self.early_q_release = self.prefetch and cfg.early_q_release
+    # q_double_buffer: two Q buffers per consumer, used by alternate
+    # items (not with persistent_pairs, whose skipped items would break
+    # the alternation).
+    self.double_q = _double_q(cfg, prob)
+    # item_overlap: the loop runs on across work items (_chains_items).
+    self.chained = _chains_items(cfg, prob)
+
+  def q_buffer(self, item, w):
     """Consumer ``w``'s Q buffer (and ``q_ready`` slot) for work item
-    ``item``, and the ``q_free`` barrier of that buffer."""
-    if not double_q:
-      return w, q_free
+    ``item``, and the ``q_free`` barrier of that buffer: buffer ``buf``
+    of consumer ``w`` is ``qo_smem2[buf * compute_wgs + w]``."""
+    if not self.double_q:
+      return w, self.r.q_free
     buf = lax.rem(item, 2)
-    return buf * cfg.compute_wgs + w, q_free.at[buf]
+    return buf * self.cfg.compute_wgs + w, self.r.q_free.at[buf]
 
-  # item_overlap: the overlapped loop runs on across work items (see
-  # _chains_items and overlapped_loop's docstring).
-  chained = _chains_items(cfg, prob)
-  bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
-  # Named, the consumed signals take the ids after the schedule's two
-  # (4 + 2 + [0, 2 * stages): config.MAX_NAMED_STAGES), above Mosaic GPU's
-  # warpgroup barriers (1 + warpgroup index: at most 4, three consumers).
-  first = pipeline.FIRST_NAMED_BARRIER + 2
-  group_rows = cfg.compute_wgs * bq
-  n_groups = prob.q_pad // group_rows
-  # kv_multicast: two CTAs per cluster (``cluster``, from
-  # _cluster_size), one query group each, share the K/V ring; its "free"
-  # signals are then cluster mbarriers.
-  exit_barrier = extra.pop() if cluster > 1 else None
-  named_rings = cfg.named_barriers and cluster == 1
-  k_free = pipeline.ring_free(k_free, named_rings, cfg.compute_wgs, first)
-  v_free = pipeline.ring_free(v_free, named_rings, cfg.compute_wgs,
-                              first + stages)
 
-  def cluster_group(unit):
-    """The query group of this CTA in program (or work unit) ``unit``:
-    with clusters, CTA ``c`` of unit ``p`` takes group ``2p + c``."""
-    if cluster == 1:
-      return unit
-    return unit * cluster + lax.axis_index("cluster")
-  if not persistent:  # one program per (head, query group, batch)
-    b = lax.axis_index("batch")
-    h = lax.axis_index("heads")
-  wg = lax.axis_index("wg")
-  ping = _PingPong(extra[-1] if _use_schedule(cfg) else None, wg,
-                   named=cfg.named_barriers, persistent=persistent)
-  mask = prob.mask
-  pairs = _paired(cfg, prob)
-  n_units_per_bh = _units_per_bh(cfg, prob, n_groups)
+# ---------------------------------------------------------------------------
+# The schedule: which work items a program runs.
 
-  def item_ranges(b, group):
+
+class _Schedule:
+  """Which work items a program runs, and in which order.
+
+  A work item is one query group (``compute_wgs * block_q`` rows) of one
+  (batch, head) with the key tiles it streams.  On the plain grid a
+  program runs one item (Mosaic GPU launches batch fastest, then query
+  groups, then heads: :func:`forward`'s grid).  On the persistent grid
+  program ``sm`` runs work units ``sm, sm + n_programs, ...``, heads
+  fastest, then query groups, then batch (:meth:`for_each_item`).  On
+  causal calls query groups count from the longest (:meth:`item_ranges`).
+  With clusters (``kv_multicast``) the two CTAs of a program or unit take
+  adjacent query groups; with ``persistent_pairs`` a unit is the ``p``-th
+  longest and the ``p``-th shortest group of one (batch, head)."""
+
+  def __init__(self, prob: Problem, cfg: MosaicConfig,
+               n_programs: int | None, cluster: int, seg_range):
+    self.prob, self.cfg = prob, cfg
+    self.n_programs, self.cluster, self.seg_range = (n_programs, cluster,
+                                                     seg_range)
+    self.group_rows = cfg.compute_wgs * cfg.block_q
+    self.n_groups = prob.q_pad // self.group_rows
+    self.pairs = _paired(cfg, prob)
+    self.units_per_bh = _units_per_bh(cfg, prob, self.n_groups)
+
+  def item_ranges(self, b, group):
     """A work item's first query row and the key tiles it streams."""
+    mask = self.prob.mask
     if mask.causal:
       # Causal work grows with the query index: run the longest query
       # groups first so the last wave is made of short ones (better balance
       # across the 132 SMs; tokamax and FlashAttention-3 do the same).
-      group = n_groups - 1 - group
-    group_start = group * group_rows
+      group = self.n_groups - 1 - group
+    group_start = group * self.group_rows
     # Key tiles any consumer of this program needs: the producer loads them.
-    u_lo, _, _, u_hi = mask.kv_block_range(group_start, group_rows, bk)
-    u_lo, u_hi = pipeline.narrow_to_segments(u_lo, u_hi, range_ref, b, group)
+    u_lo, _, _, u_hi = mask.kv_block_range(group_start, self.group_rows,
+                                           self.cfg.block_kv)
+    u_lo, u_hi = pipeline.narrow_to_segments(u_lo, u_hi, self.seg_range, b,
+                                             group)
     return group_start, u_lo, u_hi
 
-  if not persistent:
-    group_start, u_lo, u_hi = item_ranges(
-        b, cluster_group(lax.axis_index("q_seq")))
-    n_steps = u_hi - u_lo
-
-  def consume(b, h, group_start, u_lo, u_hi, first_step, item=None,
-              chain=None, part=None):
-    """One work item on a consumer warpgroup: ring steps ``first_step +
-    [0, u_hi - u_lo)``; ``item``: its number in the program's loop.
-    ``part=(is_segment, sm, j, owner, first_sm)`` with ``split_tail``
-    (:func:`for_each_item_and_segment`): a segment that does not own its
-    item goes to program ``sm``'s workspace rows; an owner merges the
-    others' first (:func:`merge_parts`).
-    ``chain=(s_first, n_items)`` with ``item_overlap`` (``chained``):
-    ``S`` of this item's first tile, issued and read back by the item
-    before (valid from item 1), and the program's item count; returns
-    ``S`` of the next item's first tile (zeros after the last item)."""
-    q_slot, q_done = q_buffer(item, wg)
-    qo_smem = qo_smem2.at[q_slot]
-    lse_smem = lse_smem2.at[wg]
-    q_start = group_start + wg * bq
-    if not prefetch:  # (with prefetch_q, the producer loads Q)
-      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, bq), h], qo_smem,
-                              q_ready.at[wg])
-    if chained:  # from item 1 on, the item before waited for this Q
-      pl.when(item == 0)(lambda: plgpu.barrier_wait(q_ready.at[q_slot]))
-    else:
-      plgpu.barrier_wait(q_ready.at[q_slot])
-    row = plgpu.Layout.WGMMA.reduce(1)
-    m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row)
-    l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row)
-    acc = plgpu.layout_cast(
-        jnp.full((bq, prob.head_dim_padded), 0.0, jnp.float32),
-        plgpu.Layout.WGMMA)
-    qk_scale = prob.softmax_scale * LOG2E
-
-    def wait_next_k(step):
-      """``early_k_wait``: wait for the next step's K now (inside the
-      ``P V`` scope, while the wgmma runs), as tokamax's kernel does,
-      rather than at the start of that step."""
-      if cfg.early_k_wait:
-        end_step = first_step + (u_hi - u_lo)
-        nxt = step + 1
-        pl.when(nxt < end_step)(
-            lambda: plgpu.barrier_wait(k_ready.at[lax.rem(nxt, stages)]))
-
-    rescale = functools.partial(
-        rescale_rows, skip_unmoved=bool(cfg.rescale_threshold) and in_place)
-    deferred_sum = cfg.deferred_row_sum and in_place
-    rsum = functools.partial(row_sum, deferred=deferred_sum)
-
-    def probs(s, t, m, *, masked: bool):
-      """Tile ``t``'s online-softmax step from the raw ``S``: ``P`` (float32,
-      base 2, against the new running max), the new max and the factor
-      ``alpha`` that rescales what was accumulated before."""
-      if prob.logits_soft_cap is None:
-        # Raw logits; the base-2 scale is applied to the row max and
-        # folded into exp2's argument below (one FMA per element).
-        # (Measured on the H200, d128 s4096: 608 TFLOP/s against 555 with
-        # a separate multiply.)
-        scale = qk_scale
-      else:  # cap * tanh(x / cap) on the scaled logits (Gemma 2)
-        cap = prob.logits_soft_cap
-        s = jnp.tanh(s * (prob.softmax_scale / cap)) * (cap * LOG2E)
-        scale = None
-      if masked:
-        q_idx = pipeline.index_tile(q_start, (bq, bk), 0)
-        k_idx = pipeline.index_tile(t * bk, (bq, bk), 1)
-        seg = {}
-        if qseg_ref is not None:
-          # Straight from GMEM into the row / column layouts of S
-          # (a non-"optimized" load: GMEM is not swizzled SMEM).
-          q_seg = plgpu.load(qseg_ref.at[b, pl.ds(q_start, bq)],
-                             layout=plgpu.Layout.WGMMA.reduce(1),
-                             optimized=False)
-          k_seg = plgpu.load(kvseg_ref.at[b, pl.ds(t * bk, bk)],
-                             layout=plgpu.Layout.WGMMA.reduce(0),
-                             optimized=False)
-          seg = dict(q_seg=lax.broadcast_in_dim(q_seg, (bq, bk), [0]),
-                     k_seg=lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
-        s = jnp.where(mask.visible(q_idx, k_idx, **seg), s, -jnp.inf)
-      row_max = s.max(axis=1)
-      m_next = jnp.maximum(m, row_max if scale is None else row_max * scale)
-      if cfg.rescale_threshold:
-        # FlashAttention-4's conditional rescaling (arXiv 2603.05451): the
-        # row's reference max (against which P, the row sum and O are
-        # kept) moves only when the row's max grows past it by more than
-        # 2^threshold, else P runs up to 2^threshold, exact in float32 and
-        # in P's 16-bit format.  The final O / l and the LSE (m +
-        # log2 l) are the same for any reference.  A row that has seen no
-        # key moves at once (anything > -inf); -inf stays -inf.
-        m_next = jnp.where(m_next > m + cfg.rescale_threshold, m_next, m)
-      # While a row has seen no key, m = -inf: subtract 0 instead so that
-      # exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
-      m_use = jnp.where(m_next == -jnp.inf, 0.0, m_next) if masked else m_next
-      alpha = jnp.exp2(m - m_use)
-      if cfg.rescale_threshold:  # exactly 1 where the reference stayed
-        alpha = jnp.where(m_next == m, 1.0, alpha)
-      m_b = lax.broadcast_in_dim(m_use, s.shape, [0])
-      x = s - m_b if scale is None else s * scale - m_b
-      cols = cfg.exp2_poly_cols
-      if cols and not masked:  # every score finite: a share off the MUFU
-        # The rounding constant from a row value (m_use is never +inf):
-        # see exp2_poly.
-        magic = jnp.where(m_use == jnp.inf, 0.0, _ROUND_MAGIC)
-        p = jnp.concatenate(
-            [exp2_poly(x[:, :cols],
-                       lax.broadcast_in_dim(magic, (x.shape[0], cols), [0])),
-             jnp.exp2(x[:, cols:])], axis=1)
-      else:
-        p = jnp.exp2(x)
-      return p, m_next, alpha
-
-    def probs_where_visible(s, t, m, full_lo, full_hi):
-      """:func:`probs` for a tile whose masking is known only at run time:
-      without the element mask where ``t`` lies in the fully visible
-      ``[full_lo, full_hi)``, as :func:`_masked_ranges` runs the tiles of
-      a loop (a ``lax.cond``).  The start value ``m = -inf`` needs no
-      guard there: a visible tile's row max is finite, so ``alpha =
-      exp2(-inf) = 0``."""
-      if range_ref is not None:
-        # (segment ids: every computed tile takes the element mask)
-        return probs(s, t, m, masked=True)
-      return lax.cond((full_lo <= t) & (t < full_hi),
-                      lambda: probs(s, t, m, masked=False),
-                      lambda: probs(s, t, m, masked=True))
-
-    def probs_at(s, t, m, full_lo, full_hi):
-      """:func:`probs` for the overlapped loop's first tile: with the
-      element mask, or with ``unmasked_first_tile`` only where the tile
-      is not fully visible (:func:`probs_where_visible`), so that the
-      first tile of an unmasked call skips the mask's compares and
-      selects."""
-      if not cfg.unmasked_first_tile:
-        return probs(s, t, m, masked=True)
-      return probs_where_visible(s, t, m, full_lo, full_hi)
-
-    def scores(slot, *, waited=False):
-      """``S = Q K^T`` with tile ``slot``'s K (waited for unless
-      ``waited``, then released)."""
-      if not waited:
-        plgpu.barrier_wait(k_ready.at[slot])
-
-      def qk(acc_ref):
-        plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].T)
-        ping.issued()  # let the other consumer's matmul go next
-        return acc_ref[...]
-
-      s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-      k_free.arrive(slot)
-      return s
-
-    def p_operand(p16):
-      """``P`` as the ``P V`` wgmma's A operand (registers, or SMEM)."""
-      if p_smem2 is None:
-        return p16
-      p_src = p_smem2.at[wg]
-      p_src[...] = p16
-      plgpu.commit_smem()
-      return p_src
-
-    def add_pv(acc, p16, slot, while_running=lambda: None, row_sum=None,
-               p_src=None):
-      """``O += P V`` with tile ``slot``'s V (waits for the wgmma);
-      ``while_running()`` is issued after the wgmma, before that wait.
-      ``row_sum=(l, p)`` (``row_sum_in_pv``, tokamax's order at head_dim
-      > 128): also return ``l + rowsum(p)``, summed while the tensor
-      cores multiply.  ``p_src``: ``P`` already in place (then ``p16``
-      is not used)."""
-      p_src = p_operand(p16) if p_src is None else p_src
-
-      def issue(acc_ref):
-        plgpu.wgmma(acc_ref, p_src, v_smem.at[slot])
-        l_next = None if row_sum is None else (
-            row_sum[0] + rsum(row_sum[1]))
-        while_running()
-        return l_next
-
-      if in_place:
-        # O += P V accumulated in the wgmma registers themselves
-        # (FlashAttention-3); the interpreter rejects this idiom.  A fresh
-        # accumulator instead spills at head_dim 256 (measured on the H200:
-        # 221 against 593 TFLOP/s, s4096).
-        if row_sum is None:
-          return pl.run_state(issue)(plgpu.ACC.init(acc))
-
-        def issue_and_sum(refs):
-          acc_ref, l_ref = refs
-          l_ref[...] = issue(acc_ref)
-        return pl.run_state(issue_and_sum)((plgpu.ACC.init(acc),
-                                            row_sum[0]))
-
-      # Interpretable form: a fresh scoped accumulator, added in registers.
-      def pv(acc_ref):
-        l_next = issue(acc_ref)
-        return acc_ref[...], l_next
-      pv_out, l_next = pl.run_scoped(
-          pv, plgpu.ACC((bq, prob.head_dim_padded), jnp.float32))
-      return acc + pv_out if row_sum is None else (acc + pv_out, l_next)
-
-    def softmax_turn(s, t, carry, slot, *, masked):
-      """Tile ``t``'s online-softmax step from its ``S``, up to this
-      consumer's turn on the tensor cores (V waited for); ``masked`` a
-      bool, or ``(full_lo, full_hi)``: the element mask where ``t`` lies
-      outside those fully visible tiles (a ``lax.cond``):
-      ``(acc, m, l, P16, P)``, ``P`` (float32) returned when its row sum
-      is still to be added while ``P V`` runs (``row_sum_in_pv``), else
-      None."""
-      acc, m, l = carry
-      if isinstance(masked, tuple):  # (full_lo, full_hi): at run time
-        p, m_next, alpha = probs_where_visible(s, t, m, *masked)
-      else:
-        p, m_next, alpha = probs(s, t, m, masked=masked)
-      l = l * alpha
-      p16 = p.astype(dtype)
-      rescale_early = in_place and not cfg.late_rescale
-      if rescale_early:
-        acc = rescale(acc, alpha)
-      # As JAX's attention_mgpu: at head_dim <= 128, finishing the row sum
-      # and pinning the softmax results before the barriers lets the
-      # compiler schedule them ahead of the wait (measured faster there).
-      early_sum = prob.head_dim_padded <= 128
-      if early_sum:
-        l = l + rsum(p)
-        acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
-      ping.softmax_done()
-      plgpu.barrier_wait(v_ready.at[slot])
-      ping.before_pv()  # tensor cores free
-      sum_in_pv = not early_sum and cfg.row_sum_in_pv
-      if not early_sum and not sum_in_pv:
-        l = l + rsum(p)
-      if not rescale_early:
-        acc = rescale(acc, alpha)
-      return acc, m_next, l, p16, (p if sum_in_pv else None)
-
-    def compute(step, t, carry, *, masked: bool):
-      slot = lax.rem(step, stages)
-      acc, m_next, l, p16, p_sum = softmax_turn(
-          scores(slot, waited=cfg.early_k_wait), t, carry, slot,
-          masked=masked)
-      if p_sum is not None:
-        acc, l = add_pv(acc, p16, slot, lambda: wait_next_k(step),
-                        row_sum=(l, p_sum))
-      else:
-        acc = add_pv(acc, p16, slot, lambda: wait_next_k(step))
-      v_free.arrive(slot)
-      return acc, m_next, l
-
-    def skip(step, carry):
-      # A tile only the other consumer needs: observe and release it.
-      slot = lax.rem(step, stages)
-      if not cfg.early_k_wait:
-        plgpu.barrier_wait(k_ready.at[slot])
-      k_free.arrive(slot)
-      ping.issued()
-      plgpu.barrier_wait(v_ready.at[slot])
-      v_free.arrive(slot)
-      ping.softmax_done()
-      ping.before_pv()
-      wait_next_k(step)
-      return carry
-
-    def next_item_turn(acc, m, l, p_src, slot, *, turn_start: bool):
-      """``item_overlap`` (``chained``), an item with a next one: its
-      last ``P V`` (tile ``slot``'s V, ``P`` from ``p_src``) and the next
-      item's first ``S`` in one turn, this item's epilogue while that
-      ``S`` is computed (``P V`` waited for alone).  ``turn_start``: the
-      turn (and the wait for V) starts here, as in the overlapped loop;
-      the plain loop's :func:`softmax_turn` has started it already.
-      Returns ``S``; its K slot released."""
-      nxt = lax.rem(first_step + (u_hi - u_lo), stages)
-      q_next = qo_smem2.at[next_q_slot]
-      if turn_start:
-        plgpu.barrier_wait(v_ready.at[slot])
-
-      def issue(o_acc, s_acc):
-        if turn_start:
-          ping.turn_start()
-        # The next item's Q and first K are waited for in this turn:
-        # with one Q buffer that Q loads after both consumers' "done
-        # with Q", which the other consumer signals after its own turn
-        # ends (in the interpreter's mbarrier form that end is a
-        # rendezvous with this turn's start: a wait before it would
-        # never end).  With one buffer the last P V goes first, so the
-        # tensor cores are not idle while Q lands (ptxas then fences
-        # the second wgmma after the waits: its C7519 note); with two,
-        # Q landed an item ago and both are issued back to back.
-        last_pv = lambda: plgpu.wgmma(o_acc, p_src, v_smem.at[slot])
-        if not double_q:
-          last_pv()
-        plgpu.barrier_wait(q_ready.at[next_q_slot])
-        plgpu.barrier_wait(k_ready.at[nxt])
-        if double_q:
-          last_pv()
-        plgpu.wgmma(s_acc, q_next, k_smem.at[nxt].T)  # next item's S
-        ping.issued()
-
-      if in_place:
-        def body(refs):
-          o_acc, s_ref = refs
-
-          def with_s(s_acc):  # a fresh accumulator: nothing to load
-            issue(o_acc, s_acc)
-            o = plgpu.wgmma_accumulator_load(o_acc, wait_n=1)
-            v_free.arrive(slot)
-            epilogue(o, m, l)  # the next S still in flight
-            return s_acc[...]
-          s_ref[...] = pl.run_scoped(
-              with_s, plgpu.ACC((bq, bk), jnp.float32))
-
-        zeros_s = plgpu.layout_cast(jnp.full((bq, bk), 0.0, jnp.float32),
-                                    plgpu.Layout.WGMMA)
-        _, s_next = pl.run_state(body)((plgpu.ACC.init(acc), zeros_s))
-      else:  # interpretable form: fresh accumulators
-        def both(o_acc, s_acc):
-          issue(o_acc, s_acc)
-          o = acc + o_acc[...]
-          v_free.arrive(slot)
-          epilogue(o, m, l)
-          return s_acc[...]
-
-        s_next = pl.run_scoped(
-            both, plgpu.ACC((bq, prob.head_dim_padded), jnp.float32),
-            plgpu.ACC((bq, bk), jnp.float32))
-      k_free.arrive(nxt)
-      return s_next
-
-    def chained_loop(own, carry):
-      """``item_overlap`` without ``intra_wg_overlap`` (``chained``): the
-      default loop (:func:`compute`'s steps: ``Q K^T``, the softmax, then
-      in this consumer's turn ``P V``) run on across the program's work
-      items.  An item's last turn issues its last ``P V`` and the next
-      item's first ``Q K^T`` (:func:`next_item_turn`), and its epilogue
-      runs while they compute, so the other consumer's last ``P V`` (which
-      waits for that ``Q K^T``) and this epilogue overlap; the next item
-      starts from that ``S``.  Every consumer computes every tile of
-      every item, ``[u_lo, u_hi)``, with no skip steps: this relies on
-      :func:`_chains_items` (a consumer skipping tiles here would hang
-      the ring, not fail), and each consumer takes the same steps as in
-      one long item: the alternation's counts are those of one
-      item (``ping.start`` before the program's first, ``ping.finish``
-      after its last).  "Done with Q" comes once the item's last ``S``
-      is read back, before that turn, and the producer loads the next Q
-      before the next item's K/V.  The first and last tiles take the
-      element mask where they are not fully visible (a ``lax.cond``; the
-      middle ones as :func:`pipeline.tile_loop` runs them).  Returns the
-      next item's first ``S`` (zeros after the last item)."""
-      _, full_lo, full_hi, _ = pipeline.computed_tiles(
-          u_lo, u_hi, own, range_ref is not None)
-      auto = (full_lo, full_hi)
-      slot_of = lambda t: lax.rem(first_step + t - u_lo, stages)
-      step_of = lambda t: first_step + t - u_lo
-
-      def with_row_sum(acc, m, l, p16, p_sum):
-        return acc, m, (l if p_sum is None else l + rsum(p_sum)), p16
-
-      # "Done with Q" once the item's last S is read back, before this
-      # consumer's turn starts: with one Q buffer the other consumer's
-      # last turn waits (for this consumer's next Q K^T) behind the load
-      # of the next Q, which waits for it.
-      done_with_q = lambda: plgpu.barrier_arrive(q_done)
-      # From item 1 on, the first S was issued in the item before's turn.
-      s0 = lax.cond(item > 0, lambda: chain[0],
-                    lambda: scores(slot_of(u_lo)))
-      pl.when(u_hi - u_lo == 1)(done_with_q)
-      acc, m, l, p16 = with_row_sum(*softmax_turn(
-          s0, u_lo, carry, slot_of(u_lo), masked=auto))
-
-      def more(acc, m, l, p16):
-        """Tile u_lo's P V, the middle tiles, the last one's softmax."""
-        acc = add_pv(acc, p16, slot_of(u_lo))
-        v_free.arrive(slot_of(u_lo))
-        last = u_hi - 1
-        acc, m, l = _masked_ranges(
-            u_lo + 1, last, full_lo, full_hi,
-            lambda t, c, masked: compute(step_of(t), t, c, masked=masked),
-            (acc, m, l))
-        s = scores(slot_of(last))
-        done_with_q()
-        return with_row_sum(*softmax_turn(s, last, (acc, m, l),
-                                          slot_of(last), masked=auto))
-
-      acc, m, l, p16 = lax.cond(u_hi - u_lo > 1, more, lambda *c: c,
-                                acc, m, l, p16)
-      slot = slot_of(u_hi - 1)
-
-      def final(acc, m, l, p16):
-        """The program's last item: the plain last P V, the end of the
-        alternation, the epilogue."""
-        acc = add_pv(acc, p16, slot)
-        v_free.arrive(slot)
-        ping.finish()
-        epilogue(acc, m, l)
-        return plgpu.layout_cast(jnp.full((bq, bk), 0.0, jnp.float32),
-                                 plgpu.Layout.WGMMA)
-
-      return lax.cond(
-          item + 1 < chain[1],
-          lambda *c: next_item_turn(*c[:3], p_operand(c[3]), slot,
-                                    turn_start=False),
-          final, acc, m, l, p16)
-
-    def overlapped_loop(own, carry):
-      """``intra_wg_overlap`` (FlashAttention-3 §3.2, arXiv 2407.08608,
-      hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp): in its turn on the tensor
-      cores a consumer issues ``S_t = Q K_t^T`` and ``O += P_{t-1}
-      V_{t-1}`` back to back, hands the turn to the other consumer, and
-      runs tile ``t``'s softmax while its ``P V`` is still in flight.  The
-      tensor cores then always hold the next turn's two matmuls queued
-      behind the current ones: no consumer waits for its ``P V`` before
-      the other may issue (the default loop's turn is ``P V`` and then,
-      after waiting for it, the next ``Q K^T``).  A prologue computes
-      ``P`` of the first own tile (its ``Q K^T`` turn alone), an epilogue
-      adds the last ``P V`` (a turn of ``P V`` alone); both run only when
-      this consumer has tiles (``lax.cond``).  The turns are the
-      ping-pong's ``turn_start`` / ``issued`` hooks, in the same
-      alternation as :meth:`_PingPong`'s other users, so the skip steps
-      around the own tiles interleave as in :func:`pipeline.tile_loop`.
-
-      ``item_overlap`` (``chained``): the loop runs on across the
-      program's work items.  The last turn of an item issues its last
-      ``P V`` and the next item's first ``Q K^T`` back to back (that
-      ``Q`` and ``K`` waited for first), the item's epilogue runs while
-      that ``S`` is computed, and the next item starts from it: the
-      turns keep one alternation from the program's first item to its
-      last (``ping.start`` before the first, ``ping.finish`` after the
-      last).  Every consumer then computes every tile of every item
-      (:func:`_chains_items`).  Returns that next ``S`` (the epilogue
-      already run) instead of ``(acc, m, l)``.  The counts: with ``S``
-      a turn's start (``turn_start``: a sync on this consumer's barrier)
-      and ``A`` its end (``issued``: an arrival on the other's), a
-      middle item of N key tiles is ``(S A)^N`` for either consumer (its
-      first ``Q K^T`` lies in the item before); the program's first item
-      has one ``A`` more (its first ``Q K^T``, a turn of its own: with
-      ``start``, consumer 1's extra ``S``) and its last item one ``A``
-      less (the last ``P V`` alone: ``finish``, consumer 0's extra
-      arrival), so the two barriers' arrivals match as in the per-item
-      form.
-      """
-      acc, m, l = carry
-      lo, full_lo, full_hi, hi = pipeline.computed_tiles(
-          u_lo, u_hi, own, range_ref is not None)
-      slot_of = lambda t: lax.rem(first_step + t - u_lo, stages)
-      run = lambda a, z, fn, c: lax.fori_loop(a, z, fn, c)
-      run(u_lo, lo, lambda t, c: skip(first_step + t - u_lo, c), ())
-      wgmma_layout = plgpu.Layout.WGMMA
-      zeros_s = plgpu.layout_cast(jnp.full((bq, bk), 0.0, jnp.float32),
-                                  wgmma_layout)
-
-      staged = p_smem2 is not None
-
-      def stash(p):
-        """``P`` (float32) made the next ``P V``'s A operand: 16-bit
-        registers carried to the next step or, with ``p_in_smem``, stored
-        now into this consumer's ``P`` buffer (the ``P V`` that read it
-        last has completed) and nothing carried but a placeholder, as
-        FlashAttention-3 stores ``P`` after its ``warpgroup_wait<0>``
-        when its ``P V`` reads shared memory (its head_dim 64 form)."""
-        p16 = p.astype(dtype)
-        if not staged:
-          return p16
-        p_smem2.at[wg][...] = p16
-        plgpu.commit_smem()
-        return jnp.int32(0)
-
-      def operand(carried):
-        return p_smem2.at[wg] if staged else carried
-
-      def first(_):
-        # scores(): the turn is this Q K^T alone (ends with ping.issued).
-        if chained:  # from item 1 on, issued in the item before's turn
-          s0 = lax.cond(item > 0, lambda: chain[0],
-                        lambda: scores(slot_of(lo)))
-        else:
-          s0 = scores(slot_of(lo))
-        p, m1, alpha = probs_at(s0, lo, m, full_lo, full_hi)
-        l1 = l * alpha + rsum(p)
-        return stash(p), m1, l1
-
-      def nothing(_):
-        if staged:
-          return jnp.int32(0), m, l
-        return (plgpu.layout_cast(jnp.full((bq, bk), 0.0, dtype),
-                                  wgmma_layout), m, l)
-
-      p16, m, l = lax.cond(lo < hi, first, nothing, None)
-
-      def step(t, carry, *, masked: bool):
-        acc, m, l, p_prev = carry
-        slot, prev = slot_of(t), slot_of(t - 1)
-        # Both operands' tiles are in before the turn starts, so that the
-        # turn is the two issues alone (V of t - 1 lands before K of t).
-        plgpu.barrier_wait(v_ready.at[prev])
-        plgpu.barrier_wait(k_ready.at[slot])
-
-        def issue(s_acc, o_acc):
-          ping.turn_start()
-          plgpu.wgmma(s_acc, qo_smem, k_smem.at[slot].T)  # S_t
-          plgpu.wgmma(o_acc, operand(p_prev), v_smem.at[prev])  # P V
-          ping.issued()  # the other consumer's turn
-
-        def softmax(s_t, m, l):
-          k_free.arrive(slot)
-          p, m_next, alpha = probs(s_t, t, m, masked=masked)
-          l = l * alpha + rsum(p)
-          return p, m_next, l, alpha
-
-        if in_place:
-          def body(refs):
-            o_acc, s_acc, m_ref, l_ref, p_ref, a_ref = refs
-            issue(s_acc, o_acc)
-            # S_t done, P V still in flight: the softmax overlaps it.
-            s_t = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
-            p_ref[...], m_ref[...], l_ref[...], a_ref[...] = softmax(
-                s_t, m_ref[...], l_ref[...])
-
-          o, _, m, l, p, alpha = pl.run_state(body)((
-              plgpu.ACC.init(acc), plgpu.ACC.init(zeros_s), m, l, zeros_s,
-              m))
-        else:  # interpretable form: a fresh P V accumulator
-          def body(s_acc, o_acc):
-            issue(s_acc, o_acc)
-            return (*softmax(s_acc[...], m, l), o_acc[...])
-
-          p, m, l, alpha, pv = pl.run_scoped(
-              body, plgpu.ACC((bq, bk), jnp.float32),
-              plgpu.ACC((bq, prob.head_dim_padded), jnp.float32))
-          o = acc + pv
-        v_free.arrive(prev)
-        # P of this tile is rounded to 16 bits only now, after the wait for
-        # P_{t-1} V_{t-1} (as FlashAttention-3 converts after its
-        # warpgroup_wait<0>): that wgmma reads P_{t-1} from registers while
-        # it runs, and a conversion issued before the wait may be written
-        # into those same registers (the compiler sees P_{t-1} dead once
-        # the wgmma is issued).  ptxas then serialises the wgmmas (its
-        # C7513 note), which is what the first form of this loop did.
-        acc = rescale(o, alpha)
-        return acc, m, l, stash(p)
-
-      # Steps lo + 1 .. hi - 1.
-      acc, m, l, p16 = _masked_ranges(jnp.minimum(lo + 1, hi), hi, full_lo,
-                                      full_hi, step, (acc, m, l, p16))
-
-      def last(acc):
-        slot = slot_of(hi - 1)
-        plgpu.barrier_wait(v_ready.at[slot])
-        ping.turn_start()  # a turn of the last P V alone
-        acc = add_pv(acc, p16, slot, p_src=operand(p16))
-        v_free.arrive(slot)
-        return acc
-
-      def final_last(acc, m, l):
-        """``chained``, the program's last item: the plain last turn,
-        the end of the alternation, the epilogue."""
-        acc = last(acc)
-        ping.finish()
-        epilogue(acc, m, l)
-        return zeros_s
-
-      def chained_last(acc, m, l):
-        """``chained``, an item with a next one: the last ``P V`` and
-        the next item's first ``S`` in one turn (:func:`next_item_turn`).
-        Returns ``S``."""
-        return next_item_turn(acc, m, l, operand(p16), slot_of(hi - 1),
-                              turn_start=True)
-
-      if early_q_release or chained:
-        # Every own S (the last one included) has been read back: Q is
-        # not read again in this item, so its buffer may be refilled
-        # while the last P V runs.
-        plgpu.barrier_arrive(q_done)
-      if chained:
-        return lax.cond(item + 1 < chain[1], chained_last, final_last,
-                        acc, m, l)
-      acc = lax.cond(lo < hi, last, lambda acc: acc, acc)
-      run(hi, u_hi, lambda t, c: skip(first_step + t - u_lo, c), ())
-      return acc, m, l
-
-    def turn_loop(own, carry):
-      """``pv_then_qk`` (FlashAttention-3's ping-pong, arXiv 2407.08608
-      §3.1): a prologue issues ``S`` of the first own tile; each step
-      then runs tile ``t``'s softmax and, in this consumer's turn on the
-      tensor cores, issues ``O += P_t V_t`` and ``S_{t+1} = Q K_{t+1}^T``
-      back to back (the turn ends with ``ping.issued()``), waiting for
-      both only after that.  The last own tile takes ``P V`` alone (and
-      its element mask, wherever it lies: one masked tile per item).
-      The ping-pong hooks run in the same order as in :func:`compute`
-      (the prologue's ``issued`` stands for the one the last step no
-      longer makes), so the skip steps around it interleave as there."""
-      acc, m, l = carry
-      lo, full_lo, full_hi, hi = pipeline.computed_tiles(
-          u_lo, u_hi, own, range_ref is not None)
-      slot_of = lambda t: lax.rem(first_step + t - u_lo, stages)
-      run = lambda a, z, fn, c: lax.fori_loop(a, z, fn, c)
-      run(u_lo, lo, lambda t, c: skip(first_step + t - u_lo, c), ())
-      zeros_s = plgpu.layout_cast(jnp.full((bq, bk), 0.0, jnp.float32),
-                                  plgpu.Layout.WGMMA)
-      s = lax.cond(lo < hi, lambda: scores(slot_of(lo)), lambda: zeros_s)
-
-      def pv_and_next_s(acc, p16, slot, nxt, l, p_sum):
-        """``O += P V`` (this tile), then ``S`` of the next tile once its K
-        is in; both read back together.  ``(acc, S_next, l)``."""
-        p_src = p_operand(p16)
-
-        def issue(o_acc, s_acc):
-          plgpu.wgmma(o_acc, p_src, v_smem.at[slot])
-          l_next = l if p_sum is None else l + rsum(p_sum)
-          plgpu.barrier_wait(k_ready.at[nxt])
-          plgpu.wgmma(s_acc, qo_smem, k_smem.at[nxt].T)
-          ping.issued()  # this consumer's turn ends
-          return l_next
-
-        if in_place:
-          def body(refs):
-            o_acc, s_ref, l_ref = refs
-
-            def with_s(s_acc):
-              l_ref[...] = issue(o_acc, s_acc)
-              return s_acc[...]  # waits for both wgmmas
-            s_ref[...] = pl.run_scoped(
-                with_s, plgpu.ACC((bq, bk), jnp.float32))
-
-          acc, s_next, l = pl.run_state(body)(
-              (plgpu.ACC.init(acc), zeros_s, l))
-        else:  # interpretable form: a fresh P V accumulator
-          def both(o_acc, s_acc):
-            l_next = issue(o_acc, s_acc)
-            return o_acc[...], s_acc[...], l_next
-
-          pv, s_next, l = pl.run_scoped(
-              both, plgpu.ACC((bq, prob.head_dim_padded), jnp.float32),
-              plgpu.ACC((bq, bk), jnp.float32))
-          acc = acc + pv
-        k_free.arrive(nxt)
-        return acc, s_next, l
-
-      def step(t, carry, *, masked: bool):
-        acc, m, l, s = carry
-        slot = slot_of(t)
-        acc, m, l, p16, p_sum = softmax_turn(s, t, (acc, m, l), slot,
-                                             masked=masked)
-        acc, s, l = pv_and_next_s(acc, p16, slot, slot_of(t + 1), l, p_sum)
-        v_free.arrive(slot)
-        return acc, m, l, s
-
-      # Steps lo .. hi - 2.
-      acc, m, l, s = _masked_ranges(lo, jnp.maximum(hi - 1, lo), full_lo,
-                                    full_hi, step, (acc, m, l, s))
-
-      def last(carry):
-        slot = slot_of(hi - 1)
-        acc, m, l, p16, p_sum = softmax_turn(s, hi - 1, carry, slot,
-                                             masked=True)
-        if p_sum is not None:
-          acc, l = add_pv(acc, p16, slot, row_sum=(l, p_sum))
-        else:
-          acc = add_pv(acc, p16, slot)
-        v_free.arrive(slot)
-        return acc, m, l
-
-      acc, m, l = lax.cond(lo < hi, last, lambda c: c, (acc, m, l))
-      run(hi, u_hi, lambda t, c: skip(first_step + t - u_lo, c), ())
-      return acc, m, l
-
-    def merge_parts(acc, m, l, *, sm, j, first_sm):
-      """``split_tail``: the owner of left item ``j`` (program ``sm``,
-      holding its last key tiles) adds the parts of programs ``first_sm
-      .. sm - 1`` to its own, as FlashAttention's split-KV combine but on
-      the unnormalised accumulators (each part's ``acc`` and row sum
-      ``l`` against its own running max ``m``, base 2): against the
-      larger max ``M``, ``acc = acc 2^(m - M) + acc_p 2^(m_p - M)``,
-      likewise ``l``.  Parts are added in program order, one at a time
-      (one part's accumulator in registers beside this one's)."""
-      rows = pl.ds(wg * bq, bq)
-      n_others = tail.n_other_parts(sm, first_sm)
-      if tail_sems is not None:
-        # One thread spins until the others have signalled, then an
-        # acquire fence and the warpgroup barrier (CUTLASS's
-        # GenericBarrier::wait_eq); the wait takes the signals back.
-        pl.when(jnp.asarray(n_others) > 0)(lambda: plgpu.semaphore_wait(
-            tail_sems.at[j * cfg.compute_wgs + wg], n_others,
-            decrement=True, memory_scope="gpu"))
-
-      def add_part(s, carry):
-        acc, m, l = carry
-        m_p = plgpu.load(mlws_ref.at[s, 0, rows], layout=row,
-                         optimized=False)
-        l_p = plgpu.load(mlws_ref.at[s, 1, rows], layout=row,
-                         optimized=False)
-        top = jnp.maximum(m, m_p)
-        # Rows that no part saw a key of keep -inf: 2^(-inf - 0) = 0.
-        top_safe = jnp.where(top == -jnp.inf, 0.0, top)
-        a, a_p = jnp.exp2(m - top_safe), jnp.exp2(m_p - top_safe)
-        acc_p = plgpu.load(accws_ref.at[s, rows],
-                           layout=plgpu.Layout.WGMMA, optimized=False)
-        acc = (acc * lax.broadcast_in_dim(a, acc.shape, [0])
-               + acc_p * lax.broadcast_in_dim(a_p, acc.shape, [0]))
-        return acc, top, l * a + l_p * a_p
-
-      def add(s, carry):
-        if tail.total >= tail.programs:  # every run has a step
-          return add_part(s, carry)
-        g0, g1 = tail.run(s)  # runs of one step or none
-        return lax.cond(g1 > g0, lambda c: add_part(s, c), lambda c: c,
-                        carry)
-
-      return lax.fori_loop(first_sm, sm, add, (acc, m, l))
-
-    def epilogue(acc, m, l, part=None):
-      """Normalise this consumer's rows of an item and store them and
-      their LSE (the variables of the item: :func:`consume`'s).
-      ``part=(is_segment, sm, j, owner, first_sm)`` (``split_tail``): a
-      segment that does not own its item writes ``acc``, ``m`` and ``l``
-      to program ``sm``'s workspace rows and signals; the owner (the
-      item's last part) first merges the other parts into its own
-      (:func:`merge_parts`)."""
-      l = finish_row_sum(l, deferred=deferred_sum)
-      stores = None
-      if part is not None:
-        segment, sm, j, owner, first_sm = part
-        stores = jnp.logical_not(segment) | owner
-        rows = pl.ds(wg * bq, bq)
-
-        @pl.when(jnp.logical_not(stores))
-        def _():
-          # Straight from registers into global memory (the float32
-          # accumulator has no shared-memory slot of its own).
-          accws_ref[sm, rows] = acc
-          mlws_ref[sm, 0, rows] = m
-          mlws_ref[sm, 1, rows] = l
-          if tail_sems is not None:
-            # After Pallas' warpgroup barrier (every thread's stores
-            # issued), one thread's release add at GPU scope: CUTLASS's
-            # GenericBarrier::arrive_inc.
-            plgpu.semaphore_signal(tail_sems.at[j * cfg.compute_wgs + wg],
-                                   memory_scope="gpu")
-
-        acc, m, l = lax.cond(
-            segment & owner,
-            lambda c: merge_parts(*c, sm=sm, j=j, first_sm=first_sm),
-            lambda c: c, (acc, m, l))
-      empty = l == 0.0
-      l_safe = jnp.where(empty, 1.0, l)
-      if cfg.lean_epilogue:
-        # One reciprocal per row (2 per thread) and a multiply per
-        # element, as tokamax, against a divide per element (128 per
-        # thread at head_dim 256); both round within an ulp of float32,
-        # far below the output's bf16/fp16 rounding.
-        acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
-      else:
-        acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-      # Rounded here, or with split_tail chunk by chunk inside the store's
-      # branch (not held beside acc where a part writes acc instead).
-      out = acc.astype(dtype) if part is None else None
-      # Natural-log LSE, -inf for rows that see no key (traced where it
-      # is stored).
-      lse = lambda: jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
-      o_dst = o_ref.at[b, pl.ds(q_start, bq), h]
-      lse_dst = lse_ref.at[b, h, pl.ds(q_start, bq)]
-      if late_store_wait:
-        # The previous item's stores (issued a whole item ago) have read
-        # the output slots and the LSE buffer: a wait for reads long
-        # done, where the end-of-item wait below sits on the way to the
-        # next item's first Q K^T.  The chunk loop's waits then count
-        # this item's copies only.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      if stores is None:
-        store([columns_of(out)], [o_dst], lse, lse_dst)
-      else:
-        rounded = lambda cols: columns_of(acc)(cols).astype(dtype)
-        pl.when(stores)(lambda: store([rounded], [o_dst], lse, lse_dst))
-      if late_store_wait:
-        return  # the next item's epilogue (or the kernel's end) waits
-      # Persistent: the next item may rewrite these buffers (Q/O's, or
-      # with prefetch_q the output slots and the LSE) once the stores
-      # have read them (their GMEM writes finish in the background; the
-      # kernel's last wait is a full one unless lean_epilogue).
-      # lean_epilogue: only the shared-memory reads are waited for (as
-      # tokamax and JAX's Hopper matmul end their kernels); the grid's
-      # completion publishes the writes.
-      plgpu.wait_smem_to_gmem(
-          0, wait_read_only=persistent or cfg.lean_epilogue)
-
-    def columns_of(x):
-      """``x``'s columns ``cols`` (a slice; None: all of them)."""
-      return lambda cols: x if cols is None else x[:, cols]
-
-    def store(srcs, dsts, lse, lse_dst):
-      """The epilogue's copies of ``srcs`` (functions of a column slice,
-      None for all: this consumer's rows in the input dtype) to ``dsts``,
-      and of ``lse()`` to ``lse_dst``."""
-      if o_smem2 is not None:
-        # 64-column chunks through alternating slots: a slot is
-        # rewritten once the copy that last read it has (at most slots -
-        # 1 copies of this consumer still reading).  Several sources go
-        # chunk by chunk, each chunk's from all of them.
-        n_chunks, slots = cfg.out_chunks(prob.head_dim_padded)
-        for n, (c, (src, o_dst)) in enumerate(
-            (c, sd) for c in range(n_chunks) for sd in zip(srcs, dsts)):
-          cols = slice(c * 64, (c + 1) * 64)
-          plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-          o_smem2[wg, n % slots] = src(cols)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(o_smem2.at[wg, n % slots],
-                                  o_dst.at[:, pl.ds(c * 64, 64)])
-      else:
-        for n, (src, o_dst) in enumerate(zip(srcs, dsts)):
-          if n:  # the buffer's copy before this one has read it
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          if cfg.no_auto_barriers:
-            # The warpgroup barrier Pallas would put before this store:
-            # every warp's wgmma reads of Q, whose buffer O overwrites,
-            # are done.
-            plgpu.commit_smem()
-          qo_smem[...] = src(None)
-          if n < len(srcs) - 1:
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qo_smem, o_dst)
-      lse_smem[...] = lse()
-      plgpu.commit_smem()
-      if o_smem2 is None:
-        plgpu.copy_smem_to_gmem(qo_smem, dsts[-1])
-      plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
-
-    if chained:  # one alternation over the program's items
-      pl.when(item == 0)(ping.start)
-      next_q_slot, _ = q_buffer(item + 1, wg)
-    else:
-      ping.start()  # offset the two consumers by a half step
-    if cfg.early_k_wait:
-      pl.when(u_hi > u_lo)(
-          lambda: plgpu.barrier_wait(k_ready.at[lax.rem(first_step, stages)]))
-    own = mask.kv_block_range(q_start, bq, bk)
-    if chained:  # the epilogue runs inside the loop's last turn
-      loop = overlapped_loop if cfg.intra_wg_overlap else chained_loop
-      return loop(own, (acc, m, l))
-    if cfg.intra_wg_overlap:
-      acc, m, l = overlapped_loop(own, (acc, m, l))
-    elif cfg.pv_then_qk:
-      acc, m, l = turn_loop(own, (acc, m, l))
-    else:
-      acc, m, l = pipeline.tile_loop(
-          u_lo, u_hi, own, first_step=first_step,
-          compute=compute, skip=skip,
-          element_mask_everywhere=range_ref is not None, carry=(acc, m, l))
-    ping.finish()
-    if prefetch and not early_q_release:
-      # This consumer's last Q K^T completed: Q's buffer may be refilled.
-      plgpu.barrier_arrive(q_done)
-    epilogue(acc, m, l, part)
-
-  def produce(b, h, u_lo, n_steps, first_step, group_start=None, item=None):
-    """One work item on the producer: its K/V tiles into the ring (and
-    with ``prefetch_q`` its consumers' Q, item number ``item``)."""
-    kv_head = lax.div(h, jnp.asarray(prob.num_heads // prob.num_kv_heads,
-                                     h.dtype))
-
-    def rows(step):
-      return (b, pl.ds((u_lo + step) * bk, bk), kv_head)
-
-    def copy(ref, smem, ready, src, slot):
-      # kv_multicast: each CTA of the cluster issues half of the tile into
-      # both CTAs' slot; each CTA's ready barrier expects the whole tile.
-      plgpu.copy_gmem_to_smem(
-          ref.at[src], smem.at[slot], ready.at[slot],
-          collective_axes="cluster" if cluster > 1 else None)
-
-    def load(step, slot):  # K and V together
-      src = rows(step)
-      copy(k_ref, k_smem, k_ready, src, slot)
-      copy(v_ref, v_smem, v_ready, src, slot)
-
-    load_k = lambda step, slot: copy(k_ref, k_smem, k_ready, rows(step), slot)
-    load_v = lambda step, slot: copy(v_ref, v_smem, v_ready, rows(step), slot)
-
-    def l2_prefetch():
-      # q_l2_prefetch / kv_l2_prefetch: TMA prefetches into L2 of what
-      # this item's first steps wait for (tokamax's Q warp prefetches its
-      # Q the same way before waiting for "done with Q").  The loads that
-      # follow then read L2, not HBM.  Item 0's loads are issued at once.
-      collective = "cluster" if cluster > 1 else None
-      if cfg.q_l2_prefetch and prefetch:
-        for w in range(cfg.compute_wgs):  # the loads' boxes (<= 256 rows)
-          plgpu.async_prefetch(
-              q_ref.at[b, pl.ds(group_start + w * bq, bq), h])
-      if cfg.kv_l2_prefetch:
-        @pl.when(n_steps > 0)
-        def _():
-          for ref in (k_ref, v_ref):
-            plgpu.async_prefetch(ref.at[rows(0)], collective_axes=collective)
-
-    if persistent and (cfg.q_l2_prefetch or cfg.kv_l2_prefetch):
-      pl.when(item > 0)(l2_prefetch)
-
-    if cfg.intra_wg_overlap or cfg.split_kv_release:
-      # K and V of a slot refilled apart, each once its own consumers
-      # released it (tokamax's order).  Both consumers release K after
-      # their ``Q K^T``, V only after their ``P V`` (with the ping-pong,
-      # consumer 1's ends half a step later): waiting for both would issue
-      # the next K in that slot about a step later than it could go
-      # (``split_kv_release``: measured within noise on the H200).
-      # ``intra_wg_overlap``: V of step t is released a step later than K
-      # (its P V matmul runs in step t + 1); with one wait per slot for
-      # both, K of step s would wait for V of step s - stages, released at
-      # the end of step s - 1: no lead.
-      loads = [([k_free], load_k), ([v_free], load_v)]
-    else:
-      loads = [([k_free, v_free], load)]
-    if prefetch:
-      # The first item's Q goes first.  A later item's Q waits until both
-      # consumers are done with the previous one: first the K/V tiles
-      # whose slots free up before that (they are freed during the
-      # previous item's last steps), then Q, then the rest.
-      # early_q_release: "done with Q" comes once the last S is read back,
-      # before the last P V frees the last V slot, so Q goes first (with
-      # the previous order its load would still wait for that slot).
-      # q_double_buffer: the buffer this item's Q goes to was read by the
-      # item before last, long done, so Q goes first and waits for nothing
-      # in practice; the first K/V tiles follow as their slots free up.
-      head = (0 if early_q_release or double_q or chained else
-              jnp.where(item == 0, 0, jnp.minimum(n_steps, stages)))
-      pipeline.produce_continuing(first_step, head, stages, loads)
-      # The buffer was last read by the item before (two before with
-      # q_double_buffer).
-      _, q_done = q_buffer(item, 0)
-      pl.when(item > (1 if double_q else 0))(
-          lambda: plgpu.barrier_wait(q_done))
-      for w in range(cfg.compute_wgs):
-        q_slot, _ = q_buffer(item, w)
-        plgpu.copy_gmem_to_smem(
-            q_ref.at[b, pl.ds(group_start + w * bq, bq), h],
-            qo_smem2.at[q_slot], q_ready.at[q_slot])
-      pipeline.produce_continuing(first_step, n_steps, stages, loads,
-                                  start=head)
-    elif persistent:
-      pipeline.produce_continuing(first_step, n_steps, stages, loads)
-    else:
-      pipeline.produce_split(n_steps, stages, loads)
-
-  def unit_coords(w):
+  def cluster_group(self, unit):
+    """The query group of this CTA in program (or work unit) ``unit``:
+    with clusters, CTA ``c`` of unit ``p`` takes group ``2p + c``."""
+    if self.cluster == 1:
+      return unit
+    return unit * self.cluster + lax.axis_index("cluster")
+
+  def plain_item(self, b):
+    """The plain grid's item of this program (batch ``b``):
+    ``(group_start, u_lo, u_hi)``."""
+    return self.item_ranges(b, self.cluster_group(lax.axis_index("q_seq")))
+
+  def unit_coords(self, w):
     """Work unit ``w``'s (batch, head, unit of its (batch, head)) in the
-    persistent grid's default order: heads fastest, then query groups,
-    then batch."""
-    h = lax.rem(w, prob.num_heads)
-    rest = lax.div(w, prob.num_heads)
-    return lax.div(rest, n_units_per_bh), h, lax.rem(rest, n_units_per_bh)
+    persistent grid's order: heads fastest, then query groups, then
+    batch."""
+    h = lax.rem(w, self.prob.num_heads)
+    rest = lax.div(w, self.prob.num_heads)
+    return (lax.div(rest, self.units_per_bh), h,
+            lax.rem(rest, self.units_per_bh))
 
-  def for_each_item(run, extra=None):
-    """Persistent grid: program ``sm`` takes work items ``sm, sm +
-    n_programs, ...`` (heads fastest, then query groups, then batch; with
-    ``groups_fastest`` query groups, then heads; with ``groups_slowest``
-    heads, then batch, then query groups; with clusters
-    (``kv_multicast``) a unit is a pair of adjacent query groups, one
-    per CTA), the ring's step count running on across them: ``run(item, b, h,
-    group_start, u_lo, u_hi, first_step)``.  With ``persistent_pairs`` on
-    a causal call the units dealt out are pairs of query groups (the
-    ``p``-th longest, then the ``p``-th shortest: equal work per unit);
-    the second of a pair is skipped where it is the first (an odd group
-    count's middle group).  Returns the total steps and the program's
-    item count (loop iterations, skipped ones included).  With ``extra``
-    (not with pairs) ``run`` also takes ``extra=`` (its value from the
-    item before, ``extra`` for the first) and ``n_items=``, and returns
-    the next value."""
+  def for_each_item(self, run, extra=None):
+    """Persistent grid: program ``sm`` takes work units ``sm, sm +
+    n_programs, ...`` (:meth:`unit_coords`), the ring's step count running
+    on across them: ``run(item, b, h, group_start, u_lo, u_hi,
+    first_step)``.  With ``persistent_pairs`` on a causal call a unit is a
+    pair of query groups (the ``p``-th longest, then the ``p``-th
+    shortest: equal work per unit); the second of a pair is skipped where
+    it is the first (an odd group count's middle group).  Returns the
+    total steps and the program's item count (loop iterations, skipped
+    ones included).  With ``extra`` (not with pairs) ``run`` also takes
+    ``extra=`` (its value from the item before, ``extra`` for the first)
+    and ``n_items=``, and returns the next value."""
+    prob, n_programs, pairs = self.prob, self.n_programs, self.pairs
     sm = lax.axis_index("sm")
-    if tail is not None:
-      return for_each_item_and_segment(run, sm)
-    units = prob.num_heads * n_units_per_bh * prob.batch
+    units = prob.num_heads * self.units_per_bh * prob.batch
     n_items = lax.div(units - sm + n_programs - 1, n_programs)
     if pairs:
       n_items = 2 * n_items
@@ -1342,20 +457,9 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     def body(i, carry):
       first_step, value = carry if extra is not None else (carry, None)
       w = sm + (lax.div(i, 2) if pairs else i) * n_programs
-      if cfg.groups_fastest:
-        u = lax.rem(w, n_units_per_bh)
-        rest = lax.div(w, n_units_per_bh)
-        h = lax.rem(rest, prob.num_heads)
-        b = lax.div(rest, prob.num_heads)
-      elif cfg.groups_slowest:
-        h = lax.rem(w, prob.num_heads)
-        rest = lax.div(w, prob.num_heads)
-        b = lax.rem(rest, prob.batch)
-        u = lax.div(rest, prob.batch)
-      else:
-        b, h, u = unit_coords(w)
+      b, h, u = self.unit_coords(w)
       if not pairs:
-        group_start, u_lo, u_hi = item_ranges(b, cluster_group(u))
+        group_start, u_lo, u_hi = self.item_ranges(b, self.cluster_group(u))
         if extra is None:
           run(i, b, h, group_start, u_lo, u_hi, first_step)
           return first_step + (u_hi - u_lo)
@@ -1365,9 +469,9 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       # item_ranges counts causal groups from the longest: rank u, then
       # rank n_groups - 1 - u.
       second = lax.rem(i, 2) == 1
-      rank = jnp.where(second, n_groups - 1 - u, u)
-      live = jnp.logical_not(second) | (n_groups - 1 - u != u)
-      group_start, u_lo, u_hi = item_ranges(b, rank)
+      rank = jnp.where(second, self.n_groups - 1 - u, u)
+      live = jnp.logical_not(second) | (self.n_groups - 1 - u != u)
+      group_start, u_lo, u_hi = self.item_ranges(b, rank)
       pl.when(live)(
           lambda: run(i, b, h, group_start, u_lo, u_hi, first_step))
       return first_step + jnp.where(live, u_hi - u_lo, 0)
@@ -1377,87 +481,790 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
     total, _ = lax.fori_loop(0, n_items, body, (jnp.int32(0), extra))
     return total, n_items
 
-  def for_each_item_and_segment(run, sm):
-    """:attr:`MosaicConfig.split_tail` (:class:`TailSplit`): program
-    ``sm``'s ``tail.whole`` items round robin, then its segments of the
-    left items, ``run(i, b, h, group_start, lo, hi, first_step,
-    part=(is_segment, sm, j, owner, first_sm))`` for each (a segment's
-    ``[lo, hi)`` the key tiles of its run, ``j`` its left item, ``owner``
-    whether it holds the item's last tile, ``first_sm`` the program that
-    holds the first), the ring's step count running on across them.  A
-    run spans at most two items and is at most one item long: its first
-    segment ends an item (it owns it, or a later program does), its
-    second begins one that later programs finish; so a program holds at
-    most one part that it does not own, and one workspace row block per
-    program serves.  An owner waits only for lower programs' parts, in
-    either order; the second segment goes first so that the wait does
-    not hold it up: in the other order a program's part of the next
-    item would start only after its own wait, which waits for the
-    program before's part of its item, started only after that
-    program's wait, and so on down a chain of programs.  Returns the
-    total steps and the count of items and segments."""
-    n_segments = tail.n_segments(sm, jnp)
 
-    def body(i, first_step):
-      segment = i >= tail.whole
-      _, j, seg_lo, seg_hi, owner = tail.segment(
-          sm, jnp.maximum(i - tail.whole, 0), jnp)
-      w = jnp.where(segment, tail.first_left + j, sm + i * tail.programs)
-      b, h, u = unit_coords(w)
-      group_start, u_lo, u_hi = item_ranges(b, u)
-      lo = jnp.where(segment, u_lo + seg_lo, u_lo)
-      hi = jnp.where(segment, u_lo + seg_hi, u_hi)
-      run(i, b, h, group_start, lo, hi, first_step,
-          part=(segment, sm, j, owner, tail.first_program(j)))
-      return first_step + (hi - lo)
+# ---------------------------------------------------------------------------
+# One work item on a consumer warpgroup: the tile steps and the epilogue.
 
-    n_items = tail.whole + n_segments
-    return lax.fori_loop(0, n_items, body, jnp.int32(0)), n_items
+
+class _Item:
+  """One work item on a consumer warpgroup: its ``block_q`` query rows
+  against the key tiles ``[u_lo, u_hi)``, ring steps ``first_step + [0,
+  u_hi - u_lo)``.  :meth:`run` loads Q, runs one of the main loops
+  (:func:`_plain_loop`, :func:`_overlapped_loop`, :func:`_chained_loop`)
+  and the epilogue; the methods are the loops' parts: the scores
+  (:meth:`scores`), the element mask (:meth:`apply_mask`), the online
+  softmax (:meth:`probs`, :func:`softmax_step`), ``O += P V``
+  (:meth:`add_pv`), and the output (:meth:`epilogue`).
+
+  ``item``: the item's number in the program's loop (persistent grid).
+  ``chain=(s_first, n_items)`` with ``item_overlap``: ``S`` of this
+  item's first tile, issued and read back by the item before (valid from
+  item 1), and the program's item count; :meth:`run` then returns ``S``
+  of the next item's first tile (zeros after the last item)."""
+
+  def __init__(self, ctx: _Ctx, b, h, group_start, u_lo, u_hi, first_step,
+               item=None, chain=None):
+    self.ctx, self.r, self.cfg, self.prob = ctx, ctx.r, ctx.cfg, ctx.prob
+    self.b, self.h, self.group_start = b, h, group_start
+    self.u_lo, self.u_hi, self.first_step = u_lo, u_hi, first_step
+    self.item, self.chain = item, chain
+    self.bq, self.bk, self.stages = (self.cfg.block_q, self.cfg.block_kv,
+                                     self.cfg.stages)
+    self.qk_scale = self.prob.softmax_scale * LOG2E
+    in_place = ctx.in_place
+    self.rescale = functools.partial(
+        rescale_rows,
+        skip_unmoved=bool(self.cfg.rescale_threshold) and in_place)
+    self.deferred_sum = self.cfg.deferred_row_sum and in_place
+    self.rsum = functools.partial(row_sum, deferred=self.deferred_sum)
+
+  def slot_of(self, t):
+    """The ring slot of key tile ``t``."""
+    return lax.rem(self.first_step + t - self.u_lo, self.stages)
+
+  def step_of(self, t):
+    """The ring step of key tile ``t``."""
+    return self.first_step + t - self.u_lo
+
+  def run(self):
+    """Q in, the main loop over the item's key tiles, the epilogue."""
+    ctx, r, cfg, bq, bk = self.ctx, self.r, self.cfg, self.bq, self.bk
+    wg, ping = ctx.wg, ctx.ping
+    self.q_slot, self.q_done = ctx.q_buffer(self.item, wg)
+    self.qo_smem = r.qo_smem2.at[self.q_slot]
+    self.lse_smem = r.lse_smem2.at[wg]
+    self.q_start = self.group_start + wg * bq
+    if not ctx.prefetch:  # (with prefetch_q, the producer loads Q)
+      plgpu.copy_gmem_to_smem(
+          r.q.at[self.b, pl.ds(self.q_start, bq), self.h], self.qo_smem,
+          r.q_ready.at[wg])
+    if ctx.chained:  # from item 1 on, the item before waited for this Q
+      pl.when(self.item == 0)(
+          lambda: plgpu.barrier_wait(r.q_ready.at[self.q_slot]))
+    else:
+      plgpu.barrier_wait(r.q_ready.at[self.q_slot])
+    row = plgpu.Layout.WGMMA.reduce(1)
+    m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row)
+    l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row)
+    acc = plgpu.layout_cast(
+        jnp.full((bq, self.prob.head_dim_padded), 0.0, jnp.float32),
+        plgpu.Layout.WGMMA)
+    if ctx.chained:  # one alternation over the program's items
+      pl.when(self.item == 0)(ping.start)
+      self.next_q_slot, _ = ctx.q_buffer(self.item + 1, wg)
+    else:
+      ping.start()  # offset the two consumers by a half step
+    own = self.prob.mask.kv_block_range(self.q_start, bq, bk)
+    if ctx.chained:  # the epilogue runs inside the loop's last turn
+      loop = _overlapped_loop if cfg.intra_wg_overlap else _chained_loop
+      return loop(self, own, (acc, m, l))
+    if cfg.intra_wg_overlap:
+      acc, m, l = _overlapped_loop(self, own, (acc, m, l))
+    else:
+      acc, m, l = _plain_loop(self, own, (acc, m, l))
+    ping.finish()
+    if ctx.prefetch and not ctx.early_q_release:
+      # This consumer's last Q K^T completed: Q's buffer may be refilled.
+      plgpu.barrier_arrive(self.q_done)
+    self.epilogue(acc, m, l)
+
+  def apply_mask(self, s, t):
+    """The element mask on tile ``t``'s scores: -inf where a key is not
+    visible to a query (causal, window, lengths, segment ids:
+    :meth:`jaxflash.masks.MaskSpec.visible`)."""
+    r, bq, bk, b = self.r, self.bq, self.bk, self.b
+    q_idx = pipeline.index_tile(self.q_start, (bq, bk), 0)
+    k_idx = pipeline.index_tile(t * bk, (bq, bk), 1)
+    seg = {}
+    if r.q_seg is not None:
+      # Straight from GMEM into the row / column layouts of S
+      # (a non-"optimized" load: GMEM is not swizzled SMEM).
+      q_seg = plgpu.load(r.q_seg.at[b, pl.ds(self.q_start, bq)],
+                         layout=plgpu.Layout.WGMMA.reduce(1),
+                         optimized=False)
+      k_seg = plgpu.load(r.kv_seg.at[b, pl.ds(t * bk, bk)],
+                         layout=plgpu.Layout.WGMMA.reduce(0),
+                         optimized=False)
+      seg = dict(q_seg=lax.broadcast_in_dim(q_seg, (bq, bk), [0]),
+                 k_seg=lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
+    return jnp.where(self.prob.mask.visible(q_idx, k_idx, **seg), s,
+                     -jnp.inf)
+
+  def probs(self, s, t, m, *, masked: bool):
+    """Tile ``t``'s online-softmax step from the raw ``S``: ``P`` (float32,
+    base 2, against the new running max), the new max and the factor
+    ``alpha`` that rescales what was accumulated before
+    (:func:`softmax_step`); the element mask first where ``masked``."""
+    prob = self.prob
+    if prob.logits_soft_cap is None:
+      # Raw logits; the base-2 scale is applied to the row max and
+      # folded into exp2's argument (one FMA per element): on the H200
+      # 608 TFLOP/s against 555 with a separate multiply (head_dim 128,
+      # 4096 keys).
+      scale = self.qk_scale
+    else:  # cap * tanh(x / cap) on the scaled logits (Gemma 2)
+      cap = prob.logits_soft_cap
+      s = jnp.tanh(s * (prob.softmax_scale / cap)) * (cap * LOG2E)
+      scale = None
+    if masked:
+      s = self.apply_mask(s, t)
+    return softmax_step(s, m, scale=scale,
+                        threshold=self.cfg.rescale_threshold, masked=masked)
+
+  def probs_where_visible(self, s, t, m, full_lo, full_hi):
+    """:meth:`probs` for a tile whose masking is known only at run time:
+    without the element mask where ``t`` lies in the fully visible
+    ``[full_lo, full_hi)``, as :func:`_masked_ranges` runs the tiles of a
+    loop (a ``lax.cond``).  The start value ``m = -inf`` needs no guard
+    there: a visible tile's row max is finite, so ``alpha = exp2(-inf) =
+    0``."""
+    if self.r.seg_range is not None:
+      # (segment ids: every computed tile takes the element mask)
+      return self.probs(s, t, m, masked=True)
+    return lax.cond((full_lo <= t) & (t < full_hi),
+                    lambda: self.probs(s, t, m, masked=False),
+                    lambda: self.probs(s, t, m, masked=True))
+
+  def scores(self, slot):
+    """``S = Q K^T`` with tile ``slot``'s K (waited for, then
+    released)."""
+    r, ping = self.r, self.ctx.ping
+    plgpu.barrier_wait(r.k_ready.at[slot])
+
+    def qk(acc_ref):
+      plgpu.wgmma(acc_ref, self.qo_smem, r.k_smem.at[slot].T)
+      ping.issued()  # let the other consumer's matmul go next
+      return acc_ref[...]
+
+    s = pl.run_scoped(qk, plgpu.ACC((self.bq, self.bk), jnp.float32))
+    r.k_free.arrive(slot)
+    return s
+
+  def p_operand(self, p16):
+    """``P`` as the ``P V`` wgmma's A operand (registers, or SMEM)."""
+    if self.r.p_smem2 is None:
+      return p16
+    p_src = self.r.p_smem2.at[self.ctx.wg]
+    p_src[...] = p16
+    plgpu.commit_smem()
+    return p_src
+
+  def stash(self, p):
+    """``P`` (float32) made the next ``P V``'s A operand in the overlapped
+    loop: 16-bit registers carried to the next step or, with
+    ``p_in_smem``, stored now into this consumer's ``P`` buffer (the
+    ``P V`` that read it last has completed) and nothing carried but a
+    placeholder, as FlashAttention-3 stores ``P`` after its
+    ``warpgroup_wait<0>`` when its ``P V`` reads shared memory (its
+    head_dim 64 form)."""
+    p16 = p.astype(self.ctx.dtype)
+    if self.r.p_smem2 is None:
+      return p16
+    self.r.p_smem2.at[self.ctx.wg][...] = p16
+    plgpu.commit_smem()
+    return jnp.int32(0)
+
+  def stashed(self, carried):
+    """The A operand :meth:`stash` left: ``carried``, or the P buffer."""
+    return carried if self.r.p_smem2 is None else self.r.p_smem2.at[
+        self.ctx.wg]
+
+  def add_pv(self, acc, p16, slot, p_src=None):
+    """``O += P V`` with tile ``slot``'s V (waits for the wgmma).
+    ``p_src``: ``P`` already in place (then ``p16`` is not used)."""
+    p_src = self.p_operand(p16) if p_src is None else p_src
+
+    def issue(acc_ref):
+      plgpu.wgmma(acc_ref, p_src, self.r.v_smem.at[slot])
+
+    if self.ctx.in_place:
+      # O += P V accumulated in the wgmma registers themselves
+      # (FlashAttention-3); the interpreter rejects this idiom.  A fresh
+      # accumulator instead spills at head_dim 256 (measured on the H200:
+      # 221 against 593 TFLOP/s at 4096 keys).
+      return pl.run_state(issue)(plgpu.ACC.init(acc))
+
+    # Interpretable form: a fresh scoped accumulator, added in registers.
+    def pv(acc_ref):
+      issue(acc_ref)
+      return acc_ref[...]
+    return acc + pl.run_scoped(
+        pv, plgpu.ACC((self.bq, self.prob.head_dim_padded), jnp.float32))
+
+  def softmax_turn(self, s, t, carry, slot, *, masked):
+    """Tile ``t``'s online-softmax step from its ``S``, up to this
+    consumer's turn on the tensor cores (V waited for); ``masked`` a
+    bool, or ``(full_lo, full_hi)``: the element mask where ``t`` lies
+    outside those fully visible tiles (a ``lax.cond``):
+    ``(acc, m, l, P16)``."""
+    ping, in_place = self.ctx.ping, self.ctx.in_place
+    acc, m, l = carry
+    if isinstance(masked, tuple):  # (full_lo, full_hi): at run time
+      p, m_next, alpha = self.probs_where_visible(s, t, m, *masked)
+    else:
+      p, m_next, alpha = self.probs(s, t, m, masked=masked)
+    l = l * alpha
+    p16 = p.astype(self.ctx.dtype)
+    if in_place:  # (the interpretable form rescales after the barrier)
+      acc = self.rescale(acc, alpha)
+    # As JAX's attention_mgpu: at head_dim <= 128, finishing the row sum
+    # and pinning the softmax results before the barriers lets the
+    # compiler schedule them ahead of the wait (measured faster there).
+    early_sum = self.prob.head_dim_padded <= 128
+    if early_sum:
+      l = l + self.rsum(p)
+      acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
+    ping.softmax_done()
+    plgpu.barrier_wait(self.r.v_ready.at[slot])
+    ping.before_pv()  # tensor cores free
+    if not early_sum:
+      l = l + self.rsum(p)
+    if not in_place:
+      acc = self.rescale(acc, alpha)
+    return acc, m_next, l, p16
+
+  def compute(self, step, t, carry, *, masked: bool):
+    """The plain loop's step on tile ``t``: ``S = Q K^T``, the softmax,
+    then in this consumer's turn ``O += P V``."""
+    slot = lax.rem(step, self.stages)
+    acc, m_next, l, p16 = self.softmax_turn(self.scores(slot), t, carry,
+                                            slot, masked=masked)
+    acc = self.add_pv(acc, p16, slot)
+    self.r.v_free.arrive(slot)
+    return acc, m_next, l
+
+  def skip(self, step, carry):
+    """A tile only the other consumer needs: observe and release it (the
+    ping-pong's hooks as in :meth:`compute`)."""
+    r, ping = self.r, self.ctx.ping
+    slot = lax.rem(step, self.stages)
+    plgpu.barrier_wait(r.k_ready.at[slot])
+    r.k_free.arrive(slot)
+    ping.issued()
+    plgpu.barrier_wait(r.v_ready.at[slot])
+    r.v_free.arrive(slot)
+    ping.softmax_done()
+    ping.before_pv()
+    return carry
+
+  def next_item_turn(self, acc, m, l, p_src, slot, *, turn_start: bool):
+    """``item_overlap``, an item with a next one: its last ``P V`` (tile
+    ``slot``'s V, ``P`` from ``p_src``) and the next item's first ``S``
+    in one turn, this item's epilogue while that ``S`` is computed (``P
+    V`` waited for alone).  ``turn_start``: the turn (and the wait for V)
+    starts here, as in the overlapped loop; the plain loop's
+    :meth:`softmax_turn` has started it already.  Returns ``S``; its K
+    slot released."""
+    r, ping, bq, bk = self.r, self.ctx.ping, self.bq, self.bk
+    double_q = self.ctx.double_q
+    nxt = lax.rem(self.first_step + (self.u_hi - self.u_lo), self.stages)
+    q_next = r.qo_smem2.at[self.next_q_slot]
+    if turn_start:
+      plgpu.barrier_wait(r.v_ready.at[slot])
+
+    def issue(o_acc, s_acc):
+      if turn_start:
+        ping.turn_start()
+      # The next item's Q and first K are waited for in this turn: with
+      # one Q buffer that Q loads after both consumers' "done with Q",
+      # which the other consumer signals after its own turn ends (in the
+      # interpreter's mbarrier form that end is a rendezvous with this
+      # turn's start: a wait before it would never end).  With one
+      # buffer the last P V goes first, so the tensor cores are not idle
+      # while Q lands (ptxas then fences the second wgmma after the
+      # waits: its C7519 note); with two, Q landed an item ago and both
+      # are issued back to back.
+      last_pv = lambda: plgpu.wgmma(o_acc, p_src, r.v_smem.at[slot])
+      if not double_q:
+        last_pv()
+      plgpu.barrier_wait(r.q_ready.at[self.next_q_slot])
+      plgpu.barrier_wait(r.k_ready.at[nxt])
+      if double_q:
+        last_pv()
+      plgpu.wgmma(s_acc, q_next, r.k_smem.at[nxt].T)  # next item's S
+      ping.issued()
+
+    if self.ctx.in_place:
+      def body(refs):
+        o_acc, s_ref = refs
+
+        def with_s(s_acc):  # a fresh accumulator: nothing to load
+          issue(o_acc, s_acc)
+          o = plgpu.wgmma_accumulator_load(o_acc, wait_n=1)
+          r.v_free.arrive(slot)
+          self.epilogue(o, m, l)  # the next S still in flight
+          return s_acc[...]
+        s_ref[...] = pl.run_scoped(
+            with_s, plgpu.ACC((bq, bk), jnp.float32))
+
+      zeros_s = plgpu.layout_cast(jnp.full((bq, bk), 0.0, jnp.float32),
+                                  plgpu.Layout.WGMMA)
+      _, s_next = pl.run_state(body)((plgpu.ACC.init(acc), zeros_s))
+    else:  # interpretable form: fresh accumulators
+      def both(o_acc, s_acc):
+        issue(o_acc, s_acc)
+        o = acc + o_acc[...]
+        r.v_free.arrive(slot)
+        self.epilogue(o, m, l)
+        return s_acc[...]
+
+      s_next = pl.run_scoped(
+          both, plgpu.ACC((bq, self.prob.head_dim_padded), jnp.float32),
+          plgpu.ACC((bq, bk), jnp.float32))
+    r.k_free.arrive(nxt)
+    return s_next
+
+  def epilogue(self, acc, m, l):
+    """Normalise this consumer's rows of the item and store them and
+    their LSE."""
+    cfg, r, bq = self.cfg, self.r, self.bq
+    l = finish_row_sum(l, deferred=self.deferred_sum)
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    if cfg.lean_epilogue:
+      # One reciprocal per row (2 per thread) and a multiply per
+      # element, as tokamax, against a divide per element (128 per
+      # thread at head_dim 256); both round within an ulp of float32,
+      # far below the output's bf16/fp16 rounding.
+      acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+    else:
+      acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+    out = acc.astype(self.ctx.dtype)
+    # Natural-log LSE, -inf for rows that see no key (traced where it
+    # is stored).
+    lse = lambda: jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+    self.store(out, r.o.at[self.b, pl.ds(self.q_start, bq), self.h], lse,
+               r.lse.at[self.b, self.h, pl.ds(self.q_start, bq)])
+    # Persistent: the next item may rewrite these buffers (Q/O's, or
+    # with prefetch_q the output slots and the LSE) once the stores
+    # have read them (their GMEM writes finish in the background; the
+    # kernel's last wait is a full one unless lean_epilogue).
+    # lean_epilogue: only the shared-memory reads are waited for (as
+    # tokamax and JAX's Hopper matmul end their kernels); the grid's
+    # completion publishes the writes.
+    plgpu.wait_smem_to_gmem(
+        0, wait_read_only=self.ctx.persistent or cfg.lean_epilogue)
+
+  def store(self, out, o_dst, lse, lse_dst):
+    """The epilogue's copies of ``out`` (this consumer's rows in the
+    input dtype) to ``o_dst`` and of ``lse()`` to ``lse_dst``."""
+    r, wg = self.r, self.ctx.wg
+    if r.o_smem2 is not None:
+      # 64-column chunks through alternating slots: a slot is rewritten
+      # once the copy that last read it has (at most slots - 1 copies of
+      # this consumer still reading).
+      n_chunks, slots = self.cfg.out_chunks(self.prob.head_dim_padded)
+      for c in range(n_chunks):
+        plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+        r.o_smem2[wg, c % slots] = out[:, c * 64:(c + 1) * 64]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(r.o_smem2.at[wg, c % slots],
+                                o_dst.at[:, pl.ds(c * 64, 64)])
+    else:
+      self.qo_smem[...] = out
+    self.lse_smem[...] = lse()
+    plgpu.commit_smem()
+    if r.o_smem2 is None:
+      plgpu.copy_smem_to_gmem(self.qo_smem, o_dst)
+    plgpu.copy_smem_to_gmem(self.lse_smem, lse_dst)
+
+
+# ---------------------------------------------------------------------------
+# The main loops over an item's key tiles.
+
+
+def _plain_loop(it: _Item, own, carry):
+  """The default loop: per key tile ``Q K^T``, the softmax, then in this
+  consumer's turn on the tensor cores ``O += P V``
+  (:meth:`_Item.compute`); with two consumers their turns alternate
+  (FlashAttention-3's ping-pong, arXiv 2407.08608 §3.1), so one's softmax
+  runs under the other's matmuls.  Tiles that only the other consumer of
+  the program needs are acknowledged (:meth:`_Item.skip`); the tiles
+  outside this consumer's fully visible range take the element mask
+  (:func:`pipeline.tile_loop`).  Returns ``(acc, m, l)``."""
+  return pipeline.tile_loop(
+      it.u_lo, it.u_hi, own, first_step=it.first_step,
+      compute=it.compute, skip=it.skip,
+      element_mask_everywhere=it.r.seg_range is not None, carry=carry)
+
+
+def _chained_loop(it: _Item, own, carry):
+  """``item_overlap`` without ``intra_wg_overlap``: the default loop
+  (:meth:`_Item.compute`'s steps) run on across the program's work
+  items.  An item's last turn issues its last ``P V`` and the next
+  item's first ``Q K^T`` (:meth:`_Item.next_item_turn`), and its
+  epilogue runs while they compute, so the other consumer's last ``P V``
+  (which waits for that ``Q K^T``) and this epilogue overlap; the next
+  item starts from that ``S``.  Every consumer computes every tile of
+  every item, ``[u_lo, u_hi)``, with no skip steps: this relies on
+  :func:`_chains_items` (a consumer skipping tiles here would hang the
+  ring, not fail), and each consumer takes the same steps as in one long
+  item: the alternation's counts are those of one item (``ping.start``
+  before the program's first, ``ping.finish`` after its last).  "Done
+  with Q" comes once the item's last ``S`` is read back, before that
+  turn, and the producer loads the next Q before the next item's K/V.
+  The first and last tiles take the element mask where they are not
+  fully visible (a ``lax.cond``; the middle ones as
+  :func:`pipeline.tile_loop` runs them).  Returns the next item's first
+  ``S`` (zeros after the last item)."""
+  u_lo, u_hi, item, chain = it.u_lo, it.u_hi, it.item, it.chain
+  _, full_lo, full_hi, _ = pipeline.computed_tiles(
+      u_lo, u_hi, own, it.r.seg_range is not None)
+  auto = (full_lo, full_hi)
+  slot_of = it.slot_of
+
+  # "Done with Q" once the item's last S is read back, before this
+  # consumer's turn starts: with one Q buffer the other consumer's last
+  # turn waits (for this consumer's next Q K^T) behind the load of the
+  # next Q, which waits for it.
+  done_with_q = lambda: plgpu.barrier_arrive(it.q_done)
+  # From item 1 on, the first S was issued in the item before's turn.
+  s0 = lax.cond(item > 0, lambda: chain[0],
+                lambda: it.scores(slot_of(u_lo)))
+  pl.when(u_hi - u_lo == 1)(done_with_q)
+  acc, m, l, p16 = it.softmax_turn(s0, u_lo, carry, slot_of(u_lo),
+                                   masked=auto)
+
+  def more(acc, m, l, p16):
+    """Tile u_lo's P V, the middle tiles, the last one's softmax."""
+    acc = it.add_pv(acc, p16, slot_of(u_lo))
+    it.r.v_free.arrive(slot_of(u_lo))
+    last = u_hi - 1
+    acc, m, l = _masked_ranges(
+        u_lo + 1, last, full_lo, full_hi,
+        lambda t, c, masked: it.compute(it.step_of(t), t, c, masked=masked),
+        (acc, m, l))
+    s = it.scores(slot_of(last))
+    done_with_q()
+    return it.softmax_turn(s, last, (acc, m, l), slot_of(last), masked=auto)
+
+  acc, m, l, p16 = lax.cond(u_hi - u_lo > 1, more, lambda *c: c,
+                            acc, m, l, p16)
+  slot = slot_of(u_hi - 1)
+
+  def final(acc, m, l, p16):
+    """The program's last item: the plain last P V, the end of the
+    alternation, the epilogue."""
+    acc = it.add_pv(acc, p16, slot)
+    it.r.v_free.arrive(slot)
+    it.ctx.ping.finish()
+    it.epilogue(acc, m, l)
+    return plgpu.layout_cast(jnp.full((it.bq, it.bk), 0.0, jnp.float32),
+                             plgpu.Layout.WGMMA)
+
+  return lax.cond(
+      item + 1 < chain[1],
+      lambda *c: it.next_item_turn(*c[:3], it.p_operand(c[3]), slot,
+                                   turn_start=False),
+      final, acc, m, l, p16)
+
+
+def _overlapped_loop(it: _Item, own, carry):
+  """``intra_wg_overlap`` (FlashAttention-3 §3.2, arXiv 2407.08608,
+  hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp): in its turn on the tensor
+  cores a consumer issues ``S_t = Q K_t^T`` and ``O += P_{t-1} V_{t-1}``
+  back to back, hands the turn to the other consumer, and runs tile
+  ``t``'s softmax while its ``P V`` is still in flight
+  (:func:`_overlapped_step`).  The tensor cores then always hold the next
+  turn's two matmuls queued behind the current ones: no consumer waits
+  for its ``P V`` before the other may issue (the default loop's turn is
+  ``P V`` and then, after waiting for it, the next ``Q K^T``).  A
+  prologue computes ``P`` of the first own tile (its ``Q K^T`` turn
+  alone), an epilogue adds the last ``P V`` (a turn of ``P V`` alone);
+  both run only when this consumer has tiles (``lax.cond``).  The turns
+  are the ping-pong's ``turn_start`` / ``issued`` hooks, in the same
+  alternation as :class:`_PingPong`'s other users, so the skip steps
+  around the own tiles interleave as in :func:`pipeline.tile_loop`.
+
+  ``item_overlap`` (``chained``): the loop runs on across the program's
+  work items.  The last turn of an item issues its last ``P V`` and the
+  next item's first ``Q K^T`` back to back (that ``Q`` and ``K`` waited
+  for first), the item's epilogue runs while that ``S`` is computed, and
+  the next item starts from it: the turns keep one alternation from the
+  program's first item to its last (``ping.start`` before the first,
+  ``ping.finish`` after the last).  Every consumer then computes every
+  tile of every item (:func:`_chains_items`).  Returns that next ``S``
+  (the epilogue already run) instead of ``(acc, m, l)``.  The counts:
+  with ``S`` a turn's start (``turn_start``: a sync on this consumer's
+  barrier) and ``A`` its end (``issued``: an arrival on the other's), a
+  middle item of N key tiles is ``(S A)^N`` for either consumer (its
+  first ``Q K^T`` lies in the item before); the program's first item has
+  one ``A`` more (its first ``Q K^T``, a turn of its own: with ``start``,
+  consumer 1's extra ``S``) and its last item one ``A`` less (the last
+  ``P V`` alone: ``finish``, consumer 0's extra arrival), so the two
+  barriers' arrivals match as in the per-item form."""
+  ctx, r, ping = it.ctx, it.r, it.ctx.ping
+  u_lo, u_hi, first_step = it.u_lo, it.u_hi, it.first_step
+  acc, m, l = carry
+  lo, full_lo, full_hi, hi = pipeline.computed_tiles(
+      u_lo, u_hi, own, r.seg_range is not None)
+  slot_of = it.slot_of
+  run = lambda a, z, fn, c: lax.fori_loop(a, z, fn, c)
+  run(u_lo, lo, lambda t, c: it.skip(first_step + t - u_lo, c), ())
+  wgmma_layout = plgpu.Layout.WGMMA
+  zeros_s = plgpu.layout_cast(jnp.full((it.bq, it.bk), 0.0, jnp.float32),
+                              wgmma_layout)
+
+  def first(_):
+    # scores(): the turn is this Q K^T alone (ends with ping.issued).
+    if ctx.chained:  # from item 1 on, issued in the item before's turn
+      s0 = lax.cond(it.item > 0, lambda: it.chain[0],
+                    lambda: it.scores(slot_of(lo)))
+    else:
+      s0 = it.scores(slot_of(lo))
+    p, m1, alpha = it.probs(s0, lo, m, masked=True)
+    l1 = l * alpha + it.rsum(p)
+    return it.stash(p), m1, l1
+
+  def nothing(_):
+    if r.p_smem2 is not None:
+      return jnp.int32(0), m, l
+    return (plgpu.layout_cast(jnp.full((it.bq, it.bk), 0.0, ctx.dtype),
+                              wgmma_layout), m, l)
+
+  p16, m, l = lax.cond(lo < hi, first, nothing, None)
+  # Steps lo + 1 .. hi - 1.
+  acc, m, l, p16 = _masked_ranges(
+      jnp.minimum(lo + 1, hi), hi, full_lo, full_hi,
+      functools.partial(_overlapped_step, it, zeros_s), (acc, m, l, p16))
+
+  def last(acc):
+    slot = slot_of(hi - 1)
+    plgpu.barrier_wait(r.v_ready.at[slot])
+    ping.turn_start()  # a turn of the last P V alone
+    acc = it.add_pv(acc, p16, slot, p_src=it.stashed(p16))
+    r.v_free.arrive(slot)
+    return acc
+
+  def final_last(acc, m, l):
+    """``chained``, the program's last item: the plain last turn, the end
+    of the alternation, the epilogue."""
+    acc = last(acc)
+    ping.finish()
+    it.epilogue(acc, m, l)
+    return zeros_s
+
+  def chained_last(acc, m, l):
+    """``chained``, an item with a next one: the last ``P V`` and the
+    next item's first ``S`` in one turn (:meth:`_Item.next_item_turn`).
+    Returns ``S``."""
+    return it.next_item_turn(acc, m, l, it.stashed(p16), slot_of(hi - 1),
+                             turn_start=True)
+
+  if ctx.early_q_release or ctx.chained:
+    # Every own S (the last one included) has been read back: Q is not
+    # read again in this item, so its buffer may be refilled while the
+    # last P V runs.
+    plgpu.barrier_arrive(it.q_done)
+  if ctx.chained:
+    return lax.cond(it.item + 1 < it.chain[1], chained_last, final_last,
+                    acc, m, l)
+  acc = lax.cond(lo < hi, last, lambda acc: acc, acc)
+  run(hi, u_hi, lambda t, c: it.skip(first_step + t - u_lo, c), ())
+  return acc, m, l
+
+
+def _overlapped_step(it: _Item, zeros_s, t, carry, *, masked: bool):
+  """:func:`_overlapped_loop`'s step on tile ``t``: one turn issuing
+  ``S_t`` and ``P_{t-1} V_{t-1}``, then tile ``t``'s softmax under the
+  ``P V``.  ``carry = (acc, m, l, P_{t-1})``."""
+  ctx, r, ping = it.ctx, it.r, it.ctx.ping
+  acc, m, l, p_prev = carry
+  slot, prev = it.slot_of(t), it.slot_of(t - 1)
+  # Both operands' tiles are in before the turn starts, so that the turn
+  # is the two issues alone (V of t - 1 lands before K of t).
+  plgpu.barrier_wait(r.v_ready.at[prev])
+  plgpu.barrier_wait(r.k_ready.at[slot])
+
+  def issue(s_acc, o_acc):
+    ping.turn_start()
+    plgpu.wgmma(s_acc, it.qo_smem, r.k_smem.at[slot].T)  # S_t
+    plgpu.wgmma(o_acc, it.stashed(p_prev), r.v_smem.at[prev])  # P V
+    ping.issued()  # the other consumer's turn
+
+  def softmax(s_t, m, l):
+    r.k_free.arrive(slot)
+    p, m_next, alpha = it.probs(s_t, t, m, masked=masked)
+    l = l * alpha + it.rsum(p)
+    return p, m_next, l, alpha
+
+  if ctx.in_place:
+    def body(refs):
+      o_acc, s_acc, m_ref, l_ref, p_ref, a_ref = refs
+      issue(s_acc, o_acc)
+      # S_t done, P V still in flight: the softmax overlaps it.
+      s_t = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
+      p_ref[...], m_ref[...], l_ref[...], a_ref[...] = softmax(
+          s_t, m_ref[...], l_ref[...])
+
+    o, _, m, l, p, alpha = pl.run_state(body)((
+        plgpu.ACC.init(acc), plgpu.ACC.init(zeros_s), m, l, zeros_s, m))
+  else:  # interpretable form: a fresh P V accumulator
+    def body(s_acc, o_acc):
+      issue(s_acc, o_acc)
+      return (*softmax(s_acc[...], m, l), o_acc[...])
+
+    p, m, l, alpha, pv = pl.run_scoped(
+        body, plgpu.ACC((it.bq, it.bk), jnp.float32),
+        plgpu.ACC((it.bq, it.prob.head_dim_padded), jnp.float32))
+    o = acc + pv
+  r.v_free.arrive(prev)
+  # P of this tile is rounded to 16 bits only now, after the wait for
+  # P_{t-1} V_{t-1} (as FlashAttention-3 converts after its
+  # warpgroup_wait<0>): that wgmma reads P_{t-1} from registers while it
+  # runs, and a conversion issued before the wait may be written into
+  # those same registers (the compiler sees P_{t-1} dead once the wgmma
+  # is issued).  ptxas then serialises the wgmmas (its C7513 note).
+  acc = it.rescale(o, alpha)
+  return acc, m, l, it.stash(p)
+
+
+# ---------------------------------------------------------------------------
+# The producer: one work item's K/V tiles (and Q) into shared memory.
+
+
+def _produce(ctx: _Ctx, b, h, u_lo, n_steps, first_step, group_start=None,
+             item=None):
+  """One work item on the producer: its K/V tiles into the ring (and
+  with ``prefetch_q`` its consumers' Q, item number ``item``)."""
+  prob, cfg, r = ctx.prob, ctx.cfg, ctx.r
+  bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
+  kv_head = lax.div(h, jnp.asarray(prob.num_heads // prob.num_kv_heads,
+                                   h.dtype))
+
+  def rows(step):
+    return (b, pl.ds((u_lo + step) * bk, bk), kv_head)
+
+  def copy(ref, smem, ready, src, slot):
+    # kv_multicast: each CTA of the cluster issues half of the tile into
+    # both CTAs' slot; each CTA's ready barrier expects the whole tile.
+    plgpu.copy_gmem_to_smem(
+        ref.at[src], smem.at[slot], ready.at[slot],
+        collective_axes="cluster" if ctx.cluster > 1 else None)
+
+  def load(step, slot):  # K and V together
+    src = rows(step)
+    copy(r.k, r.k_smem, r.k_ready, src, slot)
+    copy(r.v, r.v_smem, r.v_ready, src, slot)
+
+  load_k = lambda step, slot: copy(r.k, r.k_smem, r.k_ready, rows(step), slot)
+  load_v = lambda step, slot: copy(r.v, r.v_smem, r.v_ready, rows(step), slot)
+
+  if cfg.intra_wg_overlap:
+    # K and V of a slot refilled apart, each once its own consumers
+    # released it (tokamax's order): V of step t is released a step
+    # later than K (its P V matmul runs in step t + 1); with one wait
+    # per slot for both, K of step s would wait for V of step s -
+    # stages, released at the end of step s - 1: no lead.
+    loads = [([r.k_free], load_k), ([r.v_free], load_v)]
+  else:
+    loads = [([r.k_free, r.v_free], load)]
+  if ctx.prefetch:
+    # The first item's Q goes first.  A later item's Q waits until both
+    # consumers are done with the previous one: first the K/V tiles
+    # whose slots free up before that (they are freed during the
+    # previous item's last steps), then Q, then the rest.
+    # early_q_release: "done with Q" comes once the last S is read back,
+    # before the last P V frees the last V slot, so Q goes first (with
+    # the previous order its load would still wait for that slot).
+    # q_double_buffer: the buffer this item's Q goes to was read by the
+    # item before last, long done, so Q goes first and waits for nothing
+    # in practice; the first K/V tiles follow as their slots free up.
+    head = (0 if ctx.early_q_release or ctx.double_q or ctx.chained else
+            jnp.where(item == 0, 0, jnp.minimum(n_steps, stages)))
+    pipeline.produce_continuing(first_step, head, stages, loads)
+    # The buffer was last read by the item before (two before with
+    # q_double_buffer).
+    _, q_done = ctx.q_buffer(item, 0)
+    pl.when(item > (1 if ctx.double_q else 0))(
+        lambda: plgpu.barrier_wait(q_done))
+    for w in range(cfg.compute_wgs):
+      q_slot, _ = ctx.q_buffer(item, w)
+      plgpu.copy_gmem_to_smem(
+          r.q.at[b, pl.ds(group_start + w * bq, bq), h],
+          r.qo_smem2.at[q_slot], r.q_ready.at[q_slot])
+    pipeline.produce_continuing(first_step, n_steps, stages, loads,
+                                start=head)
+  elif ctx.persistent:
+    pipeline.produce_continuing(first_step, n_steps, stages, loads)
+  else:
+    pipeline.produce_split(n_steps, stages, loads)
+
+
+# ---------------------------------------------------------------------------
+# The kernel.
+
+
+def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
+            n_programs: int | None, cluster: int):
+  """The forward kernel (one program): the producer warpgroup streams
+  each work item's K/V tiles (:func:`_produce`), each consumer warpgroup
+  computes its rows of the item (:class:`_Item`); :class:`_Schedule`
+  says which items the program runs."""
+  r = _Refs.unpack(refs, prob, cfg, cluster)
+  persistent = n_programs is not None
+  sched = _Schedule(prob, cfg, n_programs, cluster, r.seg_range)
+  stages = cfg.stages
+  if not persistent:  # one program per (head, query group, batch)
+    b = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+  wg = lax.axis_index("wg")
+  ping = _PingPong(r.schedule, wg, named=cfg.named_barriers,
+                   persistent=persistent)
+  if not persistent:
+    group_start, u_lo, u_hi = sched.plain_item(b)
+    n_steps = u_hi - u_lo
+  ctx = _Ctx(prob, cfg, dtype, in_place=in_place, refs=r, wg=wg, ping=ping,
+             persistent=persistent, cluster=cluster)
 
   @pl.when(wg < cfg.compute_wgs)
   def _consumer():
     pipeline.split_registers(False, cfg.compute_wgs, cfg.consumer_registers)
     if persistent:
-      if chained:  # S of each next item's first tile runs on
+      if ctx.chained:  # S of each next item's first tile runs on
         zeros_s = plgpu.layout_cast(
             jnp.full((cfg.block_q, cfg.block_kv), 0.0, jnp.float32),
             plgpu.Layout.WGMMA)
-        for_each_item(
-            lambda item, *args, extra, n_items: consume(
-                *args, item=item, chain=(extra, n_items)),
+        sched.for_each_item(
+            lambda item, *args, extra, n_items: _Item(
+                ctx, *args, item=item, chain=(extra, n_items)).run(),
             extra=zeros_s)
       else:
-        for_each_item(lambda item, *args, **kw: consume(*args, item=item,
-                                                        **kw))
+        sched.for_each_item(
+            lambda item, *args: _Item(ctx, *args, item=item).run())
       plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.lean_epilogue)
     else:
-      consume(b, h, group_start, u_lo, u_hi, 0)
+      _Item(ctx, b, h, group_start, u_lo, u_hi, 0).run()
 
   @pl.when(wg == cfg.compute_wgs)
   def _producer():
     pipeline.split_registers(True, cfg.compute_wgs, cfg.consumer_registers)
     if persistent:
-      total_steps, n_items = for_each_item(
-          lambda item, b, h, group_start, u_lo, u_hi, first, **_: produce(
-              b, h, u_lo, u_hi - u_lo, first, group_start, item))
-      pipeline.drain(total_steps, stages, [k_free, v_free])
-      if double_q:  # the last two items' "done with Q"
+      total_steps, n_items = sched.for_each_item(
+          lambda item, b, h, group_start, u_lo, u_hi, first: _produce(
+              ctx, b, h, u_lo, u_hi - u_lo, first, group_start, item))
+      pipeline.drain(total_steps, stages, [r.k_free, r.v_free])
+      if ctx.double_q:  # the last two items' "done with Q"
         for back in (1, 2):
           pl.when(n_items >= back)(lambda back=back: plgpu.barrier_wait(
-              q_buffer(n_items - back, 0)[1]))
-      elif prefetch:  # the last item's "done with Q"
-        pl.when(n_items > 0)(lambda: plgpu.barrier_wait(q_free))
+              ctx.q_buffer(n_items - back, 0)[1]))
+      elif ctx.prefetch:  # the last item's "done with Q"
+        pl.when(n_items > 0)(lambda: plgpu.barrier_wait(r.q_free))
     else:
-      produce(b, h, u_lo, n_steps, 0)
-    if exit_barrier is not None:
+      _produce(ctx, b, h, u_lo, n_steps, 0)
+    if r.exit_barrier is not None:
       # Neither CTA of a cluster exits before the other's producer has
       # drained its ring.  A guard, not a necessity: each drain already
       # observes every arrival on its own CTA's barriers, and every copy
       # into a CTA was waited for by its consumers (CUTLASS's producer
       # tail does the same).  One barrier per CTA; the form the GPU
       # tests ran.
-      plgpu.barrier_arrive(exit_barrier)
-      plgpu.barrier_wait(exit_barrier)
+      plgpu.barrier_arrive(r.exit_barrier)
+      plgpu.barrier_wait(r.exit_barrier)
+
+
+# ---------------------------------------------------------------------------
+# The forms a config takes on a call, the ping-pong, the launch.
 
 
 def _paired(cfg: MosaicConfig, prob: Problem) -> bool:
@@ -1481,10 +1288,8 @@ def _chains_items(cfg: MosaicConfig, prob: Problem) -> bool:
   consumer's query rows are all padding.  The overlapped loop
   (``intra_wg_overlap``) also needs the two consumers' ping-pong and the
   next Q loadable before the item's last turn (``early_q_release`` or
-  ``q_double_buffer``); the plain one (:func:`_kernel`'s
-  ``chained_loop``) signals "done with Q" before that turn itself, and
-  does not take ``early_k_wait`` (its first K of an item is waited for
-  in the item before) or ``pv_then_qk``."""
+  ``q_double_buffer``); the plain one (:func:`_chained_loop`) signals
+  "done with Q" before that turn itself."""
   mask = prob.mask
   uniform = (not mask.causal and mask.window_left is None
              and mask.window_right is None and not prob.has_segments
@@ -1494,7 +1299,7 @@ def _chains_items(cfg: MosaicConfig, prob: Problem) -> bool:
   if cfg.intra_wg_overlap:
     return bool(_use_schedule(cfg)
                 and (cfg.early_q_release or _double_q(cfg, prob)))
-  return not (cfg.early_k_wait or cfg.pv_then_qk)
+  return True
 
 
 def _cluster_size(cfg: MosaicConfig, prob: Problem, n_groups: int) -> int:
@@ -1528,123 +1333,8 @@ def _units_per_bh(cfg: MosaicConfig, prob: Problem, n_groups: int) -> int:
   return n_groups // _cluster_size(cfg, prob, n_groups)
 
 
-@dataclasses.dataclass(frozen=True)
-class TailSplit:
-  """:attr:`MosaicConfig.split_tail`'s static schedule (Stream-K's hybrid,
-  arXiv 2301.03598): ``programs`` programs take ``whole`` work items each
-  round robin (units ``sm + i * programs``), then the ``left`` items after
-  them (units ``first_left + j``), ``steps`` key tiles each, are cut into
-  ``programs`` runs of consecutive key-tile steps: program ``sm`` takes
-  steps ``[run(sm)[0], run(sm)[1])`` of the ``left * steps`` in item-major
-  order, at most ``steps`` of them (``left < programs``), so at most two
-  items (its segments ``k = 0, 1``).  A left item's last part (the
-  segment that holds its last key tile) owns it: it merges the others'
-  workspace rows into its own accumulator in the kernel and stores the
-  item's output.  A program's first segment ends an item and owns it
-  unless the run lies inside the item, and its second holds the next
-  item's first tiles only, so each program writes at most one part:
-  the workspace has one row block per program.  Where there are fewer
-  left steps than programs, some runs are empty (of the programs
-  between an item's first and last part, only those with a step hold a
-  part)."""
-
-  programs: int
-  whole: int
-  left: int
-  steps: int
-
-  @property
-  def first_left(self) -> int:
-    return self.whole * self.programs
-
-  @property
-  def total(self) -> int:
-    return self.left * self.steps
-
-  def run(self, sm):
-    """Program ``sm``'s steps ``[g0, g1)`` of the left items' (ints, or
-    int32 arrays in the kernel)."""
-    return (sm * self.total // self.programs,
-            (sm + 1) * self.total // self.programs)
-
-  def n_segments(self, sm, xp):
-    """How many items program ``sm``'s run touches (0, 1 or 2); ``xp``:
-    ``jax.numpy`` in the kernel, ``numpy`` in the tests."""
-    g0, g1 = self.run(sm)
-    return xp.where(g1 > g0, (g1 - 1) // self.steps - g0 // self.steps + 1,
-                    0)
-
-  def segment(self, sm, c, xp):
-    """Program ``sm``'s ``c``-th segment in its processing order: ``(k,
-    j, lo, hi, owner)``, its place in the run, its left item, its key
-    tiles ``[lo, hi)`` of that item, and whether it holds the item's
-    last tile (then it owns the item).  The run's second segment (``k =
-    1``) goes first (``for_each_item_and_segment`` says why)."""
-    g0, g1 = self.run(sm)
-    k = xp.maximum(self.n_segments(sm, xp) - 1 - c, 0)
-    j = g0 // self.steps + k
-    lo = xp.maximum(g0 - j * self.steps, 0)
-    hi = xp.minimum(g1 - j * self.steps, self.steps)
-    return k, j, lo, hi, g1 - j * self.steps >= self.steps
-
-  def n_other_parts(self, owner, first):
-    """How many parts of an item other than its owner's there are: those
-    of programs ``first .. owner - 1`` whose runs are not empty (all of
-    them, unless there are fewer left steps than programs; then every
-    run has one step or none, and an item ``steps`` parts)."""
-    if self.total >= self.programs:
-      return owner - first
-    return self.steps - 1
-
-  def first_program(self, j):
-    """The program whose run holds left item ``j``'s first step: the
-    last ``sm`` with ``run(sm)[0] <= j * steps``."""
-    return ((j * self.steps + 1) * self.programs + self.total - 1
-            ) // self.total - 1
-
-  def parts(self) -> list[list[tuple[int, int, int, int]]]:
-    """Per left item ``j``: its segments ``(sm, k, lo, hi)`` (key tiles
-    ``[lo, hi)`` of the item), which cover ``[0, steps)`` once."""
-    out = [[] for _ in range(self.left)]
-    for sm in range(self.programs):
-      g0, g1 = self.run(sm)
-      for k in range(2):
-        j = g0 // self.steps + k
-        lo = max(g0 - j * self.steps, 0)
-        hi = min(g1 - j * self.steps, self.steps)
-        if j < self.left and lo < hi:
-          out[j].append((sm, k, lo, hi))
-    return out
-
-
-# The persistent grid's program count in the interpreter (tests raise it
-# to run split_tail's merges of several parts).
+# The persistent grid's program count in the interpreter.
 INTERPRET_PROGRAMS = 2
-
-
-def tail_split(cfg: MosaicConfig, prob: Problem, n_programs: int | None,
-               units: int) -> TailSplit | None:
-  """The :class:`TailSplit` of a call, or None where
-  :attr:`MosaicConfig.split_tail` does not apply: not the persistent
-  grid; items that stream different key tiles (a causal mask, a window,
-  segment ids); another item order, clusters or ``item_overlap``;
-  ``no_auto_barriers`` (a part's signal relies on Pallas' warpgroup
-  barrier after its stores); or an item count that the programs divide
-  (no partial wave)."""
-  mask = prob.mask
-  n_groups = prob.q_pad // (cfg.compute_wgs * cfg.block_q)
-  if (not cfg.split_tail or n_programs is None or mask.causal
-      or mask.window_left is not None or mask.window_right is not None
-      or prob.has_segments or cfg.groups_fastest or cfg.groups_slowest
-      or _paired(cfg, prob) or _cluster_size(cfg, prob, n_groups) > 1
-      or _chains_items(cfg, prob) or cfg.no_auto_barriers
-      or units % n_programs == 0):
-    return None
-  steps = -(-mask.kv_len // cfg.block_kv)  # every item's key tiles
-  if steps == 0:
-    return None
-  return TailSplit(programs=n_programs, whole=units // n_programs,
-                   left=units % n_programs, steps=steps)
 
 
 class _PingPong:
@@ -1815,43 +1505,26 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
   n_programs = None
   # Mosaic GPU launches the last grid axis fastest (blockIdx.x; Pallas
   # reverses the grid for CUDA): batch, then query groups (the longest
-  # causal group first), then heads; with groups_fastest query groups,
-  # then heads, then batch (tokamax's order); with groups_slowest batch,
-  # then heads, then query groups (every (batch, head)'s longest causal
-  # group before any second longest: a global longest-first order).
-  # kv_multicast: the grid counts clusters, whose two CTAs take adjacent
-  # query groups ("q_seq" program p: groups 2p and 2p + 1).
-  n_programs_q = n_groups // cluster
-  grid = (prob.num_heads, n_programs_q, prob.batch)
+  # causal group first), then heads.  kv_multicast: the grid counts
+  # clusters, whose two CTAs take adjacent query groups ("q_seq" program
+  # p: groups 2p and 2p + 1).
+  grid = (prob.num_heads, n_groups // cluster, prob.batch)
   grid_names = ("heads", "q_seq", "batch")
-  if cfg.groups_fastest:
-    grid, grid_names = (prob.batch, prob.num_heads, n_programs_q), (
-        "batch", "heads", "q_seq")
-  elif cfg.groups_slowest:
-    grid, grid_names = (n_programs_q, prob.num_heads, prob.batch), (
-        "q_seq", "heads", "batch")
-  units = prob.num_heads * prob.batch * _units_per_bh(cfg, prob, n_groups)
   if cfg.persistent:
     # One program per SM (per cluster of SMs); interpreted runs use
     # INTERPRET_PROGRAMS so that each program loops over several work
     # items.
+    units = prob.num_heads * prob.batch * _units_per_bh(cfg, prob, n_groups)
     n_sm = INTERPRET_PROGRAMS if interpret else _sm_count() // cluster
     n_programs = min(n_sm, units)
     grid, grid_names = (n_programs,), ("sm",)
-  tail = tail_split(cfg, prob, n_programs, units)
-  group_rows = cfg.compute_wgs * bq
-  if tail is not None:  # the segments' workspace (acc; m and l)
-    out_type += [
-        out_struct((tail.programs, group_rows, dp), jnp.float32, q, k, v),
-        out_struct((tail.programs, 2, group_rows), jnp.float32, q, k, v)]
   kernel = functools.partial(_kernel, prob=prob, cfg=cfg, dtype=dtype,
                              in_place=not interpret, n_programs=n_programs,
-                             cluster=cluster, tail=tail)
-  results = pipeline.launch(
+                             cluster=cluster)
+  return pipeline.launch(
       kernel, out_type=out_type, scratch=scratch, grid=grid,
       grid_names=grid_names, consumers=cfg.compute_wgs,
       interpret=interpret,
       reduction_scratch_bytes=cfg.fwd_reduction_scratch(dp),
-      no_auto_barriers=cfg.no_auto_barriers, cluster=cluster,
+      cluster=cluster,
   )(q, k, v, *(segments or ()))
-  return results[:2]

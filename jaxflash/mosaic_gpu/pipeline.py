@@ -51,18 +51,15 @@ TILED = tiled_over(64)
 
 def launch(body, *, out_type, scratch, grid, grid_names, consumers: int,
            interpret, reduction_scratch_bytes: int | None = None,
-           no_auto_barriers: bool = False, cluster: int = 1):
+           cluster: int = 1):
   """``plgpu.kernel`` in the layout every jaxflash Hopper kernel uses:
   ``consumers`` compute warpgroups plus one producer (thread axis
   ``"wg"``, the producer last), hardware-approximate ``exp2``/``tanh``.
   ``reduction_scratch_bytes``: shared memory for cross-warp reductions
   (None: Pallas' default; lowering fails if a reduction needs more).
-  ``no_auto_barriers``: Pallas' ``unsafe_no_auto_barriers`` (the kernel
-  orders its shared-memory accesses itself).  ``cluster`` > 1: CTAs per
-  cluster (axis ``"cluster"``; ``grid`` then counts clusters)."""
+  ``cluster`` > 1: CTAs per cluster (axis ``"cluster"``; ``grid`` then
+  counts clusters)."""
   params = dict(approx_math=True)
-  if no_auto_barriers:
-    params["unsafe_no_auto_barriers"] = True
   if reduction_scratch_bytes is not None:
     params["reduction_scratch_bytes"] = reduction_scratch_bytes
   return plgpu.kernel(
@@ -304,7 +301,7 @@ def index_tile(start, shape, axis: int, *, vectors: bool = True):
   644 bytes causal with the tile, none with the vector; the causal d128
   dK/dV kernel 24 / 68 bytes -> none.  On the H200 the vectors ran level
   to +4% in the forward (d128, 2048-16384 keys) and level to +1.4%
-  forward+backward (docs/benchmarks/h200-2026-12-03-s21.md).
+  forward+backward (docs/benchmarks/, 2026-12-03).
   ``vectors=False``: the iota tile itself, for the paired backward
   kernels' held side (built once before the loop, as measured there)."""
   if not vectors:
