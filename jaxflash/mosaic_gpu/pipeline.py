@@ -256,48 +256,14 @@ def acknowledge(ready, free, stages: int):
   return skip
 
 
-def late_release(free, *, lo, hi, u_lo, first_step, stages: int):
-  """A consumer that leaves each step's last wgmma in flight into the
-  next step (``bwd_dq_late_release``, ``bwd_dkv_late_release``; CUTLASS's
-  ``warpgroup_wait<N>`` before releasing the previous stage).  Returns
-  ``(previous, last)``:
-
-  * ``previous(step, t, in_flight)``, in computed step ``step`` (tile
-    ``t``) once its own ``in_flight`` wgmmas are issued: wait until only
-    those are left, so the last step's wgmmas have read their operands,
-    and release that step's slot (none before the first computed tile
-    ``lo``).
-  * ``last(carry)``, :func:`tile_loop`'s ``finish``: wait for every
-    wgmma and release the last computed tile's slot (``hi - 1``), before
-    the skips after it, whose slots the producer may refill only after
-    this one.
-  """
-  def previous(step, t, in_flight: int) -> None:
-    plgpu.wgmma_wait(in_flight)
-
-    @pl.when(t > lo)
-    def _():
-      free.arrive(lax.rem(step - 1, stages))
-
-  def last(carry):
-    plgpu.wgmma_wait(0)
-
-    @pl.when(hi > lo)
-    def _():
-      free.arrive(lax.rem(first_step + hi - 1 - u_lo, stages))
-    return carry
-
-  return previous, last
-
-
 def index_tile(start, shape, axis: int, *, vectors: bool = True):
   """``start`` plus each element's index along ``axis`` of a ``shape``
   tile in the wgmma layout: the query or key index of an element mask.
 
   Built as one value per row or column (the tile's row or column layout)
   and broadcast over the tile where it is used, so no int32 tile of one
-  value per element stays live beside the accumulators.  ptxas
-  (tools/ptxas_cpu.py): the 176-key forward tiles at head_dim 128 spilled
+  value per element stays live beside the accumulators.  ptxas' report of
+  the compiled kernels: the 176-key forward tiles at head_dim 128 spilled
   644 bytes causal with the tile, none with the vector; the causal d128
   dK/dV kernel 24 / 68 bytes -> none.  On the H200 the vectors ran level
   to +4% in the forward (d128, 2048-16384 keys) and level to +1.4%
@@ -327,7 +293,7 @@ def computed_tiles(u_lo, u_hi, own, element_mask_everywhere: bool):
 
 
 def tile_loop(u_lo, u_hi, own, *, first_step, compute, skip,
-              element_mask_everywhere: bool, carry=(), finish=None):
+              element_mask_everywhere: bool, carry=()):
   """Consumer side: one step per tile ``t`` in ``[u_lo, u_hi)`` (the tiles
   the producer streams), ``step = first_step + t - u_lo``.
 
@@ -337,10 +303,7 @@ def tile_loop(u_lo, u_hi, own, *, first_step, compute, skip,
   visible ``[full_lo, full_hi)``), ``skip(step, carry)`` for the others.
   ``element_mask_everywhere``: every computed tile takes the element mask
   (segment ids: a tile inside the position band may still cross
-  documents).  ``finish(carry)`` runs after the computed tiles (also
-  when there are none) and before the skips after them (a compute that
-  releases its slot one step late releases the last one there: the
-  producer may need that slot for a tile this consumer skips).
+  documents).
   """
   lo, full_lo, full_hi, hi = computed_tiles(u_lo, u_hi, own,
                                             element_mask_everywhere)
@@ -357,6 +320,4 @@ def tile_loop(u_lo, u_hi, own, *, first_step, compute, skip,
   carry = run(full_lo, full_hi, functools.partial(compute, masked=False),
               carry)
   carry = run(full_hi, hi, masked, carry)
-  if finish is not None:
-    carry = finish(carry)
   return run(hi, u_hi, do_skip, carry)
