@@ -29,6 +29,8 @@ from collections.abc import Callable, Sequence
 
 from jaxflash import mosaic_gpu, op, reference, triton
 from jaxflash.masks import MaskArrays, MaskSpec
+from jaxflash.mosaic_gpu import backend as mosaic_kernels
+from jaxflash.triton import backend as triton_kernels
 
 NO_MASK_ARRAYS = MaskArrays()
 
@@ -60,11 +62,11 @@ def _mosaic_backward(q, k, v, arrays, out, lse, dout, dlse, *, mask,
   if mosaic_gpu.serves_backward(q, mask=mask, config=config,
                                 interpret=interpret,
                                 deterministic=deterministic):
-    return mosaic_gpu.backward(
+    return mosaic_kernels.backward(
         q, k, v, arrays, out, lse, dout, dlse, mask=mask,
         softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
         config=config, interpret=interpret, deterministic=deterministic)
-  return triton.backward(
+  return triton_kernels.backward(
       q, k, v, arrays, out, lse, dout, dlse, mask=mask,
       softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
       config=None, interpret=bool(interpret))
@@ -76,11 +78,12 @@ def _reference_check(q, k, v, **unused):
 
 _REGISTRY = (
     Backend("mosaic_gpu", mosaic_gpu.MosaicConfig, mosaic_gpu.check_supported,
-            op.Kernels("mosaic_gpu", mosaic_gpu.forward, _mosaic_backward,
+            op.Kernels("mosaic_gpu", mosaic_kernels.forward, _mosaic_backward,
                        inline_interpreted=True),
             mosaic_gpu.check_deterministic),
     Backend("triton", triton.TritonConfig, triton.check_supported,
-            op.Kernels("triton", triton.forward, triton.backward)),
+            op.Kernels("triton", triton_kernels.forward,
+                       triton_kernels.backward)),
     Backend("xla", None, _reference_check),
 )
 BACKENDS: dict[str, Backend] = {b.name: b for b in _REGISTRY}
