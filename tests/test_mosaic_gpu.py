@@ -75,7 +75,7 @@ CASES = [
     # Several fully visible key tiles per consumer at head_dim 128: the
     # unmasked loop's later steps (a config that used Q from registers
     # went wrong from the second such tile on the H200, and no other case
-    # had one; docs/benchmarks/h200-2026-12-02-q-in-regs.md).
+    # had one; docs/benchmarks/h200-2026-12-02-2c0e534-q-in-regs.md).
     ("d128-full-6tiles", 128, 384, 2, 2, 128, jnp.bfloat16, False, None,
      TWO_WG),
     ("d64-stages4-short", 64, 128, 2, 2, 64, jnp.bfloat16, False, None,
@@ -148,7 +148,7 @@ def test_interpret_with_race_detection(case):
 # of CASES and configs leaves them out).  d64-gqa-k300: non-causal GQA
 # whose last key tile runs past the keys (TMA zero-fills it, the mask
 # drops it) with every query row real, so the loop run on across items
-# chains there (head_dim 64's default at 1025-2048 keys, s38).
+# chains there (head_dim 64's default at 1025-2048 keys).
 VARIANT_CASES = [
     ("d64-gqa-k300", 256, 300, 4, 2, 64, jnp.bfloat16, False, None, TWO_WG),
     # (330 queries: three consumers' 192-row groups chain only where no
@@ -399,7 +399,7 @@ INTERPRET_VARIANTS.update({
 # each, the rest with the `slow` marker (`make test-all`).  The defaults'
 # options (bwd_paired_dkv, bwd_paired_dq, prefetch_q, lean_epilogue,
 # bwd_softmax_overlap, bwd_early_dv, three_wgs, intra_wg_overlap,
-# early_q_release, persistent_pairs, kv_multicast, and since s37
+# early_q_release, persistent_pairs, kv_multicast, and
 # prefetch_q with q_double_buffer: head_dim 64's default at up to 1024
 # keys) run every case.
 EXPERIMENTS = {"three_wgs+intra_wg_overlap",
@@ -606,8 +606,8 @@ _D128_BWD = dict(bwd_stats_in_acc=True, bwd_softmax_overlap=True,
 # The head_dim 256 non-causal forward's two forms (64-key tiles, the
 # overlap at 240 registers): the plain grid with the lean epilogue (the
 # H200 default from 1025 keys, with kv_multicast) and the persistent grid
-# with the next Q prefetched and loaded early (the default from 2049 keys
-# until s29); several GPU_CONFIGS are one option over them.
+# with the next Q prefetched and loaded early (once the default from 2049
+# keys); several GPU_CONFIGS are one option over them.
 _D256_PLAIN = mosaic_gpu.MosaicConfig(
     intra_wg_overlap=True, named_barriers=True, block_kv=64,
     consumer_registers=240, lean_epilogue=True)
@@ -660,23 +660,22 @@ GPU_CONFIGS = {
     "multicast-persistent": mosaic_gpu.MosaicConfig(
         named_barriers=True, block_kv=128, persistent=True, prefetch_q=True,
         kv_multicast=True),
-    # Two Q buffers per consumer, alternate items (q_double_buffer; s33,
-    # first run on an H100 in s33): the head_dim 128 form and the
-    # head_dim 64 form (no overlap).
+    # Two Q buffers per consumer, alternate items (q_double_buffer): the
+    # head_dim 128 form and the head_dim 64 form (no overlap).
     "named-overlap-persistent-early-q-double-q": dataclasses.replace(
         _D128_PERSISTENT, q_double_buffer=True),
     "named-persistent-double-q": mosaic_gpu.MosaicConfig(
         named_barriers=True, block_kv=128, persistent=True, prefetch_q=True,
         q_double_buffer=True),
-    # The overlapped loop run on across items (item_overlap; s33, first
-    # run on an H100 in s33), with one Q buffer and two.
+    # The overlapped loop run on across items (item_overlap), with one Q
+    # buffer and two.
     "named-overlap-persistent-early-q-item-overlap": dataclasses.replace(
         _D128_PERSISTENT, item_overlap=True),
     "named-overlap-persistent-double-q-item-overlap": dataclasses.replace(
         _D128_PERSISTENT, q_double_buffer=True, item_overlap=True),
     # The default loop run on across items (item_overlap without the
-    # overlap; s36, first run on the H200 in s36): the head_dim 64 persistent
-    # default with one Q buffer and two, and three consumers (the
+    # overlap): the head_dim 64 persistent default with one Q buffer and
+    # two, and three consumers (the
     # head_dim 64 form from 4096 keys) without the ping-pong.
     "named-persistent-item-overlap": mosaic_gpu.MosaicConfig(
         named_barriers=True, block_kv=128, persistent=True, prefetch_q=True,
@@ -688,7 +687,8 @@ GPU_CONFIGS = {
         named_barriers=True, compute_wgs=3, block_kv=128, unpadded_kv=True,
         persistent=True, prefetch_q=True, item_overlap=True),
     # The head_dim 256 non-causal form of 2049+ keys with the lean
-    # epilogue (the candidate of docs/perf-notes.md "Next" 1).
+    # epilogue (a candidate of the tuning log's "Next" 1,
+    # docs/benchmarks/h200-2026-12-06-e1d21d8-tuning-log.md).
     "named-overlap-persistent-early-q-lean-kv64": mosaic_gpu.MosaicConfig(
         intra_wg_overlap=True, named_barriers=True, block_kv=64,
         consumer_registers=240, persistent=True, prefetch_q=True,
@@ -852,10 +852,10 @@ GPU_CONFIGS = {
     "named-three-wg-prefetch-q-unpadded-q": mosaic_gpu.MosaicConfig(
         named_barriers=True, compute_wgs=3, block_kv=128, persistent=True,
         prefetch_q=True, unpadded_kv=True, unpadded_q=True),
-    # The H100 SXM's head_dim 64 forms from 1024 keys (s39; not yet run
-    # over these cases on a GPU): three consumers on the persistent grid
-    # (causal calls from 2048 keys), and with the next Q in a second
-    # buffer and the loop run on across items (non-causal 1025-2048).
+    # The H100 SXM's head_dim 64 forms from 1024 keys: three consumers on
+    # the persistent grid (causal calls from 2048 keys), and with the next
+    # Q in a second buffer and the loop run on across items (non-causal
+    # 1025-2048).
     "named-three-wg-persistent-unpadded-q": mosaic_gpu.MosaicConfig(
         named_barriers=True, compute_wgs=3, block_kv=128, persistent=True,
         unpadded_kv=True, unpadded_q=True),
@@ -897,7 +897,7 @@ def test_gpu_long(seq, causal, head_dim):
 def test_gpu_long_three_consumers(causal):
   """16384 keys at head_dim 64 (MQA): on the H200 the tuned default runs
   three consumers there, causal or not (tuning.json's kv_rules), both
-  on the plain grid (the non-causal one persistent until s29); gradients
+  on the plain grid (the non-causal one once persistent); gradients
   too."""
   case = ("long-16384-64-mqa", 16384, 16384, 2, 1, 64, jnp.bfloat16, causal,
           None, None)
@@ -964,11 +964,11 @@ def test_gpu_long_persistent_items(head_dim, options):
   """The persistent grid's options across work items on the H200's
   tuned non-causal config of 1024 keys (persistent, the next Q
   prefetched): 8192 queries make 512 items over 132 SMs at head_dim 128
-  (344 of 192 rows at 64, three consumers since s40), so each program
+  (344 of 192 rows at 64, three consumers), so each program
   runs two to four and every Q buffer is refilled (the CASES give a
   program one item at most on a GPU); GQA, gradients too.  item_overlap
   chains the overlapped loop (head_dim 128's default) or the plain one
-  (64's, s36)."""
+  (64's)."""
   config = dataclasses.replace(
       mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=False,
                                 kv_len=1024), **options)
@@ -982,10 +982,10 @@ def test_gpu_long_persistent_items(head_dim, options):
 @pytest.mark.parametrize("kv_len", [1024, 2000, 2048])
 def test_gpu_long_persistent_default_items(kv_len):
   """head_dim 64's tuned non-causal default on the persistent grid with
-  many items per program: three consumers (since s40), two Q buffers up
-  to 2048 keys and, from 1025, the plain loop run on across items (s38's
-  rule; at 2000 keys the last key tile is zero-filled by TMA, and the
-  loop still chains).  8250 queries (not 8192: the 192-row groups then
+  many items per program: three consumers, two Q buffers up to 2048
+  keys and, from 1025, the plain loop run on across items (at 2000 keys
+  the last key tile is zero-filled by TMA, and the loop still
+  chains).  8250 queries (not 8192: the 192-row groups then
   leave no consumer of padding rows only, which the chain needs) make
   344 items over 132 SMs (two or three per program, every Q buffer
   refilled); GQA, gradients too.  The chain is checked to be in force
@@ -1009,7 +1009,7 @@ def test_gpu_long_persistent_default_items(kv_len):
     (True, 8192, 8192, False), (True, 16384, 16384, False)])
 def test_gpu_h100_three_consumers(causal, q_len, kv_len, chains):
   """head_dim 64's default from 1024 keys on the H100 SXM and the H200
-  (since s40 the H200 entry's rules; in s39 the H100's kind_kv_rules):
+  (the H200 entry's rules, which the H100 SXM's alias follows):
   three consumers of 192 query rows over each call's two-consumer form.
   Non-causal: 8192 queries on the persistent grid with the Q prefetch
   and two Q buffers (43 items of 192 rows a head over 132 SMs);
@@ -1047,11 +1047,11 @@ def test_gpu_long_persistent_causal_items(kv_len, options):
   """The next item's Q loaded ahead (one buffer, and two used by
   alternate items) on head_dim 64's persistent causal grid, the H200's
   default up to 4096 keys: 24 heads at 1024 keys and 6 at 4096 make 288
-  and 264 items of 192 queries (three consumers since s40) over 132 SMs,
+  and 264 items of 192 queries (three consumers) over 132 SMs,
   so every program runs two or three items of unequal length (along the
   causal diagonal) and every Q buffer is refilled; GQA, gradients too.
   (8 heads at 4096 keys ran out of memory in the reference beside three
-  other test workers on an H100 in s40.)"""
+  other test workers on an H100.)"""
   config = dataclasses.replace(
       mosaic_gpu.default_config("NVIDIA H200", 64, causal=True,
                                 kv_len=kv_len), **options)
@@ -1070,12 +1070,12 @@ def test_gpu_long_persistent_causal_items(kv_len, options):
     ids=["one-tile", "one-tile-double-q", "one-wg", "three-wg",
          "multicast"])
 def test_gpu_item_overlap_plain_chains(q_len, kv_len, fields):
-  """item_overlap's plain-loop chain (s36) across several items per
+  """item_overlap's plain-loop chain across several items per
   program on the H200's head_dim 64 non-causal config: items of one key
   tile (the chain without middle tiles), one consumer, three (8256
   queries: whole 192-row groups, so no consumer of padding only) and
   two-CTA clusters; GQA, gradients too.  The chain is checked to be in
-  force.  (Two consumers unless said: the default's three since s40.)"""
+  force.  (Two consumers unless said: the default has three.)"""
   config = dataclasses.replace(
       mosaic_gpu.default_config("NVIDIA H200", 64, causal=False,
                                 kv_len=1024),
@@ -1310,16 +1310,16 @@ def test_default_config_rules():
   assert not dflt(128, causal=False, kv_len=4096).persistent
   assert not dflt(128, causal=False, kv_len=8192).persistent
   # d64 non-causal: persistent with prefetch_q up to 2048 keys; the plain
-  # grid from 4096 (+3-5% under sustained load, s29).
+  # grid from 4096 (+3-5% under sustained load).
   assert dflt(64, causal=False, kv_len=2048).prefetches_q
   assert not dflt(64, causal=False, kv_len=2049).persistent
   # ... with two Q buffers up to 1024 keys (+6.3% in rounds, +4.5%
-  # sustained at 1024 keys; level at 2048, s36).
+  # sustained at 1024 keys; level at 2048).
   assert dflt(64, causal=False, kv_len=1024).q_double_buffer
   assert not dflt(64, causal=False, kv_len=1024).item_overlap
   # ... and from 1025 to 2048 keys with the loop run on across items too
   # (+2.3% / +2.6% in rounds, +0.4% / +1.2% sustained at 2048 keys on the
-  # H200 in s36 / an H100 in s38).
+  # H200 / an H100).
   for kv_len in (1025, 2048):
     d64nc = dflt(64, causal=False, kv_len=kv_len)
     assert d64nc.prefetches_q and d64nc.q_double_buffer
@@ -1329,7 +1329,7 @@ def test_default_config_rules():
   assert not dflt(64, causal=False, kv_len=16384).persistent
   # d256 non-causal: persistent with prefetch_q up to 1024 keys; from 1025
   # the plain grid in two-CTA clusters with K/V multicast and the lean
-  # epilogue (level in 20 ms samples, +4-6% under sustained load, s29).
+  # epilogue (level in 20 ms samples, +4-6% under sustained load).
   assert dflt(256, causal=False, kv_len=1024).prefetches_q
   for kv_len in (1025, 2048, 4096, 16384):
     d256nc = dflt(256, causal=False, kv_len=kv_len)
@@ -1337,7 +1337,7 @@ def test_default_config_rules():
     assert not d256nc.persistent
   assert not dflt(256, causal=True, kv_len=4096).prefetches_q
   # d64 causal persistent calls: the next Q prefetched into two buffers up
-  # to 1024 keys (+4.0% in rounds, +1.7% sustained on an H100, s37), not
+  # to 1024 keys (+4.0% in rounds, +1.7% sustained on an H100), not
   # beyond (prefetch_q alone -3%; both +1.4% / -0.5% at 2048 keys).
   d64c = dflt(64, causal=True, kv_len=1024)
   assert d64c.persistent and d64c.prefetches_q and d64c.q_double_buffer
@@ -1346,7 +1346,7 @@ def test_default_config_rules():
     assert d64c.persistent and not d64c.prefetch_q
     assert not d64c.q_double_buffer
   # d128 causal: persistent with query-block pairs up to 1024 keys (+3.5-4%
-  # over the plain grid in two s27 replicates); the plain grid above.
+  # over the plain grid in two replicates); the plain grid above.
   d128c = dflt(128, causal=True, kv_len=1024)
   assert d128c.persistent and d128c.persistent_pairs
   assert not dflt(128, causal=True, kv_len=1025).persistent
@@ -1360,7 +1360,7 @@ def test_default_config_rules():
   assert not dflt(256, causal=True, kv_len=4096).kv_multicast
   assert not dflt(128).persistent  # no call to judge: the plain grid
   # d64 causal: persistent up to 4096 keys by persistent_max_kv (+7.5% at
-  # 2048, +2% at 4096), and since s40 beyond by a kv rule (below).
+  # 2048, +2% at 4096), and beyond by a kv rule (below).
   assert dflt(64, causal=True, kv_len=4096).persistent
   assert dflt(64, causal=True, kv_len=4097).persistent
   assert not dflt(64, causal=True).persistent  # length unknown
@@ -1389,9 +1389,8 @@ def test_default_config_rules():
     assert (d64.bwd_block_q == 128) == big, (causal, kv)
     assert d64.bwd_stats_in_acc == big and d64.bwd_atomic_dq
   assert dflt(64).bwd_block_q == 64 and dflt(128, kv_len=8192).bwd_block_q == 64
-  # kv_rules: three consumers in the d64 forward from 1024 keys (since
-  # s40; before, non-causal from 4096 and causal from 16384); two at the
-  # other head_dims and on other devices.
+  # kv_rules: three consumers in the d64 forward from 1024 keys; two at
+  # the other head_dims and on other devices.
   for causal, kv, three in [(False, 1023, False), (False, 1024, True),
                             (False, 4096, True), (False, 65536, True),
                             (True, 1000, False), (True, 8192, True),
@@ -1423,7 +1422,7 @@ def test_default_config_rules():
   assert dflt(128, causal=False, kv_len=2048).prefetches_q
   # FlashAttention-4's conditional rescale with the deferred row sum at
   # head_dim 128 on causal calls of up to 8192 keys and non-causal ones of
-  # 1025-2048 keys (s35: +1.3-2.6% causal 1024-4096 in rounds, +1.6%
+  # 1025-2048 keys (+1.3-2.6% causal 1024-4096 in rounds, +1.6%
   # non-causal 2048 sustained; -2% non-causal at 1024, -1-3% from 8192).
   for causal, kv, rtd in [(True, 1024, True), (True, 8192, True),
                           (True, 8193, False), (True, 16384, False),
@@ -1470,20 +1469,19 @@ def test_default_config_rules():
   assert other(256).bwd_paired_dkv and other(256).bwd_paired_dq
   assert not other(64).bwd_atomic_dq
   # The H100 SXM runs the H200's entry (aliases: 1.05-1.30x of the default
-  # entry's forward on an H100, s35); other Hopper parts keep the default.
+  # entry's forward on an H100); other Hopper parts keep the default.
   h100 = functools.partial(mosaic_gpu.default_config, "NVIDIA H100 80GB HBM3")
   for d, causal, kv in [(64, True, 1000), (128, False, 2048),
                         (128, True, 4096), (256, False, 8192), (128, True,
                                                                 None)]:
     assert h100(d, causal=causal, kv_len=kv) == dflt(d, causal=causal,
                                                      kv_len=kv)
-  # Three head_dim 64 consumers from 1024 keys (+5-10% on an H100 in s39,
-  # where they were its kind_kv_rules; +4-11% on the H200 in s40, where
-  # in s16, before unpadded_q, they had lost below 4096 keys non-causal
-  # and 16384 causal), and the persistent grid on every causal call (from
-  # 4097 keys after persistent_max_kv's 4096: +5% on an H100 at 8192,
-  # +11% / +6% on the H200 at 8192 / 16384); the rest of each call's
-  # form is the two-consumer one's.
+  # Three head_dim 64 consumers from 1024 keys (+5-10% on an H100, +4-11%
+  # on the H200, where without unpadded_q they lose below 4096 keys
+  # non-causal and 16384 causal), and the persistent grid on every causal
+  # call (from 4097 keys after persistent_max_kv's 4096: +5% on an H100 at
+  # 8192, +11% / +6% on the H200 at 8192 / 16384); the rest of each
+  # call's form is the two-consumer one's.
   for causal in (False, True):
     for kv in (1024, 2048, 4096, 8192, 16384):
       assert dflt(64, causal=causal, kv_len=kv).compute_wgs == 3
