@@ -14,10 +14,12 @@ import contextlib
 import dataclasses
 import functools
 import zlib
+from typing import Any
 
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import kernel_coverage
 import numerics
 import numpy as np
 import pytest
@@ -32,6 +34,46 @@ from jaxflash.mosaic_gpu.config import head_dim_problem, needed_smem_bytes
 mosaic_attention = functools.partial(backends.attention, "mosaic_gpu")
 
 RACES = plgpu.InterpretGPUParams(detect_races=True)
+
+# The interpreter runs (Run, below) run on every commit: a greedy set
+# cover of the kernel lines that all runs reach while they are traced
+# (tests/kernel_coverage.py; the others are ``slow``).
+PER_COMMIT = (
+    'kv_multicast+item_overlap-d64-full',
+    'item_overlap+q_double_buffer-d128-full-6tiles',
+    'item_overlap+q_double_buffer-d192-q113-k17',
+    'persistent_pairs+intra_wg_overlap+prefetch_q-d256-causal-q300-k100',
+    'packed-lengths-paired-dq',
+    'bwd_paired_dq-d96-gqa-q200-k300',
+    'softmax-overlap-d256-paired-dkv',
+    'bwd_paired_dkv-d64-full',
+    'bwd_paired_dkv-d96-gqa-q200-k300',
+    'kv_multicast-d192-q113-k17',
+    'three_wgs+item_overlap_plain+q_double_buffer-d64-gqa-q330-k300',
+    'item_overlap_plain_one_wg-d128-full-6tiles',
+    'd256-causal-q300-k100',
+    'item_overlap_plain-d192-q113-k17',
+    'bwd_paired_dq-d256-split-dkv-gqa',
+    'packed-causal-2wg-overlap',
+    'kv_multicast-d128-mqa-2wg',
+    'persistent_pairs+intra_wg_overlap+lean_epilogue-d96-gqa-q200-k300',
+    'persistent_pairs+prefetch_q+q_double_buffer-d64-persistent-2wg-causal',
+    'bwd_dkv_block_q_80+early_dv-d128-full-6tiles',
+    'intra_wg_overlap+prefetch_q+early_q_release-d256-causal-q300-k100',
+    'bwd_early_dv-d64-causal-2wg',
+    'prefetch_q-d192-q113-k17',
+    'rescale_threshold-d64-persistent-2wg-causal',
+    'paired-dkv-d64',
+    'prefetch_q-d96-gqa-q200-k300',
+    'rescale_threshold-d96-gqa-q200-k300',
+    'rescale_threshold+intra_wg_overlap-d256-causal-q300-k100',
+    'paired-dkv-d256',
+    'lean_epilogue-d64-full',
+    'lean_epilogue-d192-q113-k17',
+    'lean_epilogue-d256-causal-q300-k100',
+    'persistent_pairs-d256-causal-q300-k100',
+    'bwd_dkv_block_q_80-d64-causal-2wg',
+)
 
 
 @pytest.fixture(autouse=True)
@@ -139,9 +181,164 @@ def _forward_spy(name: str):
     yield seen
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_interpret_with_race_detection(case):
-  _run(case, RACES, case[-1])
+# -- interpreter runs ----------------------------------------------------------
+#
+# Every run of the kernels in the interpreter with race detection is a Run:
+# the CASES, each kernel option of INTERPRET_VARIANTS over the cases that
+# exercise it, the segment-id forms (SEG_CASES) and the soft-cap forms
+# (_SOFT_CAP_FORMS).  A forward option (a MosaicConfig field not starting
+# with ``bwd_``) leaves the backward kernels as they are, so its runs run
+# the forward kernel only; a backward option's runs run the backward
+# kernels only, from the reference's residuals.  No two runs build the
+# same kernels.  PER_COMMIT (below) run on every commit, the others are
+# ``slow``: test_per_commit_runs_reach_every_kernel_line checks both.
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One interpreter run: its inputs, mask, config and the part of the
+  Hopper kernels it runs: ``fwd`` (the forward kernel; out and LSE by the
+  numerics rule), ``bwd`` (the dQ and dK/dV kernels from the float32
+  reference's out, cast to the input dtype, and LSE; dq, dk, dv by the
+  rule) or ``fwd+bwd`` (both, through the op's VJP; all five)."""
+  name: str
+  part: str
+  shape: tuple  # (batch, q_len, kv_len, heads, kv_heads, head_dim)
+  dtype: Any
+  config: mosaic_gpu.MosaicConfig
+  seed: int
+  causal: bool = False
+  window: tuple | None = None
+  segments: dict | None = None  # SEG_CASES' documents and lengths
+  soft_cap: float | None = None
+  softmax_scale: float | None = None  # None: head_dim ** -0.5
+
+  @property
+  def scale(self) -> float:
+    return self.softmax_scale or self.shape[5] ** -0.5
+
+  @property
+  def spec(self) -> masks.MaskSpec:
+    _, t, s, *_ = self.shape
+    return masks.MaskSpec(t, s, self.causal, None,
+                          *(self.window or (None, None)))
+
+
+def _case_run(case, part=None, config=None, name=None) -> Run:
+  """A CASES (or VARIANT_CASES) entry as a Run, with its own config or
+  ``config``: both parts where the Hopper backward serves it (else the
+  Triton backward would run: the forward only), or ``part``."""
+  cname, t, s, h, kh, d, dtype, causal, window, cfg = case
+  run = Run(name or cname, part or "fwd+bwd", (2, t, s, h, kh, d), dtype,
+            config or cfg, zlib.crc32(cname.encode()), causal, window)
+  if part is None and not _serves_backward(run):
+    run = dataclasses.replace(run, part="fwd")
+  return run
+
+
+def _serves_backward(run: Run) -> bool:
+  b, t, _, h, _, d = run.shape
+  return mosaic_gpu.serves_backward(
+      jax.ShapeDtypeStruct((b, t, h, d), run.dtype), mask=run.spec,
+      config=run.config, interpret=RACES)
+
+
+def _mask_arrays(run: Run):
+  """The run's segment ids and lengths: the kernels' MaskArrays and the
+  reference's keywords."""
+  from test_mask_features import packed_segments
+  seg = run.segments or {}
+  arrays, ref_kw = {}, {}
+  if "docs" in seg:
+    ids = packed_segments(jax.random.key(3), run.shape[0], run.shape[1],
+                          seg["docs"], pad_tail=seg["pad"])
+    arrays.update(q_segment_ids=ids, kv_segment_ids=ids)
+    ref_kw["segment_ids"] = (ids, ids)
+  for side in ("q", "kv"):
+    if f"{side}_len" in seg:
+      arrays[f"{side}_seq_lengths"] = ref_kw[f"{side}_seq_lengths"] = (
+          jnp.array(seg[f"{side}_len"]))
+  return masks.MaskArrays(**arrays), ref_kw
+
+
+def _kernel_kwargs(run: Run) -> dict:
+  return dict(mask=run.spec, softmax_scale=run.scale,
+              logits_soft_cap=run.soft_cap, config=run.config,
+              interpret=RACES)
+
+
+def _forward_kernel(run: Run, arrays):
+  """``(q, k, v) -> (out, lse)``: the forward kernel alone."""
+  return lambda q, k, v: mosaic_gpu.forward(q, k, v, arrays,
+                                            **_kernel_kwargs(run))
+
+
+def _backward_kernels(run: Run, arrays):
+  """``(q, k, v, out, lse, do, dlse) -> (dq, dk, dv)``: the backward
+  kernels alone."""
+  return lambda q, k, v, out, lse, do, dlse: mosaic_gpu.backward(
+      q, k, v, arrays, out, lse, do, dlse, **_kernel_kwargs(run))
+
+
+def _run_interpreted(run: Run):
+  b, t, s, h, kh, d = run.shape
+  args = numerics.random_inputs(
+      jax.random.key(run.seed), batch=b, q_len=t, kv_len=s, heads=h,
+      kv_heads=kh, head_dim=d, dtype=run.dtype)
+  arrays, ref_kw = _mask_arrays(run)
+  ref_kw.update(causal=run.causal, window=run.window or (None, None),
+                softmax_scale=run.scale, logits_soft_cap=run.soft_cap)
+  if run.part == "fwd+bwd":
+    def fn(q, k, v):
+      return mosaic_attention(q, k, v, arrays=arrays, **_kernel_kwargs(run))
+    numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
+                        **ref_kw)
+    return
+  q, k, v, do, dlse = args
+  if run.part == "fwd":
+    got = jax.jit(_forward_kernel(run, arrays))(q, k, v)
+    _check_parts(dict(zip(("out", "lse"), got)), args, ref_kw)
+  else:
+    out, lse = _reference32(args, ref_kw)[:2]
+    got = jax.jit(_backward_kernels(run, arrays))(
+        q, k, v, out.astype(q.dtype), lse, do, dlse)
+    _check_parts(dict(zip(("dq", "dk", "dv"), got)), args, ref_kw)
+
+
+def _reference32(args, ref_kw):
+  """``ref32``'s (out, lse, dq, dk, dv) (the reference on float32 inputs)."""
+  q, k, v, do, dlse = args
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  return numerics.reference_outputs_and_grads(f32(q), f32(k), f32(v),
+                                              f32(do), dlse, **ref_kw)
+
+
+def _check_parts(got: dict, args, ref_kw):
+  """The numerics rule for the results in ``got`` (some of ``out``,
+  ``lse``, ``dq``, ``dk``, ``dv``); the others are taken from ``ref32``
+  itself, which passes."""
+  ref32 = _reference32(args, ref_kw)
+  numerics.check_rule(tuple(got.get(name, r) for name, r in zip(
+      numerics.NAMES, ref32)), *args, **ref_kw)
+
+
+def _params(runs):
+  return [pytest.param(run, id=run.name, marks=(
+      () if run.name in PER_COMMIT else [pytest.mark.slow])) for run in runs]
+
+
+# Base cases whose backward kernels another case builds (the same shapes
+# and backward fields): the forward only.
+_BASE_PARTS = {"d64-persistent-2wg-causal": "fwd"}  # (d64-causal-2wg's)
+
+
+def _base_runs():
+  return [_case_run(case, part=_BASE_PARTS.get(case[0])) for case in CASES]
+
+
+@pytest.mark.parametrize("run", _params(_base_runs()))
+def test_interpret_with_race_detection(run):
+  _run_interpreted(run)
 
 
 # Cases that only INTERPRET_VARIANTS name (the gpu tests' cross product
@@ -274,17 +471,19 @@ INTERPRET_VARIANTS.update({
     # intra_wg_overlap, the head_dim 64 form): two consumers with the
     # ping-pong, one consumer, three without it; several key tiles and
     # four items per program (d64), one key tile per item (k17), six; one
-    # Q buffer and two.  A causal call runs as without it.
+    # Q buffer and two.  (A causal call runs as without it: the kernels of
+    # prefetch_q-d64-causal-2wg.)
     "item_overlap_plain": (
         dict(_PQ, item_overlap=True, compute_wgs=2, schedule_barrier=True),
-        ["d64-full", "d192-q113-k17", "d128-full-6tiles", "d64-causal-2wg"]),
+        ["d64-full", "d192-q113-k17", "d128-full-6tiles"]),
     "item_overlap_plain+q_double_buffer": (  # (head_dim 64's default
         # at 1025-2048 non-causal keys: GQA, a zero-filled last key tile)
         dict(_PQ, item_overlap=True, q_double_buffer=True, compute_wgs=2,
              schedule_barrier=True),
         ["d64-full", "d192-q113-k17", "d64-gqa-k300"]),
-    "item_overlap_plain_one_wg": (dict(_PQ, item_overlap=True),
-                                  ["d64-full", "d128-full-6tiles"]),
+    "item_overlap_plain_one_wg": (
+        dict(_PQ, item_overlap=True, compute_wgs=1, schedule_barrier=False),
+        ["d64-full", "d128-full-6tiles"]),
     "kv_multicast+item_overlap_plain": (
         dict(_PQ, item_overlap=True, kv_multicast=True, compute_wgs=2,
              schedule_barrier=True),
@@ -320,10 +519,11 @@ INTERPRET_VARIANTS.update({
     # last key tile cut by the key length (17 keys), MQA; on the
     # persistent grid (two clusters, each looping over pairs of query
     # groups), with the next Q prefetched.  Causal, windowed and odd
-    # group counts run without clusters (d64-causal-2wg: the fallback).
+    # group counts run without clusters (on d64-causal-2wg the kernels of
+    # that case itself; test_multicast_clusters_only_where_*).
     "kv_multicast": (
         dict(kv_multicast=True),
-        ["d64-full", "d128-mqa-2wg", "d192-q113-k17", "d64-causal-2wg"]),
+        ["d64-full", "d128-mqa-2wg", "d192-q113-k17"]),
     "kv_multicast+persistent": (
         dict(kv_multicast=True, persistent=True, prefetch_q=True),
         ["d64-full", "d128-mqa-2wg"]),
@@ -394,40 +594,27 @@ INTERPRET_VARIANTS.update({
 })
 
 
-# Options that are not a tuned default anywhere (experiments kept for
-# their records): on every commit (`make test`) the first two cases of
-# each, the rest with the `slow` marker (`make test-all`).  The defaults'
-# options (bwd_paired_dkv, bwd_paired_dq, prefetch_q, lean_epilogue,
-# bwd_softmax_overlap, bwd_early_dv, three_wgs, intra_wg_overlap,
-# early_q_release, persistent_pairs, kv_multicast, and
-# prefetch_q with q_double_buffer: head_dim 64's default at up to 1024
-# keys) run every case.
-EXPERIMENTS = {"three_wgs+intra_wg_overlap",
-               "block_kv_80", "block_kv_176", "bwd_dkv_block_q_80",
-               "block_kv_176+intra_wg_overlap",
-               "rescale_threshold", "rescale_threshold+intra_wg_overlap",
-               "intra_wg_overlap+prefetch_q+early_q_release+q_double_buffer",
-               "kv_multicast+persistent+q_double_buffer",
-               "persistent_pairs+prefetch_q+q_double_buffer",
-               "item_overlap", "item_overlap+q_double_buffer",
-               "kv_multicast+item_overlap"}
+def _variant_part(fields) -> str:
+  bwd = [name.startswith("bwd_") for name in fields]
+  return "bwd" if all(bwd) else "fwd+bwd" if any(bwd) else "fwd"
 
 
-def _variant_params():
-  for variant, (_, names) in INTERPRET_VARIANTS.items():
-    for i, name in enumerate(names):
-      slow = variant in EXPERIMENTS and i >= 2
-      yield pytest.param(variant, name, id=f"{variant}-{name}",
-                         marks=[pytest.mark.slow] if slow else [])
+def _variant_runs():
+  cases = {case[0]: case for case in CASES + VARIANT_CASES}
+  return [_case_run(cases[name], part=_variant_part(fields),
+                    config=dataclasses.replace(cases[name][-1], **fields),
+                    name=f"{variant}-{name}")
+          for variant, (fields, names) in INTERPRET_VARIANTS.items()
+          for name in names]
 
 
-@pytest.mark.parametrize("variant,name", list(_variant_params()))
-def test_interpret_variant(variant, name):
+@pytest.mark.parametrize("run", _params(_variant_runs()))
+def test_interpret_variant(run):
   """One kernel option on one case, in the interpreter with race
-  detection (INTERPRET_VARIANTS says which cases and why)."""
-  case = next(c for c in CASES + VARIANT_CASES if c[0] == name)
-  config = dataclasses.replace(case[-1], **INTERPRET_VARIANTS[variant][0])
-  _run(case, RACES, config)
+  detection (INTERPRET_VARIANTS says which cases and why): the forward
+  kernel for a forward option, the backward kernels for a backward
+  option."""
+  _run_interpreted(run)
 
 
 @pytest.mark.parametrize("variant,name", [
@@ -462,7 +649,10 @@ def _max_jump_inputs(t, h, d, jump_key, jump_query):
   return q, k, v, do, dlse
 
 
-def _check_max_jump(config, args, causal, interpret):
+def _check_max_jump(config, args, causal, interpret, grads=True):
+  """The numerics rule on the max-jump inputs: out and LSE, and the
+  gradients unless ``grads`` is False (the forward's options leave the
+  backward kernels as they are); returns out."""
   q = args[0]
   t, d = q.shape[1], q.shape[3]
   spec = masks.MaskSpec(t, t, causal, None, None, None)
@@ -471,6 +661,10 @@ def _check_max_jump(config, args, causal, interpret):
     return mosaic_attention(q, k, v, mask=spec, softmax_scale=d ** -0.5,
                                 config=config, interpret=interpret)
 
+  if not grads:
+    out, lse = jax.jit(fn)(*args[:3])
+    _check_parts(dict(out=out, lse=lse), args, dict(causal=causal))
+    return out
   got = numerics.outputs_and_grads(fn, *args)
   numerics.check_rule(got, *args, causal=causal)
   return got[0]
@@ -482,16 +676,17 @@ def test_rescale_threshold_where_the_row_max_jumps(overlap):
   row's max creeps up by less than 2^8 from tile to tile: the reference
   stays and P runs above 1) and one key per head whose score jumps far
   past it in the fourth tile (the reference moves and O is rescaled):
-  outputs, LSE and gradients by the numerics rule, causal and not."""
+  outputs and LSE by the numerics rule (the forward kernel alone: the
+  option leaves the backward kernels as they are), causal and not."""
   args = _max_jump_inputs(320, 2, 64, jump_key=200, jump_query=250)
   config = dataclasses.replace(TWO_WG, rescale_threshold=8,
                                intra_wg_overlap=overlap)
   for causal in (False, True):
-    out = _check_max_jump(config, args, causal, RACES)
+    out = _check_max_jump(config, args, causal, RACES, grads=False)
   # The threshold is in force: P against a stale reference rounds
   # differently from the exact update's (not a silent no-op).
   exact = _check_max_jump(dataclasses.replace(config, rescale_threshold=0),
-                          args, True, RACES)
+                          args, True, RACES, grads=False)
   assert not np.array_equal(np.asarray(out), np.asarray(exact))
 
 
@@ -1693,22 +1888,22 @@ _SOFT_CAP_FORMS = {
 }
 
 
-@pytest.mark.parametrize("form", list(_SOFT_CAP_FORMS))
-def test_soft_cap_interpret(form):
-  head_dim, cfg = _SOFT_CAP_FORMS[form]
-  args = numerics.random_inputs(jax.random.key(6), batch=1, q_len=100,
-                                kv_len=130, heads=2, kv_heads=1,
-                                head_dim=head_dim, dtype=jnp.bfloat16)
-  spec = masks.MaskSpec(100, 130, True)
+# Soft-cap forms whose forward kernel another form builds (the paired
+# forms' forward is ONE_WG's): the backward only.
+_SOFT_CAP_PARTS = {"paired-dq-d64": "bwd", "paired-dq-d256": "bwd",
+                   "softmax-overlap-d256-paired-dkv": "bwd"}
 
-  def fn(q, k, v):
-    return mosaic_attention(q, k, v, mask=spec,
-                                softmax_scale=head_dim ** -0.5,
-                                logits_soft_cap=2.0, config=cfg,
-                                interpret=RACES)
 
-  numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
-                      causal=True, logits_soft_cap=2.0)
+def _soft_cap_runs():
+  return [Run(form, _SOFT_CAP_PARTS.get(form, "fwd+bwd"),
+              (1, 100, 130, 2, 1, head_dim), jnp.bfloat16, cfg, seed=6,
+              causal=True, soft_cap=2.0)
+          for form, (head_dim, cfg) in _SOFT_CAP_FORMS.items()]
+
+
+@pytest.mark.parametrize("run", _params(_soft_cap_runs()))
+def test_soft_cap_interpret(run):
+  _run_interpreted(run)
 
 
 @pytest.mark.gpu
@@ -1826,39 +2021,28 @@ SEG_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", SEG_CASES, ids=[c[0] for c in SEG_CASES])
-def test_segments_and_lengths_interpret(case):
+# SEG_CASES entries whose forward or backward kernels another entry
+# builds (packed-causal-2wg's: the same shapes, a forward or a backward
+# option over TWO_WG): the other part only.
+_SEG_PARTS = {"packed-causal-persistent": "fwd",
+              "packed-causal-2wg-overlap": "fwd", "packed-causal-3wg": "fwd",
+              "packed-causal-2wg-softmax-overlap": "bwd",
+              "packed-lengths-paired-dq": "bwd"}
+
+
+def _segment_runs():
+  return [Run(name, _SEG_PARTS.get(name, "fwd+bwd"), (2, t, s, 4, 2, 64),
+              jnp.bfloat16, cfg, seed=t + s, causal=causal, window=window,
+              segments=spec_kw, softmax_scale=0.125)
+          for name, t, s, causal, window, spec_kw, cfg in SEG_CASES]
+
+
+@pytest.mark.parametrize("run", _params(_segment_runs()))
+def test_segments_and_lengths_interpret(run):
   """Segment ids (packed documents, padding) and sequence lengths, which
   the kernel folds into segment ids; the group's key-tile range narrows to
   the tiles whose ids can match."""
-  from test_mask_features import packed_segments
-  _, t, s, causal, window, spec_kw, cfg = case
-  args = numerics.random_inputs(jax.random.key(t + s), batch=2, q_len=t,
-                                kv_len=s, heads=4, kv_heads=2, head_dim=64,
-                                dtype=jnp.bfloat16)
-  arrays, ref_kw = {}, {}
-  if "docs" in spec_kw:
-    seg = packed_segments(jax.random.key(3), 2, t, spec_kw["docs"],
-                          pad_tail=spec_kw["pad"])
-    arrays.update(q_segment_ids=seg, kv_segment_ids=seg)
-    ref_kw["segment_ids"] = (seg, seg)
-  if "q_len" in spec_kw:
-    arrays["q_seq_lengths"] = ref_kw["q_seq_lengths"] = jnp.array(
-        spec_kw["q_len"])
-  if "kv_len" in spec_kw:
-    arrays["kv_seq_lengths"] = ref_kw["kv_seq_lengths"] = jnp.array(
-        spec_kw["kv_len"])
-  spec = masks.MaskSpec(t, s, causal, None, *(window or (None, None)))
-
-  def fn(q, k, v):
-    return mosaic_attention(q, k, v, mask=spec,
-                                arrays=masks.MaskArrays(**arrays),
-                                softmax_scale=0.125, config=cfg,
-                                interpret=RACES)
-
-  got = numerics.outputs_and_grads(fn, *args)
-  numerics.check_rule(got, *args, causal=causal, softmax_scale=0.125,
-                      window=window or (None, None), **ref_kw)
+  _run_interpreted(run)
 
 
 # What the GPU form of a SEG_CASES entry changes in the tuned default
@@ -1933,12 +2117,6 @@ def _grads_twice(shape, config, interpret, causal=True, segments=False,
   second = jax.jit(lambda *a: numerics.outputs_and_grads(fn, *a))(*args)
   for name, a, b in zip(numerics.NAMES, first, second):
     assert jnp.array_equal(a, b, equal_nan=True), f"{name} differs"
-
-
-def test_backward_is_deterministic_interpret():
-  """No atomics: dq, dk, dv are bitwise reproducible (GQA group sum on
-  chip, dQ in its own kernel)."""
-  _grads_twice((128, 4, 2, 64), TWO_WG, True, segments=True)
 
 
 @pytest.mark.gpu
@@ -2026,3 +2204,71 @@ def test_interpreter_refused_inside_multi_device_shard_map():
     sharded(2)
   np.testing.assert_array_equal(sharded(1), attend(q, q, q))
 
+
+
+# -- the interpreter runs' selection -------------------------------------------
+
+def interpreter_runs() -> list[Run]:
+  """Every interpreter run of this file's kernel tests."""
+  return (_base_runs() + _variant_runs() + _segment_runs()
+          + _soft_cap_runs())
+
+
+def run_cost(run: Run) -> float:
+  """A run's relative cost in the interpreter (mostly XLA compiling the
+  interpreted kernels): one forward kernel, two backward ones."""
+  return {"fwd": 1.0, "bwd": 2.0, "fwd+bwd": 3.0}[run.part]
+
+
+def coverage(run: Run, lines) -> frozenset:
+  """What a run covers: each line of jaxflash/mosaic_gpu it reaches while
+  traced, at its padded head_dim (64, 128 or 256: the shapes of the
+  tiles, wgmma operands, output chunks and swizzles each line builds).
+  Lines alone are reached by a handful of runs; with the head_dim, about
+  thirty."""
+  return frozenset((*line, -(-run.shape[5] // 64) * 64) for line in lines)
+
+
+def traced_parts(runs=None):
+  """``{run name: {part: (kernels' function, abstract arguments)}}`` for
+  kernel_coverage.trace_runs."""
+  out = {}
+  for run in runs or interpreter_runs():
+    b, t, s, h, kh, d = run.shape
+    q = jax.ShapeDtypeStruct((b, t, h, d), run.dtype)
+    kv = jax.ShapeDtypeStruct((b, s, kh, d), run.dtype)
+    lse = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
+    arrays, _ = _mask_arrays(run)
+    parts = {}
+    if "fwd" in run.part:
+      parts["fwd"] = (_forward_kernel(run, arrays), (q, kv, kv))
+    if "bwd" in run.part:
+      parts["bwd"] = (_backward_kernels(run, arrays),
+                      (q, kv, kv, q, lse, q, lse))
+    out[run.name] = parts
+  return out
+
+
+def test_per_commit_runs_reach_every_kernel_line():
+  """Traces every interpreter run (no execution; tens of seconds): no two
+  runs build the same forward or the same backward kernels, each run's
+  backward part is the Hopper backward's, and the PER_COMMIT runs cover
+  (:func:`coverage`) all that the runs cover."""
+  runs = interpreter_runs()
+  names = [run.name for run in runs]
+  assert len(set(names)) == len(names), "run names given twice"
+  assert all(_serves_backward(run) for run in runs if "bwd" in run.part)
+  traced = kernel_coverage.trace_runs(traced_parts(runs))
+  dups = kernel_coverage.duplicates(traced)
+  assert not dups, "runs that build the kernels of another run:\n" + (
+      "\n".join(f"{part}: {name} = {earlier}" for part, name, earlier
+                in dups))
+  stale = sorted(set(PER_COMMIT) - set(names))
+  missing = sorted(kernel_coverage.uncovered(
+      {run.name: coverage(run, traced[run.name][0]) for run in runs},
+      PER_COMMIT))
+  assert not stale and not missing, (
+      f"PER_COMMIT names no run {stale} or misses (file, line, head_dim)"
+      f" {missing[:20]} ({len(missing)} in all) that other runs reach:"
+      f" print the new selection with `{kernel_coverage.REGENERATE}` and"
+      " paste it over PER_COMMIT in tests/test_mosaic_gpu.py")
