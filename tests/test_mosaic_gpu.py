@@ -1,18 +1,24 @@
-"""The Hopper (Mosaic GPU) forward kernel.
+"""The Hopper (Mosaic GPU) forward and backward kernels.
 
-On CPU it runs in the Mosaic GPU interpreter with race detection
+On CPU they run in the Mosaic GPU interpreter with race detection
 (``InterpretGPUParams(detect_races=True)``): TMA, barriers, wgmma, one, two
 (with the ping-pong schedule barrier) or three consumer warpgroups.  The ``gpu``
-variants compile it for the H200, including the register-operand ``P V``
+variants compile them for the H200, including the register-operand ``P V``
 form the interpreter cannot run.  Gradients go through the Hopper dK/dV and
 dQ kernels (padded head_dim <= 128, or with ``bwd_paired_dkv``), else the
 Triton backward kernels.  A race the detector reports fails the test
 (the detector only prints; ``_no_races`` reads the output).
+
+Each interpreter run (:class:`Run`) runs the forward kernel, the backward
+kernels or both; no two build the same kernels, and the PER_COMMIT runs
+reach every kernel line that any run reaches (tests/kernel_coverage.py,
+test_per_commit_runs_reach_every_kernel_line); the others are ``slow``.
 """
 
 import contextlib
 import dataclasses
 import functools
+import importlib
 import zlib
 from typing import Any
 
@@ -28,6 +34,11 @@ from jax.sharding import AxisType
 import jaxflash
 from jaxflash import backends, masks, mosaic_gpu
 from jaxflash.mosaic_gpu.config import head_dim_problem, needed_smem_bytes
+
+# The forward kernel's module (the package's ``forward`` is the backend's
+# function of that name, which ``from jaxflash.mosaic_gpu import forward``
+# would give).
+fwd_lib = importlib.import_module("jaxflash.mosaic_gpu.forward")
 
 # The Mosaic GPU op (kernels, VJP, vmap, partitioning) without the dispatch's
 # device check: the interpreter and CPU lowerings run it here.
@@ -169,15 +180,14 @@ def _forward_spy(name: str):
   work items, ``item_overlap``).  jax's caches are cleared
   first: a call traced before (another test's, in this worker) would not
   be traced again."""
-  from jaxflash.mosaic_gpu import forward
   jax.clear_caches()
-  seen, real = [], getattr(forward, name)
+  seen, real = [], getattr(fwd_lib, name)
 
   def spy(*args, **kwargs):
     seen.append(real(*args, **kwargs))
     return seen[-1]
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(forward, name, spy)
+    mp.setattr(fwd_lib, name, spy)
     yield seen
 
 
@@ -595,6 +605,9 @@ INTERPRET_VARIANTS.update({
 
 
 def _variant_part(fields) -> str:
+  """The part of the kernels an option changes: ``bwd_*`` fields the
+  backward kernels only, the others the forward kernel only (p_in_smem,
+  which both read, is no option here: the base configs set it)."""
   bwd = [name.startswith("bwd_") for name in fields]
   return "bwd" if all(bwd) else "fwd+bwd" if any(bwd) else "fwd"
 
@@ -1289,17 +1302,17 @@ def test_item_overlap_only_where_consumers_take_the_same_turns():
   the Q prefetch; the overlapped loop with the ping-pong and the next Q
   loadable before an item's last turn (early_q_release or
   q_double_buffer), the plain loop with any consumer count."""
-  from jaxflash.mosaic_gpu import forward as fwd
   on = mosaic_gpu.MosaicConfig(
       item_overlap=True, intra_wg_overlap=True, persistent=True,
       prefetch_q=True, early_q_release=True, compute_wgs=2)
 
   def chains(cfg=on, q_len=2048, q_pad=2048, segments=False, **mask):
     spec = masks.MaskSpec(q_len, 2048, **mask)
-    prob = fwd.Problem(mask=spec, softmax_scale=0.1, batch=1, num_heads=2,
-                       num_kv_heads=2, q_pad=q_pad, kv_pad=2048,
-                       head_dim_padded=128, has_segments=segments)
-    return fwd._chains_items(cfg, prob)
+    prob = fwd_lib.Problem(mask=spec, softmax_scale=0.1, batch=1,
+                           num_heads=2, num_kv_heads=2, q_pad=q_pad,
+                           kv_pad=2048, head_dim_padded=128,
+                           has_segments=segments)
+    return fwd_lib._chains_items(cfg, prob)
 
   assert chains()
   assert chains(dataclasses.replace(on, early_q_release=False,
@@ -1332,15 +1345,15 @@ def test_multicast_clusters_only_where_both_ctas_stream_the_same_tiles():
   group count, and with one consumer or the ping-pong (a cluster
   barrier takes one arrival per warpgroup, so a consumer's warps must
   be kept together by a wgmma or a schedule barrier)."""
-  from jaxflash.mosaic_gpu import forward as fwd
   on = mosaic_gpu.MosaicConfig(kv_multicast=True, compute_wgs=2)
 
   def size(cfg=on, n_groups=16, segments=False, **mask):
     spec = masks.MaskSpec(2048, 2048, **mask)
-    prob = fwd.Problem(mask=spec, softmax_scale=0.1, batch=1, num_heads=2,
-                       num_kv_heads=2, q_pad=2048, kv_pad=2048,
-                       head_dim_padded=128, has_segments=segments)
-    return fwd._cluster_size(cfg, prob, n_groups)
+    prob = fwd_lib.Problem(mask=spec, softmax_scale=0.1, batch=1,
+                           num_heads=2, num_kv_heads=2, q_pad=2048,
+                           kv_pad=2048, head_dim_padded=128,
+                           has_segments=segments)
+    return fwd_lib._cluster_size(cfg, prob, n_groups)
 
   assert size() == 2
   assert size(dataclasses.replace(on, compute_wgs=1,
