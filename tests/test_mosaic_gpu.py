@@ -1,23 +1,31 @@
-"""The Hopper (Mosaic GPU) forward kernel.
+"""The Hopper (Mosaic GPU) forward and backward kernels.
 
-On CPU it runs in the Mosaic GPU interpreter with race detection
+On CPU they run in the Mosaic GPU interpreter with race detection
 (``InterpretGPUParams(detect_races=True)``): TMA, barriers, wgmma, one, two
 (with the ping-pong schedule barrier) or three consumer warpgroups.  The ``gpu``
-variants compile it for the H200, including the register-operand ``P V``
+variants compile them for the H200, including the register-operand ``P V``
 form the interpreter cannot run.  Gradients go through the Hopper dK/dV and
 dQ kernels (padded head_dim <= 128, or with ``bwd_paired_dkv``), else the
 Triton backward kernels.  A race the detector reports fails the test
 (the detector only prints; ``_no_races`` reads the output).
+
+Each interpreter run (:class:`Run`) runs the forward kernel, the backward
+kernels or both; no two build the same kernels, and the PER_COMMIT runs
+reach every kernel line that any run reaches (tests/kernel_coverage.py,
+test_per_commit_runs_reach_every_kernel_line); the others are ``slow``.
 """
 
 import contextlib
 import dataclasses
 import functools
+import importlib
 import zlib
+from typing import Any
 
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import kernel_coverage
 import numerics
 import numpy as np
 import pytest
@@ -27,11 +35,56 @@ import jaxflash
 from jaxflash import backends, masks, mosaic_gpu
 from jaxflash.mosaic_gpu.config import head_dim_problem, needed_smem_bytes
 
+# The forward kernel's module (the package's ``forward`` is the backend's
+# function of that name, which ``from jaxflash.mosaic_gpu import forward``
+# would give).
+fwd_lib = importlib.import_module("jaxflash.mosaic_gpu.forward")
+
 # The Mosaic GPU op (kernels, VJP, vmap, partitioning) without the dispatch's
 # device check: the interpreter and CPU lowerings run it here.
 mosaic_attention = functools.partial(backends.attention, "mosaic_gpu")
 
 RACES = plgpu.InterpretGPUParams(detect_races=True)
+
+# The interpreter runs (Run, below) run on every commit: a greedy set
+# cover of the kernel lines that all runs reach while they are traced
+# (tests/kernel_coverage.py; the others are ``slow``).
+PER_COMMIT = (
+    'kv_multicast+item_overlap-d64-full',
+    'item_overlap+q_double_buffer-d128-full-6tiles',
+    'item_overlap+q_double_buffer-d192-q113-k17',
+    'persistent_pairs+intra_wg_overlap+prefetch_q-d256-causal-q300-k100',
+    'packed-lengths-paired-dq',
+    'bwd_paired_dq-d96-gqa-q200-k300',
+    'softmax-overlap-d256-paired-dkv',
+    'bwd_paired_dkv-d64-full',
+    'bwd_paired_dkv-d96-gqa-q200-k300',
+    'kv_multicast-d192-q113-k17',
+    'three_wgs+item_overlap_plain+q_double_buffer-d64-gqa-q330-k300',
+    'item_overlap_plain_one_wg-d128-full-6tiles',
+    'd256-causal-q300-k100',
+    'item_overlap_plain-d192-q113-k17',
+    'bwd_paired_dq-d256-split-dkv-gqa',
+    'packed-causal-2wg-overlap',
+    'kv_multicast-d128-mqa-2wg',
+    'persistent_pairs+intra_wg_overlap+lean_epilogue-d96-gqa-q200-k300',
+    'persistent_pairs+prefetch_q+q_double_buffer-d64-persistent-2wg-causal',
+    'bwd_dkv_block_q_80+early_dv-d128-full-6tiles',
+    'intra_wg_overlap+prefetch_q+early_q_release-d256-causal-q300-k100',
+    'bwd_early_dv-d64-causal-2wg',
+    'prefetch_q-d192-q113-k17',
+    'rescale_threshold-d64-persistent-2wg-causal',
+    'paired-dkv-d64',
+    'prefetch_q-d96-gqa-q200-k300',
+    'rescale_threshold-d96-gqa-q200-k300',
+    'rescale_threshold+intra_wg_overlap-d256-causal-q300-k100',
+    'paired-dkv-d256',
+    'lean_epilogue-d64-full',
+    'lean_epilogue-d192-q113-k17',
+    'lean_epilogue-d256-causal-q300-k100',
+    'persistent_pairs-d256-causal-q300-k100',
+    'bwd_dkv_block_q_80-d64-causal-2wg',
+)
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +128,7 @@ CASES = [
     # Several fully visible key tiles per consumer at head_dim 128: the
     # unmasked loop's later steps (a config that used Q from registers
     # went wrong from the second such tile on the H200, and no other case
-    # had one; docs/benchmarks/h200-2026-12-02-q-in-regs.md).
+    # had one; docs/benchmarks/h200-2026-12-02-2c0e534-q-in-regs.md).
     ("d128-full-6tiles", 128, 384, 2, 2, 128, jnp.bfloat16, False, None,
      TWO_WG),
     ("d64-stages4-short", 64, 128, 2, 2, 64, jnp.bfloat16, False, None,
@@ -127,28 +180,182 @@ def _forward_spy(name: str):
   work items, ``item_overlap``).  jax's caches are cleared
   first: a call traced before (another test's, in this worker) would not
   be traced again."""
-  from jaxflash.mosaic_gpu import forward
   jax.clear_caches()
-  seen, real = [], getattr(forward, name)
+  seen, real = [], getattr(fwd_lib, name)
 
   def spy(*args, **kwargs):
     seen.append(real(*args, **kwargs))
     return seen[-1]
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(forward, name, spy)
+    mp.setattr(fwd_lib, name, spy)
     yield seen
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_interpret_with_race_detection(case):
-  _run(case, RACES, case[-1])
+# -- interpreter runs ----------------------------------------------------------
+#
+# Every run of the kernels in the interpreter with race detection is a Run:
+# the CASES, each kernel option of INTERPRET_VARIANTS over the cases that
+# exercise it, the segment-id forms (SEG_CASES) and the soft-cap forms
+# (_SOFT_CAP_FORMS).  A forward option (a MosaicConfig field not starting
+# with ``bwd_``) leaves the backward kernels as they are, so its runs run
+# the forward kernel only; a backward option's runs run the backward
+# kernels only, from the reference's residuals.  No two runs build the
+# same kernels.  PER_COMMIT (below) run on every commit, the others are
+# ``slow``: test_per_commit_runs_reach_every_kernel_line checks both.
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One interpreter run: its inputs, mask, config and the part of the
+  Hopper kernels it runs: ``fwd`` (the forward kernel; out and LSE by the
+  numerics rule), ``bwd`` (the dQ and dK/dV kernels from the float32
+  reference's out, cast to the input dtype, and LSE; dq, dk, dv by the
+  rule) or ``fwd+bwd`` (both, through the op's VJP; all five)."""
+  name: str
+  part: str
+  shape: tuple  # (batch, q_len, kv_len, heads, kv_heads, head_dim)
+  dtype: Any
+  config: mosaic_gpu.MosaicConfig
+  seed: int
+  causal: bool = False
+  window: tuple | None = None
+  segments: dict | None = None  # SEG_CASES' documents and lengths
+  soft_cap: float | None = None
+  softmax_scale: float | None = None  # None: head_dim ** -0.5
+
+  @property
+  def scale(self) -> float:
+    return self.softmax_scale or self.shape[5] ** -0.5
+
+  @property
+  def spec(self) -> masks.MaskSpec:
+    _, t, s, *_ = self.shape
+    return masks.MaskSpec(t, s, self.causal, None,
+                          *(self.window or (None, None)))
+
+
+def _case_run(case, part=None, config=None, name=None) -> Run:
+  """A CASES (or VARIANT_CASES) entry as a Run, with its own config or
+  ``config``: both parts where the Hopper backward serves it (else the
+  Triton backward would run: the forward only), or ``part``."""
+  cname, t, s, h, kh, d, dtype, causal, window, cfg = case
+  run = Run(name or cname, part or "fwd+bwd", (2, t, s, h, kh, d), dtype,
+            config or cfg, zlib.crc32(cname.encode()), causal, window)
+  if part is None and not _serves_backward(run):
+    run = dataclasses.replace(run, part="fwd")
+  return run
+
+
+def _serves_backward(run: Run) -> bool:
+  b, t, _, h, _, d = run.shape
+  return mosaic_gpu.serves_backward(
+      jax.ShapeDtypeStruct((b, t, h, d), run.dtype), mask=run.spec,
+      config=run.config, interpret=RACES)
+
+
+def _mask_arrays(run: Run):
+  """The run's segment ids and lengths: the kernels' MaskArrays and the
+  reference's keywords."""
+  from test_mask_features import packed_segments
+  seg = run.segments or {}
+  arrays, ref_kw = {}, {}
+  if "docs" in seg:
+    ids = packed_segments(jax.random.key(3), run.shape[0], run.shape[1],
+                          seg["docs"], pad_tail=seg["pad"])
+    arrays.update(q_segment_ids=ids, kv_segment_ids=ids)
+    ref_kw["segment_ids"] = (ids, ids)
+  for side in ("q", "kv"):
+    if f"{side}_len" in seg:
+      arrays[f"{side}_seq_lengths"] = ref_kw[f"{side}_seq_lengths"] = (
+          jnp.array(seg[f"{side}_len"]))
+  return masks.MaskArrays(**arrays), ref_kw
+
+
+def _kernel_kwargs(run: Run) -> dict:
+  return dict(mask=run.spec, softmax_scale=run.scale,
+              logits_soft_cap=run.soft_cap, config=run.config,
+              interpret=RACES)
+
+
+def _forward_kernel(run: Run, arrays):
+  """``(q, k, v) -> (out, lse)``: the forward kernel alone."""
+  return lambda q, k, v: mosaic_gpu.forward(q, k, v, arrays,
+                                            **_kernel_kwargs(run))
+
+
+def _backward_kernels(run: Run, arrays):
+  """``(q, k, v, out, lse, do, dlse) -> (dq, dk, dv)``: the backward
+  kernels alone."""
+  return lambda q, k, v, out, lse, do, dlse: mosaic_gpu.backward(
+      q, k, v, arrays, out, lse, do, dlse, **_kernel_kwargs(run))
+
+
+def _run_interpreted(run: Run):
+  b, t, s, h, kh, d = run.shape
+  args = numerics.random_inputs(
+      jax.random.key(run.seed), batch=b, q_len=t, kv_len=s, heads=h,
+      kv_heads=kh, head_dim=d, dtype=run.dtype)
+  arrays, ref_kw = _mask_arrays(run)
+  ref_kw.update(causal=run.causal, window=run.window or (None, None),
+                softmax_scale=run.scale, logits_soft_cap=run.soft_cap)
+  if run.part == "fwd+bwd":
+    def fn(q, k, v):
+      return mosaic_attention(q, k, v, arrays=arrays, **_kernel_kwargs(run))
+    numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
+                        **ref_kw)
+    return
+  q, k, v, do, dlse = args
+  if run.part == "fwd":
+    got = jax.jit(_forward_kernel(run, arrays))(q, k, v)
+    _check_parts(dict(zip(("out", "lse"), got)), args, ref_kw)
+  else:
+    out, lse = _reference32(args, ref_kw)[:2]
+    got = jax.jit(_backward_kernels(run, arrays))(
+        q, k, v, out.astype(q.dtype), lse, do, dlse)
+    _check_parts(dict(zip(("dq", "dk", "dv"), got)), args, ref_kw)
+
+
+def _reference32(args, ref_kw):
+  """``ref32``'s (out, lse, dq, dk, dv) (the reference on float32 inputs)."""
+  q, k, v, do, dlse = args
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  return numerics.reference_outputs_and_grads(f32(q), f32(k), f32(v),
+                                              f32(do), dlse, **ref_kw)
+
+
+def _check_parts(got: dict, args, ref_kw):
+  """The numerics rule for the results in ``got`` (some of ``out``,
+  ``lse``, ``dq``, ``dk``, ``dv``); the others are taken from ``ref32``
+  itself, which passes."""
+  ref32 = _reference32(args, ref_kw)
+  numerics.check_rule(tuple(got.get(name, r) for name, r in zip(
+      numerics.NAMES, ref32)), *args, **ref_kw)
+
+
+def _params(runs):
+  return [pytest.param(run, id=run.name, marks=(
+      () if run.name in PER_COMMIT else [pytest.mark.slow])) for run in runs]
+
+
+# Base cases whose backward kernels another case builds (the same shapes
+# and backward fields): the forward only.
+_BASE_PARTS = {"d64-persistent-2wg-causal": "fwd"}  # (d64-causal-2wg's)
+
+
+def _base_runs():
+  return [_case_run(case, part=_BASE_PARTS.get(case[0])) for case in CASES]
+
+
+@pytest.mark.parametrize("run", _params(_base_runs()))
+def test_interpret_with_race_detection(run):
+  _run_interpreted(run)
 
 
 # Cases that only INTERPRET_VARIANTS name (the gpu tests' cross product
 # of CASES and configs leaves them out).  d64-gqa-k300: non-causal GQA
 # whose last key tile runs past the keys (TMA zero-fills it, the mask
 # drops it) with every query row real, so the loop run on across items
-# chains there (head_dim 64's default at 1025-2048 keys, s38).
+# chains there (head_dim 64's default at 1025-2048 keys).
 VARIANT_CASES = [
     ("d64-gqa-k300", 256, 300, 4, 2, 64, jnp.bfloat16, False, None, TWO_WG),
     # (330 queries: three consumers' 192-row groups chain only where no
@@ -274,17 +481,19 @@ INTERPRET_VARIANTS.update({
     # intra_wg_overlap, the head_dim 64 form): two consumers with the
     # ping-pong, one consumer, three without it; several key tiles and
     # four items per program (d64), one key tile per item (k17), six; one
-    # Q buffer and two.  A causal call runs as without it.
+    # Q buffer and two.  (A causal call runs as without it: the kernels of
+    # prefetch_q-d64-causal-2wg.)
     "item_overlap_plain": (
         dict(_PQ, item_overlap=True, compute_wgs=2, schedule_barrier=True),
-        ["d64-full", "d192-q113-k17", "d128-full-6tiles", "d64-causal-2wg"]),
+        ["d64-full", "d192-q113-k17", "d128-full-6tiles"]),
     "item_overlap_plain+q_double_buffer": (  # (head_dim 64's default
         # at 1025-2048 non-causal keys: GQA, a zero-filled last key tile)
         dict(_PQ, item_overlap=True, q_double_buffer=True, compute_wgs=2,
              schedule_barrier=True),
         ["d64-full", "d192-q113-k17", "d64-gqa-k300"]),
-    "item_overlap_plain_one_wg": (dict(_PQ, item_overlap=True),
-                                  ["d64-full", "d128-full-6tiles"]),
+    "item_overlap_plain_one_wg": (
+        dict(_PQ, item_overlap=True, compute_wgs=1, schedule_barrier=False),
+        ["d64-full", "d128-full-6tiles"]),
     "kv_multicast+item_overlap_plain": (
         dict(_PQ, item_overlap=True, kv_multicast=True, compute_wgs=2,
              schedule_barrier=True),
@@ -320,10 +529,11 @@ INTERPRET_VARIANTS.update({
     # last key tile cut by the key length (17 keys), MQA; on the
     # persistent grid (two clusters, each looping over pairs of query
     # groups), with the next Q prefetched.  Causal, windowed and odd
-    # group counts run without clusters (d64-causal-2wg: the fallback).
+    # group counts run without clusters (on d64-causal-2wg the kernels of
+    # that case itself; test_multicast_clusters_only_where_*).
     "kv_multicast": (
         dict(kv_multicast=True),
-        ["d64-full", "d128-mqa-2wg", "d192-q113-k17", "d64-causal-2wg"]),
+        ["d64-full", "d128-mqa-2wg", "d192-q113-k17"]),
     "kv_multicast+persistent": (
         dict(kv_multicast=True, persistent=True, prefetch_q=True),
         ["d64-full", "d128-mqa-2wg"]),
@@ -394,40 +604,30 @@ INTERPRET_VARIANTS.update({
 })
 
 
-# Options that are not a tuned default anywhere (experiments kept for
-# their records): on every commit (`make test`) the first two cases of
-# each, the rest with the `slow` marker (`make test-all`).  The defaults'
-# options (bwd_paired_dkv, bwd_paired_dq, prefetch_q, lean_epilogue,
-# bwd_softmax_overlap, bwd_early_dv, three_wgs, intra_wg_overlap,
-# early_q_release, persistent_pairs, kv_multicast, and since s37
-# prefetch_q with q_double_buffer: head_dim 64's default at up to 1024
-# keys) run every case.
-EXPERIMENTS = {"three_wgs+intra_wg_overlap",
-               "block_kv_80", "block_kv_176", "bwd_dkv_block_q_80",
-               "block_kv_176+intra_wg_overlap",
-               "rescale_threshold", "rescale_threshold+intra_wg_overlap",
-               "intra_wg_overlap+prefetch_q+early_q_release+q_double_buffer",
-               "kv_multicast+persistent+q_double_buffer",
-               "persistent_pairs+prefetch_q+q_double_buffer",
-               "item_overlap", "item_overlap+q_double_buffer",
-               "kv_multicast+item_overlap"}
+def _variant_part(fields) -> str:
+  """The part of the kernels an option changes: ``bwd_*`` fields the
+  backward kernels only, the others the forward kernel only (p_in_smem,
+  which both read, is no option here: the base configs set it)."""
+  bwd = [name.startswith("bwd_") for name in fields]
+  return "bwd" if all(bwd) else "fwd+bwd" if any(bwd) else "fwd"
 
 
-def _variant_params():
-  for variant, (_, names) in INTERPRET_VARIANTS.items():
-    for i, name in enumerate(names):
-      slow = variant in EXPERIMENTS and i >= 2
-      yield pytest.param(variant, name, id=f"{variant}-{name}",
-                         marks=[pytest.mark.slow] if slow else [])
+def _variant_runs():
+  cases = {case[0]: case for case in CASES + VARIANT_CASES}
+  return [_case_run(cases[name], part=_variant_part(fields),
+                    config=dataclasses.replace(cases[name][-1], **fields),
+                    name=f"{variant}-{name}")
+          for variant, (fields, names) in INTERPRET_VARIANTS.items()
+          for name in names]
 
 
-@pytest.mark.parametrize("variant,name", list(_variant_params()))
-def test_interpret_variant(variant, name):
+@pytest.mark.parametrize("run", _params(_variant_runs()))
+def test_interpret_variant(run):
   """One kernel option on one case, in the interpreter with race
-  detection (INTERPRET_VARIANTS says which cases and why)."""
-  case = next(c for c in CASES + VARIANT_CASES if c[0] == name)
-  config = dataclasses.replace(case[-1], **INTERPRET_VARIANTS[variant][0])
-  _run(case, RACES, config)
+  detection (INTERPRET_VARIANTS says which cases and why): the forward
+  kernel for a forward option, the backward kernels for a backward
+  option."""
+  _run_interpreted(run)
 
 
 @pytest.mark.parametrize("variant,name", [
@@ -462,7 +662,10 @@ def _max_jump_inputs(t, h, d, jump_key, jump_query):
   return q, k, v, do, dlse
 
 
-def _check_max_jump(config, args, causal, interpret):
+def _check_max_jump(config, args, causal, interpret, grads=True):
+  """The numerics rule on the max-jump inputs: out and LSE, and the
+  gradients unless ``grads`` is False (the forward's options leave the
+  backward kernels as they are); returns out."""
   q = args[0]
   t, d = q.shape[1], q.shape[3]
   spec = masks.MaskSpec(t, t, causal, None, None, None)
@@ -471,6 +674,10 @@ def _check_max_jump(config, args, causal, interpret):
     return mosaic_attention(q, k, v, mask=spec, softmax_scale=d ** -0.5,
                                 config=config, interpret=interpret)
 
+  if not grads:
+    out, lse = jax.jit(fn)(*args[:3])
+    _check_parts(dict(out=out, lse=lse), args, dict(causal=causal))
+    return out
   got = numerics.outputs_and_grads(fn, *args)
   numerics.check_rule(got, *args, causal=causal)
   return got[0]
@@ -482,16 +689,17 @@ def test_rescale_threshold_where_the_row_max_jumps(overlap):
   row's max creeps up by less than 2^8 from tile to tile: the reference
   stays and P runs above 1) and one key per head whose score jumps far
   past it in the fourth tile (the reference moves and O is rescaled):
-  outputs, LSE and gradients by the numerics rule, causal and not."""
+  outputs and LSE by the numerics rule (the forward kernel alone: the
+  option leaves the backward kernels as they are), causal and not."""
   args = _max_jump_inputs(320, 2, 64, jump_key=200, jump_query=250)
   config = dataclasses.replace(TWO_WG, rescale_threshold=8,
                                intra_wg_overlap=overlap)
   for causal in (False, True):
-    out = _check_max_jump(config, args, causal, RACES)
+    out = _check_max_jump(config, args, causal, RACES, grads=False)
   # The threshold is in force: P against a stale reference rounds
   # differently from the exact update's (not a silent no-op).
   exact = _check_max_jump(dataclasses.replace(config, rescale_threshold=0),
-                          args, True, RACES)
+                          args, True, RACES, grads=False)
   assert not np.array_equal(np.asarray(out), np.asarray(exact))
 
 
@@ -606,8 +814,8 @@ _D128_BWD = dict(bwd_stats_in_acc=True, bwd_softmax_overlap=True,
 # The head_dim 256 non-causal forward's two forms (64-key tiles, the
 # overlap at 240 registers): the plain grid with the lean epilogue (the
 # H200 default from 1025 keys, with kv_multicast) and the persistent grid
-# with the next Q prefetched and loaded early (the default from 2049 keys
-# until s29); several GPU_CONFIGS are one option over them.
+# with the next Q prefetched and loaded early (once the default from 2049
+# keys); several GPU_CONFIGS are one option over them.
 _D256_PLAIN = mosaic_gpu.MosaicConfig(
     intra_wg_overlap=True, named_barriers=True, block_kv=64,
     consumer_registers=240, lean_epilogue=True)
@@ -660,23 +868,22 @@ GPU_CONFIGS = {
     "multicast-persistent": mosaic_gpu.MosaicConfig(
         named_barriers=True, block_kv=128, persistent=True, prefetch_q=True,
         kv_multicast=True),
-    # Two Q buffers per consumer, alternate items (q_double_buffer; s33,
-    # first run on an H100 in s33): the head_dim 128 form and the
-    # head_dim 64 form (no overlap).
+    # Two Q buffers per consumer, alternate items (q_double_buffer): the
+    # head_dim 128 form and the head_dim 64 form (no overlap).
     "named-overlap-persistent-early-q-double-q": dataclasses.replace(
         _D128_PERSISTENT, q_double_buffer=True),
     "named-persistent-double-q": mosaic_gpu.MosaicConfig(
         named_barriers=True, block_kv=128, persistent=True, prefetch_q=True,
         q_double_buffer=True),
-    # The overlapped loop run on across items (item_overlap; s33, first
-    # run on an H100 in s33), with one Q buffer and two.
+    # The overlapped loop run on across items (item_overlap), with one Q
+    # buffer and two.
     "named-overlap-persistent-early-q-item-overlap": dataclasses.replace(
         _D128_PERSISTENT, item_overlap=True),
     "named-overlap-persistent-double-q-item-overlap": dataclasses.replace(
         _D128_PERSISTENT, q_double_buffer=True, item_overlap=True),
     # The default loop run on across items (item_overlap without the
-    # overlap; s36, first run on the H200 in s36): the head_dim 64 persistent
-    # default with one Q buffer and two, and three consumers (the
+    # overlap): the head_dim 64 persistent default with one Q buffer and
+    # two, and three consumers (the
     # head_dim 64 form from 4096 keys) without the ping-pong.
     "named-persistent-item-overlap": mosaic_gpu.MosaicConfig(
         named_barriers=True, block_kv=128, persistent=True, prefetch_q=True,
@@ -688,7 +895,8 @@ GPU_CONFIGS = {
         named_barriers=True, compute_wgs=3, block_kv=128, unpadded_kv=True,
         persistent=True, prefetch_q=True, item_overlap=True),
     # The head_dim 256 non-causal form of 2049+ keys with the lean
-    # epilogue (the candidate of docs/perf-notes.md "Next" 1).
+    # epilogue (a candidate of the tuning log's "Next" 1,
+    # docs/benchmarks/h200-2026-12-06-e1d21d8-tuning-log.md).
     "named-overlap-persistent-early-q-lean-kv64": mosaic_gpu.MosaicConfig(
         intra_wg_overlap=True, named_barriers=True, block_kv=64,
         consumer_registers=240, persistent=True, prefetch_q=True,
@@ -852,10 +1060,10 @@ GPU_CONFIGS = {
     "named-three-wg-prefetch-q-unpadded-q": mosaic_gpu.MosaicConfig(
         named_barriers=True, compute_wgs=3, block_kv=128, persistent=True,
         prefetch_q=True, unpadded_kv=True, unpadded_q=True),
-    # The H100 SXM's head_dim 64 forms from 1024 keys (s39; not yet run
-    # over these cases on a GPU): three consumers on the persistent grid
-    # (causal calls from 2048 keys), and with the next Q in a second
-    # buffer and the loop run on across items (non-causal 1025-2048).
+    # The H100 SXM's head_dim 64 forms from 1024 keys: three consumers on
+    # the persistent grid (causal calls from 2048 keys), and with the next
+    # Q in a second buffer and the loop run on across items (non-causal
+    # 1025-2048).
     "named-three-wg-persistent-unpadded-q": mosaic_gpu.MosaicConfig(
         named_barriers=True, compute_wgs=3, block_kv=128, persistent=True,
         unpadded_kv=True, unpadded_q=True),
@@ -897,7 +1105,7 @@ def test_gpu_long(seq, causal, head_dim):
 def test_gpu_long_three_consumers(causal):
   """16384 keys at head_dim 64 (MQA): on the H200 the tuned default runs
   three consumers there, causal or not (tuning.json's kv_rules), both
-  on the plain grid (the non-causal one persistent until s29); gradients
+  on the plain grid (the non-causal one once persistent); gradients
   too."""
   case = ("long-16384-64-mqa", 16384, 16384, 2, 1, 64, jnp.bfloat16, causal,
           None, None)
@@ -964,11 +1172,11 @@ def test_gpu_long_persistent_items(head_dim, options):
   """The persistent grid's options across work items on the H200's
   tuned non-causal config of 1024 keys (persistent, the next Q
   prefetched): 8192 queries make 512 items over 132 SMs at head_dim 128
-  (344 of 192 rows at 64, three consumers since s40), so each program
+  (344 of 192 rows at 64, three consumers), so each program
   runs two to four and every Q buffer is refilled (the CASES give a
   program one item at most on a GPU); GQA, gradients too.  item_overlap
   chains the overlapped loop (head_dim 128's default) or the plain one
-  (64's, s36)."""
+  (64's)."""
   config = dataclasses.replace(
       mosaic_gpu.default_config("NVIDIA H200", head_dim, causal=False,
                                 kv_len=1024), **options)
@@ -982,10 +1190,10 @@ def test_gpu_long_persistent_items(head_dim, options):
 @pytest.mark.parametrize("kv_len", [1024, 2000, 2048])
 def test_gpu_long_persistent_default_items(kv_len):
   """head_dim 64's tuned non-causal default on the persistent grid with
-  many items per program: three consumers (since s40), two Q buffers up
-  to 2048 keys and, from 1025, the plain loop run on across items (s38's
-  rule; at 2000 keys the last key tile is zero-filled by TMA, and the
-  loop still chains).  8250 queries (not 8192: the 192-row groups then
+  many items per program: three consumers, two Q buffers up to 2048
+  keys and, from 1025, the plain loop run on across items (at 2000 keys
+  the last key tile is zero-filled by TMA, and the loop still
+  chains).  8250 queries (not 8192: the 192-row groups then
   leave no consumer of padding rows only, which the chain needs) make
   344 items over 132 SMs (two or three per program, every Q buffer
   refilled); GQA, gradients too.  The chain is checked to be in force
@@ -1009,7 +1217,7 @@ def test_gpu_long_persistent_default_items(kv_len):
     (True, 8192, 8192, False), (True, 16384, 16384, False)])
 def test_gpu_h100_three_consumers(causal, q_len, kv_len, chains):
   """head_dim 64's default from 1024 keys on the H100 SXM and the H200
-  (since s40 the H200 entry's rules; in s39 the H100's kind_kv_rules):
+  (the H200 entry's rules, which the H100 SXM's alias follows):
   three consumers of 192 query rows over each call's two-consumer form.
   Non-causal: 8192 queries on the persistent grid with the Q prefetch
   and two Q buffers (43 items of 192 rows a head over 132 SMs);
@@ -1047,11 +1255,11 @@ def test_gpu_long_persistent_causal_items(kv_len, options):
   """The next item's Q loaded ahead (one buffer, and two used by
   alternate items) on head_dim 64's persistent causal grid, the H200's
   default up to 4096 keys: 24 heads at 1024 keys and 6 at 4096 make 288
-  and 264 items of 192 queries (three consumers since s40) over 132 SMs,
+  and 264 items of 192 queries (three consumers) over 132 SMs,
   so every program runs two or three items of unequal length (along the
   causal diagonal) and every Q buffer is refilled; GQA, gradients too.
   (8 heads at 4096 keys ran out of memory in the reference beside three
-  other test workers on an H100 in s40.)"""
+  other test workers on an H100.)"""
   config = dataclasses.replace(
       mosaic_gpu.default_config("NVIDIA H200", 64, causal=True,
                                 kv_len=kv_len), **options)
@@ -1070,12 +1278,12 @@ def test_gpu_long_persistent_causal_items(kv_len, options):
     ids=["one-tile", "one-tile-double-q", "one-wg", "three-wg",
          "multicast"])
 def test_gpu_item_overlap_plain_chains(q_len, kv_len, fields):
-  """item_overlap's plain-loop chain (s36) across several items per
+  """item_overlap's plain-loop chain across several items per
   program on the H200's head_dim 64 non-causal config: items of one key
   tile (the chain without middle tiles), one consumer, three (8256
   queries: whole 192-row groups, so no consumer of padding only) and
   two-CTA clusters; GQA, gradients too.  The chain is checked to be in
-  force.  (Two consumers unless said: the default's three since s40.)"""
+  force.  (Two consumers unless said: the default has three.)"""
   config = dataclasses.replace(
       mosaic_gpu.default_config("NVIDIA H200", 64, causal=False,
                                 kv_len=1024),
@@ -1094,17 +1302,17 @@ def test_item_overlap_only_where_consumers_take_the_same_turns():
   the Q prefetch; the overlapped loop with the ping-pong and the next Q
   loadable before an item's last turn (early_q_release or
   q_double_buffer), the plain loop with any consumer count."""
-  from jaxflash.mosaic_gpu import forward as fwd
   on = mosaic_gpu.MosaicConfig(
       item_overlap=True, intra_wg_overlap=True, persistent=True,
       prefetch_q=True, early_q_release=True, compute_wgs=2)
 
   def chains(cfg=on, q_len=2048, q_pad=2048, segments=False, **mask):
     spec = masks.MaskSpec(q_len, 2048, **mask)
-    prob = fwd.Problem(mask=spec, softmax_scale=0.1, batch=1, num_heads=2,
-                       num_kv_heads=2, q_pad=q_pad, kv_pad=2048,
-                       head_dim_padded=128, has_segments=segments)
-    return fwd._chains_items(cfg, prob)
+    prob = fwd_lib.Problem(mask=spec, softmax_scale=0.1, batch=1,
+                           num_heads=2, num_kv_heads=2, q_pad=q_pad,
+                           kv_pad=2048, head_dim_padded=128,
+                           has_segments=segments)
+    return fwd_lib._chains_items(cfg, prob)
 
   assert chains()
   assert chains(dataclasses.replace(on, early_q_release=False,
@@ -1137,15 +1345,15 @@ def test_multicast_clusters_only_where_both_ctas_stream_the_same_tiles():
   group count, and with one consumer or the ping-pong (a cluster
   barrier takes one arrival per warpgroup, so a consumer's warps must
   be kept together by a wgmma or a schedule barrier)."""
-  from jaxflash.mosaic_gpu import forward as fwd
   on = mosaic_gpu.MosaicConfig(kv_multicast=True, compute_wgs=2)
 
   def size(cfg=on, n_groups=16, segments=False, **mask):
     spec = masks.MaskSpec(2048, 2048, **mask)
-    prob = fwd.Problem(mask=spec, softmax_scale=0.1, batch=1, num_heads=2,
-                       num_kv_heads=2, q_pad=2048, kv_pad=2048,
-                       head_dim_padded=128, has_segments=segments)
-    return fwd._cluster_size(cfg, prob, n_groups)
+    prob = fwd_lib.Problem(mask=spec, softmax_scale=0.1, batch=1,
+                           num_heads=2, num_kv_heads=2, q_pad=2048,
+                           kv_pad=2048, head_dim_padded=128,
+                           has_segments=segments)
+    return fwd_lib._cluster_size(cfg, prob, n_groups)
 
   assert size() == 2
   assert size(dataclasses.replace(on, compute_wgs=1,
@@ -1310,16 +1518,16 @@ def test_default_config_rules():
   assert not dflt(128, causal=False, kv_len=4096).persistent
   assert not dflt(128, causal=False, kv_len=8192).persistent
   # d64 non-causal: persistent with prefetch_q up to 2048 keys; the plain
-  # grid from 4096 (+3-5% under sustained load, s29).
+  # grid from 4096 (+3-5% under sustained load).
   assert dflt(64, causal=False, kv_len=2048).prefetches_q
   assert not dflt(64, causal=False, kv_len=2049).persistent
   # ... with two Q buffers up to 1024 keys (+6.3% in rounds, +4.5%
-  # sustained at 1024 keys; level at 2048, s36).
+  # sustained at 1024 keys; level at 2048).
   assert dflt(64, causal=False, kv_len=1024).q_double_buffer
   assert not dflt(64, causal=False, kv_len=1024).item_overlap
   # ... and from 1025 to 2048 keys with the loop run on across items too
   # (+2.3% / +2.6% in rounds, +0.4% / +1.2% sustained at 2048 keys on the
-  # H200 in s36 / an H100 in s38).
+  # H200 / an H100).
   for kv_len in (1025, 2048):
     d64nc = dflt(64, causal=False, kv_len=kv_len)
     assert d64nc.prefetches_q and d64nc.q_double_buffer
@@ -1329,7 +1537,7 @@ def test_default_config_rules():
   assert not dflt(64, causal=False, kv_len=16384).persistent
   # d256 non-causal: persistent with prefetch_q up to 1024 keys; from 1025
   # the plain grid in two-CTA clusters with K/V multicast and the lean
-  # epilogue (level in 20 ms samples, +4-6% under sustained load, s29).
+  # epilogue (level in 20 ms samples, +4-6% under sustained load).
   assert dflt(256, causal=False, kv_len=1024).prefetches_q
   for kv_len in (1025, 2048, 4096, 16384):
     d256nc = dflt(256, causal=False, kv_len=kv_len)
@@ -1337,7 +1545,7 @@ def test_default_config_rules():
     assert not d256nc.persistent
   assert not dflt(256, causal=True, kv_len=4096).prefetches_q
   # d64 causal persistent calls: the next Q prefetched into two buffers up
-  # to 1024 keys (+4.0% in rounds, +1.7% sustained on an H100, s37), not
+  # to 1024 keys (+4.0% in rounds, +1.7% sustained on an H100), not
   # beyond (prefetch_q alone -3%; both +1.4% / -0.5% at 2048 keys).
   d64c = dflt(64, causal=True, kv_len=1024)
   assert d64c.persistent and d64c.prefetches_q and d64c.q_double_buffer
@@ -1346,7 +1554,7 @@ def test_default_config_rules():
     assert d64c.persistent and not d64c.prefetch_q
     assert not d64c.q_double_buffer
   # d128 causal: persistent with query-block pairs up to 1024 keys (+3.5-4%
-  # over the plain grid in two s27 replicates); the plain grid above.
+  # over the plain grid in two replicates); the plain grid above.
   d128c = dflt(128, causal=True, kv_len=1024)
   assert d128c.persistent and d128c.persistent_pairs
   assert not dflt(128, causal=True, kv_len=1025).persistent
@@ -1360,7 +1568,7 @@ def test_default_config_rules():
   assert not dflt(256, causal=True, kv_len=4096).kv_multicast
   assert not dflt(128).persistent  # no call to judge: the plain grid
   # d64 causal: persistent up to 4096 keys by persistent_max_kv (+7.5% at
-  # 2048, +2% at 4096), and since s40 beyond by a kv rule (below).
+  # 2048, +2% at 4096), and beyond by a kv rule (below).
   assert dflt(64, causal=True, kv_len=4096).persistent
   assert dflt(64, causal=True, kv_len=4097).persistent
   assert not dflt(64, causal=True).persistent  # length unknown
@@ -1389,9 +1597,8 @@ def test_default_config_rules():
     assert (d64.bwd_block_q == 128) == big, (causal, kv)
     assert d64.bwd_stats_in_acc == big and d64.bwd_atomic_dq
   assert dflt(64).bwd_block_q == 64 and dflt(128, kv_len=8192).bwd_block_q == 64
-  # kv_rules: three consumers in the d64 forward from 1024 keys (since
-  # s40; before, non-causal from 4096 and causal from 16384); two at the
-  # other head_dims and on other devices.
+  # kv_rules: three consumers in the d64 forward from 1024 keys; two at
+  # the other head_dims and on other devices.
   for causal, kv, three in [(False, 1023, False), (False, 1024, True),
                             (False, 4096, True), (False, 65536, True),
                             (True, 1000, False), (True, 8192, True),
@@ -1423,7 +1630,7 @@ def test_default_config_rules():
   assert dflt(128, causal=False, kv_len=2048).prefetches_q
   # FlashAttention-4's conditional rescale with the deferred row sum at
   # head_dim 128 on causal calls of up to 8192 keys and non-causal ones of
-  # 1025-2048 keys (s35: +1.3-2.6% causal 1024-4096 in rounds, +1.6%
+  # 1025-2048 keys (+1.3-2.6% causal 1024-4096 in rounds, +1.6%
   # non-causal 2048 sustained; -2% non-causal at 1024, -1-3% from 8192).
   for causal, kv, rtd in [(True, 1024, True), (True, 8192, True),
                           (True, 8193, False), (True, 16384, False),
@@ -1470,20 +1677,19 @@ def test_default_config_rules():
   assert other(256).bwd_paired_dkv and other(256).bwd_paired_dq
   assert not other(64).bwd_atomic_dq
   # The H100 SXM runs the H200's entry (aliases: 1.05-1.30x of the default
-  # entry's forward on an H100, s35); other Hopper parts keep the default.
+  # entry's forward on an H100); other Hopper parts keep the default.
   h100 = functools.partial(mosaic_gpu.default_config, "NVIDIA H100 80GB HBM3")
   for d, causal, kv in [(64, True, 1000), (128, False, 2048),
                         (128, True, 4096), (256, False, 8192), (128, True,
                                                                 None)]:
     assert h100(d, causal=causal, kv_len=kv) == dflt(d, causal=causal,
                                                      kv_len=kv)
-  # Three head_dim 64 consumers from 1024 keys (+5-10% on an H100 in s39,
-  # where they were its kind_kv_rules; +4-11% on the H200 in s40, where
-  # in s16, before unpadded_q, they had lost below 4096 keys non-causal
-  # and 16384 causal), and the persistent grid on every causal call (from
-  # 4097 keys after persistent_max_kv's 4096: +5% on an H100 at 8192,
-  # +11% / +6% on the H200 at 8192 / 16384); the rest of each call's
-  # form is the two-consumer one's.
+  # Three head_dim 64 consumers from 1024 keys (+5-10% on an H100, +4-11%
+  # on the H200, where without unpadded_q they lose below 4096 keys
+  # non-causal and 16384 causal), and the persistent grid on every causal
+  # call (from 4097 keys after persistent_max_kv's 4096: +5% on an H100 at
+  # 8192, +11% / +6% on the H200 at 8192 / 16384); the rest of each
+  # call's form is the two-consumer one's.
   for causal in (False, True):
     for kv in (1024, 2048, 4096, 8192, 16384):
       assert dflt(64, causal=causal, kv_len=kv).compute_wgs == 3
@@ -1695,22 +1901,22 @@ _SOFT_CAP_FORMS = {
 }
 
 
-@pytest.mark.parametrize("form", list(_SOFT_CAP_FORMS))
-def test_soft_cap_interpret(form):
-  head_dim, cfg = _SOFT_CAP_FORMS[form]
-  args = numerics.random_inputs(jax.random.key(6), batch=1, q_len=100,
-                                kv_len=130, heads=2, kv_heads=1,
-                                head_dim=head_dim, dtype=jnp.bfloat16)
-  spec = masks.MaskSpec(100, 130, True)
+# Soft-cap forms whose forward kernel another form builds (the paired
+# forms' forward is ONE_WG's): the backward only.
+_SOFT_CAP_PARTS = {"paired-dq-d64": "bwd", "paired-dq-d256": "bwd",
+                   "softmax-overlap-d256-paired-dkv": "bwd"}
 
-  def fn(q, k, v):
-    return mosaic_attention(q, k, v, mask=spec,
-                                softmax_scale=head_dim ** -0.5,
-                                logits_soft_cap=2.0, config=cfg,
-                                interpret=RACES)
 
-  numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
-                      causal=True, logits_soft_cap=2.0)
+def _soft_cap_runs():
+  return [Run(form, _SOFT_CAP_PARTS.get(form, "fwd+bwd"),
+              (1, 100, 130, 2, 1, head_dim), jnp.bfloat16, cfg, seed=6,
+              causal=True, soft_cap=2.0)
+          for form, (head_dim, cfg) in _SOFT_CAP_FORMS.items()]
+
+
+@pytest.mark.parametrize("run", _params(_soft_cap_runs()))
+def test_soft_cap_interpret(run):
+  _run_interpreted(run)
 
 
 @pytest.mark.gpu
@@ -1828,39 +2034,28 @@ SEG_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", SEG_CASES, ids=[c[0] for c in SEG_CASES])
-def test_segments_and_lengths_interpret(case):
+# SEG_CASES entries whose forward or backward kernels another entry
+# builds (packed-causal-2wg's: the same shapes, a forward or a backward
+# option over TWO_WG): the other part only.
+_SEG_PARTS = {"packed-causal-persistent": "fwd",
+              "packed-causal-2wg-overlap": "fwd", "packed-causal-3wg": "fwd",
+              "packed-causal-2wg-softmax-overlap": "bwd",
+              "packed-lengths-paired-dq": "bwd"}
+
+
+def _segment_runs():
+  return [Run(name, _SEG_PARTS.get(name, "fwd+bwd"), (2, t, s, 4, 2, 64),
+              jnp.bfloat16, cfg, seed=t + s, causal=causal, window=window,
+              segments=spec_kw, softmax_scale=0.125)
+          for name, t, s, causal, window, spec_kw, cfg in SEG_CASES]
+
+
+@pytest.mark.parametrize("run", _params(_segment_runs()))
+def test_segments_and_lengths_interpret(run):
   """Segment ids (packed documents, padding) and sequence lengths, which
   the kernel folds into segment ids; the group's key-tile range narrows to
   the tiles whose ids can match."""
-  from test_mask_features import packed_segments
-  _, t, s, causal, window, spec_kw, cfg = case
-  args = numerics.random_inputs(jax.random.key(t + s), batch=2, q_len=t,
-                                kv_len=s, heads=4, kv_heads=2, head_dim=64,
-                                dtype=jnp.bfloat16)
-  arrays, ref_kw = {}, {}
-  if "docs" in spec_kw:
-    seg = packed_segments(jax.random.key(3), 2, t, spec_kw["docs"],
-                          pad_tail=spec_kw["pad"])
-    arrays.update(q_segment_ids=seg, kv_segment_ids=seg)
-    ref_kw["segment_ids"] = (seg, seg)
-  if "q_len" in spec_kw:
-    arrays["q_seq_lengths"] = ref_kw["q_seq_lengths"] = jnp.array(
-        spec_kw["q_len"])
-  if "kv_len" in spec_kw:
-    arrays["kv_seq_lengths"] = ref_kw["kv_seq_lengths"] = jnp.array(
-        spec_kw["kv_len"])
-  spec = masks.MaskSpec(t, s, causal, None, *(window or (None, None)))
-
-  def fn(q, k, v):
-    return mosaic_attention(q, k, v, mask=spec,
-                                arrays=masks.MaskArrays(**arrays),
-                                softmax_scale=0.125, config=cfg,
-                                interpret=RACES)
-
-  got = numerics.outputs_and_grads(fn, *args)
-  numerics.check_rule(got, *args, causal=causal, softmax_scale=0.125,
-                      window=window or (None, None), **ref_kw)
+  _run_interpreted(run)
 
 
 # What the GPU form of a SEG_CASES entry changes in the tuned default
@@ -1935,12 +2130,6 @@ def _grads_twice(shape, config, interpret, causal=True, segments=False,
   second = jax.jit(lambda *a: numerics.outputs_and_grads(fn, *a))(*args)
   for name, a, b in zip(numerics.NAMES, first, second):
     assert jnp.array_equal(a, b, equal_nan=True), f"{name} differs"
-
-
-def test_backward_is_deterministic_interpret():
-  """No atomics: dq, dk, dv are bitwise reproducible (GQA group sum on
-  chip, dQ in its own kernel)."""
-  _grads_twice((128, 4, 2, 64), TWO_WG, True, segments=True)
 
 
 @pytest.mark.gpu
@@ -2028,3 +2217,71 @@ def test_interpreter_refused_inside_multi_device_shard_map():
     sharded(2)
   np.testing.assert_array_equal(sharded(1), attend(q, q, q))
 
+
+
+# -- the interpreter runs' selection -------------------------------------------
+
+def interpreter_runs() -> list[Run]:
+  """Every interpreter run of this file's kernel tests."""
+  return (_base_runs() + _variant_runs() + _segment_runs()
+          + _soft_cap_runs())
+
+
+def run_cost(run: Run) -> float:
+  """A run's relative cost in the interpreter (mostly XLA compiling the
+  interpreted kernels): one forward kernel, two backward ones."""
+  return {"fwd": 1.0, "bwd": 2.0, "fwd+bwd": 3.0}[run.part]
+
+
+def coverage(run: Run, lines) -> frozenset:
+  """What a run covers: each line of jaxflash/mosaic_gpu it reaches while
+  traced, at its padded head_dim (64, 128 or 256: the shapes of the
+  tiles, wgmma operands, output chunks and swizzles each line builds).
+  Lines alone are reached by a handful of runs; with the head_dim, about
+  thirty."""
+  return frozenset((*line, -(-run.shape[5] // 64) * 64) for line in lines)
+
+
+def traced_parts(runs=None):
+  """``{run name: {part: (kernels' function, abstract arguments)}}`` for
+  kernel_coverage.trace_runs."""
+  out = {}
+  for run in runs or interpreter_runs():
+    b, t, s, h, kh, d = run.shape
+    q = jax.ShapeDtypeStruct((b, t, h, d), run.dtype)
+    kv = jax.ShapeDtypeStruct((b, s, kh, d), run.dtype)
+    lse = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
+    arrays, _ = _mask_arrays(run)
+    parts = {}
+    if "fwd" in run.part:
+      parts["fwd"] = (_forward_kernel(run, arrays), (q, kv, kv))
+    if "bwd" in run.part:
+      parts["bwd"] = (_backward_kernels(run, arrays),
+                      (q, kv, kv, q, lse, q, lse))
+    out[run.name] = parts
+  return out
+
+
+def test_per_commit_runs_reach_every_kernel_line():
+  """Traces every interpreter run (no execution; tens of seconds): no two
+  runs build the same forward or the same backward kernels, each run's
+  backward part is the Hopper backward's, and the PER_COMMIT runs cover
+  (:func:`coverage`) all that the runs cover."""
+  runs = interpreter_runs()
+  names = [run.name for run in runs]
+  assert len(set(names)) == len(names), "run names given twice"
+  assert all(_serves_backward(run) for run in runs if "bwd" in run.part)
+  traced = kernel_coverage.trace_runs(traced_parts(runs))
+  dups = kernel_coverage.duplicates(traced)
+  assert not dups, "runs that build the kernels of another run:\n" + (
+      "\n".join(f"{part}: {name} = {earlier}" for part, name, earlier
+                in dups))
+  stale = sorted(set(PER_COMMIT) - set(names))
+  missing = sorted(kernel_coverage.uncovered(
+      {run.name: coverage(run, traced[run.name][0]) for run in runs},
+      PER_COMMIT))
+  assert not stale and not missing, (
+      f"PER_COMMIT names no run {stale} or misses (file, line, head_dim)"
+      f" {missing[:20]} ({len(missing)} in all) that other runs reach:"
+      f" print the new selection with `{kernel_coverage.REGENERATE}` and"
+      " paste it over PER_COMMIT in tests/test_mosaic_gpu.py")
