@@ -18,7 +18,6 @@ test_per_commit_runs_reach_every_kernel_line); the others are ``slow``.
 import contextlib
 import dataclasses
 import functools
-import importlib
 import zlib
 from typing import Any
 
@@ -33,12 +32,9 @@ from jax.sharding import AxisType
 
 import jaxflash
 from jaxflash import backends, masks, mosaic_gpu
+from jaxflash.mosaic_gpu import backend as mosaic_kernels
+from jaxflash.mosaic_gpu import forward as fwd_lib
 from jaxflash.mosaic_gpu.config import head_dim_problem, needed_smem_bytes
-
-# The forward kernel's module (the package's ``forward`` is the backend's
-# function of that name, which ``from jaxflash.mosaic_gpu import forward``
-# would give).
-fwd_lib = importlib.import_module("jaxflash.mosaic_gpu.forward")
 
 # The Mosaic GPU op (kernels, VJP, vmap, partitioning) without the dispatch's
 # device check: the interpreter and CPU lowerings run it here.
@@ -279,14 +275,14 @@ def _kernel_kwargs(run: Run) -> dict:
 
 def _forward_kernel(run: Run, arrays):
   """``(q, k, v) -> (out, lse)``: the forward kernel alone."""
-  return lambda q, k, v: mosaic_gpu.forward(q, k, v, arrays,
-                                            **_kernel_kwargs(run))
+  return lambda q, k, v: mosaic_kernels.forward(q, k, v, arrays,
+                                                **_kernel_kwargs(run))
 
 
 def _backward_kernels(run: Run, arrays):
   """``(q, k, v, out, lse, do, dlse) -> (dq, dk, dv)``: the backward
   kernels alone."""
-  return lambda q, k, v, out, lse, do, dlse: mosaic_gpu.backward(
+  return lambda q, k, v, out, lse, do, dlse: mosaic_kernels.backward(
       q, k, v, arrays, out, lse, do, dlse, **_kernel_kwargs(run))
 
 
