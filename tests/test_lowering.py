@@ -9,7 +9,6 @@ construct the lowering rejects fails CI rather than the GPU run.
 
 import functools
 import itertools
-import pathlib
 import re
 
 import jax
@@ -485,17 +484,30 @@ def test_ring_layers_share_their_kernels():
 
 def _forward_kernel_ops(head_dim, causal, overrides=""):
   """The Mosaic GPU kernel module of the H200 forward for head_dim /
-  causal with ``overrides`` over its tuned config, lowered for CUDA on
-  this machine (tools/ptxas_cpu.py's ``lower``) and printed: the module
-  travels as bytecode in the custom call.  Needs tools/ on the path."""
-  import ptxas_cpu
+  causal with ``overrides`` over its tuned config (the rules of a
+  4096-key call), lowered for CUDA on this machine at 1024 tokens and
+  printed: the module travels as bytecode in the custom call."""
+  import dataclasses
+
   from jax._src.interpreters import mlir as jax_mlir
+  from jax.experimental.mosaic.gpu import core as mgpu_core
   from jax.experimental.mosaic.gpu import dialect as mgpu_dialect
   from jaxlib.mlir import ir
 
-  _, (module,), _ = ptxas_cpu.lower(dict(
-      head_dim=head_dim, mode="fwd", causal=causal, overrides=overrides,
-      seq=1024, kv_len_rule=4096, device_kind="NVIDIA H200"))
+  from jaxflash import mosaic_gpu
+  from jaxflash.mosaic_gpu.config import parse_overrides
+
+  cfg = mosaic_gpu.default_config("NVIDIA H200", -(-head_dim // 64) * 64,
+                                  causal=causal, kv_len=4096)
+  cfg = dataclasses.replace(cfg, **parse_overrides(overrides))
+  seq = 1024
+  mask = MaskSpec(seq, seq, causal, None, None, None)
+  x = jax.ShapeDtypeStruct((1, seq, 2, head_dim), jnp.bfloat16)
+  fwd = lambda q, k, v: mosaic_attention(
+      q, k, v, mask=mask, softmax_scale=head_dim ** -0.5, config=cfg)[0]
+  mgpu_core.KNOWN_KERNELS.clear()
+  jax.jit(fwd).trace(x, x, x).lower(lowering_platforms=("cuda",))
+  (module,) = mgpu_core.KNOWN_KERNELS.values()
   ctx = jax_mlir.make_ir_context()
   mgpu_dialect.register_dialect(ctx)
   ctx.allow_unregistered_dialects = True  # stable_mosaic_gpu's wrapper
@@ -504,8 +516,7 @@ def _forward_kernel_ops(head_dim, causal, overrides=""):
 
 
 @pytest.mark.parametrize("head_dim,causal", [(256, False), (128, True)])
-def test_gpu_only_forward_options_reach_the_kernel(head_dim, causal,
-                                                   monkeypatch):
+def test_gpu_only_forward_options_reach_the_kernel(head_dim, causal):
   """The forward options that only the GPU runs (inline Mosaic GPU, which
   the interpreter does not execute) change the kernel the GPU gets:
   ``rescale_threshold`` adds the per-warp vote of its rescale branch,
@@ -513,7 +524,6 @@ def test_gpu_only_forward_options_reach_the_kernel(head_dim, causal,
   butterflies add fewer than the per-step sums drop).  A flag that
   silently stopped reaching the kernel would pass every interpreter test
   and the GPU's numerics."""
-  monkeypatch.syspath_prepend(pathlib.Path(__file__).parents[1] / "tools")
   shfl = "nvvm.shfl.sync"
   vote = "nvvm.vote.sync"
   # Both off, each alone (the H200's head_dim 256 default has both on).
@@ -543,14 +553,13 @@ def _store_order(module_text):
   return " ".join(toks)
 
 
-def test_item_overlap_chains_the_items_in_the_kernel(monkeypatch):
+def test_item_overlap_chains_the_items_in_the_kernel():
   """``item_overlap`` on the persistent head_dim 128 forward: a second
   last turn (the last ``P V`` and the next item's first ``Q K^T``, 8 + 8
   wgmma instructions at head_dim 128 with 128-key tiles) and a second
   epilogue (inside that turn), the kernel's last wait still after both.
   The interpreter runs the chain's mbarrier form; this checks that the
   option reaches the kernel the GPU gets."""
-  monkeypatch.syspath_prepend(pathlib.Path(__file__).parents[1] / "tools")
   base = _forward_kernel_ops(128, False, "persistent=1,item_overlap=0")
   chain = _forward_kernel_ops(128, False, "persistent=1,item_overlap=1")
   wgmma = "wgmma.mma_async"
@@ -559,7 +568,7 @@ def test_item_overlap_chains_the_items_in_the_kernel(monkeypatch):
   assert _store_order(chain) == "W1 O W1 O L W0 W1 O W1 O L W0 W0"
 
 
-def test_item_overlap_chains_the_plain_loop_in_the_kernel(monkeypatch):
+def test_item_overlap_chains_the_plain_loop_in_the_kernel():
   """``item_overlap`` without the overlapped loop (head_dim 64's
   persistent form: two consumers, 128-key tiles): the first and last
   tiles leave the loops (their ``Q K^T``, 4 wgmma instructions each at
@@ -569,7 +578,6 @@ def test_item_overlap_chains_the_plain_loop_in_the_kernel(monkeypatch):
   runs the chain's mbarrier form; this checks the kernel the GPU gets.
   With three consumers at power-of-two lengths the last group's last
   consumers hold padding rows only, so it does not chain there."""
-  monkeypatch.syspath_prepend(pathlib.Path(__file__).parents[1] / "tools")
   two = "persistent=1,compute_wgs=2"
   base = _forward_kernel_ops(64, False, two + ",item_overlap=0")
   chain = _forward_kernel_ops(64, False, two + ",item_overlap=1")
