@@ -28,7 +28,9 @@ compare: $(STAMP)
 # (pytest-xdist), within 10 minutes on 2 cores.  Every backend, mask kind,
 # dtype, head layout, transformation, sharding form and the GPT example
 # run here in representative cases; the exhaustive grids, hypothesis
-# searches and the experimental kernel options' further cases are `slow`.
+# searches and the Mosaic GPU interpreter runs beyond the per-commit set
+# (which reaches every traced kernel line, tests/kernel_coverage.py) are
+# `slow`.
 # The slowest 15 tests are printed, to keep the budget in view.
 test: $(STAMP)
 	$(PY) -m ruff check jaxflash tests examples tools
