@@ -42,3 +42,13 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+@pytest.fixture
+def tool(monkeypatch):
+  """``tool(name)``: the module ``name`` of tools/ (put on the path for
+  the test)."""
+  import importlib
+  import pathlib
+  monkeypatch.syspath_prepend(pathlib.Path(__file__).parents[1] / "tools")
+  return importlib.import_module

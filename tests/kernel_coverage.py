@@ -45,27 +45,14 @@ def _kernel_dir() -> str:
 
 
 def kernel_texts(jaxpr) -> list[str]:
-  """The Pallas kernel calls of a traced program, in order, as text: their
-  parameters except names and debug/source information, and their
-  operands' shapes (tools/kernel_fingerprint.py's ``_kernel_texts``)."""
-  skip = {"name", "name_and_src_info", "debug", "metadata"}
-  texts = []
-
-  def walk(j):
-    for eqn in j.eqns:
-      if eqn.primitive.name in ("pallas_call", "mpmd_map"):
-        params = {k: v for k, v in eqn.params.items() if k not in skip}
-        avals = [str(v.aval) for v in eqn.invars]
-        texts.append(f"{eqn.primitive.name} {avals} {sorted(params.items())}")
-        continue
-      for v in eqn.params.values():
-        for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-          inner = getattr(sub, "jaxpr", sub)
-          if hasattr(inner, "eqns"):
-            walk(inner)
-
-  walk(jaxpr.jaxpr)
-  return texts
+  """The Pallas kernel calls of a traced program, in order, as text
+  (tools/kernel_fingerprint.py's, which hashes the same)."""
+  tools = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                       "tools")
+  if tools not in sys.path:
+    sys.path.insert(0, tools)
+  import kernel_fingerprint
+  return kernel_fingerprint.kernel_texts(jaxpr)
 
 
 class _LineRecorder:

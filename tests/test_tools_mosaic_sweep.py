@@ -2,22 +2,17 @@
 parsing and its --dry-run output (the timings themselves need a Hopper
 GPU)."""
 
-import importlib
 import json
-import pathlib
 
 import pytest
 
 import jaxflash
 from jaxflash.mosaic_gpu.config import SMEM_LIMIT, head_dim_problem
 
-TOOLS = pathlib.Path(__file__).parents[1] / "tools"
-
 
 @pytest.fixture
-def sweep(monkeypatch):
-  monkeypatch.syspath_prepend(TOOLS)
-  return importlib.import_module("mosaic_sweep")
+def sweep(tool):
+  return tool("mosaic_sweep")
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

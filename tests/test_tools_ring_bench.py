@@ -1,18 +1,13 @@
 """tools/ring_bench.py's arguments, table and refusals on the CPU (its
 --smoke run is in tests/test_ring.py)."""
 
-import importlib
-import pathlib
 
 import pytest
 
-TOOLS = pathlib.Path(__file__).parents[1] / "tools"
-
 
 @pytest.fixture
-def bench(monkeypatch):
-  monkeypatch.syspath_prepend(TOOLS)
-  return importlib.import_module("ring_bench")
+def bench(tool):
+  return tool("ring_bench")
 
 
 def test_defaults(bench):

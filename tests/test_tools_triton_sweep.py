@@ -1,19 +1,14 @@
 """tools/triton_sweep.py --smoke: one tiny shape in interpret mode on the
 CPU, written as the GPU run writes its rows (not a figure)."""
 
-import importlib
 import json
-import pathlib
 
 import pytest
 
-TOOLS = pathlib.Path(__file__).parents[1] / "tools"
-
 
 @pytest.fixture
-def sweep(monkeypatch):
-  monkeypatch.syspath_prepend(TOOLS)
-  return importlib.import_module("triton_sweep")
+def sweep(tool):
+  return tool("triton_sweep")
 
 
 def test_configs_are_valid(sweep):

@@ -107,7 +107,7 @@ def _attend(q, k, v, *, mask, arrays, config, deterministic):
       interpret=False, deterministic=deterministic)
 
 
-def _kernel_texts(jaxpr) -> list[str]:
+def kernel_texts(jaxpr) -> list[str]:
   """The Pallas kernel calls of a traced program, in order, as text:
   their parameters except names and debug/source information."""
   skip = {"name", "name_and_src_info", "debug", "metadata"}
@@ -165,7 +165,7 @@ def fingerprint(c: dict) -> str:
     return jax.grad(loss, (0, 1, 2))(q, k, v)
 
   jaxpr = jax.make_jaxpr(f)(q, kv, kv, ids, lens)
-  text = "\n".join(_kernel_texts(jaxpr))
+  text = "\n".join(kernel_texts(jaxpr))
   if not text:
     raise RuntimeError(f"{_case_name(c)}: no kernel in the traced program")
   # Function reprs carry their addresses.
