@@ -95,14 +95,15 @@ def test_writers(tmp_path):
               "flop_formula", "results"):
     assert key in data
   assert set(data["results"][0]) == {
-      "impl", "batch", "seq_q", "seq_k", "heads", "kv_heads", "head_dim",
-      "causal", "dtype", "mask", "mode", "ms", "tflops", "peak_bytes",
+      "impl", "model", "batch", "seq_q", "seq_k", "heads", "kv_heads",
+      "head_dim", "causal", "dtype", "mask", "mode", "ms", "tflops", "peak_bytes",
       "max_abs_err", "error", "samples_ms", "same_program_as",
       "paired_with"}
   meta2, rows2 = report.read_json(str(path))
   assert rows2 == rows and meta2["commit"] == "abc1234"
   md = report.markdown(meta, rows)
-  assert "| 128 | 4096 | y | - | fwd | jaxflash-triton | 0.500 |" in md
+  assert ("| b4 h16/16 | 128 | 4096 | y | - | fwd | jaxflash-triton | 0.500 |"
+          in md)
   assert "0.80 vs cudnn" in md and "ImportError: nope" in md
   assert "ratio to best other" in report.terminal_table(rows)
   assert report.plot(str(tmp_path / "r.png"), meta, rows)
@@ -529,3 +530,30 @@ def test_commit_flags_a_tree_that_differs_from_head(monkeypatch, status,
   assert core.commit() == want
   monkeypatch.setenv("JAXFLASH_COMMIT", "def5678")
   assert core.commit() == "def5678"
+
+
+def test_models_shape_set():
+  """The "models" set: every entry a valid shape of its published heads,
+  names unique, a subset by name in MODELS' order, unknown names and
+  kinds refused; the rows carry the model, and the table names it."""
+  shapes = core.models()
+  assert len(shapes) == len(core.MODELS)
+  names = [s.model for s in shapes]
+  assert len(set(names)) == len(names)
+  for s in shapes:
+    assert s.heads % s.kv_heads == 0 and s.head_dim % 16 == 0
+    assert 512 <= s.seq_q <= 32768 and 1 <= s.batch <= 32
+  assert {s.head_dim for s in shapes} >= {64, 80, 96, 128, 256}
+  assert any(s.kv_heads == 1 for s in shapes)  # a tensor-parallel MQA shard
+  assert core.parse_shapes("grid") is None
+  some = core.parse_shapes("models:phi2,gpt2-small")
+  assert [s.model for s in some] == ["gpt2-small", "phi2"]
+  assert some[1] == core.Shape(4, 2048, 2048, 32, 32, 80, True,
+                               model="phi2")
+  with pytest.raises(ValueError, match="unknown models.*'nope'"):
+    core.parse_shapes("models:nope")
+  with pytest.raises(ValueError, match="shapes='grids'"):
+    core.parse_shapes("grids")
+  row = core.record(some[0], "cudnn", "fwd", ms=1.0)
+  assert row["model"] == "gpt2-small"
+  assert report.table_rows([row])[0][0] == "gpt2-small b8 h12/12"

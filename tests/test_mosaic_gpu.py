@@ -66,8 +66,8 @@ PER_COMMIT = (
     'persistent_pairs+intra_wg_overlap+lean_epilogue-d96-gqa-q200-k300',
     'persistent_pairs+prefetch_q+q_double_buffer-d64-persistent-2wg-causal',
     'bwd_dkv_block_q_80+early_dv-d128-full-6tiles',
+    'bwd_early_dv-d32-tiny-window-empty',
     'intra_wg_overlap+prefetch_q+early_q_release-d256-causal-q300-k100',
-    'bwd_early_dv-d64-causal-2wg',
     'prefetch_q-d192-q113-k17',
     'rescale_threshold-d64-persistent-2wg-causal',
     'paired-dkv-d64',
@@ -79,9 +79,10 @@ PER_COMMIT = (
     'lean_epilogue-d192-q113-k17',
     'lean_epilogue-d256-causal-q300-k100',
     'persistent_pairs-d256-causal-q300-k100',
+    'bwd_head_splits=1-d96-gqa-q200-k300',
     'bwd_dkv_block_q_80-d64-causal-2wg',
+    'bwd_dkv_block_q_80-d128-window',
 )
-
 
 @pytest.fixture(autouse=True)
 def _no_races(capfd):
@@ -386,6 +387,13 @@ INTERPRET_VARIANTS = {
     "bwd_early_dv": (dict(bwd_softmax_overlap=True, bwd_early_dv=True), [
         "d64-causal-2wg", "d96-gqa-q200-k300", "d128-window", "d64-len1",
         "d32-tiny-window-empty", "d64-2wg-window-f16", "d64-full"]),
+    # The dK/dV kernel over whole GQA/MQA groups (what calls with many key
+    # tiles run; the interpreter's small calls split each group by
+    # default) and over half groups (MQA: two parts of two query heads),
+    # one and two consumers, causal, windows.
+    "bwd_head_splits=1": (dict(bwd_head_splits=1), [
+        "d96-gqa-q200-k300", "d128-mqa-2wg", "d128-window"]),
+    "bwd_head_splits=2": (dict(bwd_head_splits=2), ["d128-mqa-2wg"]),
 }
 # The output in 64-column chunks through two slots per consumer (one,
 # three and four chunks: head_dim 64, 192, 256), rows with no key.
@@ -1097,6 +1105,25 @@ def test_gpu_long(seq, causal, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 1])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_mqa_backward(head_dim, splits):
+  """MQA with few key tiles: the dK/dV kernel's split of the group (the
+  default's, from dkv_head_splits: float32 partials summed after it) and
+  whole groups, both by the numerics rule (head_dim 64 with the H200
+  entry's atomic dQ)."""
+  causal, seq = True, 1536
+  config = None
+  if splits is not None:
+    config = dataclasses.replace(mosaic_gpu.default_config(
+        jax.devices()[0].device_kind, head_dim, causal=causal, kv_len=seq),
+        bwd_head_splits=splits)
+  case = (f"mqa-{head_dim}", seq, seq, 16, 1, head_dim, jnp.bfloat16,
+          causal, None, config)
+  _run(case, False, config)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_long_three_consumers(causal):
   """16384 keys at head_dim 64 (MQA): on the H200 the tuned default runs
@@ -1420,7 +1447,10 @@ def test_config_validation():
                      (dict(bwd_dkv_block_q=80, bwd_atomic_dq=True),
                       "multiple of 64"),
                      (dict(bwd_dkv_block_q=128, bwd_paired_dkv=True),
-                      "bwd_dkv_block_q=None")]:
+                      "bwd_dkv_block_q=None"),
+                     (dict(bwd_head_splits=0), "bwd_head_splits=0"),
+                     (dict(bwd_head_splits=2, bwd_paired_dkv=True),
+                      "whole groups")]:
     with pytest.raises(ValueError, match=match):
       mosaic_gpu.MosaicConfig(**bad)
   assert mosaic_gpu.MosaicConfig(bwd_block_q=128).dkv_block_q == 128
@@ -1428,6 +1458,37 @@ def test_config_validation():
   cfg = mosaic_gpu.default_config("NVIDIA H200", 128)
   assert cfg.smem_bytes(128) <= 227 * 1024
   assert mosaic_gpu.default_config("some future GPU", 256).block_q % 64 == 0
+
+
+def test_dkv_head_splits_rule():
+  """The dK/dV kernel splits a GQA/MQA group where its programs are fewer
+  than two waves of the SMs: the least divisor of the group that reaches
+  them, the whole group where none does, none where the float32 staging
+  tile does not fit or the paired kernel runs; a forced split must divide
+  the group."""
+  from jaxflash.mosaic_gpu.config import dkv_head_splits
+  cfg = mosaic_gpu.default_config("NVIDIA H200", 128, causal=True,
+                                  kv_len=8192)
+  rule = functools.partial(dkv_head_splits, sm_count=132,
+                           head_dim_padded=128)
+  # MQA, 16 query heads, batch 1, 8k keys in 128-key programs: 64.
+  assert rule(cfg, group_size=16, programs=64) == 8
+  assert rule(cfg, group_size=16, programs=33) == 8
+  assert rule(cfg, group_size=16, programs=32) == 16
+  assert rule(cfg, group_size=16, programs=8) == 16
+  assert rule(cfg, group_size=16, programs=264) == 1
+  assert rule(cfg, group_size=12, programs=50) == 6
+  assert rule(cfg, group_size=1, programs=8) == 1
+  paired = mosaic_gpu.MosaicConfig(bwd_paired_dkv=True)
+  assert rule(paired, group_size=8, programs=8) == 1
+  big = mosaic_gpu.MosaicConfig(bwd_block_kv=128)
+  assert big.bwd_smem_bytes(128) <= 227 * 1024
+  assert big.bwd_smem_bytes(128, head_splits=4) > 227 * 1024
+  assert rule(big, group_size=8, programs=8) == 1
+  forced = dataclasses.replace(cfg, bwd_head_splits=4)
+  assert rule(forced, group_size=16, programs=10_000) == 4
+  with pytest.raises(ValueError, match="bwd_head_splits=4 must divide.*6"):
+    rule(forced, group_size=6, programs=8)
 
 
 def test_paired_dkv_smem():

@@ -120,7 +120,9 @@ def main(argv=None) -> int:
     calls = {"forward": (fwd, (q, k, v)),
              "backward (whole)": (full, (q, k, v, out, lse, do)),
              "backward prep": (prep, (q, k, v, out, lse, do))}
-    for name, run in backend.backward_passes(prob, cfg, None, None, params):
+    for name, run in backend.backward_passes(
+        prob, cfg, None, None, params,
+        head_splits=backend.head_splits(prob, cfg)):
       calls[name] = (jax.jit(run), tensors)
     return calls
 

@@ -31,6 +31,10 @@ CHECK_TOL = {"bfloat16": 2**-6, "float16": 2**-8, "float32": 1e-4}
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m jaxflash.bench",
                               description=__doc__.split("\n")[0])
+  p.add_argument("--shapes", default="grid",
+                 help="grid (the options below), models (attention calls"
+                      " of released models: core.MODELS) or"
+                      " models:NAME,...")
   p.add_argument("--head-dims", default="64,128,256")
   p.add_argument("--seqs", default="1024,2048,4096,8192,16384")
   p.add_argument("--causal", default="both", help="both, on or off")
@@ -236,7 +240,7 @@ def main(argv=None) -> int:
                          width=64, kv_ratio=args.kv_ratio, dtype=args.dtype,
                          mask=core.parse_mask(args.mask))
     else:
-      shapes = core.grid(
+      shapes = core.parse_shapes(args.shapes, args.dtype) or core.grid(
           head_dims=core.parse_int_list(args.head_dims),
           seqs=core.parse_int_list(args.seqs),
           causal=core.parse_causal(args.causal), tokens=args.tokens,

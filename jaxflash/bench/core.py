@@ -36,6 +36,7 @@ class Shape:
   causal: bool
   dtype: str = "bfloat16"
   mask: str | None = None  # None, "segments:N" or "window:L"
+  model: str | None = None  # the MODELS entry it was taken from
 
   @property
   def jnp_dtype(self):
@@ -106,6 +107,64 @@ def grid(*, head_dims, seqs, causal, tokens: int, width: int, kv_ratio=1,
         shapes.append(Shape(batch, s, s, heads, heads // kv_ratio, d, c,
                             dtype, mask))
   return shapes
+
+
+# The "models" shape set: attention calls of released models, with heads,
+# key/value heads and head_dim as published (a tensor-parallel shard where
+# named), at batch sizes and lengths of training and prefill.
+# (name, batch, seq, heads, kv_heads, head_dim, causal, mask, source)
+MODELS = (
+    ("gpt2-small", 8, 2048, 12, 12, 64, True, None,
+     "GPT-2 124M: 12 heads of 64"),
+    ("gpt2-medium", 8, 1024, 16, 16, 64, True, None,
+     "GPT-2 355M: 16 heads of 64"),
+    ("llama3-8b", 1, 8192, 32, 8, 128, True, None,
+     "Llama 3 8B: 32 heads, 8 kv heads, 128"),
+    ("llama3-8b-b16-s512", 16, 512, 32, 8, 128, True, None,
+     "Llama 3 8B, short batches"),
+    ("llama3-70b-tp8", 2, 8192, 8, 1, 128, True, None,
+     "Llama 3 70B (64 heads, 8 kv heads) on 8 tensor-parallel shards"),
+    ("mistral-7b-window", 1, 16384, 32, 8, 128, True, "window:4096",
+     "Mistral 7B v0.1: 32 heads, 8 kv heads, sliding window 4096"),
+    ("gemma2-9b", 2, 4096, 16, 8, 256, True, None,
+     "Gemma 2 9B: 16 heads, 8 kv heads, 256 (global layers)"),
+    ("gemma2-2b-window", 4, 8192, 8, 4, 256, True, "window:4096",
+     "Gemma 2 2B: 8 heads, 4 kv heads, 256 (local layers)"),
+    ("qwen2.5-7b", 1, 32768, 28, 4, 128, True, None,
+     "Qwen 2.5 7B: 28 heads, 4 kv heads, 128"),
+    ("qwen2.5-0.5b", 4, 4096, 14, 2, 64, True, None,
+     "Qwen 2.5 0.5B: 14 heads, 2 kv heads, 64"),
+    ("phi3-mini", 2, 4096, 32, 32, 96, True, None,
+     "Phi-3 mini: 32 heads of 96"),
+    ("phi2", 4, 2048, 32, 32, 80, True, None, "Phi-2: 32 heads of 80"),
+    ("vit-b16-384", 32, 577, 12, 12, 64, False, None,
+     "ViT-B/16 at 384 px: 577 tokens, 12 heads of 64"),
+)
+
+
+def models(names=None, dtype: str = "bfloat16") -> list[Shape]:
+  """The :data:`MODELS` shapes (those named in ``names``, in its order,
+  where given; ValueError for a name it does not list)."""
+  known = [m[0] for m in MODELS]
+  unknown = sorted(set(names or ()) - set(known))
+  if unknown:
+    raise ValueError(f"unknown models {unknown}; known: {known}")
+  return [Shape(b, s, s, h, kh, d, c, dtype, mask, name)
+          for name, b, s, h, kh, d, c, mask, _ in MODELS
+          if not names or name in names]
+
+
+def parse_shapes(text: str, dtype: str = "bfloat16") -> list[Shape] | None:
+  """``--shapes``: ``grid`` (None: the grid options decide), ``models`` or
+  ``models:NAME,NAME``."""
+  kind, _, names = text.partition(":")
+  if kind == "grid" and not names:
+    return None
+  if kind != "models":
+    raise ValueError(f"shapes={text!r} must be grid, models or"
+                     " models:NAME,...")
+  return models([n.strip() for n in names.split(",") if n.strip()] or None,
+                dtype)
 
 
 def time_fn(fn: Callable, *args, min_sample_s: float = 0.02,
@@ -244,8 +303,9 @@ def record(shape: Shape, impl: str, mode: str, *, ms=None, peak_bytes=None,
   tflops = None
   if ms is not None and error is None:
     tflops = flops(shape, mode) / (ms * 1e-3) / 1e12
-  return dict(impl=impl, batch=shape.batch, seq_q=shape.seq_q,
-              seq_k=shape.seq_k, heads=shape.heads, kv_heads=shape.kv_heads,
+  return dict(impl=impl, model=shape.model, batch=shape.batch,
+              seq_q=shape.seq_q, seq_k=shape.seq_k, heads=shape.heads,
+              kv_heads=shape.kv_heads,
               head_dim=shape.head_dim, causal=shape.causal, dtype=shape.dtype,
               mask=shape.mask, mode=mode, ms=ms, tflops=tflops,
               peak_bytes=peak_bytes, max_abs_err=max_abs_err, error=error,

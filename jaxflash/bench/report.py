@@ -12,7 +12,7 @@ from jaxflash.bench.core import FLOP_FORMULA
 
 def _key(r: dict):
   return (r["head_dim"], r["seq_q"], r["seq_k"], r["causal"], r["mode"],
-          r["mask"], r["kv_heads"], r["heads"], r["dtype"])
+          r["mask"], r["kv_heads"], r["heads"], r["dtype"], r["batch"])
 
 
 def best_other(results: list[dict]) -> dict:
@@ -101,7 +101,8 @@ def table_rows(results: list[dict]) -> list[list[str]]:
   for r in results:
     rat = ratio(r, best)
     rows.append([
-        str(r["head_dim"]), str(r["seq_q"]), "y" if r["causal"] else "n",
+        _shape(r), str(r["head_dim"]), str(r["seq_q"]),
+        "y" if r["causal"] else "n",
         r["mask"] or "-", r["mode"], r["impl"], _fmt(r["ms"], ".3f"),
         _fmt(r["tflops"], ".3g"),
         "-" if rat is None else f"{rat:.2f} vs {best[_key(r)][0]}",
@@ -123,7 +124,14 @@ def row_line(r: dict) -> str:
   return f"{_where(r)} {r['impl']}: {what}"
 
 
-HEADER = ["head_dim", "seq", "causal", "mask", "mode", "impl", "ms",
+def _shape(r: dict) -> str:
+  """``gpt2-small b8 h12/12``: the model (where the row has one), batch,
+  heads / key-value heads."""
+  where = f"b{r['batch']} h{r['heads']}/{r['kv_heads']}"
+  return f"{r['model']} {where}" if r.get("model") else where
+
+
+HEADER = ["shape", "head_dim", "seq", "causal", "mask", "mode", "impl", "ms",
           "TFLOP/s", "ratio to best other", "MiB", "error"]
 
 

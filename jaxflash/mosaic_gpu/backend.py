@@ -30,11 +30,13 @@ from jaxflash._util import pad_axis, require_cuda, round_up, softmax_delta
 from jaxflash.masks import PAD_SEGMENT_ID, MaskArrays, MaskSpec
 from jaxflash.mosaic_gpu import backward as bwd_lib
 from jaxflash.mosaic_gpu import forward as fwd_lib
+from jaxflash.mosaic_gpu import pipeline
 from jaxflash.mosaic_gpu.config import (
   INTERPRET_CONFIG,
   MAX_BWD_HEAD_DIM,
   MosaicConfig,
   default_config,
+  dkv_head_splits,
   head_dim_problem,
 )
 
@@ -246,8 +248,10 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
     seg_dkv = (q_seg_dkv, kv_seg, _group_range(
         kv_seg, kv_group * config.bwd_block_kv, q_seg_dkv,
         config.dkv_block_q))
+  splits = head_splits(prob, config)
   done = {name: run(*tensors) for name, run in backward_passes(
-      prob, config, seg_dq, seg_dkv, _interpret_params(interpret))}
+      prob, config, seg_dq, seg_dkv, _interpret_params(interpret),
+      head_splits=splits)}
   if config.bwd_atomic_dq:
     dq, dk, dv = done["dkv+atomic-dq"]
   else:
@@ -281,6 +285,26 @@ def backward_problem(q, k, mask: MaskSpec, softmax_scale: float,
       has_segments=any(x is not None for x in arrays))
 
 
+def head_splits(prob: fwd_lib.Problem, config: MosaicConfig) -> int:
+  """The dK/dV kernel's split of each GQA/MQA group for this call
+  (:func:`config.dkv_head_splits`)."""
+  programs = (prob.num_kv_heads * prob.batch
+              * (prob.kv_pad // (config.bwd_compute_wgs
+                                 * config.bwd_block_kv)))
+  return dkv_head_splits(
+      config, group_size=prob.num_heads // prob.num_kv_heads,
+      programs=programs, sm_count=pipeline.sm_count(),
+      head_dim_padded=prob.head_dim_padded)
+
+
+def _sum_parts(partials, splits: int, dtype):
+  """dK or dV from the dK/dV kernel's float32 partials ``[B, Sp, K *
+  splits, Dp]`` (``head_splits`` > 1): summed over each key/value head's
+  parts in float32, in a fixed order, then cast."""
+  B, S, KS, D = partials.shape
+  return partials.reshape(B, S, KS // splits, splits, D).sum(3).astype(dtype)
+
+
 def backward_operands(q, k, v, out, lse, dout, dlse, prob: fwd_lib.Problem):
   """The backward kernels' padded operands ``(qp, kp, vp, dop, lse2,
   delta)`` (one XLA pass before them)."""
@@ -300,15 +324,23 @@ def backward_operands(q, k, v, out, lse, dout, dlse, prob: fwd_lib.Problem):
 
 
 def backward_passes(prob: fwd_lib.Problem, config: MosaicConfig, seg_dq,
-                    seg_dkv, interpret=None):
+                    seg_dkv, interpret=None, head_splits: int = 1):
   """The Hopper backward's kernel launches in order, ``[(name, run)]``,
   each ``run(qp, kp, vp, dop, lse2, delta)`` on the padded operands
   returning its outputs: ``dq`` (``dq-paired`` with ``bwd_paired_dq``)
   then ``dkv`` (``dkv-paired`` with ``bwd_paired_dkv``), or one
   ``dkv+atomic-dq`` with ``bwd_atomic_dq``.
-  :func:`backward` runs them; tools/kernel_times.py times them apart."""
-  dkv = functools.partial(bwd_lib.dkv, prob=prob, cfg=config,
-                          interpret=interpret)
+  :func:`backward` runs them; tools/kernel_times.py times them apart.
+  ``head_splits`` > 1: the dK/dV kernel's float32 partials, summed here
+  (:func:`head_splits`)."""
+  split_dkv = functools.partial(bwd_lib.dkv, prob=prob, cfg=config,
+                                interpret=interpret, head_splits=head_splits)
+
+  def dkv(qp, kp, vp, *rest, **kw):
+    dk, dv = split_dkv(qp, kp, vp, *rest, **kw)
+    if head_splits > 1:
+      dk, dv = (_sum_parts(x, head_splits, kp.dtype) for x in (dk, dv))
+    return dk, dv
   if config.bwd_atomic_dq:
     # dQ is summed over key tiles by TMA reduce-adds from the dK/dV kernel
     # into a zeroed float32 buffer that the kernel writes in place.  The
@@ -319,12 +351,16 @@ def backward_passes(prob: fwd_lib.Problem, config: MosaicConfig, seg_dq,
     def dkv_atomic(qp, kp, vp, dop, lse2, delta):
       def run(refs):
         dq_ref, dk_ref, dv_ref = refs
-        dk_ref[...], dv_ref[...] = dkv(qp, kp, vp, dop, lse2, delta,
-                                       seg_dkv, dq_acc=dq_ref)
+        dk_ref[...], dv_ref[...] = split_dkv(qp, kp, vp, dop, lse2, delta,
+                                             seg_dkv, dq_acc=dq_ref)
 
-      kv_zeros = jnp.zeros(kp.shape, qp.dtype)
+      B, S, K, D = kp.shape
+      kv_zeros = (jnp.zeros(kp.shape, qp.dtype) if head_splits == 1 else
+                  jnp.zeros((B, S, K * head_splits, D), jnp.float32))
       dq_acc, dk, dv = pl.run_state(run)(
           (jnp.zeros(qp.shape, jnp.float32), kv_zeros, kv_zeros))
+      if head_splits > 1:
+        dk, dv = (_sum_parts(x, head_splits, kp.dtype) for x in (dk, dv))
       return (dq_acc * prob.softmax_scale).astype(qp.dtype), dk, dv
     return [("dkv+atomic-dq", dkv_atomic)]
   if config.bwd_paired_dq:

@@ -287,14 +287,13 @@ def vec_slot(ring, slot, rows: int):
   return ring.at[slot, pl.ds(0, rows)]
 
 
-def _query_tile_loader(srcs, rings, ready, *, b, kh, group_size, n_tiles,
-                       u_lo, bq):
+def _query_tile_loader(srcs, rings, ready, *, b, h0, n_tiles, u_lo, bq):
   """The producer's ``load(step, slot)`` of both dK/dV kernels.
 
-  Step ``step`` walks query head ``g = step // n_tiles`` of key/value head
-  ``kh``'s group and its query tile ``u_lo + step % n_tiles``: Q, dO, the
-  log-sum-exp and delta land in ring slot ``slot`` and complete on
-  ``ready[slot]``.
+  Step ``step`` walks query head ``h0 + step // n_tiles`` (``h0``: the
+  first query head of the program's part of its key/value head's group)
+  and its query tile ``u_lo + step % n_tiles``: Q, dO, the log-sum-exp and
+  delta land in ring slot ``slot`` and complete on ``ready[slot]``.
   """
   q_ref, do_ref, lse2_ref, delta_ref = srcs
   q_ring, do_ring, lse_ring, delta_ring = rings
@@ -302,7 +301,7 @@ def _query_tile_loader(srcs, rings, ready, *, b, kh, group_size, n_tiles,
   def load(step, slot):
     g = lax.div(step, jnp.maximum(n_tiles, 1))
     t = u_lo + step - g * n_tiles
-    h = kh * group_size + g
+    h = h0 + g
     rows = pl.ds(t * bq, bq)
     plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_ring.at[slot],
                             ready.at[slot])
@@ -412,12 +411,17 @@ def _dkv_loop(step, *, u_lo, u_hi, own, group_size, n_tiles, skip,
 
 
 def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
-                atomic_dq: bool):
+                atomic_dq: bool, head_splits: int):
   """The dK/dV kernel (FlashAttention-2's backward with its outer loop over
   key tiles, as FlashAttention-3's dK/dV mainloop): program (key/value
   head, key group, batch); consumer ``wg`` holds key tile ``wg`` of the
   group (K and V) and runs :func:`_dkv_loop`, the producer streams the
-  query tiles any consumer needs, of every query head of the group."""
+  query tiles any consumer needs, of every query head of the group.
+
+  ``head_splits`` > 1: the programs' head axis runs over (key/value head,
+  part), each part one ``1 / head_splits`` of the group's query heads,
+  and each program writes its float32 partial dK and dV
+  (:func:`dkv_head_splits` says when: MQA and few key tiles)."""
   ((q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref),
    (qseg_ref, kvseg_ref, range_ref), refs) = _split_inputs(refs, prob)
   dq_acc_ref = refs.pop(0) if atomic_dq else None  # float32, zeroed
@@ -428,12 +432,16 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
   if atomic_dq:  # dS^T staged (in P's buffer with p_in_smem), dS K
     ds_smem2 = a_smem2 if a_smem2 is not None else extra.pop(0)
     dq_smem2 = extra.pop(0)
+  partial2 = extra.pop(0) if head_splits > 1 else None  # float32 staging
   n, stages = cfg.bwd_compute_wgs, cfg.bwd_stages
   bq, bk = cfg.dkv_block_q, cfg.bwd_block_kv
   group_rows = n * bk
-  group_size = prob.num_heads // prob.num_kv_heads
+  # Query heads per program: the group, or its part (head_splits).
+  group_size = prob.num_heads // prob.num_kv_heads // head_splits
   b = lax.axis_index("batch")
-  kh = lax.axis_index("heads")  # the key/value head
+  out_head = lax.axis_index("heads")  # (key/value head, part of its group)
+  kh = out_head if head_splits == 1 else lax.div(out_head, head_splits)
+  h0 = out_head * group_size  # the part's first query head
   wg = lax.axis_index("wg")
   grp = lax.axis_index("kv_seq")
   mask = prob.mask
@@ -463,7 +471,7 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
                         q_axis=1)
 
     def dq_dst(t, g):  # the query tile's rows of dQ (float32, padded)
-      return dq_acc_ref.at[b, pl.ds(t * bq, bq), kh * group_size + g]
+      return dq_acc_ref.at[b, pl.ds(t * bq, bq), h0 + g]
 
     step = functools.partial(
         _dkv_step, prob=prob, cfg=cfg, dtype=dtype,
@@ -476,9 +484,21 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
         skip=pipeline.acknowledge(ready, free, stages),
         acc_shape=(bk, prob.head_dim_padded),
         element_mask_everywhere=range_ref is not None)
-    # K's and V's buffers are free now: stage the results there.
     # dS is w.r.t. the scaled logits: d(scale * q.k)/dk = scale * q.
-    k_smem[...] = (dk * prob.softmax_scale).astype(dtype)
+    dk = dk * prob.softmax_scale
+    if partial2 is not None:
+      # A part of the group: its float32 partials, one after the other
+      # through one staging tile, summed over the parts by the caller.
+      out_rows = (b, pl.ds(k_start, bk), out_head)
+      for acc, ref in ((dk, dk_ref), (dv, dv_ref)):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        partial2.at[wg][...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(partial2.at[wg], ref.at[out_rows])
+      plgpu.wait_smem_to_gmem(0)
+      return
+    # K's and V's buffers are free now: stage the results there.
+    k_smem[...] = dk.astype(dtype)
     v_smem[...] = dv.astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows])
@@ -490,17 +510,20 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     pipeline.split_registers(True, n, cfg.bwd_consumer_registers)
     load = _query_tile_loader(
         (q_ref, do_ref, lse2_ref, delta_ref),
-        (q_ring, do_ring, lse_ring, delta_ring), ready, b=b, kh=kh,
-        group_size=group_size, n_tiles=n_tiles, u_lo=u_lo, bq=bq)
+        (q_ring, do_ring, lse_ring, delta_ring), ready, b=b, h0=h0,
+        n_tiles=n_tiles, u_lo=u_lo, bq=bq)
     pipeline.produce(n_steps, stages, load, [free])
 
 
 def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
-        cfg: MosaicConfig, dq_acc=None, interpret=None):
+        cfg: MosaicConfig, dq_acc=None, interpret=None, head_splits: int = 1):
   """``(dk, dv)``, padded like ``k``; q/do ``[B, Tp, H, Dp]``,
   lse2/delta ``[B, H, Tp]`` float32, ``segments = (q_seg, kv_seg,
   kv_group_range)``.  ``dq_acc``: a zeroed float32 ref shaped like ``q``,
-  into which the kernel adds ``dS K`` (unscaled; ``bwd_atomic_dq``)."""
+  into which the kernel adds ``dS K`` (unscaled; ``bwd_atomic_dq``).
+  ``head_splits`` > 1: float32 partials ``[B, Sp, K * head_splits, Dp]``
+  (key/value head ``kh``'s part ``p`` at head ``kh * head_splits + p``),
+  each over ``1 / head_splits`` of the group's query heads."""
   atomic_dq = dq_acc is not None
   dtype = q.dtype
   dp = prob.head_dim_padded
@@ -527,12 +550,18 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
     scratch.append(plgpu.SMEM((n, bk, bq), dtype, **over_q))
   if atomic_dq:  # one float32 dS K tile per consumer
     scratch.append(plgpu.SMEM((n, bq, dp), jnp.float32, **TILED_F32))
-  out_type = [out_struct(k.shape, dtype, q, k, v) for _ in range(2)]
+  out_shape, out_dtype = k.shape, dtype
+  if head_splits > 1:  # one float32 partial tile per consumer, staged
+    scratch.append(plgpu.SMEM((n, bk, dp), jnp.float32, **TILED_F32))
+    B, Sp, K, _ = k.shape
+    out_shape, out_dtype = (B, Sp, K * head_splits, dp), jnp.float32
+  out_type = [out_struct(out_shape, out_dtype, q, k, v) for _ in range(2)]
   return pipeline.launch(
       functools.partial(_dkv_kernel, prob=prob, cfg=cfg, dtype=dtype,
-                        atomic_dq=atomic_dq),
+                        atomic_dq=atomic_dq, head_splits=head_splits),
       out_type=out_type, scratch=scratch,
-      grid=(prob.num_kv_heads, prob.kv_pad // (n * bk), prob.batch),
+      grid=(prob.num_kv_heads * head_splits, prob.kv_pad // (n * bk),
+            prob.batch),
       grid_names=("heads", "kv_seq", "batch"), consumers=n,
       interpret=interpret,
   )(q, k, v, do, lse2, delta, *(segments or ()),
@@ -694,8 +723,8 @@ def _paired_dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
 
     load = _query_tile_loader(
         (q_ref, do_ref, lse2_ref, delta_ref),
-        (q_ring, do_ring, lse_ring, delta_ring), ready, b=b, kh=kh,
-        group_size=group_size, n_tiles=n_tiles, u_lo=u_lo, bq=bq)
+        (q_ring, do_ring, lse_ring, delta_ring), ready, b=b,
+        h0=kh * group_size, n_tiles=n_tiles, u_lo=u_lo, bq=bq)
     pipeline.produce(group_size * n_tiles, stages, load, [free])
 
 

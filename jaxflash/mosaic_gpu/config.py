@@ -137,6 +137,11 @@ class MosaicConfig:
     bwd_early_dv: with ``bwd_softmax_overlap``, ``dV += P^T dO`` is issued
       behind ``dP^T``'s wgmma, before the wait for it; tuned on at padded
       head_dim 128.
+    bwd_head_splits: GQA/MQA: the dK/dV kernel's programs each take
+      ``1 / bwd_head_splits`` of a key/value head's query heads and write
+      float32 partials that one XLA pass sums; None: chosen per call by
+      :func:`dkv_head_splits` (1 unless there are few key tiles to share
+      out).  Not with ``bwd_paired_dkv``.
   """
 
   block_q: int = 64
@@ -172,6 +177,7 @@ class MosaicConfig:
   bwd_softmax_overlap: bool = False
   bwd_stats_in_acc: bool = False
   bwd_early_dv: bool = False
+  bwd_head_splits: int | None = None
 
   def __post_init__(self):
     for name in ("block_q", "bwd_block_q", "bwd_block_kv"):
@@ -197,6 +203,15 @@ class MosaicConfig:
             f"bwd_dkv_block_q={dkv_q} with bwd_paired_dkv=True: the paired"
             " dK/dV kernel streams bwd_block_q rows (it needs"
             " bwd_dkv_block_q=None)")
+    splits = self.bwd_head_splits
+    if splits is not None:
+      if not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"bwd_head_splits={splits!r} must be None or a"
+                         " positive integer")
+      if splits > 1 and self.bwd_paired_dkv:
+        raise ValueError(
+            f"bwd_head_splits={splits} with bwd_paired_dkv=True: the paired"
+            " dK/dV kernel takes whole groups (bwd_head_splits=None or 1)")
     thr = self.rescale_threshold
     if not isinstance(thr, int) or not 0 <= thr <= MAX_RESCALE_THRESHOLD:
       raise ValueError(
@@ -308,8 +323,10 @@ class MosaicConfig:
     # alignment per buffer), checked against the compiler the same way.
     return sum(buffers) + _reserved(len(buffers))
 
-  def bwd_smem_bytes(self, head_dim_padded: int, itemsize: int = 2) -> int:
-    """Shared memory of the larger of the two backward kernels."""
+  def bwd_smem_bytes(self, head_dim_padded: int, itemsize: int = 2,
+                     head_splits: int = 1) -> int:
+    """Shared memory of the larger of the two backward kernels
+    (``head_splits`` > 1: the dK/dV kernel's float32 staging tiles)."""
     bq, bk, n = self.bwd_block_q, self.bwd_block_kv, self.bwd_compute_wgs
     a_op = n * bq * bk * itemsize if self.p_in_smem else 0
     # dK/dV: K, V held per consumer; Q, dO, lse, delta streamed (in steps
@@ -320,6 +337,9 @@ class MosaicConfig:
                                 + 8 * vec_slot_rows(sq))
            + n * sq * bk * itemsize * self.p_in_smem)
     dkv_buffers = 6 + self.p_in_smem
+    if head_splits > 1:  # one float32 partial tile per consumer
+      dkv += n * bk * head_dim_padded * 4
+      dkv_buffers += 1
     if self.bwd_atomic_dq:
       # dS^T staged per consumer (the dQ matmul's transposed A operand)
       # unless P's buffer exists, and one float32 dQ tile per consumer.
@@ -383,6 +403,42 @@ def head_dim_problem(config: "MosaicConfig", head_dim_padded: int
   return None
 
 
+# dkv_head_splits: the dK/dV grid should fill this many waves of the SMs.
+# Below it, an MQA call's few programs (one per key tile: 64 at 8k keys,
+# batch 1) each stream every query head of the group, while most SMs idle.
+HEAD_SPLIT_WAVES = 2
+
+
+def dkv_head_splits(config: "MosaicConfig", *, group_size: int,
+                    programs: int, sm_count: int, head_dim_padded: int
+                    ) -> int:
+  """Parts of each GQA/MQA group the dK/dV kernel shares out over
+  programs: ``config.bwd_head_splits`` where given (it must divide the
+  group), else the least divisor of ``group_size`` that gives the
+  ``programs`` (key tiles x key/value heads x batch) at least
+  :data:`HEAD_SPLIT_WAVES` waves of ``sm_count`` SMs (the whole group if
+  none does), and 1 where the float32 staging tile does not fit in
+  shared memory or the paired kernel runs.  FlashAttention-3 sums GQA's
+  dK/dV by float32 atomics instead; the partials here keep the sum in a
+  fixed order (bitwise reproducible)."""
+  forced = config.bwd_head_splits
+  if forced is not None:
+    if group_size % forced:
+      raise ValueError(
+          f"bwd_head_splits={forced} must divide the query heads per"
+          f" key/value head ({group_size})")
+    return forced
+  if config.bwd_paired_dkv or group_size == 1:
+    return 1
+  want = HEAD_SPLIT_WAVES * sm_count
+  splits = next((s for s in range(1, group_size + 1)
+                 if group_size % s == 0 and programs * s >= want), group_size)
+  if splits > 1 and config.bwd_smem_bytes(
+      head_dim_padded, head_splits=splits) > SMEM_LIMIT:
+    return 1
+  return splits
+
+
 def parse_overrides(text: str) -> dict:
   """``"bwd_atomic_dq=1,bwd_stages=3"`` -> ``{"bwd_atomic_dq": True,
   "bwd_stages": 3}``: MosaicConfig fields with integer values (0/1 for
@@ -430,7 +486,8 @@ def needed_smem_bytes(config: "MosaicConfig", head_dim_padded: int) -> int:
   (the forward, and the Hopper backward where it serves the head_dim)."""
   need = config.smem_bytes(head_dim_padded)
   if head_dim_padded <= MAX_BWD_HEAD_DIM or config.bwd_paired_dkv:
-    need = max(need, config.bwd_smem_bytes(head_dim_padded))
+    need = max(need, config.bwd_smem_bytes(
+        head_dim_padded, head_splits=config.bwd_head_splits or 1))
   return need
 
 

@@ -42,7 +42,6 @@ import dataclasses
 import functools
 import math
 
-import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
@@ -1437,12 +1436,6 @@ def _masked_ranges(start, stop, full_lo, full_hi, step, carry):
   return carry
 
 
-def _sm_count() -> int:
-  """Streaming multiprocessors of the default device (132 on an H100/H200
-  SXM when the runtime does not say)."""
-  return int(getattr(jax.devices()[0], "core_count", 0) or 132)
-
-
 def _use_schedule(cfg: MosaicConfig) -> bool:
   return cfg.schedule_barrier and cfg.compute_wgs == 2
 
@@ -1515,7 +1508,7 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
     # INTERPRET_PROGRAMS so that each program loops over several work
     # items.
     units = prob.num_heads * prob.batch * _units_per_bh(cfg, prob, n_groups)
-    n_sm = INTERPRET_PROGRAMS if interpret else _sm_count() // cluster
+    n_sm = INTERPRET_PROGRAMS if interpret else pipeline.sm_count() // cluster
     n_programs = min(n_sm, units)
     grid, grid_names = (n_programs,), ("sm",)
   kernel = functools.partial(_kernel, prob=prob, cfg=cfg, dtype=dtype,
