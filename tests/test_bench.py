@@ -96,8 +96,8 @@ def test_writers(tmp_path):
     assert key in data
   assert set(data["results"][0]) == {
       "impl", "model", "batch", "seq_q", "seq_k", "heads", "kv_heads",
-      "head_dim", "causal", "dtype", "mask", "mode", "ms", "tflops", "peak_bytes",
-      "max_abs_err", "error", "samples_ms", "same_program_as",
+      "head_dim", "causal", "dtype", "mask", "mode", "ms", "tflops",
+      "peak_bytes", "max_abs_err", "error", "samples_ms", "same_program_as",
       "paired_with"}
   meta2, rows2 = report.read_json(str(path))
   assert rows2 == rows and meta2["commit"] == "abc1234"

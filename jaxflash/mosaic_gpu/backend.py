@@ -2,7 +2,9 @@
 ``forward``, ``backward`` and ``check_supported``.  Autodiff, batching and
 partitioning are :mod:`jaxflash.op`'s, over these functions.
 
-Forward: :mod:`jaxflash.mosaic_gpu.forward`.  Backward: the Hopper dK/dV
+Forward: :mod:`jaxflash.mosaic_gpu.forward`, at the head_dim rounded up to
+16 (``config.forward_head_dim``: 80 and 96 run as themselves).  Backward
+(head_dim rounded up to 64, ``config.backward_head_dim``): the Hopper dK/dV
 and dQ kernels of :mod:`jaxflash.mosaic_gpu.backward` for padded head_dim
 <= 128.  Above that their two float32 accumulators (dK, dV) do not fit in
 a warpgroup's registers: with ``MosaicConfig(bwd_paired_dkv=True)`` (the
@@ -35,8 +37,10 @@ from jaxflash.mosaic_gpu.config import (
   INTERPRET_CONFIG,
   MAX_BWD_HEAD_DIM,
   MosaicConfig,
+  backward_head_dim,
   default_config,
   dkv_head_splits,
+  forward_head_dim,
   head_dim_problem,
 )
 
@@ -55,10 +59,6 @@ class _Static:
   config: MosaicConfig
   interpret: Any
   head_dim: int
-
-
-def _head_dim_padded(d: int) -> int:
-  return round_up(d, 64)
 
 
 def _interpret_params(interpret):
@@ -109,7 +109,7 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
           arrays: MaskArrays = NO_MASK_ARRAYS) -> _Static:
   B, T, H, D = q.shape
   S, K = k.shape[1], k.shape[2]
-  dp = _head_dim_padded(D)
+  dp = forward_head_dim(D)
   config = _resolve_config(config, interpret, dp, mask)
   prob = fwd_lib.Problem(
       mask=mask, softmax_scale=float(softmax_scale), batch=B, num_heads=H,
@@ -207,7 +207,7 @@ def serves_backward(q, *, mask: MaskSpec, config: MosaicConfig | None,
                     interpret=False, deterministic: bool = False) -> bool:
   """Whether :func:`backward` serves this call; where it does not, the
   Triton backward kernels take the same residuals."""
-  dp = _head_dim_padded(q.shape[3])
+  dp = backward_head_dim(q.shape[3])
   return _serves_backward(
       dp, _resolve_config(config, interpret, dp, mask, deterministic))
 
@@ -220,7 +220,7 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
   bitwise reproducible when ``deterministic`` (no atomic dQ)."""
   B, T, H, D = q.shape
   S = k.shape[1]
-  dp = _head_dim_padded(D)
+  dp = backward_head_dim(D)
   config = _resolve_config(config, interpret, dp, mask, deterministic)
   if not _serves_backward(dp, config):
     raise NotImplementedError(
@@ -281,7 +281,8 @@ def backward_problem(q, k, mask: MaskSpec, softmax_scale: float,
       mask=mask, softmax_scale=float(softmax_scale), batch=B, num_heads=H,
       num_kv_heads=K, q_pad=round_up(T, q_tile),
       kv_pad=round_up(S, n * config.bwd_block_kv),
-      head_dim_padded=_head_dim_padded(D), logits_soft_cap=logits_soft_cap,
+      head_dim_padded=backward_head_dim(D),
+      logits_soft_cap=logits_soft_cap,
       has_segments=any(x is not None for x in arrays))
 
 
@@ -417,7 +418,7 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
     raise NotImplementedError(
         f"mosaic_gpu backend supports bfloat16 and float16, got {q.dtype}")
   del arrays  # segment ids and lengths are served
-  dp = _head_dim_padded(q.shape[3])
+  dp = backward_head_dim(q.shape[3])
   why = config and head_dim_problem(config, dp)
   if why:
     raise NotImplementedError(why)

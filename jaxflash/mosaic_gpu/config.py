@@ -277,11 +277,14 @@ class MosaicConfig:
     :attr:`lean_epilogue`)."""
     return self.prefetches_q or self.lean_epilogue
 
-  def out_chunks(self, head_dim_padded: int) -> tuple[int, int]:
-    """The output's staging with :attr:`out_slots`: (64-column chunks,
-    slots)."""
-    chunks = -(-head_dim_padded // 64)
-    return chunks, min(2, chunks)
+  def out_chunks(self, head_dim_padded: int) -> tuple[int, int, int]:
+    """The output's staging with :attr:`out_slots`: (chunk columns,
+    chunks, slots); 64-column chunks, or at a head_dim that 64 does not
+    divide (the forward's own 80 or 96) the widest swizzle's width that
+    divides it (:func:`swizzle_columns`)."""
+    width = swizzle_columns(head_dim_padded)
+    chunks = head_dim_padded // width
+    return width, chunks, min(2, chunks)
 
   def _fwd_buffers(self, head_dim_padded: int, itemsize: int) -> list[int]:
     qo = self.compute_wgs * self.block_q * head_dim_padded * itemsize
@@ -293,8 +296,8 @@ class MosaicConfig:
       buffers.append(self.compute_wgs * self.block_q * self.block_kv
                      * itemsize)
     if self.out_slots:  # the output's chunks
-      _, slots = self.out_chunks(head_dim_padded)
-      buffers.append(self.compute_wgs * slots * self.block_q * 64
+      width, _, slots = self.out_chunks(head_dim_padded)
+      buffers.append(self.compute_wgs * slots * self.block_q * width
                      * itemsize)
     return buffers
 
@@ -367,6 +370,31 @@ class MosaicConfig:
             * itemsize + (bq * bk * itemsize if self.p_in_smem else 0))
       dq_buffers = 5 + self.p_in_smem
     return max(dkv + _reserved(dkv_buffers), dq + _reserved(dq_buffers))
+
+
+def swizzle_columns(columns: int) -> int:
+  """16-bit columns of the widest shared-memory swizzle (128, 64 or 32
+  bytes) that divides ``columns`` (a multiple of 16): 64, 32 or 16.  A
+  wgmma operand's swizzle must divide its contraction (Mosaic GPU: "K
+  must be a multiple of 64" at 128 bytes) and its tiling its columns."""
+  for cols in (64, 32, 16):
+    if columns % cols == 0:
+      return cols
+  raise ValueError(f"{columns} columns are not a multiple of 16")
+
+
+def forward_head_dim(head_dim: int) -> int:
+  """The forward kernel's head_dim: ``head_dim`` rounded up to 16 (a
+  bfloat16 wgmma's K step), so 80 and 96 run as themselves where the
+  backward pads them to 128 (:func:`backward_head_dim`): Q K^T and P V
+  do 0.625 and 0.75 of the padded work (FlashAttention-3 instantiates
+  such head_dims too)."""
+  return -(-head_dim // 16) * 16
+
+
+def backward_head_dim(head_dim: int) -> int:
+  """The backward kernels' head_dim: rounded up to a multiple of 64."""
+  return -(-head_dim // 64) * 64
 
 
 # Three consumers hold their output accumulators (block_q x head_dim
