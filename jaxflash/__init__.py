@@ -8,6 +8,7 @@ from jaxflash.masks import MaskSpec as MaskSpec
 from jaxflash.mosaic_gpu import MosaicConfig as MosaicConfig
 from jaxflash.op import RESIDUAL_NAMES as RESIDUAL_NAMES
 from jaxflash.triton import TritonConfig as TritonConfig
+from jaxflash.tune import autotune as autotune
 
 __version__ = "0.1.0"
 

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflash import backends, checks
-from jaxflash.masks import MaskSpec
 
 IMPLEMENTATIONS = backends.IMPLEMENTATIONS
 
@@ -138,14 +137,8 @@ def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
   if logits_soft_cap is not None:
     logits_soft_cap = checks.static_positive("logits_soft_cap",
                                              logits_soft_cap)
-  T, S = q.shape[1], k.shape[1]
-  # A side of the window that reaches past every key of every query
-  # (T + S covers any alignment) is no bound: None, so that no position
-  # arithmetic sees a size near int32's limit (2**31 - 1 would wrap).
-  left, right = (None if w is not None and w >= T + S else w
-                 for w in checks.window_sizes(local_window_size))
-  mask = MaskSpec(q_len=T, kv_len=S, causal=bool(causal),
-                  offset=offset, window_left=left, window_right=right)
+  mask = checks.mask_spec(q.shape[1], k.shape[1], causal=causal,
+                          offset=offset, local_window_size=local_window_size)
   arrays = checks.mask_arrays(q, k, segment_ids, q_seq_lengths,
                               kv_seq_lengths, names)
   deterministic = checks.resolve_deterministic(deterministic)
@@ -160,7 +153,7 @@ def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
                             arrays=arrays, logits_soft_cap=logits_soft_cap)
   if q.shape[0] == 0:  # an empty batch: nothing for a kernel to do
     out = jnp.zeros(q.shape, q.dtype)
-    lse = jnp.zeros((0, q.shape[2], T),
+    lse = jnp.zeros((0, q.shape[2], q.shape[1]),
                     jnp.promote_types(jnp.float32, q.dtype))
   else:
     out, lse = backends.attention(

@@ -59,7 +59,7 @@ def _mosaic_backward(q, k, v, arrays, out, lse, dout, dlse, *, mask,
                      deterministic):
   """The Hopper backward kernels, or the Triton ones where those do not
   serve the call (both take the same residuals)."""
-  if mosaic_gpu.serves_backward(q, mask=mask, config=config,
+  if mosaic_gpu.serves_backward(q, k, mask=mask, config=config,
                                 interpret=interpret,
                                 deterministic=deterministic):
     return mosaic_kernels.backward(

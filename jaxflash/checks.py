@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash.masks import MaskArrays
+from jaxflash.masks import MaskArrays, MaskSpec
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
 
@@ -124,6 +124,19 @@ def window_sizes(local_window_size) -> tuple[int | None, int | None]:
         f"local_window_size={local_window_size!r}: window sizes must be"
         " >= 0")
   return left, right
+
+
+def mask_spec(q_len: int, kv_len: int, *, causal, offset=None,
+              local_window_size=None) -> MaskSpec:
+  """The call's MaskSpec from the entry points' arguments (checked)."""
+  # A side of the window that reaches past every key of every query
+  # (q_len + kv_len covers any alignment) is no bound: None, so that no
+  # position arithmetic sees a size near int32's limit (2**31 - 1 would
+  # wrap).
+  left, right = (None if w is not None and w >= q_len + kv_len else w
+                 for w in window_sizes(local_window_size))
+  return MaskSpec(q_len=q_len, kv_len=kv_len, causal=bool(causal),
+                  offset=offset, window_left=left, window_right=right)
 
 
 _INT32 = np.iinfo(np.int32)

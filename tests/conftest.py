@@ -18,6 +18,9 @@ if (not glob.glob("/dev/nvidia[0-9]*")
 # On GPUs, XLA autotunes every matmul fusion of the reference by compiling
 # many Triton variants; tests never measure speed, so skip that.
 os.environ["XLA_FLAGS"] += " --xla_gpu_autotune_level=0"
+# jaxflash.autotune's on-disk winners never steer the tests' calls (a test
+# of the cache points it at a file of its own).
+os.environ["JAXFLASH_AUTOTUNE_CACHE"] = "off"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

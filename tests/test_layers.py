@@ -22,7 +22,7 @@ LAYERS = (
     ("jaxflash.op",),
     ("jaxflash.checks", "jaxflash.backends"),
     ("jaxflash.api", "jaxflash.ring"),
-    ("jaxflash.sharding",),
+    ("jaxflash.sharding", "jaxflash.tune"),
     ("jaxflash.linen",),
     ("jaxflash",),
     ("jaxflash.bench",),

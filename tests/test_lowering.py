@@ -19,7 +19,7 @@ from jax.experimental.pallas import triton as plt
 
 from jaxflash import backends
 from jaxflash.masks import MaskArrays, MaskSpec
-from jaxflash.mosaic_gpu.config import forward_head_dim, needed_smem_bytes
+from jaxflash.mosaic_gpu.config import kernel_head_dim, needed_smem_bytes
 
 # The kernel backends' ops without the dispatch's device check: a CPU host
 # lowers them for CUDA here.
@@ -277,7 +277,7 @@ def test_mosaic_lowers_for_cuda(shape, cfg, segments):
 
   lower = lambda: jax.jit(fwd).trace(q, kv, kv, seg_q, seg_kv).lower(
       lowering_platforms=("cuda",)).as_text()
-  dp = forward_head_dim(d)
+  dp = kernel_head_dim(d)
   if config.smem_bytes(dp) > 227 * 1024:
     # Our estimate and the compiler agree that this config does not fit.
     with pytest.raises(Exception, match="exceeds available shared memory"):
@@ -601,13 +601,13 @@ _OWN_DIMS_EVERY_COMMIT = {(80, True, 2048), (96, False, 8192),
                  else pytest.mark.slow)
     for d in (32, 48, 80, 96, 112, 160)
     for c, s in ((True, 2048), (False, 1024), (False, 8192), (True, 16384))])
-def test_mosaic_forward_lowers_at_its_own_head_dims(head_dim, causal,
-                                                    kv_len):
-  """Head_dims that 64 does not divide run the forward at the head_dim
-  rounded up to 16 (config.forward_head_dim), with narrower swizzles:
-  the H200 entry's configs (each rule's form) lower for CUDA there."""
+def test_mosaic_lowers_at_its_own_head_dims(head_dim, causal, kv_len):
+  """Head_dims that 64 does not divide run the kernels at the head_dim
+  rounded up to 16 (config.kernel_head_dim), with narrower swizzles: the
+  H200 entry's configs (each rule's form) lower for CUDA there, forward
+  and backward (at 160 the Triton backward)."""
   from jaxflash import mosaic_gpu
-  dp = forward_head_dim(head_dim)
+  dp = kernel_head_dim(head_dim)
   assert dp == -(-head_dim // 16) * 16
   cfg = mosaic_gpu.default_config("NVIDIA H200", dp, causal=causal,
                                   kv_len=kv_len)
@@ -615,10 +615,11 @@ def test_mosaic_forward_lowers_at_its_own_head_dims(head_dim, causal,
   q = jax.ShapeDtypeStruct((1, kv_len, 4, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, kv_len, 2, head_dim), jnp.bfloat16)
 
-  def fwd(q, k, v):
-    return mosaic_attention(q, k, v, mask=mask, arrays=MaskArrays(),
-                            softmax_scale=head_dim ** -0.5, config=cfg)[0]
+  def loss(q, k, v):
+    out = mosaic_attention(q, k, v, mask=mask, arrays=MaskArrays(),
+                           softmax_scale=head_dim ** -0.5, config=cfg)[0]
+    return out.astype(jnp.float32).sum()
 
-  text = jax.jit(fwd).trace(q, kv, kv).lower(
+  text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, kv, kv).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text

@@ -243,9 +243,10 @@ def _case_run(case, part=None, config=None, name=None) -> Run:
 
 
 def _serves_backward(run: Run) -> bool:
-  b, t, _, h, _, d = run.shape
+  b, t, s, h, kh, d = run.shape
   return mosaic_gpu.serves_backward(
-      jax.ShapeDtypeStruct((b, t, h, d), run.dtype), mask=run.spec,
+      jax.ShapeDtypeStruct((b, t, h, d), run.dtype),
+      jax.ShapeDtypeStruct((b, s, kh, d), run.dtype), mask=run.spec,
       config=run.config, interpret=RACES)
 
 

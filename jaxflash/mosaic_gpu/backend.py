@@ -2,9 +2,9 @@
 ``forward``, ``backward`` and ``check_supported``.  Autodiff, batching and
 partitioning are :mod:`jaxflash.op`'s, over these functions.
 
-Forward: :mod:`jaxflash.mosaic_gpu.forward`, at the head_dim rounded up to
-16 (``config.forward_head_dim``: 80 and 96 run as themselves).  Backward
-(head_dim rounded up to 64, ``config.backward_head_dim``): the Hopper dK/dV
+Both at the head_dim rounded up to 16 (``config.kernel_head_dim``: 80 and
+96 run as themselves).  Forward: :mod:`jaxflash.mosaic_gpu.forward`.
+Backward: the Hopper dK/dV
 and dQ kernels of :mod:`jaxflash.mosaic_gpu.backward` for padded head_dim
 <= 128.  Above that their two float32 accumulators (dK, dV) do not fit in
 a warpgroup's registers: with ``MosaicConfig(bwd_paired_dkv=True)`` (the
@@ -30,18 +30,17 @@ from jax.experimental import pallas as pl
 from jaxflash import masks as masks_lib
 from jaxflash._util import pad_axis, require_cuda, round_up, softmax_delta
 from jaxflash.masks import PAD_SEGMENT_ID, MaskArrays, MaskSpec
+from jaxflash.mosaic_gpu import autotuned, pipeline
 from jaxflash.mosaic_gpu import backward as bwd_lib
 from jaxflash.mosaic_gpu import forward as fwd_lib
-from jaxflash.mosaic_gpu import pipeline
 from jaxflash.mosaic_gpu.config import (
   INTERPRET_CONFIG,
   MAX_BWD_HEAD_DIM,
   MosaicConfig,
-  backward_head_dim,
   default_config,
   dkv_head_splits,
-  forward_head_dim,
   head_dim_problem,
+  kernel_head_dim,
 )
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -74,20 +73,33 @@ def _device_kind() -> str:
   return jax.devices()[0].device_kind
 
 
+def autotune_key(q, k, mask: MaskSpec) -> str:
+  """The call's class in the autotune cache (:mod:`.autotuned`)."""
+  return autotuned.call_class(
+      q, k, causal=mask.causal,
+      window=mask.window_left is not None or mask.window_right is not None)
+
+
 def _resolve_config(config: MosaicConfig | None, interpret,
                     dp: int, mask: MaskSpec,
-                    deterministic: bool = False) -> MosaicConfig:
-  """The caller's config, else the interpretable one or the tuned default
-  for this device kind, padded head_dim and call.  ``deterministic``
-  turns the tuned default's TMA reduce-add dQ (``bwd_atomic_dq``, summed
-  in whatever order the programs finish) into the dQ kernel, which owns
-  its tiles and sums in a fixed order."""
+                    deterministic: bool = False, q=None,
+                    k=None) -> MosaicConfig:
+  """The caller's config, else the interpretable one, else
+  :func:`jaxflash.autotune`'s cached winner for this device kind and
+  class of call (``q`` and ``k`` given), else the tuned default for this
+  device kind, padded head_dim and call.  ``deterministic`` turns a
+  TMA reduce-add dQ (``bwd_atomic_dq``, summed in whatever order the
+  programs finish) into the dQ kernel, which owns its tiles and sums in
+  a fixed order."""
   if config is not None:  # its atomics were checked at the entry point
     return config
   if interpret:
     return INTERPRET_CONFIG
-  config = default_config(_device_kind(), dp,
-                          causal=mask.causal, kv_len=mask.kv_len)
+  if q is not None:
+    config = autotuned.lookup(_device_kind(), autotune_key(q, k, mask))
+  if config is None:
+    config = default_config(_device_kind(), dp,
+                            causal=mask.causal, kv_len=mask.kv_len)
   if deterministic and config.bwd_atomic_dq:
     config = dataclasses.replace(config, bwd_atomic_dq=False)
   return config
@@ -109,8 +121,8 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
           arrays: MaskArrays = NO_MASK_ARRAYS) -> _Static:
   B, T, H, D = q.shape
   S, K = k.shape[1], k.shape[2]
-  dp = forward_head_dim(D)
-  config = _resolve_config(config, interpret, dp, mask)
+  dp = kernel_head_dim(D)
+  config = _resolve_config(config, interpret, dp, mask, q=q, k=k)
   prob = fwd_lib.Problem(
       mask=mask, softmax_scale=float(softmax_scale), batch=B, num_heads=H,
       num_kv_heads=K, q_pad=round_up(T, config.compute_wgs * config.block_q),
@@ -203,13 +215,13 @@ def _serves_backward(dp: int, config: MosaicConfig) -> bool:
   return dp <= MAX_BWD_HEAD_DIM or config.bwd_paired_dkv
 
 
-def serves_backward(q, *, mask: MaskSpec, config: MosaicConfig | None,
+def serves_backward(q, k, *, mask: MaskSpec, config: MosaicConfig | None,
                     interpret=False, deterministic: bool = False) -> bool:
   """Whether :func:`backward` serves this call; where it does not, the
   Triton backward kernels take the same residuals."""
-  dp = backward_head_dim(q.shape[3])
+  dp = kernel_head_dim(q.shape[3])
   return _serves_backward(
-      dp, _resolve_config(config, interpret, dp, mask, deterministic))
+      dp, _resolve_config(config, interpret, dp, mask, deterministic, q, k))
 
 
 def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
@@ -220,8 +232,8 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
   bitwise reproducible when ``deterministic`` (no atomic dQ)."""
   B, T, H, D = q.shape
   S = k.shape[1]
-  dp = backward_head_dim(D)
-  config = _resolve_config(config, interpret, dp, mask, deterministic)
+  dp = kernel_head_dim(D)
+  config = _resolve_config(config, interpret, dp, mask, deterministic, q, k)
   if not _serves_backward(dp, config):
     raise NotImplementedError(
         f"the Hopper backward kernels at padded head_dim {dp} >"
@@ -281,7 +293,7 @@ def backward_problem(q, k, mask: MaskSpec, softmax_scale: float,
       mask=mask, softmax_scale=float(softmax_scale), batch=B, num_heads=H,
       num_kv_heads=K, q_pad=round_up(T, q_tile),
       kv_pad=round_up(S, n * config.bwd_block_kv),
-      head_dim_padded=backward_head_dim(D),
+      head_dim_padded=kernel_head_dim(D),
       logits_soft_cap=logits_soft_cap,
       has_segments=any(x is not None for x in arrays))
 
@@ -418,7 +430,7 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
     raise NotImplementedError(
         f"mosaic_gpu backend supports bfloat16 and float16, got {q.dtype}")
   del arrays  # segment ids and lengths are served
-  dp = backward_head_dim(q.shape[3])
+  dp = kernel_head_dim(q.shape[3])
   why = config and head_dim_problem(config, dp)
   if why:
     raise NotImplementedError(why)

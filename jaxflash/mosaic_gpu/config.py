@@ -383,18 +383,13 @@ def swizzle_columns(columns: int) -> int:
   raise ValueError(f"{columns} columns are not a multiple of 16")
 
 
-def forward_head_dim(head_dim: int) -> int:
-  """The forward kernel's head_dim: ``head_dim`` rounded up to 16 (a
-  bfloat16 wgmma's K step), so 80 and 96 run as themselves where the
-  backward pads them to 128 (:func:`backward_head_dim`): Q K^T and P V
-  do 0.625 and 0.75 of the padded work (FlashAttention-3 instantiates
-  such head_dims too)."""
+def kernel_head_dim(head_dim: int) -> int:
+  """The Hopper kernels' head_dim: ``head_dim`` rounded up to 16 (a
+  16-bit wgmma's K step), so 80 and 96 run as themselves, with narrower
+  swizzles, rather than padded to 128 (the matmuls then do 0.625 and
+  0.75 of the padded work; FlashAttention-3 instantiates such head_dims
+  too)."""
   return -(-head_dim // 16) * 16
-
-
-def backward_head_dim(head_dim: int) -> int:
-  """The backward kernels' head_dim: rounded up to a multiple of 64."""
-  return -(-head_dim // 64) * 64
 
 
 # Three consumers hold their output accumulators (block_q x head_dim

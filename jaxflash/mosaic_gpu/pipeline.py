@@ -43,11 +43,6 @@ def tiled_over(contraction: int) -> dict:
                           plgpu.SwizzleTransform(2 * cols)))
 
 
-# 128-byte swizzle over 64-element (bf16/fp16) rows: the shared-memory
-# layout wgmma reads without bank conflicts.
-TILED = tiled_over(64)
-
-
 def sm_count() -> int:
   """Streaming multiprocessors of the default device (132 on an H100/H200
   SXM when the runtime does not say, as on the CPU interpreter)."""
