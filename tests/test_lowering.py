@@ -387,7 +387,7 @@ def test_mosaic_backward_lowers_for_cuda(shape, cfg, segments):
 
   lower = lambda: jax.jit(jax.grad(loss, (0, 1, 2))).trace(
       q, kv, kv, seg_q, seg_kv).lower(lowering_platforms=("cuda",)).as_text()
-  dp = -(-d // 64) * 64
+  dp = kernel_head_dim(d)
   if needed_smem_bytes(config, dp) > 227 * 1024:
     with pytest.raises(Exception, match="exceeds available shared memory"):
       lower()
