@@ -177,3 +177,45 @@ def _heads_to_groups(x, K: int, G: int):
   s]`` (query head ``h = k * G + g``)."""
   b, n, t, s = x.shape
   return x.reshape((b, 1, 1, t, s) if n == 1 else (b, K, G, t, s))
+
+
+def paged_attention(
+    q_BxTxHxD: jax.Array,
+    k_pages_NxPxKxD: jax.Array,
+    v_pages_NxPxKxD: jax.Array,
+    page_indices_BxM: jax.Array,
+    kv_lengths_B: jax.Array,
+    *,
+    softmax_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    window_left: int | None = None,
+    upcast: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+  """Attention over a paged KV cache, densely: ``(out [B,T,H,D], lse
+  [B,H,T])``.
+
+  Sequence ``b``'s key ``s`` is row ``s % P`` of page
+  ``page_indices[b, s // P]`` (``P`` the page size); its first
+  ``kv_lengths[b]`` keys are valid.  Query row ``t`` sits at position
+  ``kv_lengths[b] - T + t`` (the new tokens are already in the cache) and
+  sees the valid keys at or before it (causal, bottom-right), and with
+  ``window_left`` only those at most that far back.  Page-table entries
+  past a sequence's length may hold anything: they are clipped to a page
+  that exists, and what it holds is masked.
+  """
+  num_pages, page, K, D = k_pages_NxPxKxD.shape
+  B, M = page_indices_BxM.shape
+  T = q_BxTxHxD.shape[1]
+  idx = jnp.clip(page_indices_BxM.astype(jnp.int32), 0, num_pages - 1)
+  gather = lambda pages: jnp.take(pages, idx, axis=0).reshape(
+      B, M * page, K, D)
+  k, v = gather(k_pages_NxPxKxD), gather(v_pages_NxPxKxD)
+  s = jnp.arange(M * page, dtype=jnp.int32)[None, None, :]
+  lengths = kv_lengths_B.astype(jnp.int32)[:, None, None]
+  pos = lengths - T + jnp.arange(T, dtype=jnp.int32)[None, :, None]
+  keep = (s < lengths) & (s <= pos)
+  if window_left is not None:
+    keep = keep & (s >= pos - window_left)
+  return attention(q_BxTxHxD, k, v, softmax_scale=softmax_scale,
+                   logits_soft_cap=logits_soft_cap,
+                   dense_mask=keep[:, None], upcast=upcast)

@@ -21,7 +21,7 @@ LAYERS = (
     ("jaxflash._partition",),
     ("jaxflash.op",),
     ("jaxflash.checks", "jaxflash.backends"),
-    ("jaxflash.api", "jaxflash.ring"),
+    ("jaxflash.api", "jaxflash.ring", "jaxflash.paged"),
     ("jaxflash.sharding", "jaxflash.tune"),
     ("jaxflash.linen",),
     ("jaxflash",),

@@ -590,3 +590,25 @@ def test_item_overlap_chains_the_plain_loop_in_the_kernel():
   assert ([m.count(wgmma) for m in three] == [base.count(wgmma)] * 2
           and {_store_order(m) for m in three} == {_store_order(base)})
 
+
+
+@pytest.mark.parametrize("q_len,window,cap,dtype", [
+    (1, None, None, jnp.bfloat16), (5, 40, 20.0, jnp.float16)])
+def test_paged_decode_lowers_to_triton(fake_gpu, q_len, window, cap, dtype):
+  """The paged split-K kernel (jaxflash.triton.decode) lowers to Triton
+  IR: the page table's scalar loads, pages by a dynamic index, the loop
+  over a split's pages."""
+  from jaxflash.triton import decode
+  q = jax.ShapeDtypeStruct((2, q_len, 8, 128), dtype)
+  pages = jax.ShapeDtypeStruct((40, 16, 2, 128), dtype)
+  table = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+
+  def run(q, k, v, table, lengths):
+    return decode.paged_forward(
+        q, k, v, table, lengths, softmax_scale=0.1, logits_soft_cap=cap,
+        window_left=window, config=None, interpret=False)
+
+  text = jax.jit(run).trace(q, pages, pages, table, lengths).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "jaxflash_paged_decode" in text

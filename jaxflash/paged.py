@@ -1,0 +1,217 @@
+"""Attention over a paged KV cache: decode, speculative decoding and
+chunked prefill (:func:`paged_attention`), and the cache update beside it
+(:func:`append`).
+
+The cache is vLLM's layout: ``k_pages, v_pages [num_pages, page_size,
+kv_heads, head_dim]`` and a page table ``page_indices [batch,
+pages_per_sequence]`` (logical page ``p`` of sequence ``b`` is physical
+page ``page_indices[b, p]``; pages may be shared between sequences), with
+``kv_lengths [batch]`` valid keys per sequence.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxflash import checks, reference
+from jaxflash.triton import decode
+
+IMPLEMENTATIONS = ("triton", "xla")
+
+
+def _concrete(x):
+  """``x`` as a NumPy array where it is concrete (not traced), else None."""
+  try:
+    return np.asarray(x)
+  except (jax.errors.TracerArrayConversionError,
+          jax.errors.ConcretizationTypeError):
+    return None
+
+
+def _check_cache(k_pages, v_pages, page_indices, kv_lengths) -> None:
+  for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+    if getattr(x, "ndim", None) != 4:
+      raise ValueError(f"{name} must be [num_pages, page_size, kv_heads,"
+                       f" head_dim], got shape {getattr(x, 'shape', x)}")
+  if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+    raise ValueError(
+        f"k_pages {k_pages.shape} {k_pages.dtype} and v_pages"
+        f" {v_pages.shape} {v_pages.dtype} must match")
+  page = k_pages.shape[1]
+  if page % 8 or not 8 <= page <= 256:
+    raise ValueError(f"page_size={page} must be a multiple of 8 up to 256")
+  if (getattr(page_indices, "ndim", None) != 2
+      or not jnp.issubdtype(page_indices.dtype, jnp.integer)):
+    raise ValueError(
+        "page_indices must be an integer [batch, pages_per_sequence] array,"
+        f" got {getattr(page_indices, 'shape', page_indices)}"
+        f" {getattr(page_indices, 'dtype', '')}")
+  B, M = page_indices.shape
+  if (getattr(kv_lengths, "shape", None) != (B,)
+      or not jnp.issubdtype(kv_lengths.dtype, jnp.integer)):
+    raise ValueError(
+        f"kv_lengths must be an integer [batch={B}] array, got"
+        f" {getattr(kv_lengths, 'shape', kv_lengths)}"
+        f" {getattr(kv_lengths, 'dtype', '')}")
+  lengths = _concrete(kv_lengths)
+  if lengths is not None and lengths.size and (
+      lengths.min() < 0 or lengths.max() > M * page):
+    raise ValueError(
+        f"kv_lengths must lie in [0, pages_per_sequence * page_size ="
+        f" {M * page}], got {lengths.tolist()}")
+
+
+def _window_left(local_window_size) -> int | None:
+  """The window's left side (the right one is 0: the queries are
+  causal)."""
+  left, _ = checks.window_sizes(local_window_size)
+  return left
+
+
+def paged_attention(q, k_pages, v_pages, page_indices, kv_lengths, *,
+                    softmax_scale: float | None = None,
+                    logits_soft_cap: float | None = None,
+                    local_window_size=None, return_lse: bool = False,
+                    implementation: str | None = None,
+                    config: decode.PagedConfig | None = None,
+                    interpret: bool = False):
+  """Attention of new queries over a paged KV cache.
+
+  Args:
+    q: ``[batch, q_len, heads, head_dim]``; ``q_len`` 1 for decode, more
+      for speculative decoding or chunked prefill.  Query row ``i`` of
+      sequence ``b`` sits at position ``kv_lengths[b] - q_len + i`` (the
+      new tokens are already in the cache) and attends causally.
+    k_pages, v_pages: ``[num_pages, page_size, kv_heads, head_dim]``;
+      ``page_size`` a multiple of 8 up to 256; ``heads`` a multiple of
+      ``kv_heads`` (GQA, MQA).
+    page_indices: ``[batch, pages_per_sequence]`` integers; entries past a
+      sequence's length are never read (they may hold anything).
+    kv_lengths: ``[batch]`` integers in ``[0, pages_per_sequence *
+      page_size]``; a sequence of length 0 gets zeros (and ``lse =
+      -inf``).
+    softmax_scale: logits multiplier, default ``1 / sqrt(head_dim)``.
+    logits_soft_cap: ``cap * tanh(logits / cap)`` before the softmax.
+    local_window_size: ``w`` or ``(w, right)``: a query sees the keys at
+      most ``w`` positions back (``right`` is moot: the queries are
+      causal).
+    return_lse: also return the natural-log log-sum-exp ``[batch, heads,
+      q_len]`` (float32).
+    implementation: ``"triton"`` (the split-K kernel: a CUDA GPU, or the
+      interpreter with ``interpret=True``), ``"xla"`` (pages gathered,
+      then dense attention), or None: the kernel where it runs and serves
+      the call, else XLA.
+    config: :class:`jaxflash.triton.decode.PagedConfig` (the kernel's
+      split count and launch).
+    interpret: run the kernel in the Pallas interpreter (CPU).
+
+  Returns:
+    ``out [batch, q_len, heads, head_dim]`` in ``q``'s dtype, and with
+    ``return_lse`` the log-sum-exp.
+  """
+  if getattr(q, "ndim", None) != 4:
+    raise ValueError("q must be [batch, q_len, heads, head_dim], got shape"
+                     f" {getattr(q, 'shape', q)}")
+  _check_cache(k_pages, v_pages, page_indices, kv_lengths)
+  B, T, H, D = q.shape
+  _, _, K, Dk = k_pages.shape
+  if page_indices.shape[0] != B:
+    raise ValueError(f"page_indices has {page_indices.shape[0]} rows for"
+                     f" batch {B}")
+  if Dk != D or q.dtype != k_pages.dtype:
+    raise ValueError(f"q {q.shape} {q.dtype} and k_pages {k_pages.shape}"
+                     f" {k_pages.dtype} must share head_dim and dtype")
+  if H % K:
+    raise ValueError(f"heads={H} must be a multiple of kv_heads={K}")
+  if T < 1:
+    raise ValueError(f"q_len={T} must be at least 1")
+  scale = checks.static_positive(
+      "softmax_scale", 1.0 / math.sqrt(D) if softmax_scale is None
+      else softmax_scale)
+  cap = (None if logits_soft_cap is None
+         else checks.static_positive("logits_soft_cap", logits_soft_cap))
+  left = _window_left(local_window_size)
+  if implementation not in (None, *IMPLEMENTATIONS):
+    raise ValueError(f"implementation={implementation!r} is not one of"
+                     f" {(None, *IMPLEMENTATIONS)}")
+  if config is not None and not isinstance(config, decode.PagedConfig):
+    raise ValueError(f"config must be a PagedConfig, got {config!r}")
+  use = implementation
+  if use is None:
+    use = "xla"
+    if interpret or jax.default_backend() == "gpu":
+      try:
+        decode.check_supported(q, k_pages, config)
+        use = "triton"
+      except NotImplementedError:
+        pass
+  if use == "triton":
+    decode.check_supported(q, k_pages, config)
+    if not interpret and jax.default_backend() != "gpu":
+      raise NotImplementedError(
+          "the Triton paged kernel needs a CUDA GPU; pass interpret=True to"
+          " run it in the Pallas interpreter")
+    out, lse = decode.paged_forward(
+        q, k_pages, v_pages, page_indices, kv_lengths, softmax_scale=scale,
+        logits_soft_cap=cap, window_left=left, config=config,
+        interpret=interpret, sm_count=_sm_count())
+  else:
+    out, lse = reference.paged_attention(
+        q, k_pages, v_pages, page_indices, kv_lengths, softmax_scale=scale,
+        logits_soft_cap=cap, window_left=left)
+  return (out, lse) if return_lse else out
+
+
+def _sm_count() -> int:
+  return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
+def append(k_pages, v_pages, page_indices, kv_lengths, k_new, v_new):
+  """Writes new tokens into their pages: ``(k_pages, v_pages,
+  kv_lengths + n)``.
+
+  ``k_new, v_new [batch, n, kv_heads, head_dim]``: token ``t`` of
+  sequence ``b`` lands at position ``kv_lengths[b] + t``, row ``(pos %
+  page_size)`` of page ``page_indices[b, pos // page_size]``.
+  Functional; under ``jit`` with the pages donated the update is in
+  place.  Lengths that would pass the page table's capacity raise
+  ValueError where they are concrete; under ``jit`` such tokens are
+  dropped.
+  """
+  _check_cache(k_pages, v_pages, page_indices, kv_lengths)
+  _, page, K, D = k_pages.shape
+  B, M = page_indices.shape
+  for name, x in (("k_new", k_new), ("v_new", v_new)):
+    if getattr(x, "ndim", None) != 4 or x.shape[0] != B or x.shape[2:] != (
+        K, D):
+      raise ValueError(f"{name} must be [batch={B}, n, kv_heads={K},"
+                       f" head_dim={D}], got {getattr(x, 'shape', x)}")
+  if k_new.shape != v_new.shape:
+    raise ValueError(f"k_new {k_new.shape} and v_new {v_new.shape} must"
+                     " match")
+  n = k_new.shape[1]
+  lengths = _concrete(kv_lengths)
+  if lengths is not None and lengths.size and lengths.max() + n > M * page:
+    raise ValueError(
+        f"appending {n} tokens to kv_lengths {lengths.tolist()} passes the"
+        f" page table's capacity {M * page}")
+  pos = kv_lengths.astype(jnp.int32)[:, None] + jnp.arange(n,
+                                                          dtype=jnp.int32)
+  logical = pos // page
+  inside = logical < M
+  phys = jnp.take_along_axis(page_indices.astype(jnp.int32),
+                             jnp.minimum(logical, M - 1), axis=1)
+  # Tokens past the table go to an index past the pages: dropped.
+  phys = jnp.where(inside, phys, k_pages.shape[0])
+  rows = pos % page
+
+  def put(pages, new):
+    return pages.at[phys.reshape(-1), rows.reshape(-1)].set(
+        new.reshape(B * n, K, D).astype(pages.dtype), mode="drop")
+
+  return (put(k_pages, k_new), put(v_pages, v_new),
+          kv_lengths + jnp.asarray(n, kv_lengths.dtype))

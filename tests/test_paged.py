@@ -1,0 +1,187 @@
+"""jaxflash.paged: attention over a paged KV cache (the split-K Triton
+kernel in the Pallas interpreter, and XLA) against the dense reference,
+the cache update, and the argument checks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from numerics import FLOOR
+
+from jaxflash import paged, reference
+from jaxflash.triton import decode
+
+
+def _cache(seed, *, batch, q_len, heads, kv_heads, head_dim, page,
+           pages_per_seq, lengths, dtype, spare=3):
+  """Random queries and pages; a shuffled page table in which sequences 0
+  and 1 share their first page, with entries past each length set to
+  out-of-range garbage (never read)."""
+  rng = np.random.default_rng(seed)
+  num_pages = batch * pages_per_seq + spare
+  ks = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(ks[0], (batch, q_len, heads, head_dim), jnp.float32)
+  kp = jax.random.normal(ks[1], (num_pages, page, kv_heads, head_dim),
+                         jnp.float32)
+  vp = jax.random.normal(ks[2], kp.shape, jnp.float32)
+  table = rng.permutation(num_pages)[:batch * pages_per_seq].reshape(
+      batch, pages_per_seq)
+  if batch > 1:
+    table[1, 0] = table[0, 0]  # a shared prefix page
+  lengths = np.asarray(lengths, np.int32)
+  used = -(-lengths // page)
+  for b in range(batch):
+    table[b, used[b]:] = 10 ** 6 + b  # past the length: never read
+  cast = lambda x: x.astype(dtype)
+  return (cast(q), cast(kp), cast(vp), jnp.asarray(table, jnp.int32),
+          jnp.asarray(lengths))
+
+
+def _check(got, args, **kw):
+  """The numerics rule (docs/numerics.md) for the output and the LSE."""
+  out, lse = got
+  f32 = [a.astype(jnp.float32) if a.dtype != jnp.int32 else a for a in args]
+  ref32 = reference.paged_attention(*f32, **kw)
+  ref_lp = reference.paged_attention(*args, upcast=False, **kw)
+  dtype = args[0].dtype
+  for name, x, r32, rlp in (("out", out, *(r[0] for r in (ref32, ref_lp))),
+                            ("lse", lse, *(r[1] for r in (ref32, ref_lp)))):
+    x, r32, rlp = (np.asarray(a, np.float32) for a in (x, r32, rlp))
+    np.testing.assert_array_equal(np.isneginf(x), np.isneginf(r32),
+                                  err_msg=name)
+    fin = np.isfinite(r32)
+    assert np.isfinite(x[fin]).all(), name
+    err = np.abs(x[fin] - r32[fin]).max(initial=0.0)
+    lp = np.abs(rlp[fin] - r32[fin]).max(initial=0.0)
+    scale = np.abs(r32[fin]).max(initial=1.0)
+    assert err <= 2 * lp + FLOOR[jnp.dtype(dtype)] * max(scale, 1.0), (
+        name, err, lp)
+
+
+KERNEL_CASES = [
+    # GQA 4:1, decode, page 16, lengths 0 (zeros), 1, a whole page, one off.
+    pytest.param(dict(batch=4, q_len=1, heads=8, kv_heads=2, head_dim=64,
+                      page=16, pages_per_seq=6, lengths=[0, 1, 16, 77],
+                      dtype=jnp.bfloat16), {}, id="gqa4-decode-p16"),
+    # MQA, three new tokens (speculative), a window and a soft cap.
+    pytest.param(dict(batch=3, q_len=3, heads=4, kv_heads=1, head_dim=64,
+                      page=32, pages_per_seq=4, lengths=[3, 50, 128],
+                      dtype=jnp.float16),
+                 dict(local_window_size=20, logits_soft_cap=30.0),
+                 id="mqa-q3-window-softcap"),
+    pytest.param(dict(batch=2, q_len=16, heads=8, kv_heads=1, head_dim=128,
+                      page=16, pages_per_seq=5, lengths=[16, 79],
+                      dtype=jnp.float32), {}, id="mqa8-chunk16-f32",
+                 marks=pytest.mark.slow),
+    pytest.param(dict(batch=2, q_len=4, heads=2, kv_heads=2, head_dim=32,
+                      page=64, pages_per_seq=3, lengths=[64, 191],
+                      dtype=jnp.bfloat16), dict(local_window_size=(70, 0)),
+                 id="mha-q4-p64-window", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("shape,kw", KERNEL_CASES)
+def test_kernel_interpret(shape, kw):
+  args = _cache(1, **shape)
+  got = paged.paged_attention(*args, return_lse=True, interpret=True,
+                              implementation="triton", **kw)
+  ref_kw = dict(logits_soft_cap=kw.get("logits_soft_cap"),
+                window_left=paged._window_left(kw.get("local_window_size")))
+  _check(got, args, **ref_kw)
+
+
+def test_xla_and_one_split():
+  """The XLA path, and the kernel with one split (no merge) and with
+  several, agree with the reference."""
+  args = _cache(2, batch=2, q_len=2, heads=4, kv_heads=2, head_dim=64,
+                page=16, pages_per_seq=4, lengths=[20, 64],
+                dtype=jnp.bfloat16)
+  _check(paged.paged_attention(*args, return_lse=True,
+                               implementation="xla"), args)
+  one = paged.paged_attention(*args, return_lse=True, interpret=True,
+                              config=decode.PagedConfig(splits=1))
+  _check(one, args)
+
+
+def test_reference_matches_dense_attention():
+  """The paged reference against dense attention over each sequence's
+  keys in order (causal, bottom-right)."""
+  q, kp, vp, table, lengths = _cache(3, batch=3, q_len=2, heads=4,
+                                     kv_heads=2, head_dim=32, page=8,
+                                     pages_per_seq=4, lengths=[2, 9, 32],
+                                     dtype=jnp.float32)
+  out, lse = reference.paged_attention(q, kp, vp, table, lengths)
+  for b, n in enumerate(np.asarray(lengths)):
+    k = jnp.concatenate([kp[table[b, p]] for p in range(-(-n // 8))])[:n]
+    v = jnp.concatenate([vp[table[b, p]] for p in range(-(-n // 8))])[:n]
+    want, want_lse = reference.attention(q[b:b + 1], k[None], v[None],
+                                         causal=True)
+    np.testing.assert_allclose(out[b], want[0], atol=1e-5)
+    np.testing.assert_allclose(lse[b], want_lse[0], atol=1e-5)
+
+
+def test_splits_rule():
+  assert decode.decode_splits(1, 8, 1024, 132) == 33
+  assert decode.decode_splits(1, 8, 4, 132) == 4
+  assert decode.decode_splits(128, 8, 64, 132) == 1
+  with pytest.raises(ValueError, match="splits=0"):
+    decode.PagedConfig(splits=0)
+
+
+def test_append_then_attend():
+  """Tokens appended land in their pages: attention over the cache after
+  the append equals the reference over the keys in order; appending past
+  the table's capacity is refused, and dropped under jit."""
+  q, kp, vp, table, lengths = _cache(4, batch=2, q_len=3, heads=2,
+                                     kv_heads=1, head_dim=16, page=8,
+                                     pages_per_seq=3, lengths=[5, 8],
+                                     dtype=jnp.float32)
+  table = jnp.asarray(np.asarray(table) % kp.shape[0])  # every entry valid
+  k_new = jax.random.normal(jax.random.key(5), (2, 3, 1, 16))
+  v_new = jax.random.normal(jax.random.key(6), (2, 3, 1, 16))
+  kp2, vp2, len2 = paged.append(kp, vp, table, lengths, k_new, v_new)
+  np.testing.assert_array_equal(len2, [8, 11])
+  for b in range(2):
+    for t in range(3):
+      pos = int(lengths[b]) + t
+      page, row = int(table[b, pos // 8]), pos % 8
+      np.testing.assert_array_equal(kp2[page, row], k_new[b, t])
+      np.testing.assert_array_equal(vp2[page, row], v_new[b, t])
+  out = paged.paged_attention(q, kp2, vp2, table, len2)
+  want, _ = reference.paged_attention(q, kp2, vp2, table, len2)
+  np.testing.assert_allclose(out, want, atol=1e-6)
+  big = jnp.zeros((2, 20, 1, 16))
+  with pytest.raises(ValueError, match="capacity 24"):
+    paged.append(kp, vp, table, lengths, big, big)
+  kp3, _, _ = jax.jit(paged.append)(kp, vp, table, lengths, big, big)
+  assert np.isfinite(np.asarray(kp3)).all()
+
+
+def test_bad_arguments():
+  q, kp, vp, table, lengths = _cache(7, batch=2, q_len=1, heads=4,
+                                     kv_heads=2, head_dim=32, page=16,
+                                     pages_per_seq=2, lengths=[3, 4],
+                                     dtype=jnp.bfloat16)
+  call = paged.paged_attention
+  with pytest.raises(ValueError, match="kv_lengths must lie in"):
+    call(q, kp, vp, table, jnp.asarray([3, 33]))
+  with pytest.raises(ValueError, match="kv_lengths must be an integer"):
+    call(q, kp, vp, table, jnp.asarray([3.0, 4.0]))
+  with pytest.raises(ValueError, match="page_indices must be an integer"):
+    call(q, kp, vp, table[0], lengths)
+  with pytest.raises(ValueError, match="must match"):
+    call(q, kp, vp[:, :, :1], table, lengths)
+  with pytest.raises(ValueError, match="share head_dim and dtype"):
+    call(q.astype(jnp.float16), kp, vp, table, lengths)
+  with pytest.raises(ValueError, match="heads=4 must be a multiple"):
+    call(q, kp[:, :, :1].repeat(3, 2), vp[:, :, :1].repeat(3, 2), table,
+         lengths)
+  with pytest.raises(ValueError, match="page_size=12"):
+    call(q, kp[:, :12], vp[:, :12], table, lengths)
+  with pytest.raises(ValueError, match="implementation='cuda'"):
+    call(q, kp, vp, table, lengths, implementation="cuda")
+  with pytest.raises(NotImplementedError, match="page_size=8"):
+    call(q, kp[:, :8], vp[:, :8], table, lengths, implementation="triton",
+         interpret=True)
+  with pytest.raises(NotImplementedError, match="needs a CUDA GPU"):
+    call(q, kp, vp, table, lengths, implementation="triton")
