@@ -82,7 +82,10 @@ PER_COMMIT = (
     'bwd_head_splits=1-d96-gqa-q200-k300',
     'bwd_dkv_block_q_80-d64-causal-2wg',
     'bwd_dkv_block_q_80-d128-window',
-)@pytest.fixture(autouse=True)
+)
+
+
+@pytest.fixture(autouse=True)
 def _no_races(capfd):
   """jax's race detector prints "RACE DETECTED" and carries on: fail on
   it."""
