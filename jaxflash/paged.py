@@ -11,6 +11,7 @@ page ``page_indices[b, p]``; pages may be shared between sequences), with
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -205,8 +206,20 @@ def append(k_pages, v_pages, page_indices, kv_lengths, k_new, v_new):
   inside = logical < M
   phys = jnp.take_along_axis(page_indices.astype(jnp.int32),
                              jnp.minimum(logical, M - 1), axis=1)
-  # Tokens past the table go to an index past the pages: dropped.
-  phys = jnp.where(inside, phys, k_pages.shape[0])
+  num_pages = k_pages.shape[0]
+  valid = inside & (phys >= 0) & (phys < num_pages)
+  table = _concrete(phys)
+  if table is not None and lengths is not None and not np.all(
+      np.asarray(valid)):
+    b, t = np.argwhere(~np.asarray(valid))[0]
+    raise ValueError(
+        f"no page for token {t} of sequence {b} (position"
+        f" {int(lengths[b]) + t}): page_indices[{b},"
+        f" {(int(lengths[b]) + t) // page}] = {int(table[b, t])} is not one"
+        f" of the {num_pages} pages")
+  # Tokens without a page go to an index past the pages: dropped (a
+  # negative index would wrap to the last page).
+  phys = jnp.where(valid, phys, num_pages)
   rows = pos % page
 
   def put(pages, new):
@@ -215,3 +228,78 @@ def append(k_pages, v_pages, page_indices, kv_lengths, k_new, v_new):
 
   return (put(k_pages, k_new), put(v_pages, v_new),
           kv_lengths + jnp.asarray(n, kv_lengths.dtype))
+
+
+class PageAllocator:
+  """A host-side free list of a cache's physical pages (for examples and
+  tests; a serving engine keeps its own)."""
+
+  def __init__(self, num_pages: int):
+    if not isinstance(num_pages, int) or num_pages < 1:
+      raise ValueError(f"num_pages={num_pages!r} must be a positive int")
+    self.num_pages = num_pages
+    self._free = list(range(num_pages - 1, -1, -1))
+
+  @property
+  def free(self) -> int:
+    """Pages not handed out."""
+    return len(self._free)
+
+  def allocate(self, n: int) -> list[int]:
+    """``n`` free pages (ValueError where fewer are free)."""
+    if n > len(self._free):
+      raise ValueError(f"{n} pages asked, {len(self._free)} of"
+                       f" {self.num_pages} free")
+    return [self._free.pop() for _ in range(n)]
+
+  def release(self, pages) -> None:
+    """Gives pages back (ValueError for one not handed out)."""
+    pages = [int(p) for p in pages]
+    bad = [p for p in pages if not 0 <= p < self.num_pages
+           or p in self._free]
+    if bad:
+      raise ValueError(f"pages {bad} were not handed out")
+    self._free.extend(reversed(pages))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+  """A paged KV cache as one pytree: ``k_pages``, ``v_pages``,
+  ``page_indices`` and ``kv_lengths`` (the arguments of
+  :func:`paged_attention` and :func:`append`)."""
+
+  k_pages: jax.Array
+  v_pages: jax.Array
+  page_indices: jax.Array
+  kv_lengths: jax.Array
+
+  @classmethod
+  def create(cls, *, num_pages: int, page_size: int, kv_heads: int,
+             head_dim: int, batch: int, pages_per_sequence: int,
+             dtype=jnp.bfloat16) -> "PagedKVCache":
+    """Zero pages, a page table of -1 (no page yet) and lengths 0."""
+    pages = jnp.zeros((num_pages, page_size, kv_heads, head_dim), dtype)
+    return cls(pages, pages,
+               jnp.full((batch, pages_per_sequence), -1, jnp.int32),
+               jnp.zeros((batch,), jnp.int32))
+
+  def with_pages(self, b: int, start: int, pages) -> "PagedKVCache":
+    """Page-table row ``b`` with logical pages ``start, start + 1, ...``
+    set to ``pages`` (from a :class:`PageAllocator`)."""
+    pages = jnp.asarray(pages, jnp.int32)
+    table = self.page_indices.at[b, start:start + pages.shape[0]].set(pages)
+    return dataclasses.replace(self, page_indices=table)
+
+  def append(self, k_new, v_new) -> "PagedKVCache":
+    """The cache with ``k_new, v_new [batch, n, kv_heads, head_dim]``
+    written after each sequence's keys (:func:`append`)."""
+    k, v, lengths = append(self.k_pages, self.v_pages, self.page_indices,
+                           self.kv_lengths, k_new, v_new)
+    return dataclasses.replace(self, k_pages=k, v_pages=v,
+                               kv_lengths=lengths)
+
+  def attention(self, q, **kwargs):
+    """:func:`paged_attention` of ``q`` over this cache."""
+    return paged_attention(q, self.k_pages, self.v_pages, self.page_indices,
+                           self.kv_lengths, **kwargs)

@@ -185,3 +185,35 @@ def test_bad_arguments():
          interpret=True)
   with pytest.raises(NotImplementedError, match="needs a CUDA GPU"):
     call(q, kp, vp, table, lengths, implementation="triton")
+
+
+def test_paged_kv_cache_and_allocator():
+  """Prompts of different lengths written into pages handed out on
+  demand, then a decode step: the cache's attention equals the reference
+  over each sequence's keys in order; a token with no page is refused
+  (never written to a wrapped index); pages go back to the allocator."""
+  alloc = paged.PageAllocator(8)
+  cache = paged.PagedKVCache.create(num_pages=8, page_size=8, kv_heads=1,
+                                    head_dim=16, batch=2,
+                                    pages_per_sequence=3, dtype=jnp.float32)
+  k = jax.random.normal(jax.random.key(8), (2, 12, 1, 16))
+  v = jax.random.normal(jax.random.key(9), (2, 12, 1, 16))
+  with pytest.raises(ValueError, match=r"no page for token 0 of sequence 0"):
+    cache.append(k, v)
+  cache = cache.with_pages(0, 0, alloc.allocate(2))
+  cache = cache.with_pages(1, 0, alloc.allocate(2))
+  assert alloc.free == 4
+  cache = cache.append(k, v)
+  np.testing.assert_array_equal(cache.kv_lengths, [12, 12])
+  q = jax.random.normal(jax.random.key(10), (2, 1, 2, 16))
+  out = jax.jit(lambda c, q: c.attention(q))(cache, q)
+  for b in range(2):
+    want, _ = reference.attention(q[b:b + 1], k[b:b + 1], v[b:b + 1],
+                                  causal=True)
+    np.testing.assert_allclose(out[b], want[0], atol=1e-5)
+  alloc.release(cache.page_indices[0, :2])
+  assert alloc.free == 6
+  with pytest.raises(ValueError, match="were not handed out"):
+    alloc.release([0, 0])
+  with pytest.raises(ValueError, match="7 pages asked, 6 of 8 free"):
+    alloc.allocate(7)
