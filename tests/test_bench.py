@@ -557,3 +557,24 @@ def test_models_shape_set():
   row = core.record(some[0], "cudnn", "fwd", ms=1.0)
   assert row["model"] == "gpt2-small"
   assert report.table_rows([row])[0][0] == "gpt2-small b8 h12/12"
+
+
+def test_decode_mode_cpu_smoke(tmp_path):
+  """``--mode decode``: rows of mode "decode" with q_len, page_size and
+  bandwidth for each implementation, each checked against the paged
+  reference before it is timed; jax.nn's top-left causal mask is refused
+  for q_len > 1, and the JSON and plot are written."""
+  assert bench_main.main(["--mode", "decode", "--cpu-smoke", "--samples",
+                          "1", "--out", str(tmp_path), "--name", "d"]) == 0
+  data = json.loads((tmp_path / "d.json").read_text())
+  rows = data["results"]
+  assert {r["mode"] for r in rows} == {"decode"}
+  assert {r["impl"] for r in rows} == {"jaxflash-paged",
+                                       "jaxflash-paged-xla", "xla"}
+  timed = [r for r in rows if r["error"] is None]
+  assert timed and all(r["gbytes_per_s"] > 0 and r["max_abs_err"] < 1e-4
+                       and r["page_size"] == 16 for r in timed)
+  refused = [r for r in rows if r["error"]]
+  assert refused and all(r["impl"] == "xla" and r["q_len"] == 3
+                         for r in refused)
+  assert (tmp_path / "d.png").stat().st_size > 1000

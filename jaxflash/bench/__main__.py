@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jaxflash import reference
-from jaxflash.bench import core, impls, report
+from jaxflash.bench import core, decode, impls, report
 
 # Output-check tolerance, relative to max(1, max|ref|): a few units in the
 # last place of each dtype; a wrong mask or tile shows as errors of 1e-1.
@@ -48,7 +48,18 @@ def _parser() -> argparse.ArgumentParser:
                  choices=["bfloat16", "float16", "float32"])
   p.add_argument("--mask", default=None,
                  help="none, segments:N or window:L")
-  p.add_argument("--mode", default="both", choices=["fwd", "fwd_bwd", "both"])
+  p.add_argument("--mode", default="both",
+                 choices=["fwd", "fwd_bwd", "both", "decode"],
+                 help="decode: new queries over a paged KV cache, in"
+                      " bandwidth (bench/decode.py; the --decode-*"
+                      " options)")
+  p.add_argument("--decode-batches", default="1,8,32,128")
+  p.add_argument("--decode-kv-lens", default="1024,8192,32768,131072")
+  p.add_argument("--decode-page-sizes", default="16,64")
+  p.add_argument("--decode-q-lens", default="1")
+  p.add_argument("--decode-heads", default="32:8",
+                 help="query heads:key/value heads (head_dim from"
+                      " --head-dims, first value)")
   p.add_argument("--impls", default=None,
                  help=f"comma-separated subset of {', '.join(impls.IMPLS)}")
   p.add_argument("--mosaic-variants", default="",
@@ -229,6 +240,8 @@ def run_shape(shape: core.Shape, names, modes, *, interpret: bool,
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
+  if args.mode == decode.MODE:
+    return _decode_main(args, on_gpu)
   if not args.sample_seconds >= 0:
     print(f"error: --sample-seconds={args.sample_seconds} must be >= 0",
           file=sys.stderr)
@@ -324,6 +337,69 @@ def main(argv=None) -> int:
     print("\nCPU smoke run (interpret mode): NOT a performance figure.")
   print(f"\nwrote {base}.json, {base}.md" + (f", {base}.png" if plotted
                                               else ""))
+  return 0
+
+
+def _decode_main(args, on_gpu: bool) -> int:
+  """``--mode decode``: the decode grid, its JSON, table and plot."""
+  try:
+    heads, _, kv_heads = args.decode_heads.partition(":")
+    heads, kv_heads = int(heads), int(kv_heads or heads)
+    head_dim = core.parse_int_list(args.head_dims)[0]
+    if args.cpu_smoke:
+      shapes = decode.grid(batches=[2], kv_lens=[160],
+                           page_sizes=[16], q_lens=[1, 3], heads=4,
+                           kv_heads=2, head_dim=32, dtype="float32")
+    else:
+      shapes = decode.grid(
+          batches=core.parse_int_list(args.decode_batches),
+          kv_lens=core.parse_int_list(args.decode_kv_lens),
+          page_sizes=core.parse_int_list(args.decode_page_sizes),
+          q_lens=core.parse_int_list(args.decode_q_lens), heads=heads,
+          kv_heads=kv_heads, head_dim=head_dim, dtype=args.dtype)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if not on_gpu and not args.cpu_smoke:
+    print("No GPU here; for a smoke test on this CPU run: python -m"
+          " jaxflash.bench --mode decode --cpu-smoke")
+    return 0
+  names = list(decode.CPU_IMPLS if args.cpu_smoke else decode.IMPLS)
+  if args.impls:
+    names = [n.strip() for n in args.impls.split(",") if n.strip()]
+    unknown = [n for n in names if n not in decode.IMPLS]
+    if unknown:
+      print(f"error: unknown implementations {unknown}; known:"
+            f" {list(decode.IMPLS)}", file=sys.stderr)
+      return 2
+  dev = jax.devices()[0]
+  meta = dict(jax_version=jax.__version__, device_kind=dev.device_kind,
+              device_count=jax.device_count(), commit=core.commit(),
+              date=datetime.date.today().isoformat(),
+              bandwidth="gbytes_per_s = bytes of K and V of the valid"
+                        " tokens / median time / 1e9",
+              samples=args.samples, seed=args.seed,
+              sample_seconds=args.sample_seconds)
+  if args.cpu_smoke:
+    meta["note"] = ("CPU smoke run: kernels in Pallas interpret mode. NOT a"
+                    " performance figure.")
+  os.makedirs(args.out, exist_ok=True)
+  base = os.path.join(args.out, args.name or "{}-{}-decode".format(
+      dev.device_kind.lower().replace(" ", "-"), meta["date"]))
+  results = []
+  for shape in shapes:
+    rows = decode.run_shape(shape, names, interpret=not on_gpu,
+                            samples=args.samples, seed=args.seed,
+                            sample_seconds=args.sample_seconds)
+    results += rows
+    report.write_json(base + ".json", {**meta, "partial": True}, results)
+    gc.collect()
+  report.write_json(base + ".json", meta, results)
+  print(decode.table(results))
+  if args.cpu_smoke:
+    print("\nCPU smoke run (interpret mode): NOT a performance figure.")
+  plotted = decode.plot(base + ".png", results)
+  print(f"\nwrote {base}.json" + (f", {base}.png" if plotted else ""))
   return 0
 
 

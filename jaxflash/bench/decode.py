@@ -1,0 +1,276 @@
+"""``python -m jaxflash.bench --mode decode``: attention of a few new
+queries over a KV cache, side by side, in bandwidth.
+
+Each shape is a batch of sequences of ``kv_len`` cached keys in pages of
+``page_size`` rows (a shuffled page table), and ``q_len`` new queries per
+sequence.  The paged implementations read the pages; the others
+(cuDNN, XLA through ``jax.nn.dot_product_attention``) the same keys as a
+contiguous cache, built outside the timing.  Bandwidth counts the bytes
+of K and V the call must read (the valid tokens) over its median time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxflash
+from jaxflash import reference
+from jaxflash.bench import core
+
+MODE = "decode"
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeShape:
+  """One decode benchmark point."""
+
+  batch: int
+  q_len: int
+  kv_len: int
+  heads: int
+  kv_heads: int
+  head_dim: int
+  page_size: int
+  dtype: str = "bfloat16"
+
+  @property
+  def kv_bytes(self) -> int:
+    """Bytes of K and V that the call reads (the valid tokens)."""
+    return (2 * self.batch * self.kv_len * self.kv_heads * self.head_dim
+            * jnp.dtype(self.dtype).itemsize)
+
+
+def grid(*, batches, kv_lens, page_sizes, q_lens, heads: int,
+         kv_heads: int, head_dim: int, dtype: str = "bfloat16",
+         max_cache_bytes: float = 40e9) -> list[DecodeShape]:
+  """Every (batch, kv_len, page_size, q_len) whose cache fits
+  ``max_cache_bytes``."""
+  out = []
+  for b in batches:
+    for n in kv_lens:
+      for p in page_sizes:
+        for t in q_lens:
+          s = DecodeShape(b, t, n, heads, kv_heads, head_dim, p, dtype)
+          if s.kv_bytes <= max_cache_bytes and t <= n:
+            out.append(s)
+  return out
+
+
+def inputs(shape: DecodeShape, seed: int = 0):
+  """``(q, k_pages, v_pages, page_indices, kv_lengths)``: random values,
+  pages in a shuffled order."""
+  per_seq = -(-shape.kv_len // shape.page_size)
+  num_pages = shape.batch * per_seq
+  dt = jnp.dtype(shape.dtype)
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (shape.batch, shape.q_len, shape.heads,
+                                shape.head_dim), dt)
+  page_shape = (num_pages, shape.page_size, shape.kv_heads, shape.head_dim)
+  k_pages = jax.random.normal(ks[1], page_shape, dt)
+  v_pages = jax.random.normal(ks[2], page_shape, dt)
+  table = jax.random.permutation(ks[3], num_pages).reshape(
+      shape.batch, per_seq).astype(jnp.int32)
+  lengths = jnp.full((shape.batch,), shape.kv_len, jnp.int32)
+  return q, k_pages, v_pages, table, lengths
+
+
+def _contiguous(k_pages, table, kv_len):
+  """The pages of each sequence in order, ``[batch, kv_len, kv_heads,
+  head_dim]`` (built outside the timing)."""
+  B, M = table.shape
+  _, P, K, D = k_pages.shape
+  return jnp.take(k_pages, table, axis=0).reshape(B, M * P, K, D)[:, :kv_len]
+
+
+def _paged(implementation: str):
+  def make(shape: DecodeShape, interpret: bool):
+    def attend(q, k_pages, v_pages, table, lengths):
+      return jaxflash.paged_attention(q, k_pages, v_pages, table, lengths,
+                                      implementation=implementation,
+                                      interpret=interpret)
+    return attend, False
+  return make
+
+
+def _jax_nn(implementation: str):
+  def make(shape: DecodeShape, interpret: bool):
+    del interpret
+    if shape.q_len != 1:
+      # jax.nn's causal mask aligns the queries top-left; the new tokens
+      # sit at the end of the cache.
+      raise NotImplementedError("jax.nn.dot_product_attention's causal mask"
+                                " is top-left aligned: q_len 1 only")
+
+    def attend(q, k, v, lengths):
+      return jax.nn.dot_product_attention(
+          q, k, v, key_value_seq_lengths=lengths,
+          implementation=implementation)
+    return attend, True
+  return make
+
+
+def _pallas_paged(shape: DecodeShape, interpret: bool):
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from jax.experimental.pallas.ops.gpu import paged_attention as lib
+  if shape.q_len != 1:
+    raise NotImplementedError("JAX's Pallas paged_attention decodes q_len 1")
+  per_seq = -(-shape.kv_len // shape.page_size)
+  splits = math.gcd(per_seq, 16)  # its split count must divide the pages
+  block = math.gcd(per_seq // splits, 8)
+  scale = shape.head_dim ** -0.5  # it takes the logits unscaled
+
+  def attend(q, k_pages, v_pages, table, lengths):
+    # Its layout: [kv_heads, pages, page_size, head_dim] (transposed
+    # outside the timing, in run_shape).
+    return lib.paged_attention(
+        q[:, 0] * jnp.asarray(scale, q.dtype), k_pages, v_pages, table,
+        lengths, k_splits=splits, pages_per_compute_block=block,
+        interpret=interpret)[:, None]
+  return attend, "heads_first"
+
+
+IMPLS: dict[str, Callable] = {
+    "jaxflash-paged": _paged("triton"),
+    "jaxflash-paged-xla": _paged("xla"),
+    "cudnn": _jax_nn("cudnn"),
+    "xla": _jax_nn("xla"),
+    "jax-pallas-paged": _pallas_paged,
+}
+CPU_IMPLS = ("jaxflash-paged", "jaxflash-paged-xla", "xla")
+
+
+def record(shape: DecodeShape, impl: str, *, ms=None, max_abs_err=None,
+           error=None, samples_ms=None) -> dict:
+  """One result row: the grid rows' fields (``mode: "decode"``, ``seq_q``
+  the new queries, ``seq_k`` the cached keys) with ``q_len``,
+  ``page_size`` and ``gbytes_per_s``."""
+  gbs = None
+  if ms is not None and error is None:
+    gbs = shape.kv_bytes / (ms * 1e-3) / 1e9
+  return dict(impl=impl, model=None, batch=shape.batch, seq_q=shape.q_len,
+              seq_k=shape.kv_len, heads=shape.heads,
+              kv_heads=shape.kv_heads, head_dim=shape.head_dim, causal=True,
+              dtype=shape.dtype, mask=None, mode=MODE, ms=ms, tflops=None,
+              peak_bytes=None, max_abs_err=max_abs_err, error=error,
+              samples_ms=samples_ms, same_program_as=None, paired_with=None,
+              q_len=shape.q_len, page_size=shape.page_size,
+              gbytes_per_s=gbs)
+
+
+def run_shape(shape: DecodeShape, names, *, interpret: bool, samples: int,
+              seed: int = 0, sample_seconds: float = 0.02) -> list[dict]:
+  """Every implementation at one shape: built and checked against the
+  paged reference (sequence 0), then timed in interleaved rounds."""
+  q, k_pages, v_pages, table, lengths = inputs(shape, seed)
+  want = np.asarray(reference.paged_attention(
+      q[:1], k_pages, v_pages, table[:1], lengths[:1])[0], np.float32)
+  tol = 2 ** -6 if shape.dtype == "bfloat16" else 2 ** -8
+  contiguous = None
+  rows, calls = {}, {}
+  for name in names:
+    try:
+      attend, layout = IMPLS[name](shape, interpret)
+      if layout is True:  # a contiguous cache
+        if contiguous is None:
+          contiguous = tuple(_contiguous(x, table, shape.kv_len)
+                             for x in (k_pages, v_pages))
+        args = (q, *contiguous, lengths)
+      elif layout == "heads_first":
+        args = (q, jnp.moveaxis(k_pages, 2, 0), jnp.moveaxis(v_pages, 2, 0),
+                table, lengths)
+      else:
+        args = (q, k_pages, v_pages, table, lengths)
+      fn = jax.jit(attend).trace(*args).lower().compile()
+      got = np.asarray(fn(*args)[:1], np.float32)
+      err = float(np.max(np.abs(got - want))) if got.size else 0.0
+      if not np.isfinite(err) or err > tol * max(1.0, np.abs(want).max()):
+        rows[name] = record(shape, name, max_abs_err=err,
+                            error=f"wrong result: max_abs_err {err:.3g}")
+        continue
+      calls[name] = (fn, args)
+      rows[name] = err
+    except Exception as e:  # noqa: BLE001 - every failure is a reported row
+      rows[name] = record(shape, name,
+                          error=f"{type(e).__name__}: {e}".splitlines()[0]
+                          [:300])
+  per_round = {}
+  times = core.time_interleaved(calls, samples=samples,
+                                min_sample_s=sample_seconds,
+                                seed=f"{seed}:{shape}",
+                                samples_out=per_round)
+  for name, secs in times.items():
+    if isinstance(secs, Exception):
+      rows[name] = record(shape, name, error=f"{type(secs).__name__}:"
+                          f" {secs}".splitlines()[0][:300])
+    else:
+      rows[name] = record(shape, name, ms=secs * 1e3, max_abs_err=rows[name],
+                          samples_ms=[t * 1e3 for t in per_round[name]])
+  return [rows[name] for name in names]
+
+
+def table(results: list[dict]) -> str:
+  """Bandwidth per row, and jaxflash's over the best other
+  implementation of the shape."""
+  key = lambda r: (r["batch"], r["seq_k"], r["page_size"], r["q_len"])
+  best = {}
+  for r in results:
+    if not r["impl"].startswith("jaxflash") and r["gbytes_per_s"]:
+      best[key(r)] = max(best.get(key(r), (None, 0.0)),
+                         (r["impl"], r["gbytes_per_s"]), key=lambda x: x[1])
+  lines = [f"{'batch':>5} {'kv_len':>7} {'page':>4} {'q_len':>5}"
+           f" {'impl':20} {'ms':>9} {'GB/s':>8}  ratio to best other"]
+  for r in results:
+    b = best.get(key(r))
+    ratio = ("-" if not (r["impl"].startswith("jaxflash") and b
+                         and r["gbytes_per_s"])
+             else f"{r['gbytes_per_s'] / b[1]:.2f} vs {b[0]}")
+    ms = "-" if r["ms"] is None else f"{r['ms']:.4f}"
+    gbs = "-" if r["gbytes_per_s"] is None else f"{r['gbytes_per_s']:.1f}"
+    lines.append(f"{r['batch']:>5} {r['seq_k']:>7} {r['page_size']:>4}"
+                 f" {r['q_len']:>5} {r['impl']:20} {ms:>9} {gbs:>8}  "
+                 f"{ratio if not r['error'] else r['error'][:60]}")
+  return "\n".join(lines)
+
+
+def plot(path: str, results: list[dict]) -> bool:
+  """Bandwidth against kv_len, one panel per (batch, page_size, q_len).
+  Returns False when matplotlib is missing or nothing was timed."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return False
+  panels = sorted({(r["batch"], r["page_size"], r["q_len"]) for r in results
+                   if r["gbytes_per_s"]})
+  if not panels:
+    return False
+  ncol = min(4, len(panels))
+  nrow = -(-len(panels) // ncol)
+  fig, axes = plt.subplots(nrow, ncol, figsize=(4 * ncol, 3.2 * nrow),
+                           squeeze=False)
+  for ax, (b, p, t) in zip(axes.flat, panels):
+    for impl in sorted({r["impl"] for r in results}):
+      pts = sorted((r["seq_k"], r["gbytes_per_s"]) for r in results
+                   if (r["batch"], r["page_size"], r["q_len"]) == (b, p, t)
+                   and r["impl"] == impl and r["gbytes_per_s"])
+      if pts:
+        ax.plot(*zip(*pts), "-o" if impl.startswith("jaxflash") else "--.",
+                label=impl)
+    ax.set_xscale("log", base=2)
+    ax.set_title(f"batch {b}, page {p}, q_len {t}", fontsize=9)
+    ax.set_xlabel("kv_len")
+    ax.set_ylabel("GB/s (K and V read)")
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
