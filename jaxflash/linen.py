@@ -197,7 +197,8 @@ class FlashMultiHeadDotProductAttention(nn.Module):
   ``decode=True``: Flax's autoregressive cache (``cached_key``,
   ``cached_value``, ``cache_index``); each single-token step attends to the
   filled part of the cache through :func:`jaxflash.flash_attention` with
-  ``kv_seq_lengths`` (no dedicated decode kernel yet), and with
+  ``kv_seq_lengths`` (not yet through :func:`jaxflash.paged_attention`'s
+  split-K decode kernel), and with
   ``local_window_size`` to the slots ``[index - left, index]`` (as segment
   ids over the cache).
   """
