@@ -217,3 +217,21 @@ def test_paged_kv_cache_and_allocator():
     alloc.release([0, 0])
   with pytest.raises(ValueError, match="7 pages asked, 6 of 8 free"):
     alloc.allocate(7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("q_len,batch,kv_len", [(1, 1, 8192), (1, 16, 1000),
+                                                 (4, 4, 3001)])
+def test_gpu_kernel(page, q_len, batch, kv_len):
+  """The compiled split-K kernel on a GPU (Llama-3-8B's heads, 32:8,
+  head_dim 128): one sequence split over many programs, a batch of
+  unequal lengths, speculative rows; by the numerics rule."""
+  per_seq = -(-kv_len // page)
+  lengths = [kv_len - 37 * b for b in range(batch)]
+  args = _cache(12, batch=batch, q_len=q_len, heads=32, kv_heads=8,
+                head_dim=128, page=page, pages_per_seq=per_seq,
+                lengths=lengths, dtype=jnp.bfloat16)
+  got = jax.jit(lambda *a: paged.paged_attention(
+      *a, return_lse=True, implementation="triton"))(*args)
+  _check(got, args)
