@@ -27,6 +27,12 @@ def pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
   return jnp.pad(x, widths)
 
 
+def sm_count() -> int:
+  """Streaming multiprocessors of the default device (132, an H100/H200
+  SXM's, when the runtime does not say, as on the CPU interpreter)."""
+  return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
 def out_struct(shape, dtype, *like) -> jax.ShapeDtypeStruct:
   """A kernel output type that varies over the manual mesh axes of the
   arrays it is computed from (needed inside ``shard_map`` with

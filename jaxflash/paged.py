@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflash import checks, reference
+from jaxflash._util import sm_count
 from jaxflash.triton import decode
 
 IMPLEMENTATIONS = ("triton", "xla")
@@ -159,16 +160,12 @@ def paged_attention(q, k_pages, v_pages, page_indices, kv_lengths, *,
     out, lse = decode.paged_forward(
         q, k_pages, v_pages, page_indices, kv_lengths, softmax_scale=scale,
         logits_soft_cap=cap, window_left=left, config=config,
-        interpret=interpret, sm_count=_sm_count())
+        interpret=interpret, sm_count=sm_count())
   else:
     out, lse = reference.paged_attention(
         q, k_pages, v_pages, page_indices, kv_lengths, softmax_scale=scale,
         logits_soft_cap=cap, window_left=left)
   return (out, lse) if return_lse else out
-
-
-def _sm_count() -> int:
-  return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
 def append(k_pages, v_pages, page_indices, kv_lengths, k_new, v_new):

@@ -237,6 +237,21 @@ def run_shape(shape: core.Shape, names, modes, *, interpret: bool,
   return [rows[name, mode] for name in names for mode in modes]
 
 
+def _impl_names(args, known: dict, cpu_names) -> list[str] | None:
+  """The implementations to run: ``--impls``, else all of ``known`` (the
+  CPU ones with ``--cpu-smoke``); None, with the error printed, for an
+  unknown name."""
+  if not args.impls:
+    return list(cpu_names if args.cpu_smoke else known)
+  names = [n.strip() for n in args.impls.split(",") if n.strip()]
+  unknown = [n for n in names if n not in known]
+  if unknown:
+    print(f"error: unknown implementations {unknown}; known:"
+          f" {list(known)}", file=sys.stderr)
+    return None
+  return names
+
+
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
@@ -269,14 +284,9 @@ def main(argv=None) -> int:
           " performance figure), run:\n  python -m jaxflash.bench"
           " --cpu-smoke")
     return 0
-  names = list(impls.CPU_IMPLS if args.cpu_smoke else impls.IMPLS)
-  if args.impls:
-    names = [n.strip() for n in args.impls.split(",") if n.strip()]
-    unknown = [n for n in names if n not in impls.IMPLS]
-    if unknown:
-      print(f"error: unknown implementations {unknown}; known:"
-            f" {list(impls.IMPLS)}", file=sys.stderr)
-      return 2
+  names = _impl_names(args, impls.IMPLS, impls.CPU_IMPLS)
+  if names is None:
+    return 2
   makers = dict(impls.IMPLS)
   try:
     variants = impls.parse_mosaic_variants(args.mosaic_variants,
@@ -364,14 +374,9 @@ def _decode_main(args, on_gpu: bool) -> int:
     print("No GPU here; for a smoke test on this CPU run: python -m"
           " jaxflash.bench --mode decode --cpu-smoke")
     return 0
-  names = list(decode.CPU_IMPLS if args.cpu_smoke else decode.IMPLS)
-  if args.impls:
-    names = [n.strip() for n in args.impls.split(",") if n.strip()]
-    unknown = [n for n in names if n not in decode.IMPLS]
-    if unknown:
-      print(f"error: unknown implementations {unknown}; known:"
-            f" {list(decode.IMPLS)}", file=sys.stderr)
-      return 2
+  names = _impl_names(args, decode.IMPLS, decode.CPU_IMPLS)
+  if names is None:
+    return 2
   dev = jax.devices()[0]
   meta = dict(jax_version=jax.__version__, device_kind=dev.device_kind,
               device_count=jax.device_count(), commit=core.commit(),

@@ -28,9 +28,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxflash import masks as masks_lib
-from jaxflash._util import pad_axis, require_cuda, round_up, softmax_delta
+from jaxflash._util import (
+  pad_axis,
+  require_cuda,
+  round_up,
+  sm_count,
+  softmax_delta,
+)
 from jaxflash.masks import PAD_SEGMENT_ID, MaskArrays, MaskSpec
-from jaxflash.mosaic_gpu import autotuned, pipeline
+from jaxflash.mosaic_gpu import autotuned
 from jaxflash.mosaic_gpu import backward as bwd_lib
 from jaxflash.mosaic_gpu import forward as fwd_lib
 from jaxflash.mosaic_gpu.config import (
@@ -306,7 +312,7 @@ def head_splits(prob: fwd_lib.Problem, config: MosaicConfig) -> int:
                                  * config.bwd_block_kv)))
   return dkv_head_splits(
       config, group_size=prob.num_heads // prob.num_kv_heads,
-      programs=programs, sm_count=pipeline.sm_count(),
+      programs=programs, sm_count=sm_count(),
       head_dim_padded=prob.head_dim_padded)
 
 

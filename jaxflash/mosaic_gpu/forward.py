@@ -53,7 +53,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, nvvm, scf, vector
 
-from jaxflash._util import out_struct
+from jaxflash._util import out_struct, sm_count
 from jaxflash.masks import MaskSpec
 from jaxflash.mosaic_gpu import pipeline
 from jaxflash.mosaic_gpu.config import MosaicConfig
@@ -1508,7 +1508,7 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
     # INTERPRET_PROGRAMS so that each program loops over several work
     # items.
     units = prob.num_heads * prob.batch * _units_per_bh(cfg, prob, n_groups)
-    n_sm = INTERPRET_PROGRAMS if interpret else pipeline.sm_count() // cluster
+    n_sm = INTERPRET_PROGRAMS if interpret else sm_count() // cluster
     n_programs = min(n_sm, units)
     grid, grid_names = (n_programs,), ("sm",)
   kernel = functools.partial(_kernel, prob=prob, cfg=cfg, dtype=dtype,

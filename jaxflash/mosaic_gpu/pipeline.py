@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
@@ -48,12 +47,6 @@ def tiled_over(contraction: int) -> dict:
 # 128-byte swizzle over 64-element (bf16/fp16) rows: the shared-memory
 # layout wgmma reads without bank conflicts.
 TILED = tiled_over(64)
-
-
-def sm_count() -> int:
-  """Streaming multiprocessors of the default device (132 on an H100/H200
-  SXM when the runtime does not say, as on the CPU interpreter)."""
-  return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
 def launch(body, *, out_type, scratch, grid, grid_names, consumers: int,
