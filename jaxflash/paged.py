@@ -34,7 +34,9 @@ def _concrete(x):
     return None
 
 
-def _check_cache(k_pages, v_pages, page_indices, kv_lengths) -> None:
+def _check_cache(k_pages, v_pages, page_indices, kv_lengths):
+  """The cache's arguments checked: ``(page_indices, kv_lengths)`` as
+  int32 (checks.int_array)."""
   for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
     if getattr(x, "ndim", None) != 4:
       raise ValueError(f"{name} must be [num_pages, page_size, kv_heads,"
@@ -46,25 +48,16 @@ def _check_cache(k_pages, v_pages, page_indices, kv_lengths) -> None:
   page = k_pages.shape[1]
   if page % 8 or not 8 <= page <= 256:
     raise ValueError(f"page_size={page} must be a multiple of 8 up to 256")
-  if (getattr(page_indices, "ndim", None) != 2
-      or not jnp.issubdtype(page_indices.dtype, jnp.integer)):
+  if getattr(page_indices, "ndim", None) != 2:
     raise ValueError(
         "page_indices must be an integer [batch, pages_per_sequence] array,"
-        f" got {getattr(page_indices, 'shape', page_indices)}"
-        f" {getattr(page_indices, 'dtype', '')}")
+        f" got shape {getattr(page_indices, 'shape', page_indices)}")
   B, M = page_indices.shape
-  if (getattr(kv_lengths, "shape", None) != (B,)
-      or not jnp.issubdtype(kv_lengths.dtype, jnp.integer)):
-    raise ValueError(
-        f"kv_lengths must be an integer [batch={B}] array, got"
-        f" {getattr(kv_lengths, 'shape', kv_lengths)}"
-        f" {getattr(kv_lengths, 'dtype', '')}")
-  lengths = _concrete(kv_lengths)
-  if lengths is not None and lengths.size and (
-      lengths.min() < 0 or lengths.max() > M * page):
-    raise ValueError(
-        f"kv_lengths must lie in [0, pages_per_sequence * page_size ="
-        f" {M * page}], got {lengths.tolist()}")
+  # Entries past a sequence's length may hold anything (never read).
+  table = checks.int_array("page_indices", page_indices, (B, M))
+  lengths = checks.int_array("kv_lengths", kv_lengths, (B,),
+                             valid=(0, M * page))
+  return table, lengths
 
 
 def _window_left(local_window_size) -> int | None:
@@ -118,7 +111,8 @@ def paged_attention(q, k_pages, v_pages, page_indices, kv_lengths, *,
   if getattr(q, "ndim", None) != 4:
     raise ValueError("q must be [batch, q_len, heads, head_dim], got shape"
                      f" {getattr(q, 'shape', q)}")
-  _check_cache(k_pages, v_pages, page_indices, kv_lengths)
+  page_indices, kv_lengths = _check_cache(k_pages, v_pages, page_indices,
+                                          kv_lengths)
   B, T, H, D = q.shape
   _, _, K, Dk = k_pages.shape
   if page_indices.shape[0] != B:
@@ -180,7 +174,8 @@ def append(k_pages, v_pages, page_indices, kv_lengths, k_new, v_new):
   ValueError where they are concrete; under ``jit`` such tokens are
   dropped.
   """
-  _check_cache(k_pages, v_pages, page_indices, kv_lengths)
+  table, lengths32 = _check_cache(k_pages, v_pages, page_indices,
+                                  kv_lengths)
   _, page, K, D = k_pages.shape
   B, M = page_indices.shape
   for name, x in (("k_new", k_new), ("v_new", v_new)):
@@ -197,11 +192,10 @@ def append(k_pages, v_pages, page_indices, kv_lengths, k_new, v_new):
     raise ValueError(
         f"appending {n} tokens to kv_lengths {lengths.tolist()} passes the"
         f" page table's capacity {M * page}")
-  pos = kv_lengths.astype(jnp.int32)[:, None] + jnp.arange(n,
-                                                          dtype=jnp.int32)
+  pos = lengths32[:, None] + jnp.arange(n, dtype=jnp.int32)
   logical = pos // page
   inside = logical < M
-  phys = jnp.take_along_axis(page_indices.astype(jnp.int32),
+  phys = jnp.take_along_axis(table,
                              jnp.minimum(logical, M - 1), axis=1)
   num_pages = k_pages.shape[0]
   valid = inside & (phys >= 0) & (phys < num_pages)

@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import statistics
-import time
 
 import jax
 
-from jaxflash import api, checks
+from jaxflash import _timing, api, checks
 from jaxflash.mosaic_gpu import autotuned
 from jaxflash.mosaic_gpu import backend as mosaic_backend
 from jaxflash.mosaic_gpu.config import (
@@ -72,23 +70,6 @@ def candidate_configs(base: MosaicConfig, *, head_dim: int, causal: bool,
   return out
 
 
-def _sampler(fn, args, min_sample_s: float):
-  """``sample() -> seconds per call`` over back-to-back calls lasting at
-  least ``min_sample_s`` (after one compile and warm-up call)."""
-  jax.block_until_ready(fn(*args))
-  t = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  reps = max(1, int(min_sample_s / max(time.perf_counter() - t, 1e-6)))
-
-  def sample():
-    t = time.perf_counter()
-    for _ in range(reps):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t) / reps
-  return sample
-
-
 def autotune(q, k, v, *, causal: bool = False, local_window_size=None,
              softmax_scale: float | None = None,
              logits_soft_cap: float | None = None, mode: str = "fwd_bwd",
@@ -106,8 +87,9 @@ def autotune(q, k, v, *, causal: bool = False, local_window_size=None,
       forward and its VJP, as training runs it.
     candidates: the configs to time (default: :func:`candidate_configs`
       around this device's tuned default).
-    samples: timed rounds; each round times every candidate once, in
-      turn, for at least ``min_sample_s`` seconds (the median wins).
+    samples: timed rounds; each round times every candidate once for
+      at least ``min_sample_s`` seconds, in a balanced order (the
+      benchmark's ``time_interleaved``); the lowest median wins.
     store: write the winner to the autotune cache
       (:mod:`jaxflash.mosaic_gpu.autotuned`; off where
       ``JAXFLASH_AUTOTUNE_CACHE`` is empty or ``off``), so that later
@@ -151,22 +133,19 @@ def autotune(q, k, v, *, causal: bool = False, local_window_size=None,
       return vjp(do)
     return jax.jit(fwd_bwd)
 
-  samplers, times = {}, {}
-  for i, config in enumerate(candidates):
-    try:
-      samplers[i] = _sampler(call(config), args, min_sample_s)
-      times[i] = []
-    except Exception as e:  # noqa: BLE001 - a candidate that cannot run
-      log.info("autotune: candidate %d skipped: %s", i, e)
-  if not samplers:
+  # Interleaved rounds in a balanced order, as the benchmark times.
+  got = _timing.time_interleaved(
+      {i: (call(config), args) for i, config in enumerate(candidates)},
+      samples=samples, min_sample_s=min_sample_s)
+  medians = {}
+  for i, t in got.items():
+    if isinstance(t, Exception):  # a candidate that cannot run
+      log.info("autotune: candidate %d skipped: %s", i, t)
+    else:
+      medians[i] = t
+  if not medians:
     raise ValueError(f"autotune: none of the {len(candidates)} candidate"
                      " configs ran for this call")
-  for r in range(samples):  # interleaved rounds, rotated each round
-    order = list(samplers)
-    order = order[r % len(order):] + order[:r % len(order)]
-    for i in order:
-      times[i].append(samplers[i]())
-  medians = {i: statistics.median(ts) for i, ts in times.items()}
   best = min(medians, key=medians.get)
   for i, t in sorted(medians.items(), key=lambda it: it[1]):
     log.info("autotune: %.4f ms %s", t * 1e3, candidates[i])

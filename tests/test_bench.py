@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxflash
+from jaxflash import _timing
 from jaxflash.bench import __main__ as bench_main
 from jaxflash.bench import core, impls, report
 
@@ -201,7 +202,7 @@ class _Clock:
   def __init__(self, monkeypatch):
     self.now = 1000.0
     self.count = {}
-    monkeypatch.setattr(core, "time", self)
+    monkeypatch.setattr(_timing, "time", self)
 
   def perf_counter(self):
     return self.now

@@ -252,6 +252,25 @@ def _impl_names(args, known: dict, cpu_names) -> list[str] | None:
   return names
 
 
+def _run_meta(args, suffix: str, **fields) -> tuple[dict, str]:
+  """A run's JSON header (device, jax, commit, date, timing settings and
+  ``fields``) and its output path without extension:
+  ``<out>/<name>``, by default ``<device>-<date><suffix>``."""
+  dev = jax.devices()[0]
+  meta = dict(jax_version=jax.__version__, device_kind=dev.device_kind,
+              device_count=jax.device_count(), commit=core.commit(),
+              date=datetime.date.today().isoformat(), **fields,
+              samples=args.samples, seed=args.seed,
+              sample_seconds=args.sample_seconds)
+  if args.cpu_smoke:
+    meta["note"] = ("CPU smoke run: kernels in Pallas interpret mode. NOT a"
+                    " performance figure.")
+  os.makedirs(args.out, exist_ok=True)
+  stem = args.name or "{}-{}{}".format(
+      dev.device_kind.lower().replace(" ", "-"), meta["date"], suffix)
+  return meta, os.path.join(args.out, stem)
+
+
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
@@ -305,20 +324,8 @@ def main(argv=None) -> int:
   modes = list(core.MODES) if args.mode == "both" else [args.mode]
   interpret = not on_gpu
 
-  dev = jax.devices()[0]
-  meta = dict(jax_version=jax.__version__, device_kind=dev.device_kind,
-              device_count=jax.device_count(), commit=core.commit(),
-              date=datetime.date.today().isoformat(),
-              flop_formula=core.FLOP_FORMULA, samples=args.samples,
-              seed=args.seed, sample_seconds=args.sample_seconds,
-              tuned_for=args.tuned_for)
-  if args.cpu_smoke:
-    meta["note"] = ("CPU smoke run: kernels in Pallas interpret mode. NOT a"
-                    " performance figure.")
-  os.makedirs(args.out, exist_ok=True)
-  stem = args.name or "{}-{}".format(
-      dev.device_kind.lower().replace(" ", "-"), meta["date"])
-  base = os.path.join(args.out, stem)
+  meta, base = _run_meta(args, "", flop_formula=core.FLOP_FORMULA,
+                         tuned_for=args.tuned_for)
 
   from tqdm import tqdm
   results = []
@@ -377,20 +384,9 @@ def _decode_main(args, on_gpu: bool) -> int:
   names = _impl_names(args, decode.IMPLS, decode.CPU_IMPLS)
   if names is None:
     return 2
-  dev = jax.devices()[0]
-  meta = dict(jax_version=jax.__version__, device_kind=dev.device_kind,
-              device_count=jax.device_count(), commit=core.commit(),
-              date=datetime.date.today().isoformat(),
-              bandwidth="gbytes_per_s = bytes of K and V of the valid"
-                        " tokens / median time / 1e9",
-              samples=args.samples, seed=args.seed,
-              sample_seconds=args.sample_seconds)
-  if args.cpu_smoke:
-    meta["note"] = ("CPU smoke run: kernels in Pallas interpret mode. NOT a"
-                    " performance figure.")
-  os.makedirs(args.out, exist_ok=True)
-  base = os.path.join(args.out, args.name or "{}-{}-decode".format(
-      dev.device_kind.lower().replace(" ", "-"), meta["date"]))
+  meta, base = _run_meta(
+      args, "-decode", bandwidth="gbytes_per_s = bytes of K and V of the"
+      " valid tokens / median time / 1e9")
   results = []
   for shape in shapes:
     rows = decode.run_shape(shape, names, interpret=not on_gpu,
