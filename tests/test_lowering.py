@@ -612,3 +612,37 @@ def test_paged_decode_lowers_to_triton(fake_gpu, q_len, window, cap, dtype):
   text = jax.jit(run).trace(q, pages, pages, table, lengths).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "jaxflash_paged_decode" in text
+
+
+# Every commit: each rule form once, at 80, 96, 48 and 112; the rest slow.
+_OWN_DIMS_EVERY_COMMIT = {(80, True, 2048), (96, False, 8192),
+                          (48, False, 1024), (112, True, 16384)}
+
+
+@pytest.mark.parametrize("head_dim,causal,kv_len", [
+    pytest.param(d, c, s, marks=() if (d, c, s) in _OWN_DIMS_EVERY_COMMIT
+                 else pytest.mark.slow)
+    for d in (32, 48, 80, 96, 112, 160)
+    for c, s in ((True, 2048), (False, 1024), (False, 8192), (True, 16384))])
+def test_mosaic_lowers_at_its_own_head_dims(head_dim, causal, kv_len):
+  """Head_dims that 64 does not divide run the kernels at the head_dim
+  rounded up to 16 (config.kernel_head_dim), with narrower swizzles: the
+  H200 entry's configs (each rule's form) lower for CUDA there, forward
+  and backward (at 160 the Triton backward)."""
+  from jaxflash import mosaic_gpu
+  dp = kernel_head_dim(head_dim)
+  assert dp == -(-head_dim // 16) * 16
+  cfg = mosaic_gpu.default_config("NVIDIA H200", dp, causal=causal,
+                                  kv_len=kv_len)
+  mask = MaskSpec(kv_len, kv_len, causal, None, None, None)
+  q = jax.ShapeDtypeStruct((1, kv_len, 4, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, kv_len, 2, head_dim), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out = mosaic_attention(q, k, v, mask=mask, arrays=MaskArrays(),
+                           softmax_scale=head_dim ** -0.5, config=cfg)[0]
+    return out.astype(jnp.float32).sum()
+
+  text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, kv, kv).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text

@@ -786,7 +786,11 @@ def test_forward_smem_rules():
       cfg, prefetch_q=False).smem_bytes(256)
   plain = mosaic_gpu.MosaicConfig(prefetch_q=True)
   assert plain.smem_bytes(256) == mosaic_gpu.MosaicConfig().smem_bytes(256)
-  assert cfg.out_chunks(192) == (3, 2) and cfg.out_chunks(64) == (1, 1)
+  assert cfg.out_chunks(192) == (64, 3, 2)
+  assert cfg.out_chunks(64) == (64, 1, 1)
+  # The forward's own head_dims: chunks of the swizzle's width.
+  assert cfg.out_chunks(96) == (32, 3, 2)
+  assert cfg.out_chunks(80) == (16, 5, 2)
   # The reduction scratch is dropped only where the buffers need its room
   # (and always with prefetch_q): the tuned defaults keep it, but on the
   # persistent grid with prefetch_q and at head_dim 256 with the lean
@@ -1102,6 +1106,18 @@ def test_gpu(case, cfg):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_gpu_long(seq, causal, head_dim):
   case = (f"long-{seq}-{head_dim}", seq, seq, 8, 2, head_dim, jnp.bfloat16,
+          causal, None, None)
+  _run(case, False, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal,seq", [(True, 1000), (False, 2049)])
+@pytest.mark.parametrize("head_dim", [48, 80, 96, 112])
+def test_gpu_own_head_dims(head_dim, causal, seq):
+  """Head_dims that 64 does not divide: the forward at the head_dim
+  rounded up to 16 (narrower swizzles, output chunks of their width),
+  and the backward at the same head_dim, by the numerics rule."""
+  case = (f"own-{head_dim}", seq, seq, 8, 2, head_dim, jnp.bfloat16,
           causal, None, None)
   _run(case, False, None)
 

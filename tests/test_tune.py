@@ -91,10 +91,10 @@ def test_call_classes():
   q = jax.ShapeDtypeStruct((8, 3000, 16, 96), jnp.float16)
   k = jax.ShapeDtypeStruct((8, 3000, 4, 96), jnp.float16)
   assert autotuned.call_class(q, k, causal=True, window=True) == (
-      "float16-d128-causal-window-g4-bh128-q4096-k4096")
+      "float16-d96-causal-window-g4-bh128-q4096-k4096")
   q80 = jax.ShapeDtypeStruct((1, 577, 12, 72), jnp.bfloat16)
   assert autotuned.call_class(q80, q80, causal=False, window=False) == (
-      "bfloat16-d128-full-g1-bh128-q1024-k1024")
+      "bfloat16-d80-full-g1-bh128-q1024-k1024")
 
 
 def test_candidates_are_valid_and_distinct():

@@ -2,8 +2,8 @@
 ``forward``, ``backward`` and ``check_supported``.  Autodiff, batching and
 partitioning are :mod:`jaxflash.op`'s, over these functions.
 
-Both at the head_dim zero-padded to a multiple of 64
-(``config.kernel_head_dim``).  Forward: :mod:`jaxflash.mosaic_gpu.forward`.
+Both at the head_dim rounded up to 16 (``config.kernel_head_dim``: 80 and
+96 run as themselves).  Forward: :mod:`jaxflash.mosaic_gpu.forward`.
 Backward: the Hopper dK/dV
 and dQ kernels of :mod:`jaxflash.mosaic_gpu.backward` for padded head_dim
 <= 128.  Above that their two float32 accumulators (dK, dV) do not fit in

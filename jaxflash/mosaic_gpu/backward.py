@@ -72,9 +72,24 @@ from jaxflash.mosaic_gpu.config import (
 from jaxflash.mosaic_gpu.forward import Problem
 
 LOG2E = math.log2(math.e)
-# float32 tiles: 32 elements are one 128-byte swizzled row.
-TILED_F32 = dict(transforms=(plgpu.TilingTransform((8, 32)),
-                             plgpu.SwizzleTransform(128)))
+
+
+def tiled_f32(columns: int) -> dict:
+  """A float32 tile's layout (dQ's reduce-add tile, dK/dV partials): 32
+  elements a 128-byte swizzled row, or 16 in 64 bytes where 32 does not
+  divide the head_dim (80)."""
+  cols = 32 if columns % 32 == 0 else 16
+  return dict(transforms=(plgpu.TilingTransform((8, cols)),
+                          plgpu.SwizzleTransform(4 * cols)))
+
+
+def _operands_tiled(*contractions: int) -> dict:
+  """The one layout of a kernel's 16-bit wgmma operands in shared memory
+  (wgmma takes both of a product in one swizzle): the widest swizzle
+  that divides every contraction it runs (the head_dim and the tiles'
+  rows), since each operand's tiling runs along its head_dim or tile
+  columns."""
+  return pipeline.tiled_over(math.gcd(*contractions))
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
@@ -530,10 +545,11 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   bq, bk, n = cfg.dkv_block_q, cfg.bwd_block_kv, cfg.bwd_compute_wgs
   # Q and dO are also the B operands of dK += dS^T Q and dV += P^T dO,
   # whose contraction runs over their bq rows (bwd_dkv_block_q): the
-  # widest swizzle that divides bq (32 bytes at FlashAttention-3's 80).
+  # widest swizzle that divides bq (32 bytes at FlashAttention-3's 80)
+  # and the head_dim they are tiled along (64 bytes at 96).
   # K and V take it too: Mosaic GPU's wgmma needs both shared-memory
   # operands in one swizzle (S^T = K Q^T, dP^T = V dO^T).
-  over_q = pipeline.tiled_over(bq)
+  over_q = _operands_tiled(bq, dp)
   scratch = [
       plgpu.SMEM((n, bk, dp), dtype, **over_q),              # K per consumer
       plgpu.SMEM((n, bk, dp), dtype, **over_q),              # V per consumer
@@ -549,10 +565,10 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   if cfg.p_in_smem or atomic_dq:  # P (and dS^T) staged
     scratch.append(plgpu.SMEM((n, bk, bq), dtype, **over_q))
   if atomic_dq:  # one float32 dS K tile per consumer
-    scratch.append(plgpu.SMEM((n, bq, dp), jnp.float32, **TILED_F32))
+    scratch.append(plgpu.SMEM((n, bq, dp), jnp.float32, **tiled_f32(dp)))
   out_shape, out_dtype = k.shape, dtype
   if head_splits > 1:  # one float32 partial tile per consumer, staged
-    scratch.append(plgpu.SMEM((n, bk, dp), jnp.float32, **TILED_F32))
+    scratch.append(plgpu.SMEM((n, bk, dp), jnp.float32, **tiled_f32(dp)))
     B, Sp, K, _ = k.shape
     out_shape, out_dtype = (B, Sp, K * head_splits, dp), jnp.float32
   out_type = [out_struct(out_shape, out_dtype, q, k, v) for _ in range(2)]
@@ -579,7 +595,7 @@ def _paired_scratch(held, streamed, dp, stages, dtype, *, ready_arrivals,
   free (both consumers) signals, and consumer 0's hand-over (``P`` or
   ``P^T``, the tile of ``held x streamed`` or its transpose) with its
   barrier, one per slot."""
-  tiled = pipeline.TILED
+  tiled = _operands_tiled(held, streamed, dp)
   return [
       plgpu.SMEM((held, dp), dtype, **tiled),                # consumer 0's
       plgpu.SMEM((held, dp), dtype, **tiled),                # consumer 1's
@@ -741,7 +757,8 @@ def paired_dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
       bk, bq, dp, stages, dtype, ready_arrivals=4,
       ring_extras=[vec_ring(stages, bq)] * 2)
   if cfg.p_in_smem:  # each consumer's A operand staged
-    scratch.append(plgpu.SMEM((2, bk, bq), dtype, **pipeline.TILED))
+    scratch.append(plgpu.SMEM((2, bk, bq), dtype,
+                              **_operands_tiled(bk, bq, dp)))
   return pipeline.launch(
       functools.partial(_paired_dkv_kernel, prob=prob, cfg=cfg, dtype=dtype),
       out_type=[out_struct(k.shape, dtype, q, k, v) for _ in range(2)],
@@ -901,7 +918,7 @@ def dq(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   dtype = q.dtype
   dp = prob.head_dim_padded
   bq, bk, n = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_compute_wgs
-  tiled = pipeline.TILED
+  tiled = _operands_tiled(bk, dp)  # dQ += dS K contracts over bk keys
   scratch = [
       plgpu.SMEM((n, bq, dp), dtype, **tiled),               # Q per consumer
       plgpu.SMEM((n, bq, dp), dtype, **tiled),               # dO per consumer
@@ -1046,7 +1063,8 @@ def paired_dq(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   # Q and dO held, K and V streamed (2 copies a slot).
   scratch = _paired_scratch(bq, bk, dp, stages, dtype, ready_arrivals=2)
   if cfg.p_in_smem:  # consumer 1's dS staged
-    scratch.append(plgpu.SMEM((bq, bk), dtype, **pipeline.TILED))
+    scratch.append(plgpu.SMEM((bq, bk), dtype,
+                              **_operands_tiled(bq, bk, dp)))
   return pipeline.launch(
       functools.partial(_paired_dq_kernel, prob=prob, cfg=cfg, dtype=dtype),
       out_type=out_struct(q.shape, dtype, q, k, v), scratch=scratch,

@@ -277,11 +277,14 @@ class MosaicConfig:
     :attr:`lean_epilogue`)."""
     return self.prefetches_q or self.lean_epilogue
 
-  def out_chunks(self, head_dim_padded: int) -> tuple[int, int]:
-    """The output's staging with :attr:`out_slots`: (64-column chunks,
-    slots)."""
-    chunks = -(-head_dim_padded // 64)
-    return chunks, min(2, chunks)
+  def out_chunks(self, head_dim_padded: int) -> tuple[int, int, int]:
+    """The output's staging with :attr:`out_slots`: (chunk columns,
+    chunks, slots); 64-column chunks, or at a head_dim that 64 does not
+    divide (the forward's own 80 or 96) the widest swizzle's width that
+    divides it (:func:`swizzle_columns`)."""
+    width = swizzle_columns(head_dim_padded)
+    chunks = head_dim_padded // width
+    return width, chunks, min(2, chunks)
 
   def _fwd_buffers(self, head_dim_padded: int, itemsize: int) -> list[int]:
     qo = self.compute_wgs * self.block_q * head_dim_padded * itemsize
@@ -293,8 +296,8 @@ class MosaicConfig:
       buffers.append(self.compute_wgs * self.block_q * self.block_kv
                      * itemsize)
     if self.out_slots:  # the output's chunks
-      _, slots = self.out_chunks(head_dim_padded)
-      buffers.append(self.compute_wgs * slots * self.block_q * 64
+      width, _, slots = self.out_chunks(head_dim_padded)
+      buffers.append(self.compute_wgs * slots * self.block_q * width
                      * itemsize)
     return buffers
 
@@ -369,10 +372,24 @@ class MosaicConfig:
     return max(dkv + _reserved(dkv_buffers), dq + _reserved(dq_buffers))
 
 
+def swizzle_columns(columns: int) -> int:
+  """16-bit columns of the widest shared-memory swizzle (128, 64 or 32
+  bytes) that divides ``columns`` (a multiple of 16): 64, 32 or 16.  A
+  wgmma operand's swizzle must divide its contraction (Mosaic GPU: "K
+  must be a multiple of 64" at 128 bytes) and its tiling its columns."""
+  for cols in (64, 32, 16):
+    if columns % cols == 0:
+      return cols
+  raise ValueError(f"{columns} columns are not a multiple of 16")
+
+
 def kernel_head_dim(head_dim: int) -> int:
-  """The Hopper kernels' head_dim: ``head_dim`` zero-padded to a multiple
-  of 64 (the 128-byte swizzle's width), so 80 and 96 run at 128."""
-  return -(-head_dim // 64) * 64
+  """The Hopper kernels' head_dim: ``head_dim`` rounded up to 16 (a
+  16-bit wgmma's K step), so 80 and 96 run as themselves, with narrower
+  swizzles, rather than padded to 128 (the matmuls then do 0.625 and
+  0.75 of the padded work; FlashAttention-3 instantiates such head_dims
+  too)."""
+  return -(-head_dim // 16) * 16
 
 
 # Three consumers hold their output accumulators (block_q x head_dim

@@ -849,16 +849,17 @@ class _Item:
     input dtype) to ``o_dst`` and of ``lse()`` to ``lse_dst``."""
     r, wg = self.r, self.ctx.wg
     if r.o_smem2 is not None:
-      # 64-column chunks through alternating slots: a slot is rewritten
-      # once the copy that last read it has (at most slots - 1 copies of
-      # this consumer still reading).
-      n_chunks, slots = self.cfg.out_chunks(self.prob.head_dim_padded)
+      # Column chunks (64 wide, or the swizzle's width) through
+      # alternating slots: a slot is rewritten once the copy that last
+      # read it has (at most slots - 1 copies of this consumer still
+      # reading).
+      w, n_chunks, slots = self.cfg.out_chunks(self.prob.head_dim_padded)
       for c in range(n_chunks):
         plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-        r.o_smem2[wg, c % slots] = out[:, c * 64:(c + 1) * 64]
+        r.o_smem2[wg, c % slots] = out[:, c * w:(c + 1) * w]
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(r.o_smem2.at[wg, c % slots],
-                                o_dst.at[:, pl.ds(c * 64, 64)])
+                                o_dst.at[:, pl.ds(c * w, w)])
     else:
       self.qo_smem[...] = out
     self.lse_smem[...] = lse()
@@ -1453,7 +1454,9 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
   dtype = q.dtype
   dp = prob.head_dim_padded
   bq, bk = cfg.block_q, cfg.block_kv
-  tiled = pipeline.TILED
+  # Q K^T contracts over the head_dim: the widest swizzle that divides it
+  # (128 bytes at multiples of 64, narrower at the forward's own 80, 96).
+  tiled = pipeline.tiled_over(dp)
   n_groups = prob.q_pad // (cfg.compute_wgs * bq)
   cluster = _cluster_size(cfg, prob, n_groups)
   # kv_multicast: a slot is free once the consumers of both CTAs of the
@@ -1464,9 +1467,11 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
   scratch = [
       plgpu.SMEM((q_bufs * cfg.compute_wgs, bq, dp), dtype, **tiled),
       plgpu.SMEM((cfg.stages, bk, dp), dtype, **tiled),
-      # V: P V contracts over its bk rows (a narrower swizzle where bk is
-      # not a multiple of 64).
-      plgpu.SMEM((cfg.stages, bk, dp), dtype, **pipeline.tiled_over(bk)),
+      # V: P V contracts over its bk rows, and its tiling runs along the
+      # head_dim: a swizzle that divides both (narrower where bk or the
+      # head_dim is not a multiple of 64).
+      plgpu.SMEM((cfg.stages, bk, dp), dtype,
+                 **pipeline.tiled_over(math.gcd(bk, dp))),
       plgpu.SMEM((cfg.compute_wgs, bq), jnp.float32),
       plgpu.Barrier(num_barriers=cfg.stages),             # k_ready (TMA)
       plgpu.Barrier(num_barriers=cfg.stages),             # v_ready (TMA)
@@ -1477,12 +1482,13 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
                    num_barriers=cfg.stages),              # v_free
   ]
   if cfg.p_in_smem:
+    # P, V's partner in P V: wgmma takes both in one swizzle.
     scratch.append(plgpu.SMEM((cfg.compute_wgs, bq, bk), dtype,
-                              **pipeline.tiled_over(bk)))
+                              **pipeline.tiled_over(math.gcd(bk, dp))))
   if cfg.out_slots:
-    _, slots = cfg.out_chunks(dp)
-    scratch.append(
-        plgpu.SMEM((cfg.compute_wgs, slots, bq, 64), dtype, **tiled))  # O
+    width, _, slots = cfg.out_chunks(dp)
+    scratch.append(plgpu.SMEM((cfg.compute_wgs, slots, bq, width), dtype,
+                              **pipeline.tiled_over(width)))  # O
   if cfg.prefetches_q:
     # q_free (one barrier per Q buffer; a single one is a scalar barrier)
     scratch.append(plgpu.Barrier(num_arrivals=cfg.compute_wgs,

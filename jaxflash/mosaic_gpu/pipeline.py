@@ -25,6 +25,7 @@ from jaxflash.mosaic_gpu.config import (
   MIN_REGISTERS,
   THREE_CONSUMER_REGISTERS,
   producer_registers,
+  swizzle_columns,
 )
 
 
@@ -36,17 +37,9 @@ def tiled_over(contraction: int) -> dict:
   to be a multiple of that width (``K must be a multiple of 64, got:
   80`` at the 128-byte swizzle), so FlashAttention-3's 80- and 176-key
   tiles take the 32-byte swizzle (16 elements)."""
-  for swizzle in (128, 64, 32):
-    if contraction % (swizzle // 2) == 0:
-      return dict(transforms=(plgpu.TilingTransform((8, swizzle // 2)),
-                              plgpu.SwizzleTransform(swizzle)))
-  raise ValueError(f"a wgmma contraction of {contraction} is not a multiple"
-                   " of 16")
-
-
-# 128-byte swizzle over 64-element (bf16/fp16) rows: the shared-memory
-# layout wgmma reads without bank conflicts.
-TILED = tiled_over(64)
+  cols = swizzle_columns(contraction)
+  return dict(transforms=(plgpu.TilingTransform((8, cols)),
+                          plgpu.SwizzleTransform(2 * cols)))
 
 
 def launch(body, *, out_type, scratch, grid, grid_names, consumers: int,
