@@ -28,9 +28,11 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from jaxflash import mosaic_gpu, op, reference, triton
+from jaxflash._util import sm_count
 from jaxflash.masks import MaskArrays, MaskSpec
 from jaxflash.mosaic_gpu import backend as mosaic_kernels
 from jaxflash.triton import backend as triton_kernels
+from jaxflash.triton import decode
 
 NO_MASK_ARRAYS = MaskArrays()
 
@@ -72,17 +74,38 @@ def _mosaic_backward(q, k, v, arrays, out, lse, dout, dlse, *, mask,
       config=None, interpret=bool(interpret))
 
 
+def _with_decode(forward: Callable) -> Callable:
+  """``forward``, except that decode-shaped calls with no config (a few
+  query rows over a long cache: :func:`decode.serves_contiguous`) take the
+  paged split-K decode kernel over the cache viewed as pages.  Its ``(out,
+  lse)`` are the residuals the backend's backward takes, so gradients
+  still flow through the backend's own backward kernels."""
+
+  def fwd(q, k, v, arrays, *, mask, softmax_scale, logits_soft_cap, config,
+          interpret):
+    if config is None and decode.serves_contiguous(q, k, arrays):
+      return decode.contiguous_forward(
+          q, k, v, arrays, mask=mask, softmax_scale=softmax_scale,
+          logits_soft_cap=logits_soft_cap, interpret=bool(interpret),
+          sm_count=sm_count())
+    return forward(q, k, v, arrays, mask=mask, softmax_scale=softmax_scale,
+                   logits_soft_cap=logits_soft_cap, config=config,
+                   interpret=interpret)
+  return fwd
+
+
 def _reference_check(q, k, v, **unused):
   del q, k, v, unused  # the reference serves every valid call
 
 
 _REGISTRY = (
     Backend("mosaic_gpu", mosaic_gpu.MosaicConfig, mosaic_gpu.check_supported,
-            op.Kernels("mosaic_gpu", mosaic_kernels.forward, _mosaic_backward,
+            op.Kernels("mosaic_gpu", _with_decode(mosaic_kernels.forward),
+                       _mosaic_backward,
                        inline_interpreted=True),
             mosaic_gpu.check_deterministic),
     Backend("triton", triton.TritonConfig, triton.check_supported,
-            op.Kernels("triton", triton_kernels.forward,
+            op.Kernels("triton", _with_decode(triton_kernels.forward),
                        triton_kernels.backward)),
     Backend("xla", None, _reference_check),
 )

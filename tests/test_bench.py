@@ -4,6 +4,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxflash
@@ -579,3 +580,19 @@ def test_decode_mode_cpu_smoke(tmp_path):
   assert refused and all(r["impl"] == "xla" and r["q_len"] == 3
                          for r in refused)
   assert (tmp_path / "d.png").stat().st_size > 1000
+
+
+def test_decode_chained_timing():
+  """On a GPU each decode program chains calls (``decode._chained``): run
+  here with XLA implementations (no interpreter), the chained program
+  returns what one call's first output element is, and the rows' times
+  are per call."""
+  from jaxflash.bench import decode
+  attend = lambda q, k: jnp.tanh(q @ k.T)
+  q, k = jnp.ones((2, 3)) * 0.1, jnp.ones((4, 3))
+  got = jax.jit(decode._chained(attend, 5))(jnp.zeros(()), q, k)
+  np.testing.assert_allclose(got, attend(q, k)[0, 0], rtol=1e-6)
+  shape = decode.DecodeShape(2, 1, 32, 4, 2, 16, 16, "float32")
+  rows = decode.run_shape(shape, ("jaxflash-paged-xla", "xla"),
+                          interpret=False, samples=1, chain=3)
+  assert all(r["error"] is None and r["ms"] > 0 for r in rows)

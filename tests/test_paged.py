@@ -6,8 +6,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from numerics import FLOOR
+from numerics import (
+  FLOOR,
+  check_rule,
+  outputs_and_grads,
+  random_inputs,
+  reference_kwargs,
+)
 
+import jaxflash
 from jaxflash import paged, reference
 from jaxflash.triton import decode
 
@@ -69,6 +76,12 @@ KERNEL_CASES = [
                       dtype=jnp.float16),
                  dict(local_window_size=20, logits_soft_cap=30.0),
                  id="mqa-q3-window-softcap"),
+    # A prefill chunk of 40 rows x group 4: two row tiles per head, the
+    # second partly padding; causal inside the chunk, which is the whole
+    # of sequence 0.
+    pytest.param(dict(batch=2, q_len=40, heads=8, kv_heads=2, head_dim=16,
+                      page=16, pages_per_seq=4, lengths=[40, 61],
+                      dtype=jnp.bfloat16), {}, id="gqa4-chunk40-row-tiles"),
     pytest.param(dict(batch=2, q_len=16, heads=8, kv_heads=1, head_dim=128,
                       page=16, pages_per_seq=5, lengths=[16, 79],
                       dtype=jnp.float32), {}, id="mqa8-chunk16-f32",
@@ -126,6 +139,69 @@ def test_splits_rule():
   assert decode.decode_splits(128, 8, 64, 132) == 1
   with pytest.raises(ValueError, match="splits=0"):
     decode.PagedConfig(splits=0)
+
+
+ROUTE_CASES = [
+    # A decode step: GQA 4:1, causal, lengths 0 (zeros), 1, mid, full.
+    pytest.param(dict(batch=4, q_len=1, kv_len=96, heads=8, kv_heads=2,
+                      head_dim=64, dtype=jnp.bfloat16),
+                 dict(causal=True, kv_seq_lengths=[0, 1, 50, 96]),
+                 id="gqa4-q1-lengths"),
+    # Three speculative rows, non-causal two-sided window, soft cap, MQA.
+    pytest.param(dict(batch=2, q_len=3, kv_len=64, heads=4, kv_heads=1,
+                      head_dim=32, dtype=jnp.float16),
+                 dict(local_window_size=(20, 5), logits_soft_cap=30.0,
+                      kv_seq_lengths=[64, 33]), id="mqa-q3-window-softcap"),
+    # A chunk of 16 rows, causal bottom-right over the whole array.
+    pytest.param(dict(batch=1, q_len=16, kv_len=48, heads=2, kv_heads=2,
+                      head_dim=16, dtype=jnp.float32), dict(causal=True),
+                 id="mha-q16-f32", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("shape,kw", ROUTE_CASES)
+def test_flash_attention_decode_route(shape, kw):
+  """flash_attention with a few query rows takes the paged decode kernel
+  over the contiguous cache (seen in the program), and its outputs and
+  gradients (the Triton backward from the decode kernel's residuals)
+  keep the numerics rule."""
+  q, k, v, do, dlse = random_inputs(jax.random.key(7), **shape)
+  kw = {n: jnp.asarray(x, jnp.int32) if n.endswith("lengths") else x
+        for n, x in kw.items()}
+  fn = lambda q, k, v: jaxflash.flash_attention(
+      q, k, v, return_lse=True, implementation="triton", interpret=True,
+      **kw)
+  assert "jaxflash_paged_decode" in str(jax.make_jaxpr(fn)(q, k, v))
+  check_rule(outputs_and_grads(fn, q, k, v, do, dlse), q, k, v, do, dlse,
+             **reference_kwargs(**kw))
+
+
+def test_decode_route_top_left_and_fallbacks():
+  """jax.nn's top-left causal alignment through the route; calls the
+  route does not serve (query lengths, segment ids, a key length that 16
+  does not divide, many rows) keep the prefill kernels."""
+  q, k, v, _, _ = random_inputs(jax.random.key(8), batch=2, q_len=2,
+                                kv_len=32, heads=2, kv_heads=1, head_dim=16,
+                                dtype=jnp.float32)
+  lengths = jnp.asarray([32, 7], jnp.int32)
+  got = jaxflash.dot_product_attention(
+      q, k, v, is_causal=True, key_value_seq_lengths=lengths,
+      implementation="triton", interpret=True)
+  want = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                      key_value_seq_lengths=lengths)
+  np.testing.assert_allclose(got, want, atol=2e-5)
+
+  def program(q, k, v, **kw):
+    return str(jax.make_jaxpr(lambda q, k, v: jaxflash.flash_attention(
+        q, k, v, implementation="triton", interpret=True, **kw))(q, k, v))
+
+  assert "jaxflash_paged_decode" in program(q, k, v, causal=True)
+  for kw in (dict(q_seq_lengths=jnp.asarray([2, 1])), dict(segment_ids=(
+      jnp.zeros((2, 2), jnp.int32), jnp.zeros((2, 32), jnp.int32)))):
+    assert "jaxflash_paged_decode" not in program(q, k, v, **kw)
+  assert "jaxflash_paged_decode" not in program(q, k[:, :30], v[:, :30])
+  many = jnp.zeros((2, 17, 2, 16), jnp.float32)
+  assert "jaxflash_paged_decode" not in program(many, k, v)
 
 
 def test_append_then_attend():

@@ -18,12 +18,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxflash._util import LOG2E, out_struct
+from jaxflash.masks import MaskArrays, MaskSpec
 from jaxflash.triton.common import LN2, dot, head_dim_padded
 
 
@@ -51,6 +53,11 @@ class PagedConfig:
       if not isinstance(val, int) or val < 1:
         raise ValueError(f"{name}={val!r} must be a positive integer")
 
+
+# Query rows per program (one head group's q_len x group rows, or tiles of
+# them for long chunks): a 128 x head_dim float32 accumulator is what
+# Triton's flash-attention tiles hold in four warps.
+MAX_TILE_ROWS = 128
 
 # decode_splits: programs for at least this many waves of the SMs.
 SPLIT_WAVES = 2
@@ -82,20 +89,34 @@ def check_supported(q, k_pages, config: PagedConfig | None) -> None:
     raise NotImplementedError(f"dtype {q.dtype} is not served")
 
 
-def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, o_ref, lse_ref, *,
-            q_len: int, group: int, page: int, pages_per_split: int,
-            scale: float, soft_cap: float | None, window_left: int | None):
+def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, o_ref,
+            lse_ref, *, q_len: int, group: int, row_tiles: int, page: int,
+            pages_per_split: int, scale: float, soft_cap: float | None,
+            causal: bool, window_left: int | None,
+            window_right: int | None):
   split = pl.program_id(2)
+  first_row = lax.rem(pl.program_id(1), row_tiles) * q_ref.shape[0]
   length = len_ref[0]
+  start = start_ref[0]  # position of query row 0
   rows = q_ref.shape[0]
-  # Query row r is (t, g) = divmod(r, group), at position length - q_len + t.
-  pos = length - q_len + lax.div(jnp.arange(rows, dtype=jnp.int32),
-                                 jnp.int32(group))
+  # Query row r is (t, g) = divmod(r, group), at position start + t.
+  t = lax.div(first_row + jnp.arange(rows, dtype=jnp.int32),
+              jnp.int32(group))
+  pos = start + t
+  # This tile's last real row (the rest is padding) and its first.
+  last = start + jnp.minimum(q_len - 1,
+                             lax.div(first_row + rows - 1, jnp.int32(group)))
+  head = start + lax.div(first_row, jnp.int32(group))
+  # Keys [first, end) may be seen by some row; pages outside are skipped.
+  end = length
+  if causal:
+    end = jnp.minimum(end, last + 1)
+  elif window_right is not None:
+    end = jnp.minimum(end, last + window_right + 1)
+  first = 0 if window_left is None else jnp.maximum(head - window_left, 0)
   lo = split * pages_per_split
-  hi = jnp.minimum(lo + pages_per_split, lax.div(length + page - 1, page))
-  if window_left is not None:  # pages wholly before every row's window
-    lo = jnp.maximum(lo, lax.div(jnp.maximum(
-        length - q_len - window_left, 0), page))
+  hi = jnp.minimum(lo + pages_per_split, lax.div(end + page - 1, page))
+  lo = jnp.maximum(lo, lax.div(first, page))
   q = q_ref[...]
 
   def body(p, carry):
@@ -107,7 +128,11 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, o_ref, lse_ref, *,
       s = soft_cap * jnp.tanh(s / soft_cap)
     s = s * LOG2E
     key = p * page + jnp.arange(page, dtype=jnp.int32)
-    keep = (key[None, :] < length) & (key[None, :] <= pos[:, None])
+    keep = key[None, :] < length
+    if causal:
+      keep = keep & (key[None, :] <= pos[:, None])
+    elif window_right is not None:
+      keep = keep & (key[None, :] <= pos[:, None] + window_right)
     if window_left is not None:
       keep = keep & (key[None, :] >= pos[:, None] - window_left)
     s = jnp.where(keep, s, -jnp.inf)
@@ -151,60 +176,140 @@ def merge(out_parts, lse_parts):
 def paged_forward(q, k_pages, v_pages, page_indices, kv_lengths, *,
                   softmax_scale: float, logits_soft_cap: float | None,
                   window_left: int | None, config: PagedConfig | None,
-                  interpret: bool, sm_count: int = 132):
+                  interpret: bool, sm_count: int = 132, q_start=None,
+                  causal: bool = True, window_right: int | None = None):
   """``(out [B, T, H, D], lse [B, H, T] float32)`` of queries ``q [B, T,
   H, D]`` over the paged cache (see :mod:`jaxflash.reference`'s
-  ``paged_attention`` for the semantics)."""
+  ``paged_attention`` for the semantics).
+
+  ``q_start [B]``: the position of each sequence's query row 0 (row ``t``
+  sits at ``q_start + t``); None: ``kv_lengths - T``, the new tokens at the
+  end of the cache.  ``causal``, ``window_left``, ``window_right``: keys
+  after a row's position, more than ``window_left`` before it or more than
+  ``window_right`` after it are masked, besides those past the length."""
   config = config or PagedConfig()
   B, T, H, D = q.shape
   _, page, K, _ = k_pages.shape
   M = page_indices.shape[1]
   G = H // K
-  rows = max(16, 1 << (T * G - 1).bit_length())
-  splits = config.splits or decode_splits(B, K, M, sm_count)
+  # The q_len x group rows of each key/value head (row t * G + g) in tiles
+  # of a power of two (Triton's block shapes) up to MAX_TILE_ROWS: a decode
+  # step's group is one tile, so each page is read once per key/value head.
+  tile = min(MAX_TILE_ROWS, max(16, 1 << (T * G - 1).bit_length()))
+  R = -(-T * G // tile)
+  splits = config.splits or decode_splits(B, K * R, M, sm_count)
   splits = min(splits, M)
   per_split = -(-M // splits)
-  # The q_len x group rows of each key/value head as one tile (row t * G
-  # + g), padded to a power of two (Triton's block shapes).
   qt = q.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(
       B, K, T * G, D)
-  qt = jnp.pad(qt, ((0, 0), (0, 0), (0, rows - T * G), (0, 0)))
+  qt = jnp.pad(qt, ((0, 0), (0, 0), (0, R * tile - T * G), (0, 0)))
   idx = page_indices.astype(jnp.int32)
   lengths = kv_lengths.astype(jnp.int32).reshape(B, 1)
+  if q_start is None:
+    q_start = lengths - T
+  starts = jnp.broadcast_to(jnp.asarray(q_start, jnp.int32).reshape(-1, 1),
+                            (B, 1))
   kernel = functools.partial(
-      _kernel, q_len=T, group=G, page=page, pages_per_split=per_split,
-      scale=float(softmax_scale), soft_cap=logits_soft_cap,
-      window_left=window_left)
+      _kernel, q_len=T, group=G, row_tiles=R, page=page,
+      pages_per_split=per_split, scale=float(softmax_scale),
+      soft_cap=logits_soft_cap, causal=causal, window_left=window_left,
+      window_right=window_right)
+  # Program (b, i, s): sequence b, key/value head i // R, row tile i % R,
+  # split s.
   out_parts, lse_parts = pl.pallas_call(
       kernel,
-      grid=(B, K, splits),
+      grid=(B, K * R, splits),
       in_specs=[
-          pl.BlockSpec((None, None, rows, D), lambda b, h, s: (b, h, 0, 0)),
+          pl.BlockSpec((None, None, tile, D),
+                       lambda b, i, s: (b, i // R, i % R, 0)),
           pl.BlockSpec((k_pages.shape[0], page, None, D),
-                       lambda b, h, s: (0, 0, h, 0)),
+                       lambda b, i, s: (0, 0, i // R, 0)),
           pl.BlockSpec((v_pages.shape[0], page, None, D),
-                       lambda b, h, s: (0, 0, h, 0)),
-          pl.BlockSpec((None, M), lambda b, h, s: (b, 0)),
-          pl.BlockSpec((None, 1), lambda b, h, s: (b, 0)),
+                       lambda b, i, s: (0, 0, i // R, 0)),
+          pl.BlockSpec((None, M), lambda b, i, s: (b, 0)),
+          pl.BlockSpec((None, 1), lambda b, i, s: (b, 0)),
+          pl.BlockSpec((None, 1), lambda b, i, s: (b, 0)),
       ],
       out_specs=[
-          pl.BlockSpec((None, None, None, rows, D),
-                       lambda b, h, s: (b, h, s, 0, 0)),
-          pl.BlockSpec((None, None, None, rows),
-                       lambda b, h, s: (b, h, s, 0)),
+          pl.BlockSpec((None, None, None, tile, D),
+                       lambda b, i, s: (b, i // R, s, i % R, 0)),
+          pl.BlockSpec((None, None, None, tile),
+                       lambda b, i, s: (b, i // R, s, i % R)),
       ],
       out_shape=[
-          out_struct((B, K, splits, rows, D), jnp.float32, q, k_pages),
-          out_struct((B, K, splits, rows), jnp.float32, q, k_pages),
+          out_struct((B, K, splits, R * tile, D), jnp.float32, q, k_pages),
+          out_struct((B, K, splits, R * tile), jnp.float32, q, k_pages),
       ],
       compiler_params=plt.CompilerParams(num_warps=config.num_warps,
                                          num_stages=config.num_stages),
       interpret=interpret,
       name="jaxflash_paged_decode",
-  )(qt, k_pages, v_pages, idx, lengths)
+  )(qt, k_pages, v_pages, idx, lengths, starts)
   out, lse = merge(out_parts, lse_parts)  # [B, K, rows, D], [B, K, rows]
   out = out[:, :, :T * G].reshape(B, K, T, G, D).transpose(
       0, 2, 1, 3, 4).reshape(B, T, H, D)
   lse = lse[:, :, :T * G].reshape(B, K, T, G).transpose(0, 1, 3, 2)
   return out.astype(q.dtype), lse.reshape(B, H, T)
 
+
+
+
+# flash_attention's decode route: a contiguous cache ``[B, S, K, D]`` is
+# read as pages of the largest of these sizes dividing S (a reshape, no
+# copy); on an H100 pages of 64 streamed faster than pages of 16
+# (docs/benchmarks/h100-2026-12-06-959a87f-paged-decode.md).
+CONTIGUOUS_PAGES = (64, 32, 16)
+# Calls with at most this many queries per sequence, and at most
+# MAX_DECODE_ROWS query rows per key/value head (q_len x group), take the
+# decode kernel: its tile holds one head group's rows, where the prefill
+# kernels pad a few rows to a whole tile and run one program per
+# (sequence, head) over the whole cache.
+MAX_DECODE_Q_LEN = 16
+MAX_DECODE_ROWS = 128
+
+
+def contiguous_page(kv_len: int) -> int | None:
+  """The page size a contiguous cache of ``kv_len`` keys is read in."""
+  return next((p for p in CONTIGUOUS_PAGES if kv_len % p == 0), None)
+
+
+def serves_contiguous(q, k, arrays: MaskArrays) -> bool:
+  """Whether :func:`contiguous_forward` serves this flash_attention call
+  (every :class:`MaskSpec` is served): few query rows, no segment ids or
+  query lengths, a key length that pages of 16 divide, and a call the
+  paged kernel takes."""
+  T, S = q.shape[1], k.shape[1]
+  page = contiguous_page(S)
+  if (T > MAX_DECODE_Q_LEN or T * (q.shape[2] // k.shape[2]) > MAX_DECODE_ROWS
+      or page is None or arrays.q_segment_ids is not None
+      or arrays.q_seq_lengths is not None):
+    return False
+  try:
+    check_supported(q, jax.ShapeDtypeStruct((1, page, *k.shape[2:]),
+                                            k.dtype), None)
+  except NotImplementedError:
+    return False
+  return True
+
+
+def contiguous_forward(q, k, v, arrays: MaskArrays, *, mask: MaskSpec,
+                       softmax_scale: float, logits_soft_cap: float | None,
+                       interpret: bool, sm_count: int = 132):
+  """flash_attention's ``(out, lse)`` on a contiguous cache ``k, v [B, S,
+  K, D]`` by the paged kernel: the cache viewed as ``B x S / page`` pages
+  (sequence ``b``'s pages in order), query row ``i`` at key position ``i +
+  mask.offset``, ``arrays.kv_seq_lengths`` (default ``S``) keys valid."""
+  B, S, K, D = k.shape
+  page = contiguous_page(S)
+  per_seq = S // page
+  table = jnp.arange(B * per_seq, dtype=jnp.int32).reshape(B, per_seq)
+  lengths = arrays.kv_seq_lengths
+  if lengths is None:
+    lengths = jnp.full((B,), S, jnp.int32)
+  return paged_forward(
+      q, k.reshape(B * per_seq, page, K, D), v.reshape(B * per_seq, page, K, D),
+      table, lengths, softmax_scale=softmax_scale,
+      logits_soft_cap=logits_soft_cap, window_left=mask.window_left,
+      window_right=mask.window_right, causal=mask.causal,
+      q_start=jnp.full((B,), mask.offset, jnp.int32), config=None,
+      interpret=interpret, sm_count=sm_count)
