@@ -14,8 +14,10 @@ paged cache (:class:`jaxflash.paged.PagedKVCache`, pages handed out per
 row by a :class:`jaxflash.paged.PageAllocator`) and attends with
 :func:`jaxflash.paged_attention`; ``--attention jax-nn`` runs the same
 loop with ``jax.nn.dot_product_attention`` over a contiguous ``[batch,
-max_len, kv_heads, head_dim]`` cache; ``both`` (default) runs both and
-prints their tokens/s side by side.  Each is timed after a warm-up run
+max_len, kv_heads, head_dim]`` cache (XLA), ``--attention cudnn`` the
+same with its decode steps by cuDNN (a GPU); ``both`` (default) runs
+jaxflash and jax-nn, ``all`` the three, and prints their tokens/s side by
+side.  Each is timed after a warm-up run
 (compilation).  ``--ckpt`` loads the parameters of a train.py run's
 checkpoints (``--out/ckpt``); without it they are a fresh initialisation
 (the timing does not depend on them).
@@ -48,7 +50,9 @@ import numpy as np  # noqa: E402
 
 from jaxflash import paged  # noqa: E402
 
-ATTENTIONS = ("jaxflash", "jax-nn")
+# jaxflash: the paged cache; jax-nn and cudnn: a contiguous cache attended
+# by jax.nn.dot_product_attention (its decode steps by XLA or by cuDNN).
+ATTENTIONS = ("jaxflash", "jax-nn", "cudnn")
 
 
 def sample_tokens(logits, key, temperature: float, top_k: int | None):
@@ -76,10 +80,12 @@ def make_caches(cfg: model_lib.GPTConfig, attention: str, prompt_lengths,
   head_dim = cfg.d_model // cfg.heads
   dtype = jnp.dtype(cfg.dtype)
   need = np.maximum(prefill_len, lengths + new_tokens - 1)
-  if attention == "jax-nn":
+  if attention in ("jax-nn", "cudnn"):
     return tuple(model_lib.ContiguousKVCache.create(
         batch=batch, max_len=int(need.max()), kv_heads=kv_heads,
-        head_dim=head_dim, dtype=dtype) for _ in range(cfg.layers))
+        head_dim=head_dim, dtype=dtype,
+        implementation="xla" if attention == "jax-nn" else "cudnn")
+        for _ in range(cfg.layers))
   if attention != "jaxflash":
     raise ValueError(f"attention={attention!r} is not one of {ATTENTIONS}")
   # Each row gets the pages it needs; one page table serves every layer
@@ -270,7 +276,7 @@ def main(argv=None):
   ap.add_argument("--top-k", type=int, default=40, help="0: no top-k")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--attention", default="both",
-                  choices=[*ATTENTIONS, "both"])
+                  choices=[*ATTENTIONS, "both", "all"])
   ap.add_argument("--paged-implementation", default="jaxflash",
                   choices=["jaxflash", *paged.IMPLEMENTATIONS],
                   help="paged_attention's implementation: the kernel where"
@@ -293,7 +299,8 @@ def main(argv=None):
     tok = jnp.zeros((1, 8), jnp.int32)
     params = jax.jit(model_lib.GPT(cfg).init)(jax.random.key(args.seed),
                                               tok, tok)["params"]
-  attentions = ATTENTIONS if args.attention == "both" else (args.attention,)
+  attentions = {"both": ATTENTIONS[:2], "all": ATTENTIONS}.get(
+      args.attention, (args.attention,))
   kw = dict(new_tokens=args.new_tokens, page_size=args.page_size,
             prefill_chunk=args.prefill_chunk, temperature=args.temperature,
             top_k=args.top_k or None, seed=args.seed)
@@ -320,9 +327,10 @@ def main(argv=None):
       speed = f" ({base.decode_s / r.decode_s:.2f}x)"
     print(f"| {name} | {r.prefill_s:.3f} | {r.decode_s:.3f} |"
           f" {tps:,.0f}{speed} |")
-  if len(results) == 2:
-    same = (results["jaxflash"].tokens == results["jax-nn"].tokens).mean()
-    print(f"\nthe same tokens from both: {same:.1%}")
+  for name in results:
+    if name != "jaxflash" and "jaxflash" in results:
+      same = (results["jaxflash"].tokens == results[name].tokens).mean()
+      print(f"\nthe same tokens from jaxflash and {name}: {same:.1%}")
   first = next(iter(results.values()))
   text = lambda t: bytes(np.asarray(t, np.uint8)).decode("utf-8",
                                                          errors="replace")

@@ -146,13 +146,19 @@ class ContiguousKVCache:
   k: jax.Array
   v: jax.Array
   kv_lengths: jax.Array
+  # jax.nn's implementation of the decode steps: "xla", or "cudnn" (one
+  # query per row without a window; other calls take the XLA mask path).
+  implementation: str = dataclasses.field(default="xla",
+                                           metadata=dict(static=True))
 
   @classmethod
   def create(cls, *, batch: int, max_len: int, kv_heads: int,
-             head_dim: int, dtype=jnp.float32) -> "ContiguousKVCache":
+             head_dim: int, dtype=jnp.float32,
+             implementation: str = "xla") -> "ContiguousKVCache":
     """Zero keys and values, lengths 0."""
     kv = jnp.zeros((batch, max_len, kv_heads, head_dim), dtype)
-    return cls(kv, jnp.zeros_like(kv), jnp.zeros((batch,), jnp.int32))
+    return cls(kv, jnp.zeros_like(kv), jnp.zeros((batch,), jnp.int32),
+               implementation)
 
   def append(self, k_new, v_new) -> "ContiguousKVCache":
     """The cache with ``k_new, v_new [batch, n, kv_heads, head_dim]``
@@ -166,10 +172,11 @@ class ContiguousKVCache:
     def put(cache, new):
       return cache.at[rows, pos].set(new.astype(cache.dtype), mode="drop")
 
-    return ContiguousKVCache(put(self.k, k_new), put(self.v, v_new),
-                             self.kv_lengths + n)
+    return dataclasses.replace(self, k=put(self.k, k_new),
+                               v=put(self.v, v_new),
+                               kv_lengths=self.kv_lengths + n)
 
-  def attention(self, q, *, local_window_size=None, implementation=None):
+  def attention(self, q, *, local_window_size=None):
     """``jax.nn.dot_product_attention`` of ``q [batch, q_len, heads,
     head_dim]``, the last ``q_len`` tokens of each row (already
     appended), over the cache: query ``t`` of row ``b`` sits at position
@@ -179,17 +186,22 @@ class ContiguousKVCache:
     ``w`` or ``(w, 0)`` only those at most ``w`` back.  jax.nn's
     ``is_causal`` aligns top-left and its window likewise, so both are a
     boolean mask here; keys past a row's length are after its last query,
-    so the causal mask hides them too."""
+    so the causal mask hides them too.  A decode step (one query per row,
+    no window) passes the lengths instead, which cuDNN takes."""
     q_len, max_len = q.shape[1], self.k.shape[1]
+    left = checks.window_sizes(local_window_size)[0]
+    if q_len == 1 and left is None:
+      return jax.nn.dot_product_attention(
+          q, self.k, self.v, key_value_seq_lengths=self.kv_lengths,
+          implementation=self.implementation)
     pos = (self.kv_lengths[:, None] - q_len
            + jnp.arange(q_len, dtype=jnp.int32))[:, :, None]
     key = jnp.arange(max_len, dtype=jnp.int32)[None, None, :]
     mask = key <= pos
-    left = checks.window_sizes(local_window_size)[0]
     if left is not None:
       mask = mask & (key >= pos - left)
-    return jax.nn.dot_product_attention(
-        q, self.k, self.v, mask=mask[:, None], implementation=implementation)
+    return jax.nn.dot_product_attention(q, self.k, self.v,
+                                        mask=mask[:, None])
 
 
 class CachedAttention:
@@ -220,13 +232,13 @@ def cache_options(cfg: GPTConfig, cache) -> dict[str, Any]:
   :func:`jaxflash.paged_attention` with ``cfg.attention`` as its
   implementation where that names one ("triton", "xla"; else the kernel
   where it serves the call, else XLA) and ``cfg.interpret``; a contiguous
-  cache runs jax.nn's XLA attention."""
+  cache runs jax.nn's attention (its own ``implementation``)."""
   if isinstance(cache, paged.PagedKVCache):
     impl = (cfg.attention if cfg.attention in paged.IMPLEMENTATIONS
             else None)
     return dict(implementation=impl, interpret=cfg.interpret)
   if isinstance(cache, ContiguousKVCache):
-    return dict(implementation="xla")
+    return {}
   raise ValueError(f"cache must be a PagedKVCache or ContiguousKVCache,"
                    f" got {type(cache).__name__}")
 
