@@ -270,8 +270,10 @@ class PagedKVCache:
              head_dim: int, batch: int, pages_per_sequence: int,
              dtype=jnp.bfloat16) -> "PagedKVCache":
     """Zero pages, a page table of -1 (no page yet) and lengths 0."""
-    pages = jnp.zeros((num_pages, page_size, kv_heads, head_dim), dtype)
-    return cls(pages, pages,
+    shape = (num_pages, page_size, kv_heads, head_dim)
+    # Two buffers: the cache is donated to jit'ed steps, and XLA refuses
+    # one buffer donated twice.
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                jnp.full((batch, pages_per_sequence), -1, jnp.int32),
                jnp.zeros((batch,), jnp.int32))
 

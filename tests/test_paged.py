@@ -295,6 +295,20 @@ def test_paged_kv_cache_and_allocator():
     alloc.allocate(7)
 
 
+def test_paged_kv_cache_donates():
+  """A fresh cache goes to a jit'ed step with its buffers donated (keys
+  and values are two buffers, not one)."""
+  cache = paged.PagedKVCache.create(num_pages=2, page_size=8, kv_heads=1,
+                                    head_dim=16, batch=1,
+                                    pages_per_sequence=2, dtype=jnp.float32)
+  cache = cache.with_pages(0, 0, [1, 0])
+  k = jnp.ones((1, 3, 1, 16))
+  step = jax.jit(lambda c, k, v: c.append(k, v), donate_argnums=0)
+  cache = step(cache, k, 2 * k)
+  np.testing.assert_array_equal(cache.kv_lengths, [3])
+  np.testing.assert_array_equal(cache.v_pages[1, :3], 2.0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("page", [16, 64])
 @pytest.mark.parametrize("q_len,batch,kv_len", [(1, 1, 8192), (1, 16, 1000),

@@ -9,6 +9,14 @@ axes.  Given a mesh with a ``context`` axis of size > 1, attention is
 jaxflash's ring attention over it (context parallelism; the tokens must
 then be in :func:`jaxflash.ring.zigzag_indices` order, with their original
 ``positions`` for the rotary embeddings).
+
+Given a ``cache`` (one per layer: a :class:`jaxflash.paged.PagedKVCache`,
+or a :class:`ContiguousKVCache` for comparison), the model runs
+incrementally on new tokens: each attention layer writes their keys and
+values after each row's cached ones and attends to the cache
+(:class:`CachedAttention`), for prefill and decoding (``generate.py``).
+The same parameters serve both forms; without a cache the forward is the
+training one.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxflash import sharding
+from jaxflash import checks, paged, sharding
 from jaxflash.linen import FlashMultiHeadDotProductAttention
 
 
@@ -126,6 +134,115 @@ def ring_attention(mesh, interpret: bool):
   return attend
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ContiguousKVCache:
+  """One layer's keys and values in contiguous ``[batch, max_len,
+  kv_heads, head_dim]`` arrays, attended with
+  ``jax.nn.dot_product_attention``: the comparison of the paged cache,
+  with the same ``append`` / ``attention`` methods and ``kv_lengths``
+  (valid keys per row)."""
+
+  k: jax.Array
+  v: jax.Array
+  kv_lengths: jax.Array
+  # jax.nn's implementation of the decode steps: "xla", or "cudnn" (one
+  # query per row without a window; other calls take the XLA mask path).
+  implementation: str = dataclasses.field(default="xla",
+                                           metadata=dict(static=True))
+
+  @classmethod
+  def create(cls, *, batch: int, max_len: int, kv_heads: int,
+             head_dim: int, dtype=jnp.float32,
+             implementation: str = "xla") -> "ContiguousKVCache":
+    """Zero keys and values, lengths 0."""
+    kv = jnp.zeros((batch, max_len, kv_heads, head_dim), dtype)
+    return cls(kv, jnp.zeros_like(kv), jnp.zeros((batch,), jnp.int32),
+               implementation)
+
+  def append(self, k_new, v_new) -> "ContiguousKVCache":
+    """The cache with ``k_new, v_new [batch, n, kv_heads, head_dim]``
+    written at positions ``kv_lengths[b] + t``; positions past
+    ``max_len`` are dropped (as :func:`jaxflash.paged.append` drops
+    tokens without a page under ``jit``)."""
+    batch, n = k_new.shape[:2]
+    pos = self.kv_lengths[:, None] + jnp.arange(n, dtype=jnp.int32)
+    rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
+
+    def put(cache, new):
+      return cache.at[rows, pos].set(new.astype(cache.dtype), mode="drop")
+
+    return dataclasses.replace(self, k=put(self.k, k_new),
+                               v=put(self.v, v_new),
+                               kv_lengths=self.kv_lengths + n)
+
+  def attention(self, q, *, local_window_size=None):
+    """``jax.nn.dot_product_attention`` of ``q [batch, q_len, heads,
+    head_dim]``, the last ``q_len`` tokens of each row (already
+    appended), over the cache: query ``t`` of row ``b`` sits at position
+    ``kv_lengths[b] - q_len + t`` and sees the keys at or before it
+    (causal aligned bottom-right per row, as
+    :func:`jaxflash.paged_attention`), and with ``local_window_size``
+    ``w`` or ``(w, 0)`` only those at most ``w`` back.  jax.nn's
+    ``is_causal`` aligns top-left and its window likewise, so both are a
+    boolean mask here; keys past a row's length are after its last query,
+    so the causal mask hides them too.  A decode step (one query per row,
+    no window) passes the lengths instead, which cuDNN takes."""
+    q_len, max_len = q.shape[1], self.k.shape[1]
+    left = checks.window_sizes(local_window_size)[0]
+    if q_len == 1 and left is None:
+      return jax.nn.dot_product_attention(
+          q, self.k, self.v, key_value_seq_lengths=self.kv_lengths,
+          implementation=self.implementation)
+    pos = (self.kv_lengths[:, None] - q_len
+           + jnp.arange(q_len, dtype=jnp.int32))[:, :, None]
+    key = jnp.arange(max_len, dtype=jnp.int32)[None, None, :]
+    mask = key <= pos
+    if left is not None:
+      mask = mask & (key >= pos - left)
+    return jax.nn.dot_product_attention(q, self.k, self.v,
+                                        mask=mask[:, None])
+
+
+class CachedAttention:
+  """The attention of the incremental forward, as the attention layer's
+  ``attention_override``: the new tokens' keys and values (rotary
+  embeddings already applied at their absolute positions) are appended to
+  ``cache``, then the new queries attend to it, causal bottom-right (one
+  call for a prefill chunk, ``q_len > 1``, and for a decode step,
+  ``q_len`` 1).  ``cache`` is then the updated cache; ``options`` go to
+  its ``attention``."""
+
+  def __init__(self, cache, **options):
+    self.cache = cache
+    self.options = options
+
+  def __call__(self, query, key, value, *, causal, segment_ids,
+               local_window_size, q_seq_lengths, kv_seq_lengths):
+    # Causal by construction; rows hold one document each (no segments),
+    # and the cache's lengths replace the sequence lengths.
+    del causal, segment_ids, q_seq_lengths, kv_seq_lengths
+    self.cache = self.cache.append(key, value)
+    return self.cache.attention(query, local_window_size=local_window_size,
+                                **self.options)
+
+
+def cache_options(cfg: GPTConfig, cache) -> dict[str, Any]:
+  """Options of ``cache.attention`` for ``cfg``: a paged cache runs
+  :func:`jaxflash.paged_attention` with ``cfg.attention`` as its
+  implementation where that names one ("triton", "xla"; else the kernel
+  where it serves the call, else XLA) and ``cfg.interpret``; a contiguous
+  cache runs jax.nn's attention (its own ``implementation``)."""
+  if isinstance(cache, paged.PagedKVCache):
+    impl = (cfg.attention if cfg.attention in paged.IMPLEMENTATIONS
+            else None)
+    return dict(implementation=impl, interpret=cfg.interpret)
+  if isinstance(cache, ContiguousKVCache):
+    return {}
+  raise ValueError(f"cache must be a PagedKVCache or ContiguousKVCache,"
+                   f" got {type(cache).__name__}")
+
+
 def _dense(features, axes, name, dtype):
   return nn.Dense(features, use_bias=False, dtype=dtype, name=name,
                   kernel_init=nn.with_logical_partitioning(
@@ -137,13 +254,17 @@ class Block(nn.Module):
   mesh: Any = None  # a context axis > 1 selects ring attention
 
   @nn.compact
-  def __call__(self, x, segment_ids, positions=None):
+  def __call__(self, x, segment_ids, positions=None, cache=None):
+    """The block's output; with a layer ``cache`` (incremental forward)
+    ``(output, updated cache)``."""
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
     h = nn.RMSNorm(dtype=dtype, name="ln1")(x)
     window = None if cfg.window is None else (cfg.window, 0)
     override, impl = None, None
-    if context_size(self.mesh) > 1:
+    if cache is not None:
+      override = CachedAttention(cache, **cache_options(cfg, cache))
+    elif context_size(self.mesh) > 1:
       if cfg.attention != "jaxflash":
         raise ValueError(
             f"attention={cfg.attention!r}: context parallelism runs"
@@ -169,7 +290,8 @@ class Block(nn.Module):
     h = _dense(cfg.ff, ("embed", "mlp"), "up", dtype)(h)
     h = nn.with_logical_constraint(nn.gelu(h), ("batch", "length", "mlp"))
     h = _dense(cfg.d_model, ("mlp", "embed"), "down", dtype)(h)
-    return nn.with_logical_constraint(x + h, ("batch", "length", "embed"))
+    out = nn.with_logical_constraint(x + h, ("batch", "length", "embed"))
+    return out if cache is None else (out, override.cache)
 
 
 class GPT(nn.Module):
@@ -177,18 +299,40 @@ class GPT(nn.Module):
   mesh: Any = None  # a context axis > 1 selects ring attention
 
   @nn.compact
-  def __call__(self, tokens, segment_ids, positions=None):
+  def __call__(self, tokens, segment_ids, positions=None, cache=None):
     """Logits ``[batch, length, vocab]``; ``positions`` (default
-    ``0..length-1``) are the tokens' places for the rotary embeddings."""
+    ``0..length-1``) are the tokens' places for the rotary embeddings.
+
+    With ``cache`` (a sequence of one cache per layer, see
+    :class:`CachedAttention`): ``tokens`` follow each row's cached ones,
+    at positions ``kv_lengths[b] + t`` by default, ``segment_ids`` are
+    ignored, and the result is ``(logits, updated caches)``."""
     cfg = self.cfg
+    if cache is not None:
+      if len(cache) != cfg.layers:
+        raise ValueError(f"{len(cache)} layer caches for {cfg.layers}"
+                         " layers")
+      if positions is None:
+        positions = cache[0].kv_lengths[:, None] + jnp.arange(
+            tokens.shape[1], dtype=jnp.int32)
     embed = nn.Embed(cfg.vocab, cfg.d_model, name="embed",
                      embedding_init=nn.with_logical_partitioning(
                          nn.initializers.normal(0.02), ("vocab", "embed")))
     x = embed(tokens).astype(jnp.dtype(cfg.dtype))
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
     block = nn.remat(Block) if cfg.remat else Block
+    new_cache = []
     for i in range(cfg.layers):
-      x = block(cfg, self.mesh, name=f"block{i}")(x, segment_ids, positions)
+      if cache is None:
+        x = block(cfg, self.mesh, name=f"block{i}")(x, segment_ids,
+                                                    positions)
+      else:
+        # No remat: nothing is differentiated (the parameter names are
+        # the same either way).
+        x, layer = Block(cfg, self.mesh, name=f"block{i}")(
+            x, None, positions, cache[i])
+        new_cache.append(layer)
     x = nn.RMSNorm(dtype=jnp.dtype(cfg.dtype), name="ln_f")(x)
     logits = embed.attend(x.astype(jnp.float32))
-    return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+    logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+    return logits if cache is None else (logits, tuple(new_cache))
