@@ -325,3 +325,22 @@ def test_gpu_kernel(page, q_len, batch, kv_len):
   got = jax.jit(lambda *a: paged.paged_attention(
       *a, return_lse=True, implementation="triton"))(*args)
   _check(got, args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len,causal", [(1, True), (4, False)])
+def test_gpu_decode_route(q_len, causal):
+  """flash_attention's decode route on a GPU (default dispatch: the
+  Hopper backend on an H100/H200), 32:8 heads, head_dim 128, 8192 cached
+  keys with unequal lengths: outputs and gradients by the numerics
+  rule."""
+  q, k, v, do, dlse = random_inputs(jax.random.key(9), batch=3, q_len=q_len,
+                                    kv_len=8192, heads=32, kv_heads=8,
+                                    head_dim=128, dtype=jnp.bfloat16)
+  kw = dict(causal=causal,
+            kv_seq_lengths=jnp.asarray([8192, 5000, 1], jnp.int32))
+  fn = lambda q, k, v: jaxflash.flash_attention(q, k, v, return_lse=True,
+                                                **kw)
+  assert "jaxflash_paged_decode" in str(jax.make_jaxpr(fn)(q, k, v))
+  check_rule(outputs_and_grads(fn, q, k, v, do, dlse), q, k, v, do, dlse,
+             **reference_kwargs(**kw))
