@@ -197,10 +197,11 @@ class FlashMultiHeadDotProductAttention(nn.Module):
   ``decode=True``: Flax's autoregressive cache (``cached_key``,
   ``cached_value``, ``cache_index``); each single-token step attends to the
   filled part of the cache through :func:`jaxflash.flash_attention` with
-  ``kv_seq_lengths`` (not yet through :func:`jaxflash.paged_attention`'s
-  split-K decode kernel), and with
-  ``local_window_size`` to the slots ``[index - left, index]`` (as segment
-  ids over the cache).
+  ``kv_seq_lengths``, which takes the split-K decode kernel of
+  :func:`jaxflash.paged_attention` where the cache length is a multiple of
+  16 and the head_dim a power of two; with ``local_window_size`` it
+  attends to the slots ``[index - left, index]`` (as segment ids over the
+  cache, through the prefill kernels).
   """
 
   num_heads: int
