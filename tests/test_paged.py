@@ -114,6 +114,11 @@ def test_xla_and_one_split():
   one = paged.paged_attention(*args, return_lse=True, interpret=True,
                               config=decode.PagedConfig(splits=1))
   _check(one, args)
+  # One page per loop step, two splits (the default takes all four pages
+  # of 16 in one step, so one split).
+  _check(paged.paged_attention(
+      *args, return_lse=True, interpret=True,
+      config=decode.PagedConfig(splits=3, block_pages=1)), args)
 
 
 def test_reference_matches_dense_attention():
@@ -139,6 +144,9 @@ def test_splits_rule():
   assert decode.decode_splits(128, 8, 64, 132) == 1
   with pytest.raises(ValueError, match="splits=0"):
     decode.PagedConfig(splits=0)
+  with pytest.raises(ValueError, match="block_pages=0"):
+    decode.PagedConfig(block_pages=0)
+  assert [decode.block_pages(p) for p in (8, 16, 64, 256)] == [8, 4, 1, 1]
 
 
 ROUTE_CASES = [

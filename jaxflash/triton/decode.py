@@ -36,18 +36,22 @@ class PagedConfig:
   Attributes:
     splits: programs per (sequence, key/value head) along the pages
       (FlashDecoding's split-K); None: :func:`decode_splits`.
+    block_pages: pages per step of a program's loop (their loads issued
+      together, one softmax rescale for all); None: :func:`block_pages`.
     num_warps, num_stages: Triton's launch parameters.
   """
 
   splits: int | None = None
+  block_pages: int | None = None
   num_warps: int = 4
   num_stages: int = 2
 
   def __post_init__(self):
-    if self.splits is not None and (not isinstance(self.splits, int)
-                                    or self.splits < 1):
-      raise ValueError(f"splits={self.splits!r} must be None or a positive"
-                       " integer")
+    for name in ("splits", "block_pages"):
+      val = getattr(self, name)
+      if val is not None and (not isinstance(val, int) or val < 1):
+        raise ValueError(f"{name}={val!r} must be None or a positive"
+                         " integer")
     for name in ("num_warps", "num_stages"):
       val = getattr(self, name)
       if not isinstance(val, int) or val < 1:
@@ -58,6 +62,18 @@ class PagedConfig:
 # them for long chunks): a 128 x head_dim float32 accumulator is what
 # Triton's flash-attention tiles hold in four warps.
 MAX_TILE_ROWS = 128
+
+# block_pages: keys per loop step (pages of fewer keys are taken several
+# at a time).
+BLOCK_KEYS = 64
+
+
+def block_pages(page: int) -> int:
+  """Pages per loop step: :data:`BLOCK_KEYS` keys' worth (one page of 64
+  keys or more).  One page of 16 keys per step read 0.70-0.90x of pages of
+  64 on an H100 (docs/benchmarks/h100-2026-12-06-959a87f-paged-decode.md)."""
+  return max(1, BLOCK_KEYS // page)
+
 
 # decode_splits: programs for at least this many waves of the SMs.
 SPLIT_WAVES = 2
@@ -91,8 +107,8 @@ def check_supported(q, k_pages, config: PagedConfig | None) -> None:
 
 def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, o_ref,
             lse_ref, *, q_len: int, group: int, row_tiles: int, page: int,
-            pages_per_split: int, scale: float, soft_cap: float | None,
-            causal: bool, window_left: int | None,
+            per_step: int, pages_per_split: int, scale: float,
+            soft_cap: float | None, causal: bool, window_left: int | None,
             window_right: int | None):
   split = pl.program_id(2)
   first_row = lax.rem(pl.program_id(1), row_tiles) * q_ref.shape[0]
@@ -118,38 +134,52 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, o_ref,
   hi = jnp.minimum(lo + pages_per_split, lax.div(end + page - 1, page))
   lo = jnp.maximum(lo, lax.div(first, page))
   q = q_ref[...]
+  last_entry = idx_ref.shape[0] - 1
 
-  def body(p, carry):
+  def body(step, carry):
     acc, m_prev, l_prev = carry
-    slot = idx_ref[p]
-    k = k_ref[slot]  # [page, dp]
-    s = dot(q, k, trans_b=True) * scale
-    if soft_cap is not None:
-      s = soft_cap * jnp.tanh(s / soft_cap)
-    s = s * LOG2E
-    key = p * page + jnp.arange(page, dtype=jnp.int32)
-    keep = key[None, :] < length
-    if causal:
-      keep = keep & (key[None, :] <= pos[:, None])
-    elif window_right is not None:
-      keep = keep & (key[None, :] <= pos[:, None] + window_right)
-    if window_left is not None:
-      keep = keep & (key[None, :] >= pos[:, None] - window_left)
-    s = jnp.where(keep, s, -jnp.inf)
-    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    # per_step pages per step; their loads do not depend on each other.
+    # A page at or past hi (another split's, or past the keys) is read
+    # from a valid index and masked out entirely.
+    logits, values = [], []
+    for j in range(per_step):
+      p = lo + step * per_step + j
+      live = p < hi
+      slot = jnp.where(live, idx_ref[jnp.minimum(p, last_entry)], 0)
+      s = dot(q, k_ref[slot], trans_b=True) * scale
+      if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+      s = s * LOG2E
+      key = p * page + jnp.arange(page, dtype=jnp.int32)
+      keep = (key[None, :] < length) & live
+      if causal:
+        keep = keep & (key[None, :] <= pos[:, None])
+      elif window_right is not None:
+        keep = keep & (key[None, :] <= pos[:, None] + window_right)
+      if window_left is not None:
+        keep = keep & (key[None, :] >= pos[:, None] - window_left)
+      logits.append(jnp.where(keep, s, -jnp.inf))
+      values.append(v_ref[slot])
+    m_next = m_prev
+    for s in logits:
+      m_next = jnp.maximum(m_next, jnp.max(s, axis=1))
     # Rows with nothing seen yet keep a finite reference, so exp2 gives 0
     # rather than exp2(-inf - -inf) = NaN.
     m_use = jnp.where(m_next == -jnp.inf, 0.0, m_next)
     alpha = jnp.exp2(m_prev - m_use)
-    prob = jnp.exp2(s - m_use[:, None])
-    v = v_ref[slot]
-    acc = acc * alpha[:, None] + dot(prob.astype(v.dtype), v)
-    return acc, m_next, l_prev * alpha + jnp.sum(prob, axis=1)
+    acc = acc * alpha[:, None]
+    l_next = l_prev * alpha
+    for s, v in zip(logits, values):
+      prob = jnp.exp2(s - m_use[:, None])
+      acc = acc + dot(prob.astype(v.dtype), v)
+      l_next = l_next + jnp.sum(prob, axis=1)
+    return acc, m_next, l_next
 
   carry = (jnp.zeros(o_ref.shape, jnp.float32),
            jnp.full((rows,), -jnp.inf, jnp.float32),
            jnp.zeros((rows,), jnp.float32))
-  acc, m, l = lax.fori_loop(lo, jnp.maximum(lo, hi), body, carry)
+  steps = lax.div(jnp.maximum(hi - lo, 0) + per_step - 1, per_step)
+  acc, m, l = lax.fori_loop(0, steps, body, carry)
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
   o_ref[...] = acc / l_safe[:, None]
@@ -197,9 +227,13 @@ def paged_forward(q, k_pages, v_pages, page_indices, kv_lengths, *,
   # step's group is one tile, so each page is read once per key/value head.
   tile = min(MAX_TILE_ROWS, max(16, 1 << (T * G - 1).bit_length()))
   R = -(-T * G // tile)
+  per_step = config.block_pages or block_pages(page)
   splits = config.splits or decode_splits(B, K * R, M, sm_count)
   splits = min(splits, M)
+  # Each split's pages a whole number of loop steps.
   per_split = -(-M // splits)
+  per_split = -(-per_split // per_step) * per_step
+  splits = -(-M // per_split)
   qt = q.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(
       B, K, T * G, D)
   qt = jnp.pad(qt, ((0, 0), (0, 0), (0, R * tile - T * G), (0, 0)))
@@ -211,9 +245,9 @@ def paged_forward(q, k_pages, v_pages, page_indices, kv_lengths, *,
                             (B, 1))
   kernel = functools.partial(
       _kernel, q_len=T, group=G, row_tiles=R, page=page,
-      pages_per_split=per_split, scale=float(softmax_scale),
-      soft_cap=logits_soft_cap, causal=causal, window_left=window_left,
-      window_right=window_right)
+      per_step=per_step, pages_per_split=per_split,
+      scale=float(softmax_scale), soft_cap=logits_soft_cap, causal=causal,
+      window_left=window_left, window_right=window_right)
   # Program (b, i, s): sequence b, key/value head i // R, row tile i % R,
   # split s.
   out_parts, lse_parts = pl.pallas_call(
