@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import backends, checks
+from jaxflash import backends, checks, fp8
 
 IMPLEMENTATIONS = backends.IMPLEMENTATIONS
 
@@ -45,6 +45,10 @@ def flash_attention(
     config: Any = None,
     interpret: bool = False,
     deterministic: bool | None = None,
+    q_scale: jax.Array | float | None = None,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
+    out_dtype: Any = None,
 ):
   """Exact attention in O(sequence) memory.
 
@@ -91,6 +95,16 @@ def flash_attention(
       ``True`` it uses its dQ kernel instead (measured cost in
       docs/backends.md).  ``None`` (default): ``True`` when ``XLA_FLAGS``
       holds ``--xla_gpu_deterministic_ops=true``, else ``False``.
+    q_scale, k_scale, v_scale: with FP8 inputs (``q`` in
+      ``float8_e4m3fn``, ``k`` and ``v`` in ``float8_e4m3fn`` or
+      ``float8_e5m2``), their dequantization scales: attention is computed
+      on ``q * q_scale`` etc.; float32 scalars, or per head (``[heads]``
+      for ``q``, ``[kv_heads]`` for ``k`` and ``v``); None is 1
+      (:func:`jaxflash.quantize_fp8` makes them).  FP8 calls are forward
+      only (a gradient raises NotImplementedError) and run the Triton
+      kernel (sm89+, or the interpreter) or ``"xla"``.
+    out_dtype: the FP8 call's output dtype: bfloat16 (default), float16
+      or float32.
 
   Returns:
     ``out`` shaped and typed like ``q``, or ``(out, lse)`` with
@@ -106,13 +120,15 @@ def flash_attention(
       kv_seq_lengths=kv_seq_lengths, logits_soft_cap=logits_soft_cap,
       softmax_scale=softmax_scale, return_lse=return_lse,
       implementation=implementation, config=config, interpret=interpret,
-      deterministic=deterministic)
+      deterministic=deterministic,
+      fp8_args=dict(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                    out_dtype=out_dtype))
 
 
 def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
                q_seq_lengths, kv_seq_lengths, logits_soft_cap, softmax_scale,
                return_lse, implementation, config, interpret, deterministic,
-               names=None, dense=None):
+               names=None, dense=None, fp8_args=None):
   """Validation and dispatch shared by the public entry points.
 
   ``offset``: query ``i`` is aligned with key ``i + offset`` (None:
@@ -120,7 +136,8 @@ def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
   ``names``: the caller's argument names for the error messages.
   ``dense``: ``(bias, mask)`` checked by
   :func:`jaxflash.checks.dense_array` (either may be None), for the
-  ``"xla"`` backend alone.
+  ``"xla"`` backend alone.  ``fp8_args``: the FP8 scales and output dtype
+  (:mod:`jaxflash.fp8`).
   """
   nm = (names or {}).get
   # Host arrays take JAX's canonical dtype first, as every jnp function
@@ -142,6 +159,22 @@ def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
   arrays = checks.mask_arrays(q, k, segment_ids, q_seq_lengths,
                               kv_seq_lengths, names)
   deterministic = checks.resolve_deterministic(deterministic)
+  fp8_args = fp8_args or {}
+  if checks.is_fp8(q, k, v):
+    if dense is not None:
+      raise NotImplementedError("FP8 inputs take no dense bias or mask")
+    q_scale, k_scale, v_scale, out_dtype = fp8.check_scales(
+        q, k, names=names, **fp8_args)
+    out, lse = fp8.attention(
+        q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+        out_dtype=out_dtype, mask=mask, arrays=arrays,
+        softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
+        implementation=implementation, config=config, interpret=interpret)
+    return (out, lse) if return_lse else out
+  given = [n for n, x in fp8_args.items() if x is not None]
+  if given:
+    raise ValueError(f"{', '.join(given)} apply to FP8 inputs only; got"
+                     f" {nm('q', 'q')} in {jnp.dtype(q.dtype).name}")
   cfg_owner = backends.owner(config)
   if cfg_owner is not None and cfg_owner.check_config is not None:
     cfg_owner.check_config(config, deterministic)

@@ -21,6 +21,18 @@ def _shape_str(x) -> str:
   return f"{tuple(x.shape)} {jnp.dtype(x.dtype).name}"
 
 
+# FP8 inputs (jaxflash.fp8): queries in e4m3, keys and values in e4m3 or
+# e5m2 (one format for both).
+FP8_Q_DTYPES = (jnp.dtype(jnp.float8_e4m3fn),)
+FP8_KV_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def is_fp8(*xs) -> bool:
+  """Whether any of ``xs`` has an FP8 dtype."""
+  return any(jnp.dtype(x.dtype) in FP8_KV_DTYPES for x in xs
+             if hasattr(x, "dtype"))
+
+
 def validate(q, k, v, names=None) -> None:
   nm = (names or {}).get
   qn, kn, vn = nm("q", "q"), nm("k", "k"), nm("v", "v")
@@ -35,7 +47,14 @@ def validate(q, k, v, names=None) -> None:
       raise ValueError(
           f"{name} must be a floating-point array, got dtype"
           f" {jnp.dtype(x.dtype).name}")
-  if not q.dtype == k.dtype == v.dtype:
+  if is_fp8(q, k, v):
+    if (jnp.dtype(q.dtype) not in FP8_Q_DTYPES or k.dtype != v.dtype
+        or jnp.dtype(k.dtype) not in FP8_KV_DTYPES):
+      raise ValueError(
+          f"FP8 attention takes {qn} in float8_e4m3fn and {kn}, {vn} in one"
+          f" of float8_e4m3fn, float8_e5m2, got {qn}: {_shape_str(q)},"
+          f" {kn}: {_shape_str(k)}, {vn}: {_shape_str(v)}")
+  elif not q.dtype == k.dtype == v.dtype:
     raise ValueError(
         f"{qn}, {kn} and {vn} must share one dtype, got {qn}:"
         f" {_shape_str(q)}, {kn}: {_shape_str(k)}, {vn}: {_shape_str(v)}")

@@ -646,3 +646,27 @@ def test_mosaic_lowers_at_its_own_head_dims(head_dim, causal, kv_len):
   text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, kv, kv).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("fake_gpu", ["H100"], indirect=True)
+def test_fp8_forward_lowers_to_triton(fake_gpu):
+  """The FP8 forward (jaxflash.fp8 through the Triton kernel) lowers to
+  Triton IR for an H100 with FP8 operands (P rounded to e4m3 for the P V
+  product), per-head scales, a causal mask and lengths.  (Triton lowers
+  no FP8 on an A100, and no e4m3 x e5m2 product: the kernel takes e4m3
+  alone.)"""
+  from jaxflash.triton import backend as triton_backend
+  q = jax.ShapeDtypeStruct((2, 300, 8, 128), jnp.float8_e4m3fn)
+  kv = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.float8_e4m3fn)
+  lens = jax.ShapeDtypeStruct((2,), jnp.int32)
+  dequant = jax.ShapeDtypeStruct((8, 2), jnp.float32)
+
+  def run(q, k, v, lens, dequant):
+    return triton_backend.forward_fp8(
+        q, k, v, MaskArrays(None, None, None, lens),
+        mask=MaskSpec(300, 300, True), softmax_scale=0.088,
+        logits_soft_cap=None, dequant=dequant, out_dtype=jnp.bfloat16)
+
+  text = jax.jit(run).trace(q, kv, kv, lens, dequant).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "jaxflash_fwd" in text

@@ -75,7 +75,8 @@ def _mask_inputs(arrays: MaskArrays, prob: Problem, batch: int) -> MaskInputs:
   return MaskInputs(q_seg, kv_seg, lengths)
 
 
-def _forward(q, k, v, arrays, st: _Static, count_tiles=False):
+def _forward(q, k, v, arrays, st: _Static, count_tiles=False, dequant=None,
+             out_dtype=None):
   prob = st.prob
   results = fwd_lib.forward(
       _pad(q, prob.q_pad, prob.head_dim_padded),
@@ -83,7 +84,7 @@ def _forward(q, k, v, arrays, st: _Static, count_tiles=False):
       _pad(v, prob.kv_pad, prob.head_dim_padded),
       _mask_inputs(arrays, prob, q.shape[0]),
       prob=prob, config=st.config, interpret=st.interpret,
-      count_tiles=count_tiles)
+      count_tiles=count_tiles, dequant=dequant, out_dtype=out_dtype)
   T = q.shape[1]
   out, lse = results[0][:, :T, :, :st.head_dim], results[1][:, :, :T]
   if count_tiles:
@@ -99,6 +100,19 @@ def forward(q, k, v, arrays: MaskArrays, *, mask: MaskSpec,
   st = _plan(q, k, mask, arrays, softmax_scale, logits_soft_cap, config,
              interpret)
   return _forward(q, k, v, arrays, st)
+
+
+def forward_fp8(q, k, v, arrays: MaskArrays, *, mask: MaskSpec,
+                softmax_scale: float, logits_soft_cap: float | None,
+                dequant, out_dtype, config: TritonConfig | None = None,
+                interpret: bool = False):
+  """The forward kernel on FP8 ``q, k, v`` with ``dequant [H, 2]`` float32
+  (per query head: ``q_scale * k_scale``, ``v_scale``): ``(out`` in
+  ``out_dtype``, ``lse)``.  The tiles are bfloat16's
+  (``default_config`` by item size: one byte takes the two-byte tiles)."""
+  st = _plan(q, k, mask, arrays, softmax_scale, logits_soft_cap, config,
+             interpret)
+  return _forward(q, k, v, arrays, st, dequant=dequant, out_dtype=out_dtype)
 
 
 def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
@@ -154,4 +168,21 @@ def check_supported(q, k, v, *, interpret: bool, arrays=None,
     return
   require_cuda("triton", "a CUDA GPU of compute capability >= 8.0",
                lambda cc: float(cc) >= 8.0,
+               "pass interpret=True to run its kernels on CPU")
+
+
+def check_supported_fp8(q, k, *, interpret: bool) -> None:
+  """NotImplementedError when the FP8 forward cannot run: it takes e4m3
+  alone (Triton lowers no e4m3 x e5m2 product) and needs FP8 tensor cores
+  (compute capability 8.9: Ada, Hopper) or the interpreter."""
+  if jnp.dtype(k.dtype) != jnp.dtype(jnp.float8_e4m3fn):
+    raise NotImplementedError(
+        f"the Triton FP8 kernel takes float8_e4m3fn keys and values, got"
+        f" {jnp.dtype(k.dtype).name} (the 'xla' backend takes"
+        f" float8_e5m2)")
+  del q
+  if interpret:
+    return
+  require_cuda("triton", "a CUDA GPU of compute capability >= 8.9 (FP8"
+               " tensor cores)", lambda cc: float(cc) >= 8.9,
                "pass interpret=True to run its kernels on CPU")

@@ -55,14 +55,19 @@ def dot(a, b, *, trans_b: bool = False, trans_a: bool = False):
       precision=precision, preferred_element_type=jnp.float32)
 
 
-def logits(q, k, prob: Problem):
+def logits(q, k, prob: Problem, dequant=None):
   """Scaled (and soft-capped) logits of one tile, in base 2, float32.
 
   Returns ``(s2, tanh)``: ``s2 = log2(e) * cap * tanh(q.k * scale / cap)``
   (or without the cap), so that ``exp(logit) = exp2(s2)``; ``tanh`` is kept
   for the backward pass (d cap*tanh(x/cap) / dx = 1 - tanh^2), else None.
+  ``dequant``: FP8 operands' scale ``q_scale * k_scale`` (a traced
+  scalar), applied with the softmax scale before the cap.
   """
-  s = dot(q, k, trans_b=True) * prob.softmax_scale
+  scale = prob.softmax_scale
+  if dequant is not None:
+    scale = scale * dequant
+  s = dot(q, k, trans_b=True) * scale
   th = None
   if prob.logits_soft_cap is not None:
     th = jnp.tanh(s * (1.0 / prob.logits_soft_cap))

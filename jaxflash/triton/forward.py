@@ -25,10 +25,18 @@ from jaxflash.triton.config import TritonConfig
 
 
 def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
-                count_tiles: bool):
+                count_tiles: bool, fp8: bool):
   q_ref, k_ref, v_ref = refs[:3]
+  refs = refs[3:]
+  qk_dequant = v_dequant = None
+  if fp8:
+    # FP8 (FlashAttention-3's low-precision forward): this head's
+    # dequantization scales, q_scale * k_scale for the logits and v_scale
+    # for the output.
+    qk_dequant, v_dequant = refs[0][0], refs[0][1]
+    refs = refs[1:]
   held_info, stream_info, q_seg_ref, kv_seg_ref, rest = (
-      tiles.split_mask_refs(prob.has_segments, prob.has_lengths, refs[3:]))
+      tiles.split_mask_refs(prob.has_segments, prob.has_lengths, refs))
   o_ref, lse_ref = rest[0], rest[1]
   mask = prob.mask
 
@@ -45,7 +53,7 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
     acc, m_prev, l_prev = carry
     k = tiles.slice_tile(k_ref, t, block_k)
     # Base-2 logits with the softmax scale folded in: exp(x) = exp2(x log2e).
-    s, _ = logits(q, k, prob)  # [block_q, block_k] float32
+    s, _ = logits(q, k, prob, qk_dequant)  # [block_q, block_k] float32
     if masked:
       visible = tiles.kv_tile_visible(mask, q_idx, t, block_k, valid=valid,
                                       q_seg=q_seg, kv_seg_ref=kv_seg_ref)
@@ -61,6 +69,8 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
     p = jnp.exp2(s - m_use[:, None])
     l_next = l_prev * alpha + jnp.sum(p, axis=1)
     v = tiles.slice_tile(v_ref, t, block_k)
+    # With FP8 values P (in [0, 1] after the max subtraction) is rounded to
+    # their format for the product, as FlashAttention-3 does.
     acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
     return acc, m_next, l_next
 
@@ -79,6 +89,8 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
     acc, m, l = result
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
+  if fp8:
+    acc = acc * v_dequant
   o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
   # Natural-log LSE; -inf for rows that see no key.
   lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
@@ -86,11 +98,14 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
 
 def forward(q, k, v, masks_in: tiles.MaskInputs, *, prob: Problem,
             config: TritonConfig, interpret: bool,
-            count_tiles: bool = False):
+            count_tiles: bool = False, dequant=None, out_dtype=None):
   """Padded inputs [B, T, H, Dp] -> (out [B, T, H, Dp], lse [B, H, T]).
 
   With ``count_tiles`` also returns ``[B, H, T]`` int32: the number of key
   tiles the program of each query row visited (a debug output for tests).
+  ``dequant [H, 2]`` float32: FP8 inputs' scales per query head
+  (``q_scale * k_scale``, ``v_scale``); ``out_dtype`` the output's dtype
+  (default ``q``'s).
   """
   batch = q.shape[0]
   bq, bk = config.block_q, config.block_k
@@ -107,17 +122,21 @@ def forward(q, k, v, masks_in: tiles.MaskInputs, *, prob: Problem,
       pl.BlockSpec((None, prob.kv_pad, None, dp),
                    lambda i, b, h: (b, 0, h // group, 0)),
   ]
+  args = [q, k, v]
+  if dequant is not None:
+    in_specs.append(pl.BlockSpec((None, 2), lambda i, b, h: (h, 0)))
+    args.append(dequant)
   mspecs, margs = tiles.mask_specs_and_args(
       masks_in, held_info, stream_info, held_q=True, held_block=bq,
       stream_len=prob.kv_pad, index_held=lambda i, b, h: (b, i))
   in_specs += mspecs
-  args = [q, k, v, *margs]
+  args += margs
   out_specs = [
       pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, i, h, 0)),
       pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
   ]
   out_shape = [
-      out_struct(q.shape, q.dtype, q, k, v),
+      out_struct(q.shape, out_dtype or q.dtype, q, k, v),
       out_struct((batch, prob.num_heads, prob.q_pad), jnp.float32, q, k, v),
   ]
   if count_tiles:
@@ -125,7 +144,8 @@ def forward(q, k, v, masks_in: tiles.MaskInputs, *, prob: Problem,
     out_shape.append(out_struct(
         (batch, prob.num_heads, prob.q_pad), jnp.int32, q, k, v))
   kernel = functools.partial(_fwd_kernel, prob=prob, block_q=bq, block_k=bk,
-                             count_tiles=count_tiles)
+                             count_tiles=count_tiles,
+                             fp8=dequant is not None)
   return pl.pallas_call(
       kernel,
       grid=grid,

@@ -1,0 +1,197 @@
+"""FP8 attention, FlashAttention-3's low-precision forward (Shah et al.,
+arXiv 2407.08608, section 3.3), and the tools around it.
+
+* :func:`quantize_fp8`: amax scaling of a tensor (per tensor or along one
+  axis, e.g. per head) into ``float8_e4m3fn`` / ``float8_e5m2``, returning
+  the dequantization scale.
+* :func:`hadamard_rotate`: FlashAttention-3's "incoherent processing": q
+  and k multiplied by one random orthogonal matrix (random signs, then a
+  Hadamard transform of the head dimension), which leaves ``q k^T``
+  unchanged and spreads outlier features over the whole head, so that
+  their quantization error shrinks.
+* :func:`attention`: what ``flash_attention`` runs for FP8 ``q, k, v``:
+  the logits from the FP8 product scaled by ``q_scale * k_scale``, the
+  probabilities rounded to the values' format for the ``P V`` product,
+  float32 accumulation, the output scaled by ``v_scale`` and written in
+  ``out_dtype``.  Forward only: a gradient raises NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxflash import backends, checks
+from jaxflash.masks import MaskArrays, MaskSpec
+from jaxflash.triton import backend as triton_kernels
+
+FP8_DTYPES = checks.FP8_KV_DTYPES
+OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+              jnp.dtype(jnp.float32))
+IMPLEMENTATIONS = ("triton", "xla")
+
+
+def quantize_fp8(x, *, axis: int | None = None, dtype=jnp.float8_e4m3fn):
+  """``(x_fp8, scale)`` with ``x ~= x_fp8.astype(float32) * scale``.
+
+  Amax scaling: ``scale = amax(|x|) / max(dtype)`` over the whole tensor
+  (``axis=None``: a float32 scalar) or over everything but ``axis``
+  (e.g. ``axis=2``, the heads of ``[batch, seq, heads, head_dim]``: a
+  ``[heads]`` vector, the per-head scales ``flash_attention`` takes).  An
+  all-zero slice gets scale 1.
+  """
+  dtype = jnp.dtype(dtype)
+  if dtype not in FP8_DTYPES:
+    raise ValueError(f"dtype={dtype.name} is not one of"
+                     f" {[d.name for d in FP8_DTYPES]}")
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"x must be a floating-point array, got {x.dtype}")
+  if axis is not None:
+    if not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
+      raise ValueError(f"axis={axis!r} is not an axis of shape {x.shape}")
+    axis %= x.ndim
+  others = tuple(a for a in range(x.ndim) if a != axis)
+  amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=others)
+  scale = jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
+  shape = [1] * x.ndim
+  if axis is not None:
+    shape[axis] = x.shape[axis]
+  q = (x.astype(jnp.float32) / scale.reshape(shape)).astype(dtype)
+  return q, scale.astype(jnp.float32)
+
+
+def _hadamard(n: int) -> np.ndarray:
+  """The ``n x n`` Sylvester Hadamard matrix (``n`` a power of two)."""
+  h = np.ones((1, 1), np.float32)
+  while h.shape[0] < n:
+    h = np.block([[h, h], [h, -h]])
+  return h
+
+
+def hadamard_rotate(q, k, *, key=None):
+  """``(q @ M, k @ M)`` over the head dimension, ``M = diag(signs) H /
+  sqrt(n)`` block-diagonal: ``H`` the Hadamard matrix of the largest power
+  of two ``n`` dividing ``head_dim`` (a block per ``n`` features), signs
+  random +-1 from ``key`` (default ``jax.random.key(0)``).  ``M`` is
+  orthogonal, so attention logits ``q k^T`` are unchanged (up to
+  rounding); outlier features are spread over their block before
+  quantization (FlashAttention-3's incoherent processing).  Apply it
+  before :func:`quantize_fp8`; values are left as they are."""
+  q, k = jnp.asarray(q), jnp.asarray(k)
+  d = q.shape[-1]
+  if k.shape[-1] != d:
+    raise ValueError(f"q {q.shape} and k {k.shape} differ in head_dim")
+  n = d & -d  # the largest power of two dividing d
+  if key is None:
+    key = jax.random.key(0)
+  signs = jax.random.rademacher(key, (d,), jnp.float32)
+  block = jnp.asarray(_hadamard(n) / math.sqrt(n))
+
+  def rotate(x):
+    y = (x.astype(jnp.float32) * signs).reshape(*x.shape[:-1], d // n, n)
+    return (y @ block).reshape(x.shape).astype(x.dtype)
+  return rotate(q), rotate(k)
+
+
+def _scale(name: str, s, heads: int):
+  """A dequantization scale as float32 ``[heads]``: None is 1, a scalar
+  is broadcast, a vector must have ``heads`` entries."""
+  if s is None:
+    return jnp.ones((heads,), jnp.float32)
+  s = jnp.asarray(s)
+  if not jnp.issubdtype(s.dtype, jnp.floating):
+    raise ValueError(f"{name} must be a float scalar or [{heads}] array,"
+                     f" got dtype {s.dtype}")
+  if s.ndim == 0:
+    return jnp.broadcast_to(s.astype(jnp.float32), (heads,))
+  if s.shape != (heads,):
+    raise ValueError(f"{name} must be a scalar or have shape ({heads},),"
+                     f" got {s.shape}")
+  return s.astype(jnp.float32)
+
+
+def check_scales(q, k, *, q_scale, k_scale, v_scale, out_dtype, names=None):
+  """The FP8 call's scales as float32 ``[heads]``, ``[kv_heads]``,
+  ``[kv_heads]``, and its output dtype (default bfloat16); ValueError
+  naming the argument otherwise."""
+  if out_dtype is None:
+    out_dtype = jnp.bfloat16
+  if jnp.dtype(out_dtype) not in OUT_DTYPES:
+    raise ValueError(f"out_dtype={jnp.dtype(out_dtype).name} is not one of"
+                     f" {[d.name for d in OUT_DTYPES]}")
+  nm = (names or {}).get
+  H, K = q.shape[2], k.shape[2]
+  return (_scale(nm("q_scale", "q_scale"), q_scale, H),
+          _scale(nm("k_scale", "k_scale"), k_scale, K),
+          _scale(nm("v_scale", "v_scale"), v_scale, K),
+          jnp.dtype(out_dtype))
+
+
+def _backend(implementation, q, k, interpret: bool) -> str:
+  """The FP8 forward's backend: the Triton kernel where it runs, else
+  XLA; a named one that cannot serve the call raises."""
+  if implementation is not None and not isinstance(implementation, str):
+    implementation = next(iter(implementation), None)
+  if implementation in (None, "triton"):
+    try:
+      triton_kernels.check_supported_fp8(q, k, interpret=interpret)
+      return "triton"
+    except NotImplementedError:
+      if implementation == "triton":
+        raise
+      return "xla"
+  if implementation == "xla":
+    return "xla"
+  if implementation == "mosaic_gpu":
+    raise NotImplementedError(
+        "FP8 inputs are not served by the Hopper (mosaic_gpu) kernels yet;"
+        " implementation='triton' runs them on sm89+ GPUs")
+  raise ValueError(f"implementation={implementation!r} is not one of"
+                   f" {backends.IMPLEMENTATIONS}")
+
+
+def attention(q, k, v, *, q_scale, k_scale, v_scale, out_dtype,
+              mask: MaskSpec, arrays: MaskArrays, softmax_scale: float,
+              logits_soft_cap, implementation, config, interpret: bool):
+  """``(out, lse)`` of FP8 ``q, k, v`` (checked by the caller) with their
+  float32 scales ``[heads]``, ``[kv_heads]``, ``[kv_heads]``."""
+  backend = _backend(implementation, q, k, interpret)
+  G = q.shape[2] // k.shape[2]
+  if config is not None and not isinstance(config,
+                                           triton_kernels.TritonConfig):
+    raise ValueError(f"FP8 calls take a TritonConfig or None, got"
+                     f" {type(config).__name__}")
+
+  @jax.custom_vjp
+  def run(q, k, v, qs, ks, vs):
+    if backend == "xla":
+      # Exact attention of the dequantized inputs: the test oracle.
+      def deq(x, s):
+        return x.astype(jnp.float32) * s[None, None, :, None]
+      out, lse = backends.attention(
+          "xla", deq(q, qs), deq(k, ks), deq(v, vs), mask=mask,
+          arrays=arrays, softmax_scale=softmax_scale,
+          logits_soft_cap=logits_soft_cap)
+      return out.astype(out_dtype), lse
+    kv = jnp.repeat(jnp.arange(k.shape[2]), G)  # query head -> kv head
+    dequant = jnp.stack([qs * ks[kv], vs[kv]], axis=1)
+    return triton_kernels.forward_fp8(
+        q, k, v, arrays, mask=mask, softmax_scale=softmax_scale,
+        logits_soft_cap=logits_soft_cap, dequant=dequant,
+        out_dtype=out_dtype, config=config, interpret=interpret)
+
+  def fwd(*args):
+    return run(*args), None
+
+  def bwd(res, cotangents):
+    del res, cotangents
+    raise NotImplementedError(
+        "FP8 attention is forward only: differentiate the bfloat16 path"
+        " (train in bfloat16, quantize for inference)")
+
+  run.defvjp(fwd, bwd)
+  return run(q, k, v, q_scale, k_scale, v_scale)
