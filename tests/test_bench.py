@@ -599,3 +599,17 @@ def test_decode_chained_timing():
   rows = decode.run_shape(shape, ("jaxflash-paged-xla", "xla"),
                           interpret=False, samples=1, chain=3)
   assert all(r["error"] is None and r["ms"] > 0 for r in rows)
+
+
+def test_fp8_cpu_smoke(tmp_path):
+  """``--dtype fp8``: e4m3 inputs; the jaxflash kernel's forward rows are
+  timed and checked (dtype ``float8_e4m3fn`` in the JSON), jax.nn's are
+  error rows."""
+  assert bench_main.main(["--cpu-smoke", "--dtype", "fp8", "--mode", "fwd",
+                          "--impls", "jaxflash-triton,xla", "--samples", "1",
+                          "--out", str(tmp_path), "--name", "f"]) == 0
+  _, rows = report.read_json(str(tmp_path / "f.json"))
+  assert {r["dtype"] for r in rows} == {"float8_e4m3fn"}
+  ours = [r for r in rows if r["impl"] == "jaxflash-triton"]
+  assert ours and all(r["error"] is None and r["ms"] > 0 for r in ours)
+  assert all(r["error"] for r in rows if r["impl"] == "xla")

@@ -21,6 +21,7 @@ LAYERS = (
     ("jaxflash._partition",),
     ("jaxflash.op",),
     ("jaxflash.checks", "jaxflash.backends"),
+    ("jaxflash.fp8",),
     ("jaxflash.api", "jaxflash.ring", "jaxflash.paged"),
     ("jaxflash.sharding", "jaxflash.tune"),
     ("jaxflash.linen",),

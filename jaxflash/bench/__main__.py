@@ -12,12 +12,14 @@ docs/benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import os
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxflash import reference
@@ -25,7 +27,13 @@ from jaxflash.bench import core, decode, impls, report
 
 # Output-check tolerance, relative to max(1, max|ref|): a few units in the
 # last place of each dtype; a wrong mask or tile shows as errors of 1e-1.
-CHECK_TOL = {"bfloat16": 2**-6, "float16": 2**-8, "float32": 1e-4}
+# FP8: the inputs are exact in e4m3 (rounded there), the kernels round P
+# to e4m3 for the P V product (a few percent of an output).
+CHECK_TOL = {"bfloat16": 2**-6, "float16": 2**-8, "float32": 1e-4,
+             "float8_e4m3fn": 2**-4}
+# --dtype fp8 names e4m3 (FlashAttention-3's forward format).
+DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32",
+          "fp8": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,8 +52,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="model width (heads = width / head_dim)")
   p.add_argument("--kv-ratio", type=int, default=1,
                  help="query heads per key/value head (GQA)")
-  p.add_argument("--dtype", default="bfloat16",
-                 choices=["bfloat16", "float16", "float32"])
+  p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
+                 help="fp8: float8_e4m3fn inputs with scale 1 (standard"
+                      " normal values are exact e4m3 numbers once"
+                      " rounded), forward only")
   p.add_argument("--mask", default=None,
                  help="none, segments:N or window:L")
   p.add_argument("--mode", default="both",
@@ -98,6 +108,9 @@ def _parser() -> argparse.ArgumentParser:
 def _inputs(shape: core.Shape, seed: int = 0):
   ks = jax.random.split(jax.random.key(seed), 4)
   dt = shape.jnp_dtype
+  if dt.itemsize == 1:  # FP8: drawn in bfloat16, rounded to it
+    q, k, v, do = _inputs(dataclasses.replace(shape, dtype="bfloat16"), seed)
+    return q.astype(dt), k.astype(dt), v.astype(dt), do
   q = jax.random.normal(ks[0], (shape.batch, shape.seq_q, shape.heads,
                                 shape.head_dim), dt)
   k = jax.random.normal(ks[1], (shape.batch, shape.seq_k, shape.kv_heads,
@@ -131,8 +144,11 @@ def _reference_out(shape, q, k, v, mask_kw):
     kw["segment_ids"] = (seg[:, -SPOT_ROWS:], seg)
   if "local_window_size" in mask_kw:
     kw["window"] = mask_kw["local_window_size"]
+  # FP8 inputs: the reference of their values in float32.
+  def up(x):
+    return x.astype(jnp.float32) if shape.jnp_dtype.itemsize == 1 else x
   f = jax.jit(lambda q, k, v: reference.attention(
-      q, k, v, causal=shape.causal, **kw)[0])
+      up(q), up(k), up(v), causal=shape.causal, **kw)[0])
   return f(_spot(q, shape), _spot(k, shape, True), _spot(v, shape, True))
 
 
@@ -282,6 +298,7 @@ def _run_meta(args, suffix: str, **fields) -> tuple[dict, str]:
 
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
+  args.dtype = DTYPES[args.dtype]
   on_gpu = jax.default_backend() == "gpu"
   if args.mode == decode.MODE:
     return _decode_main(args, on_gpu)
