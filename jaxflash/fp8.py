@@ -97,7 +97,7 @@ def hadamard_rotate(q, k, *, key=None):
   return rotate(q), rotate(k)
 
 
-def _scale(name: str, s, heads: int):
+def dequant_scale(name: str, s, heads: int):
   """A dequantization scale as float32 ``[heads]``: None is 1, a scalar
   is broadcast, a vector must have ``heads`` entries."""
   if s is None:
@@ -125,9 +125,9 @@ def check_scales(q, k, *, q_scale, k_scale, v_scale, out_dtype, names=None):
                      f" {[d.name for d in OUT_DTYPES]}")
   nm = (names or {}).get
   H, K = q.shape[2], k.shape[2]
-  return (_scale(nm("q_scale", "q_scale"), q_scale, H),
-          _scale(nm("k_scale", "k_scale"), k_scale, K),
-          _scale(nm("v_scale", "v_scale"), v_scale, K),
+  return (dequant_scale(nm("q_scale", "q_scale"), q_scale, H),
+          dequant_scale(nm("k_scale", "k_scale"), k_scale, K),
+          dequant_scale(nm("v_scale", "v_scale"), v_scale, K),
           jnp.dtype(out_dtype))
 
 

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import checks, reference
-from jaxflash._util import sm_count
+from jaxflash import checks, fp8, reference
+from jaxflash._util import require_cuda, sm_count
 from jaxflash.triton import decode
 
 IMPLEMENTATIONS = ("triton", "xla")
@@ -73,7 +73,7 @@ def paged_attention(q, k_pages, v_pages, page_indices, kv_lengths, *,
                     local_window_size=None, return_lse: bool = False,
                     implementation: str | None = None,
                     config: decode.PagedConfig | None = None,
-                    interpret: bool = False):
+                    interpret: bool = False, k_scale=None, v_scale=None):
   """Attention of new queries over a paged KV cache.
 
   Args:
@@ -103,6 +103,11 @@ def paged_attention(q, k_pages, v_pages, page_indices, kv_lengths, *,
     config: :class:`jaxflash.triton.decode.PagedConfig` (the kernel's
       split count and launch).
     interpret: run the kernel in the Pallas interpreter (CPU).
+    k_scale, v_scale: an FP8 cache's dequantization scales (pages in
+      ``float8_e4m3fn`` or ``float8_e5m2``, queries in bfloat16 or
+      float16): float32 scalars or ``[kv_heads]``; None is 1.  The kernel
+      reads the pages at one byte per element (half a bf16 cache's
+      traffic) and widens them on chip.
 
   Returns:
     ``out [batch, q_len, heads, head_dim]`` in ``q``'s dtype, and with
@@ -118,9 +123,19 @@ def paged_attention(q, k_pages, v_pages, page_indices, kv_lengths, *,
   if page_indices.shape[0] != B:
     raise ValueError(f"page_indices has {page_indices.shape[0]} rows for"
                      f" batch {B}")
-  if Dk != D or q.dtype != k_pages.dtype:
+  fp8_cache = checks.is_fp8(k_pages)
+  if Dk != D or (q.dtype != k_pages.dtype and not (
+      fp8_cache and q.dtype in (jnp.bfloat16, jnp.float16))):
     raise ValueError(f"q {q.shape} {q.dtype} and k_pages {k_pages.shape}"
-                     f" {k_pages.dtype} must share head_dim and dtype")
+                     f" {k_pages.dtype} must share head_dim and dtype (or"
+                     " the pages be FP8 and q bfloat16 or float16)")
+  kv_scales = None
+  if fp8_cache:
+    kv_scales = jnp.stack([fp8.dequant_scale("k_scale", k_scale, K),
+                           fp8.dequant_scale("v_scale", v_scale, K)], axis=1)
+  elif k_scale is not None or v_scale is not None:
+    raise ValueError(f"k_scale and v_scale apply to FP8 pages only; got"
+                     f" k_pages in {k_pages.dtype}")
   if H % K:
     raise ValueError(f"heads={H} must be a multiple of kv_heads={K}")
   if T < 1:
@@ -136,29 +151,35 @@ def paged_attention(q, k_pages, v_pages, page_indices, kv_lengths, *,
                      f" {(None, *IMPLEMENTATIONS)}")
   if config is not None and not isinstance(config, decode.PagedConfig):
     raise ValueError(f"config must be a PagedConfig, got {config!r}")
+  def kernel_check():
+    decode.check_supported(q, k_pages, config)
+    if not interpret:
+      require_cuda("the Triton paged kernel",
+                   "a CUDA GPU (of compute capability 8.9 or more for an FP8"
+                   " cache)",
+                   lambda cc: float(cc) >= (8.9 if fp8_cache else 8.0),
+                   "pass interpret=True to run it in the Pallas"
+                   " interpreter")
+
   use = implementation
   if use is None:
-    use = "xla"
-    if interpret or jax.default_backend() == "gpu":
-      try:
-        decode.check_supported(q, k_pages, config)
-        use = "triton"
-      except NotImplementedError:
-        pass
+    try:
+      kernel_check()
+      use = "triton"
+    except NotImplementedError:
+      use = "xla"
   if use == "triton":
-    decode.check_supported(q, k_pages, config)
-    if not interpret and jax.default_backend() != "gpu":
-      raise NotImplementedError(
-          "the Triton paged kernel needs a CUDA GPU; pass interpret=True to"
-          " run it in the Pallas interpreter")
+    kernel_check()
     out, lse = decode.paged_forward(
         q, k_pages, v_pages, page_indices, kv_lengths, softmax_scale=scale,
         logits_soft_cap=cap, window_left=left, config=config,
-        interpret=interpret, sm_count=sm_count())
+        interpret=interpret, sm_count=sm_count(), kv_scales=kv_scales)
   else:
     out, lse = reference.paged_attention(
         q, k_pages, v_pages, page_indices, kv_lengths, softmax_scale=scale,
-        logits_soft_cap=cap, window_left=left)
+        logits_soft_cap=cap, window_left=left,
+        **({} if kv_scales is None else dict(k_scale=kv_scales[:, 0],
+                                             v_scale=kv_scales[:, 1])))
   return (out, lse) if return_lse else out
 
 

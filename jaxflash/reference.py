@@ -190,9 +190,13 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     window_left: int | None = None,
     upcast: bool = True,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Attention over a paged KV cache, densely: ``(out [B,T,H,D], lse
-  [B,H,T])``.
+  [B,H,T])``.  ``k_scale``, ``v_scale`` ``[K]`` float32: FP8 pages'
+  dequantization scales per key/value head (pages times scale, in float32;
+  in ``q``'s dtype when ``upcast`` is False).
 
   Sequence ``b``'s key ``s`` is row ``s % P`` of page
   ``page_indices[b, s // P]`` (``P`` the page size); its first
@@ -210,6 +214,10 @@ def paged_attention(
   gather = lambda pages: jnp.take(pages, idx, axis=0).reshape(
       B, M * page, K, D)
   k, v = gather(k_pages_NxPxKxD), gather(v_pages_NxPxKxD)
+  if k_scale is not None:
+    work = jnp.float32 if upcast else q_BxTxHxD.dtype
+    k, v = ((x.astype(jnp.float32) * sc[None, None, :, None]).astype(work)
+            for x, sc in ((k, k_scale), (v, v_scale)))
   s = jnp.arange(M * page, dtype=jnp.int32)[None, None, :]
   lengths = kv_lengths_B.astype(jnp.int32)[:, None, None]
   pos = lengths - T + jnp.arange(T, dtype=jnp.int32)[None, :, None]

@@ -670,3 +670,24 @@ def test_fp8_forward_lowers_to_triton(fake_gpu):
   text = jax.jit(run).trace(q, kv, kv, lens, dequant).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "jaxflash_fwd" in text
+
+
+@pytest.mark.parametrize("fake_gpu", ["H100"], indirect=True)
+def test_paged_fp8_cache_lowers_to_triton(fake_gpu):
+  """The paged kernel over an e4m3 cache with per-head scales lowers to
+  Triton IR for an H100 (pages widened to bfloat16 on chip)."""
+  from jaxflash.triton import decode
+  q = jax.ShapeDtypeStruct((2, 1, 8, 128), jnp.bfloat16)
+  pages = jax.ShapeDtypeStruct((40, 16, 2, 128), jnp.float8_e4m3fn)
+  table = jax.ShapeDtypeStruct((2, 13), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  scales = jax.ShapeDtypeStruct((2, 2), jnp.float32)
+
+  def run(q, k, v, table, lengths, scales):
+    return decode.paged_forward(
+        q, k, v, table, lengths, softmax_scale=0.1, logits_soft_cap=None,
+        window_left=None, config=None, interpret=False, kv_scales=scales)
+
+  text = jax.jit(run).trace(q, pages, pages, table, lengths, scales).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "jaxflash_paged_decode" in text

@@ -121,6 +121,28 @@ def test_xla_and_one_split():
       config=decode.PagedConfig(splits=3, block_pages=1)), args)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_fp8_cache(dtype):
+  """An FP8 cache (pages quantized per key/value head) read by bfloat16
+  queries: the kernel against the reference of the dequantized pages, by
+  the numerics rule; the XLA path likewise."""
+  q, kp, vp, table, lengths = _cache(
+      4, batch=3, q_len=2, heads=8, kv_heads=2, head_dim=32, page=16,
+      pages_per_seq=4, lengths=[0, 17, 64], dtype=jnp.float32)
+  (k8, ks), (v8, vs) = (jaxflash.quantize_fp8(x, axis=2, dtype=dtype)
+                        for x in (kp, vp))
+  args = (q.astype(jnp.bfloat16), k8, v8, table, lengths)
+  for impl in ("triton", "xla"):
+    got = paged.paged_attention(*args, k_scale=ks, v_scale=vs,
+                                return_lse=True, implementation=impl,
+                                interpret=True)
+    _check(got, args, k_scale=ks, v_scale=vs)
+  with pytest.raises(ValueError, match="v_scale must be a scalar"):
+    paged.paged_attention(*args, v_scale=jnp.ones(3))
+  with pytest.raises(ValueError, match="FP8 pages only"):
+    paged.paged_attention(q, kp, vp, table, lengths, k_scale=1.0)
+
+
 def test_reference_matches_dense_attention():
   """The paged reference against dense attention over each sequence's
   keys in order (causal, bottom-right)."""
@@ -352,3 +374,21 @@ def test_gpu_decode_route(q_len, causal):
   assert "jaxflash_paged_decode" in str(jax.make_jaxpr(fn)(q, k, v))
   check_rule(outputs_and_grads(fn, q, k, v, do, dlse), q, k, v, do, dlse,
              **reference_kwargs(**kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 64])
+def test_gpu_fp8_cache(page):
+  """The compiled kernel over an e4m3 cache (32:8 heads, head_dim 128,
+  unequal lengths up to 4096), by the numerics rule against the
+  dequantized reference."""
+  q, kp, vp, table, lengths = _cache(
+      13, batch=3, q_len=1, heads=32, kv_heads=8, head_dim=128, page=page,
+      pages_per_seq=4096 // page, lengths=[4096, 1000, 1],
+      dtype=jnp.float32)
+  (k8, ks), (v8, vs) = (jaxflash.quantize_fp8(x, axis=2) for x in (kp, vp))
+  args = (q.astype(jnp.bfloat16), k8, v8, table, lengths)
+  got = jax.jit(lambda *a: paged.paged_attention(
+      *a, k_scale=ks, v_scale=vs, return_lse=True,
+      implementation="triton"))(*args)
+  _check(got, args, k_scale=ks, v_scale=vs)

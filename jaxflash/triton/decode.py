@@ -103,13 +103,25 @@ def check_supported(q, k_pages, config: PagedConfig | None) -> None:
         f" from 16 (padding the cache would copy it), got head_dim={d}")
   if q.dtype not in (jnp.float16, jnp.bfloat16, jnp.float32):
     raise NotImplementedError(f"dtype {q.dtype} is not served")
+  if k_pages.dtype != q.dtype and q.dtype == jnp.float32:
+    raise NotImplementedError("an FP8 cache is read with bfloat16 or"
+                              " float16 queries")
 
 
-def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, o_ref,
-            lse_ref, *, q_len: int, group: int, row_tiles: int, page: int,
+def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, *refs,
+            q_len: int, group: int, row_tiles: int, page: int,
             per_step: int, pages_per_split: int, scale: float,
             soft_cap: float | None, causal: bool, window_left: int | None,
-            window_right: int | None):
+            window_right: int | None, fp8: bool):
+  v_scale = None
+  if fp8:
+    # An FP8 cache: pages widened to q's dtype (exact: every e4m3 and
+    # e5m2 number is a bfloat16 and a float16 one), this head's k_scale
+    # folded into the logits' scale and v_scale applied to the output.
+    scale = scale * refs[0][0]
+    v_scale = refs[0][1]
+    refs = refs[1:]
+  o_ref, lse_ref = refs
   split = pl.program_id(2)
   first_row = lax.rem(pl.program_id(1), row_tiles) * q_ref.shape[0]
   length = len_ref[0]
@@ -146,7 +158,7 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, o_ref,
       p = lo + step * per_step + j
       live = p < hi
       slot = jnp.where(live, idx_ref[jnp.minimum(p, last_entry)], 0)
-      s = dot(q, k_ref[slot], trans_b=True) * scale
+      s = dot(q, k_ref[slot].astype(q.dtype), trans_b=True) * scale
       if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
       s = s * LOG2E
@@ -159,7 +171,7 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, o_ref,
       if window_left is not None:
         keep = keep & (key[None, :] >= pos[:, None] - window_left)
       logits.append(jnp.where(keep, s, -jnp.inf))
-      values.append(v_ref[slot])
+      values.append(v_ref[slot].astype(q.dtype))
     m_next = m_prev
     for s in logits:
       m_next = jnp.maximum(m_next, jnp.max(s, axis=1))
@@ -182,6 +194,8 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, o_ref,
   acc, m, l = lax.fori_loop(0, steps, body, carry)
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
+  if v_scale is not None:
+    acc = acc * v_scale
   o_ref[...] = acc / l_safe[:, None]
   lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
 
@@ -207,7 +221,8 @@ def paged_forward(q, k_pages, v_pages, page_indices, kv_lengths, *,
                   softmax_scale: float, logits_soft_cap: float | None,
                   window_left: int | None, config: PagedConfig | None,
                   interpret: bool, sm_count: int = 132, q_start=None,
-                  causal: bool = True, window_right: int | None = None):
+                  causal: bool = True, window_right: int | None = None,
+                  kv_scales=None):
   """``(out [B, T, H, D], lse [B, H, T] float32)`` of queries ``q [B, T,
   H, D]`` over the paged cache (see :mod:`jaxflash.reference`'s
   ``paged_attention`` for the semantics).
@@ -216,7 +231,9 @@ def paged_forward(q, k_pages, v_pages, page_indices, kv_lengths, *,
   sits at ``q_start + t``); None: ``kv_lengths - T``, the new tokens at the
   end of the cache.  ``causal``, ``window_left``, ``window_right``: keys
   after a row's position, more than ``window_left`` before it or more than
-  ``window_right`` after it are masked, besides those past the length."""
+  ``window_right`` after it are masked, besides those past the length.
+  ``kv_scales [K, 2]`` float32: an FP8 cache's ``(k_scale, v_scale)`` per
+  key/value head."""
   config = config or PagedConfig()
   B, T, H, D = q.shape
   _, page, K, _ = k_pages.shape
@@ -247,7 +264,8 @@ def paged_forward(q, k_pages, v_pages, page_indices, kv_lengths, *,
       _kernel, q_len=T, group=G, row_tiles=R, page=page,
       per_step=per_step, pages_per_split=per_split,
       scale=float(softmax_scale), soft_cap=logits_soft_cap, causal=causal,
-      window_left=window_left, window_right=window_right)
+      window_left=window_left, window_right=window_right,
+      fp8=kv_scales is not None)
   # Program (b, i, s): sequence b, key/value head i // R, row tile i % R,
   # split s.
   out_parts, lse_parts = pl.pallas_call(
@@ -263,7 +281,8 @@ def paged_forward(q, k_pages, v_pages, page_indices, kv_lengths, *,
           pl.BlockSpec((None, M), lambda b, i, s: (b, 0)),
           pl.BlockSpec((None, 1), lambda b, i, s: (b, 0)),
           pl.BlockSpec((None, 1), lambda b, i, s: (b, 0)),
-      ],
+      ] + ([] if kv_scales is None else [
+          pl.BlockSpec((None, 2), lambda b, i, s: (i // R, 0))]),
       out_specs=[
           pl.BlockSpec((None, None, None, tile, D),
                        lambda b, i, s: (b, i // R, s, i % R, 0)),
@@ -278,7 +297,8 @@ def paged_forward(q, k_pages, v_pages, page_indices, kv_lengths, *,
                                          num_stages=config.num_stages),
       interpret=interpret,
       name="jaxflash_paged_decode",
-  )(qt, k_pages, v_pages, idx, lengths, starts)
+  )(qt, k_pages, v_pages, idx, lengths, starts,
+    *([] if kv_scales is None else [kv_scales]))
   out, lse = merge(out_parts, lse_parts)  # [B, K, rows, D], [B, K, rows]
   out = out[:, :, :T * G].reshape(B, K, T, G, D).transpose(
       0, 2, 1, 3, 4).reshape(B, T, H, D)
