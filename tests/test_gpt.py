@@ -268,6 +268,7 @@ def test_compare_script_reports_rows(tmp_path):
   assert "| tiny | xla |" in (tmp_path / "gpt-compare.md").read_text()
 
 
+@pytest.mark.slow  # 21 s; test_compare_script_reports_rows runs per commit
 def test_compare_script_scaling(tmp_path):
   """--meshes: each mesh runs on exactly its devices, the batch grows with
   data parallelism, and efficiency is against the one-device run."""
@@ -415,7 +416,8 @@ def _full_forward_logits(params, cfg, prompts, lengths, tokens):
   return np.take_along_axis(np.asarray(logits), at[:, :, None], axis=1)
 
 
-@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("window", [
+    None, pytest.param(8, marks=pytest.mark.slow)])
 def test_generation_matches_the_full_forward(window):
   """Greedy generation through the paged cache (the Triton kernel in the
   interpreter, GQA 4:2, pages of 16 with prompts of 37, 20 and 29 tokens

@@ -7,9 +7,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).parents[1]
 
 
+@pytest.mark.slow  # a tool's smoke run (42 s on 2 cores): make test-all
 def test_kernel_times_interpret_paired_backward(tmp_path):
   env = dict(os.environ, PYTHONPATH=str(ROOT),
              XLA_FLAGS="--xla_force_host_platform_device_count=8")
