@@ -143,6 +143,20 @@ def test_fp8_cache(dtype):
     paged.paged_attention(q, kp, vp, table, lengths, k_scale=1.0)
 
 
+def test_split_plan_follows_lengths():
+  """A page table of far more pages than the lengths use, eight splits:
+  each sequence's pages are shared among the splits by its own length
+  (some splits of a short sequence see nothing and weigh 0 in the
+  merge)."""
+  args = _cache(6, batch=3, q_len=3, heads=4, kv_heads=2, head_dim=32,
+                page=16, pages_per_seq=40, lengths=[3, 70, 600],
+                dtype=jnp.float32)
+  for cfg in (decode.PagedConfig(splits=8),
+              decode.PagedConfig(splits=8, block_pages=1)):
+    _check(paged.paged_attention(*args, return_lse=True, interpret=True,
+                                 config=cfg), args)
+
+
 def test_reference_matches_dense_attention():
   """The paged reference against dense attention over each sequence's
   keys in order (causal, bottom-right)."""

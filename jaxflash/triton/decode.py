@@ -110,7 +110,7 @@ def check_supported(q, k_pages, config: PagedConfig | None) -> None:
 
 def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, *refs,
             q_len: int, group: int, row_tiles: int, page: int,
-            per_step: int, pages_per_split: int, scale: float,
+            per_step: int, scale: float,
             soft_cap: float | None, causal: bool, window_left: int | None,
             window_right: int | None, fp8: bool):
   v_scale = None
@@ -142,9 +142,17 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, *refs,
   elif window_right is not None:
     end = jnp.minimum(end, last + window_right + 1)
   first = 0 if window_left is None else jnp.maximum(head - window_left, 0)
-  lo = split * pages_per_split
-  hi = jnp.minimum(lo + pages_per_split, lax.div(end + page - 1, page))
-  lo = jnp.maximum(lo, lax.div(first, page))
+  # The splits share the pages this tile's rows see, [first_page,
+  # end_page), evenly (whole loop steps each): the plan follows each
+  # sequence's own length, not the table's capacity, so one compiled call
+  # serves any mix of lengths with every split busy.
+  first_page = lax.div(first, page)
+  end_page = lax.div(end + page - 1, page)
+  splits = pl.num_programs(2)
+  per = lax.div(jnp.maximum(end_page - first_page, 0) + splits - 1, splits)
+  per = lax.div(per + per_step - 1, per_step) * per_step
+  lo = first_page + split * per
+  hi = jnp.minimum(lo + per, end_page)
   q = q_ref[...]
   last_entry = idx_ref.shape[0] - 1
 
@@ -245,12 +253,10 @@ def paged_forward(q, k_pages, v_pages, page_indices, kv_lengths, *,
   tile = min(MAX_TILE_ROWS, max(16, 1 << (T * G - 1).bit_length()))
   R = -(-T * G // tile)
   per_step = config.block_pages or block_pages(page)
+  # At most one split per loop step of the table's capacity; the pages of
+  # each split are planned in the kernel from the sequence's length.
   splits = config.splits or decode_splits(B, K * R, M, sm_count)
-  splits = min(splits, M)
-  # Each split's pages a whole number of loop steps.
-  per_split = -(-M // splits)
-  per_split = -(-per_split // per_step) * per_step
-  splits = -(-M // per_split)
+  splits = min(splits, -(-M // per_step))
   qt = q.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(
       B, K, T * G, D)
   qt = jnp.pad(qt, ((0, 0), (0, 0), (0, R * tile - T * G), (0, 0)))
@@ -262,7 +268,7 @@ def paged_forward(q, k_pages, v_pages, page_indices, kv_lengths, *,
                             (B, 1))
   kernel = functools.partial(
       _kernel, q_len=T, group=G, row_tiles=R, page=page,
-      per_step=per_step, pages_per_split=per_split,
+      per_step=per_step,
       scale=float(softmax_scale), soft_cap=logits_soft_cap, causal=causal,
       window_left=window_left, window_right=window_right,
       fp8=kv_scales is not None)
