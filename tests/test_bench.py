@@ -613,3 +613,17 @@ def test_fp8_cpu_smoke(tmp_path):
   ours = [r for r in rows if r["impl"] == "jaxflash-triton"]
   assert ours and all(r["error"] is None and r["ms"] > 0 for r in ours)
   assert all(r["error"] for r in rows if r["impl"] == "xla")
+
+
+def test_decode_fp8_cache_row():
+  """The FP8-cache row: checked against the dequantized pages' reference,
+  its bandwidth counted in the bytes it reads (half of bf16's)."""
+  from jaxflash.bench import decode
+  shape = decode.DecodeShape(2, 1, 64, 4, 2, 32, 16, "bfloat16")
+  rows = decode.run_shape(shape, ("jaxflash-paged", "jaxflash-paged-fp8"),
+                          interpret=True, samples=1)
+  assert all(r["error"] is None for r in rows), rows
+  fp8 = rows[1]
+  assert fp8["gbytes_per_s"] == pytest.approx(
+      shape.kv_bytes / 2 / (fp8["ms"] * 1e-3) / 1e9)
+  assert bench_main.main(["--mode", "decode", "--dtype", "fp8"]) == 2

@@ -385,6 +385,11 @@ def main(argv=None) -> int:
 
 def _decode_main(args, on_gpu: bool) -> int:
   """``--mode decode``: the decode grid, its JSON, table and plot."""
+  if args.dtype == DTYPES["fp8"]:
+    print("error: --mode decode takes --dtype bfloat16 or float16 (the"
+          " queries' and cache's); its FP8 cache is the jaxflash-paged-fp8"
+          " row", file=sys.stderr)
+    return 2
   try:
     heads, _, kv_heads = args.decode_heads.partition(":")
     heads, kv_heads = int(heads), int(kv_heads or heads)

@@ -122,6 +122,20 @@ def _paged(implementation: str):
   return make
 
 
+def _paged_fp8(shape: DecodeShape, interpret: bool):
+  """jaxflash's kernel over the same cache quantized to e4m3 per key/value
+  head (outside the timing): one byte per element read."""
+  if jnp.dtype(shape.dtype).itemsize != 2:
+    raise NotImplementedError("an FP8 cache is read by bf16/fp16 queries")
+
+  def attend(q, k8, v8, table, lengths, k_scale, v_scale):
+    return jaxflash.paged_attention(q, k8, v8, table, lengths,
+                                    k_scale=k_scale, v_scale=v_scale,
+                                    implementation="triton",
+                                    interpret=interpret)
+  return attend, "fp8"
+
+
 def _jax_nn(implementation: str):
   def make(shape: DecodeShape, interpret: bool):
     del interpret
@@ -163,6 +177,7 @@ def _pallas_paged(shape: DecodeShape, interpret: bool):
 IMPLS: dict[str, Callable] = {
     "jaxflash-paged": _paged("triton"),
     "jaxflash-paged-xla": _paged("xla"),
+    "jaxflash-paged-fp8": _paged_fp8,
     "cudnn": _jax_nn("cudnn"),
     "xla": _jax_nn("xla"),
     "jax-pallas-paged": _pallas_paged,
@@ -170,14 +185,21 @@ IMPLS: dict[str, Callable] = {
 CPU_IMPLS = ("jaxflash-paged", "jaxflash-paged-xla", "xla")
 
 
+# Bytes of K and V an implementation reads per element of the shape's
+# dtype: the FP8 cache one byte where the others read two.
+BYTES_READ = {"jaxflash-paged-fp8": 0.5}
+
+
 def record(shape: DecodeShape, impl: str, *, ms=None, max_abs_err=None,
            error=None, samples_ms=None) -> dict:
   """One result row: the grid rows' fields (``mode: "decode"``, ``seq_q``
   the new queries, ``seq_k`` the cached keys) with ``q_len``,
-  ``page_size`` and ``gbytes_per_s``."""
+  ``page_size`` and ``gbytes_per_s`` (of the bytes it reads:
+  :data:`BYTES_READ`)."""
   gbs = None
   if ms is not None and error is None:
-    gbs = shape.kv_bytes / (ms * 1e-3) / 1e9
+    gbs = (shape.kv_bytes * BYTES_READ.get(impl, 1.0)
+           / (ms * 1e-3) / 1e9)
   return dict(impl=impl, model=None, batch=shape.batch, seq_q=shape.q_len,
               seq_k=shape.kv_len, heads=shape.heads,
               kv_heads=shape.kv_heads, head_dim=shape.head_dim, causal=True,
@@ -203,7 +225,16 @@ def run_shape(shape: DecodeShape, names, *, interpret: bool, samples: int,
   for name in names:
     try:
       attend, layout = IMPLS[name](shape, interpret)
-      if layout is True:  # a contiguous cache
+      expect = want
+      if layout == "fp8":
+        # Checked against the reference of the dequantized pages.
+        (k8, ks), (v8, vs) = (jaxflash.quantize_fp8(x, axis=2)
+                              for x in (k_pages, v_pages))
+        args = (q, k8, v8, table, lengths, ks, vs)
+        expect = np.asarray(reference.paged_attention(
+            q[:1], k8, v8, table[:1], lengths[:1], k_scale=ks,
+            v_scale=vs)[0], np.float32)
+      elif layout is True:  # a contiguous cache
         if contiguous is None:
           contiguous = tuple(_contiguous(x, table, shape.kv_len)
                              for x in (k_pages, v_pages))
@@ -215,8 +246,9 @@ def run_shape(shape: DecodeShape, names, *, interpret: bool, samples: int,
         args = (q, k_pages, v_pages, table, lengths)
       fn = jax.jit(attend).trace(*args).lower().compile()
       got = np.asarray(fn(*args)[:1], np.float32)
-      err = float(np.max(np.abs(got - want))) if got.size else 0.0
-      if not np.isfinite(err) or err > tol * max(1.0, np.abs(want).max()):
+      err = float(np.max(np.abs(got - expect))) if got.size else 0.0
+      if not np.isfinite(err) or err > tol * max(1.0,
+                                                 np.abs(expect).max()):
         rows[name] = record(shape, name, max_abs_err=err,
                             error=f"wrong result: max_abs_err {err:.3g}")
         continue
