@@ -96,8 +96,9 @@ def _plan_from_args(mesh, arg_shapes):
 
 
 def _mask_specs(present, b):
-  """Specs of the present mask arrays: segment ids [B, L], lengths [B]."""
-  kinds = (P(b, None), P(b, None), P(b), P(b))
+  """Specs of the present mask arrays: segment ids [B, L], lengths [B],
+  dropout seeds [B, 2]."""
+  kinds = (P(b, None), P(b, None), P(b), P(b), P(b, None))
   return [spec for spec, p in zip(kinds, present) if p]
 
 
@@ -115,6 +116,14 @@ def _backward_specs(present, b, h, kv):
   return args, results
 
 
+def shard_dropout_seeds(seeds, head_axes, local_heads: int):
+  """``MaskArrays.dropout_seeds`` inside one shard of head-sharded
+  attention: column 1 set to the shard's first head among all heads, so
+  dropout's hash sees global head indices and the masks are those of the
+  unsharded call."""
+  return seeds.at[:, 1].set(jax.lax.axis_index(head_axes) * local_heads)
+
+
 def _partition(specs_fn, local_fn, backward=False):
   def partition(p, present, mesh, arg_shapes, result_shape):
     del result_shape
@@ -127,6 +136,10 @@ def _partition(specs_fn, local_fn, backward=False):
     reduce_kv = backward and heads and not kv_heads
 
     def lower(*operands):
+      if heads and p.dropout_rate and present[4]:
+        *rest, seeds = operands
+        operands = (*rest, shard_dropout_seeds(
+            seeds, heads, arg_shapes[0].shape[2] // axes_size(mesh, heads)))
       res = local_fn(p, present, *operands)
       if reduce_kv:
         dq, dk, dv = res
@@ -158,7 +171,7 @@ def _infer(specs_fn):
 forward_result_shardings = _infer(_forward_specs)
 backward_result_shardings = _infer(_backward_specs)
 
-_MASK_FACTORS = ("b t", "b s", "b", "b")
+_MASK_FACTORS = ("b t", "b s", "b", "b", "b c")
 
 
 def forward_rule(p, present, mesh, value_types, result_types):

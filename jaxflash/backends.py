@@ -82,7 +82,7 @@ def _with_decode(forward: Callable) -> Callable:
   still flow through the backend's own backward kernels."""
 
   def fwd(q, k, v, arrays, *, mask, softmax_scale, logits_soft_cap, config,
-          interpret):
+          interpret, **dropout):
     if config is None and decode.serves_contiguous(q, k, arrays):
       return decode.contiguous_forward(
           q, k, v, arrays, mask=mask, softmax_scale=softmax_scale,
@@ -90,7 +90,7 @@ def _with_decode(forward: Callable) -> Callable:
           sm_count=sm_count())
     return forward(q, k, v, arrays, mask=mask, softmax_scale=softmax_scale,
                    logits_soft_cap=logits_soft_cap, config=config,
-                   interpret=interpret)
+                   interpret=interpret, **dropout)
   return fwd
 
 
@@ -187,7 +187,8 @@ def select(q, k, v, *, implementation, config, interpret: bool,
 
 def op_params(backend: Backend, *, mask: MaskSpec, softmax_scale: float,
               logits_soft_cap, config, interpret,
-              deterministic: bool) -> op.OpParams:
+              deterministic: bool, dropout_rate: float = 0.0,
+              dropout_shared: bool = False) -> op.OpParams:
   """The static arguments of ``backend``'s op (a kernel backend)."""
   if backend.kernels is None:
     raise ValueError(f"backend {backend.name!r} has no kernels")
@@ -196,13 +197,16 @@ def op_params(backend: Backend, *, mask: MaskSpec, softmax_scale: float,
   return op.OpParams(kernels=backend.kernels, mask=mask,
                      softmax_scale=float(softmax_scale),
                      logits_soft_cap=logits_soft_cap, config=config,
-                     interpret=interpret, deterministic=bool(deterministic))
+                     interpret=interpret, deterministic=bool(deterministic),
+                     dropout_rate=float(dropout_rate),
+                     dropout_shared=bool(dropout_shared))
 
 
 def attention(backend: Backend | str, q, k, v, *, mask: MaskSpec,
               arrays: MaskArrays = NO_MASK_ARRAYS, softmax_scale: float,
               logits_soft_cap: float | None = None, config=None,
-              interpret=False, deterministic: bool = False, dense=None):
+              interpret=False, deterministic: bool = False, dense=None,
+              dropout_rate: float = 0.0, dropout_shared: bool = False):
   """``(out, lse)`` of ``backend`` on checked inputs, differentiable in
   both (no support check: :func:`select` chose it, or a test or tool
   asks for it).  ``dense``: ``(bias, mask)`` arrays for the reference
@@ -219,11 +223,14 @@ def attention(backend: Backend | str, q, k, v, *, mask: MaskSpec,
         window=(mask.window_left, mask.window_right), segment_ids=segs,
         q_seq_lengths=arrays.q_seq_lengths,
         kv_seq_lengths=arrays.kv_seq_lengths, softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap, bias=bias, dense_mask=dense_mask)
+        logits_soft_cap=logits_soft_cap, bias=bias, dense_mask=dense_mask,
+        dropout_rate=dropout_rate, dropout_seeds=arrays.dropout_seeds,
+        dropout_shared=dropout_shared)
   if dense is not None:
     raise NotImplementedError(
         f"backend {backend.name!r} takes no dense bias or mask")
   return op.attention(q, k, v, arrays, op_params(
       backend, mask=mask, softmax_scale=softmax_scale,
       logits_soft_cap=logits_soft_cap, config=config, interpret=interpret,
-      deterministic=deterministic))
+      deterministic=deterministic, dropout_rate=dropout_rate,
+      dropout_shared=dropout_shared))

@@ -85,6 +85,37 @@ def validate(q, k, v, names=None) -> None:
       raise ValueError(f"{name} has an empty sequence: {tuple(x.shape)}")
 
 
+def dropout(rate, rng, broadcast, batch: int):
+  """``(rate, seeds)``: attention dropout's rate as a float and
+  ``MaskArrays.dropout_seeds [batch, 2]``, the int32 seed per batch row
+  drawn from ``rng`` (one seed for every row with ``broadcast``), or
+  ``(0.0, None)`` without dropout."""
+  if isinstance(rate, bool) or not isinstance(rate, (int, float, np.number)):
+    raise ValueError(f"dropout_rate must be a static float in [0, 1), got"
+                     f" {rate!r}")
+  rate = float(rate)
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"dropout_rate={rate} must lie in [0, 1)")
+  if not isinstance(broadcast, bool):
+    raise ValueError(f"dropout_broadcast must be a bool, got {broadcast!r}")
+  if rate == 0.0:
+    return 0.0, None
+  if rng is None:
+    raise ValueError(f"dropout_rate={rate} needs a dropout_rng key")
+  rng = jnp.asarray(rng)
+  if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    if rng.dtype != jnp.uint32 or rng.shape != (2,):
+      raise ValueError("dropout_rng must be a jax.random key, got"
+                       f" {rng.dtype} {rng.shape}")
+    rng = jax.random.wrap_key_data(rng)
+  bits = jax.random.bits(rng, (1 if broadcast else batch,), jnp.uint32)
+  seeds = jnp.broadcast_to(jax.lax.bitcast_convert_type(bits, jnp.int32),
+                           (batch,))
+  # Column 1: the first head's index (0 here; set per shard when the heads
+  # are sharded, jaxflash._partition).
+  return rate, jnp.stack([seeds, jnp.zeros_like(seeds)], axis=1)
+
+
 def check_bools(names=None, **flags) -> None:
   """ValueError for a flag that is not a bool (named as the caller
   names it)."""

@@ -86,8 +86,11 @@ def make_attention_fn(
   passes: ``mask`` is honoured only when it depends on (batch, key) alone
   (a key-padding or decode-cache mask, turned into segment ids); any other
   dense mask or a ``bias`` raises NotImplementedError naming the compact
-  options; attention dropout in training and ``sow_weights`` (which need
-  the N x N weights) raise NotImplementedError too.
+  options; ``sow_weights`` (which needs the N x N weights) raises
+  NotImplementedError too.  Attention dropout (``dropout_rate`` with
+  ``deterministic=False`` and Flax's ``dropout_rng``) runs in the kernels,
+  with ``broadcast_dropout`` sharing one mask over batch and heads as in
+  Flax (:func:`jaxflash.flash_attention`'s ``dropout_*``).
 
   ``deterministic_grads`` is :func:`jaxflash.flash_attention`'s
   ``deterministic`` (bitwise-reproducible gradients), renamed because
@@ -98,7 +101,7 @@ def make_attention_fn(
                    broadcast_dropout=True, dropout_rng=None, dropout_rate=0.0,
                    deterministic=False, dtype=None, precision=None,
                    module=None, is_causal=None, **unused):
-    del broadcast_dropout, dropout_rng, precision
+    del precision
     for name, val in unused.items():
       if val is not None:
         raise NotImplementedError(
@@ -106,11 +109,11 @@ def make_attention_fn(
     if bias is not None:
       raise NotImplementedError(
           "jaxflash attention_fn takes no bias (an N x N array)")
-    if dropout_rate > 0.0 and not deterministic:
-      raise NotImplementedError(
-          f"attention dropout (dropout_rate={dropout_rate}) in training needs"
-          " the N x N attention weights; jaxflash never forms them. Use"
-          " dropout_rate=0 or deterministic=True")
+    if deterministic or not dropout_rate:
+      dropout_rate, dropout_rng = 0.0, None
+    elif dropout_rng is None:
+      raise ValueError(f"attention dropout (dropout_rate={dropout_rate}) in"
+                       " training needs a dropout_rng")
     if module is not None:
       raise NotImplementedError(
           "sow_weights=True needs the N x N attention weights, which jaxflash"
@@ -164,7 +167,8 @@ def make_attention_fn(
         local_window_size=local_window_size, q_seq_lengths=q_lens,
         kv_seq_lengths=kv_lens, logits_soft_cap=logits_soft_cap,
         implementation=implementation, config=config, interpret=interpret,
-        deterministic=deterministic_grads)
+        deterministic=deterministic_grads, dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng, dropout_broadcast=bool(broadcast_dropout))
     return out.reshape(query.shape)
 
   return attention_fn
@@ -251,12 +255,17 @@ class FlashMultiHeadDotProductAttention(nn.Module):
       raise NotImplementedError(
           "sow_weights needs the N x N attention weights, which jaxflash"
           " never forms")
+    dropout = {}
     if self.dropout_rate > 0.0 and not nn.merge_param(
         "deterministic", self.deterministic, deterministic):
-      raise NotImplementedError(
-          f"attention dropout (dropout_rate={self.dropout_rate}) in training"
-          " needs the N x N attention weights; use dropout_rate=0")
-    del dropout_rng
+      if self.attention_override is not None:
+        raise NotImplementedError(
+            "attention dropout with an attention_override (the override"
+            " computes the attention)")
+      dropout = dict(dropout_rate=self.dropout_rate, deterministic=False,
+                     broadcast_dropout=self.broadcast_dropout,
+                     dropout_rng=(self.make_rng("dropout")
+                                  if dropout_rng is None else dropout_rng))
     if inputs_kv is not None:
       # As nn.MultiHeadDotProductAttention (flax 0.12).
       if inputs_k is not None or inputs_v is not None:
@@ -337,7 +346,7 @@ class FlashMultiHeadDotProductAttention(nn.Module):
           implementation=self.implementation, config=self.config,
           interpret=self.interpret,
           deterministic_grads=self.deterministic_grads)
-      x = attend(query, key, value, dtype=self.dtype)
+      x = attend(query, key, value, dtype=self.dtype, **dropout)
     x = nn.with_logical_constraint(x, act)
     out = nn.DenseGeneral(
         features=features, axis=(-2, -1), dtype=self.dtype,

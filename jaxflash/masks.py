@@ -61,13 +61,48 @@ class MaskArrays(NamedTuple):
   """The dynamic part of a mask (a pytree of int32 arrays or None).
 
   ``q_segment_ids [B, T]``, ``kv_segment_ids [B, S]`` (both or neither),
-  ``q_seq_lengths [B]``, ``kv_seq_lengths [B]``.
+  ``q_seq_lengths [B]``, ``kv_seq_lengths [B]``, and ``dropout_seeds
+  [B, 2]``: attention dropout's seed per batch row (:func:`dropout_keep`)
+  and the index of the array's first head among all heads (not 0 in a
+  shard of head-sharded attention, so each head keeps its own mask).
   """
 
   q_segment_ids: jax.Array | None = None
   kv_segment_ids: jax.Array | None = None
   q_seq_lengths: jax.Array | None = None
   kv_seq_lengths: jax.Array | None = None
+  dropout_seeds: jax.Array | None = None
+
+
+# Attention dropout's keep mask, as FlashAttention-1/2 make it: a pure
+# function of (seed, head, row, column), so the backward regenerates it
+# and nothing of size N x N is stored.  A counter-based hash (the
+# finaliser of MurmurHash3, Appleby) of the row's key, then of the column:
+# uint32 multiplies, xors and shifts, the same in XLA and in the kernels.
+_H1, _H2, _H3 = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35
+
+
+def _fmix32(x):
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(_H2)
+  x = x ^ (x >> 13)
+  x = x * jnp.uint32(_H3)
+  return x ^ (x >> 16)
+
+
+def dropout_keep(seed, head, rows, cols, rate: float):
+  """Which probabilities attention dropout keeps: a bool array shaped
+  like ``rows + cols`` (broadcast).  ``seed`` the batch row's int32 seed,
+  ``head`` the query head (0 for a mask shared by the heads), ``rows`` /
+  ``cols`` int32 query and key positions.  A pair is kept with
+  probability ``1 - rate`` (to 2^-24): the hash's top 24 bits against
+  ``rate * 2^24``."""
+  u32 = lambda x: lax.bitcast_convert_type(_i32(x), jnp.uint32)
+  row_key = _fmix32(u32(seed) ^ (u32(head) * jnp.uint32(_H1))
+                    ^ (u32(rows) * jnp.uint32(_H2)))
+  bits = _fmix32(row_key ^ (u32(cols) * jnp.uint32(_H3)))
+  top = lax.bitcast_convert_type(bits >> 8, jnp.int32)
+  return top >= int(round(rate * (1 << 24)))
 
 
 def _i32(x):

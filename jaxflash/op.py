@@ -74,12 +74,19 @@ class OpParams:
   # Bitwise-reproducible gradients: kernels whose fastest backward sums
   # with atomics (Mosaic GPU's bwd_atomic_dq) use their fixed-order form.
   deterministic: bool = False
+  # Attention dropout (the seeds ride in MaskArrays.dropout_seeds); with
+  # dropout_shared one mask serves every head (Flax's broadcast_dropout).
+  dropout_rate: float = 0.0
+  dropout_shared: bool = False
 
 
 def _kwargs(p: OpParams) -> dict:
-  return dict(mask=p.mask, softmax_scale=p.softmax_scale,
-              logits_soft_cap=p.logits_soft_cap, config=p.config,
-              interpret=p.interpret)
+  kw = dict(mask=p.mask, softmax_scale=p.softmax_scale,
+            logits_soft_cap=p.logits_soft_cap, config=p.config,
+            interpret=p.interpret)
+  if p.dropout_rate:  # only kernels that take dropout see it
+    kw.update(dropout_rate=p.dropout_rate, dropout_shared=p.dropout_shared)
+  return kw
 
 
 def _bwd_kwargs(p: OpParams) -> dict:
@@ -252,8 +259,14 @@ def attention(q, k, v, arrays: MaskArrays, params: OpParams):
       for x, s in zip(xs, specs))
   k, v = to((k, v), (kv_spec, kv_spec))
   flat = to(flat, mask_specs)
+  def per_shard(q, k, v, flat):
+    if h is not None and params.dropout_rate and present[4]:
+      flat = (*flat[:-1], partition.shard_dropout_seeds(
+          flat[-1], partition.axes_of(h), q.shape[2]))
+    return _attention(q, k, v, flat, params, present)
+
   return jax.shard_map(
-      lambda q, k, v, flat: _attention(q, k, v, flat, params, present),
+      per_shard,
       mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, mask_specs),
       out_specs=(q_spec, P(b, h, None)),
       # Unchecked: the transpose then sums the cotangent of an input that

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxflash.masks import dropout_keep
+
 
 def mask(
     q_len: int,
@@ -100,6 +102,9 @@ def attention(
     dense_mask: jax.Array | None = None,
     upcast: bool = True,
     precision=lax.Precision.HIGHEST,
+    dropout_rate: float = 0.0,
+    dropout_seeds: jax.Array | None = None,
+    dropout_shared: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """Dense attention; returns ``(out [B,T,H,D], lse [B,H,T] float32)``.
 
@@ -123,6 +128,13 @@ def attention(
       step in the input dtype, as a low-precision implementation would
       (``ref_lp`` of the numerics rule, docs/numerics.md).
     precision: matmul precision; HIGHEST keeps float32 exact on GPUs too.
+    dropout_rate, dropout_seeds, dropout_shared: attention dropout: the
+      probabilities ``masks.dropout_keep`` drops are zeroed and the others
+      scaled by ``1 / (1 - rate)`` for the ``P V`` product (the keep mask
+      from ``dropout_seeds [B, 2]`` int32, each batch row's seed and first
+      head's index, and the query head, or head 0 for every head with
+      ``dropout_shared``); the log-sum-exp is that of the undropped
+      logits.
 
   A query row that sees no key gets output 0 and log-sum-exp ``-inf``.
   The log-sum-exp is float32 (float64 for float64 inputs).
@@ -165,6 +177,15 @@ def attention(
   l = jnp.sum(p, axis=-1, keepdims=True)
   lse = jnp.where(l > 0, jnp.log(jnp.where(l > 0, l, 1.0)) + m, -jnp.inf)
   probs = p / jnp.where(l > 0, l, 1.0)
+  if dropout_rate:
+    heads = (jnp.zeros((K, G), jnp.int32) if dropout_shared
+             else jnp.arange(H, dtype=jnp.int32).reshape(K, G))
+    keep = jax.vmap(lambda seed: dropout_keep(
+        seed[0], heads[:, :, None, None] + (0 if dropout_shared else seed[1]),
+        jnp.arange(T, dtype=jnp.int32)[:, None],
+        jnp.arange(S, dtype=jnp.int32)[None, :], dropout_rate))(
+            jnp.asarray(dropout_seeds, jnp.int32))
+    probs = jnp.where(keep, probs * (1.0 / (1.0 - dropout_rate)), 0.0)
   out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(cdtype), v,
                    precision=precision, preferred_element_type=cdtype)
   out = out.reshape(B, T, H, D).astype(dtype)

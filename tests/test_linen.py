@@ -192,6 +192,40 @@ def test_attention_fn_in_nnx_mha_with_decode():
   _close(jnp.concatenate(outs, axis=1), want)
 
 
+def test_attention_dropout():
+  """Flax's attention dropout runs in the kernels: attention_fn with a
+  dropout key equals flash_attention's dropout ("xla", the same keep
+  mask), per head or broadcast; the modules (Flax's with our
+  attention_fn, ours) drop in training only, the same key giving the same
+  output and another key another."""
+  x = _x()
+  q, k, v = (x.reshape(2, 24, 4, 8)[..., :8] * s for s in (1.0, 0.5, 2.0))
+  q, k, v = (jnp.concatenate([t, t], -1) for t in (q, k, v))  # head_dim 16
+  key = jax.random.key(4)
+  fn = make_attention_fn(causal=True, **KERNEL)
+  for broadcast in (False, True):
+    got = fn(q, k, v, dropout_rng=key, dropout_rate=0.3,
+             deterministic=False, broadcast_dropout=broadcast)
+    want = jaxflash.flash_attention(
+        q, k, v, causal=True, dropout_rate=0.3, dropout_rng=key,
+        dropout_broadcast=broadcast, implementation="xla")
+    _close(got, want)
+  _close(fn(q, k, v, dropout_rng=key, dropout_rate=0.3, deterministic=True),
+         fn(q, k, v))
+  for mod in (nn.MultiHeadDotProductAttention(
+                  num_heads=2, dropout_rate=0.2,
+                  attention_fn=make_attention_fn(**KERNEL)),
+              FlashMultiHeadDotProductAttention(num_heads=2, dropout_rate=0.2,
+                                                **KERNEL)):
+    p = mod.init(jax.random.key(1), x, deterministic=True)
+    run = lambda seed, mod=mod, p=p: mod.apply(
+        p, x, deterministic=False, rngs={"dropout": jax.random.key(seed)})
+    quiet = mod.apply(p, x, deterministic=True)
+    assert not np.allclose(run(0), quiet)
+    np.testing.assert_array_equal(run(0), run(0))
+    assert not np.allclose(run(0), run(1))
+
+
 def test_refusals():
   x = _x()
   causal_dense = nn.MultiHeadDotProductAttention(
@@ -200,16 +234,7 @@ def test_refusals():
   with pytest.raises(NotImplementedError, match="dense attention mask of"
                      r" shape \(2, 1, 24, 24\)"):
     causal_dense.apply(p, x, mask=nn.make_causal_mask(x[..., 0]))
-  drop = nn.MultiHeadDotProductAttention(
-      num_heads=4, dropout_rate=0.1, attention_fn=make_attention_fn(**KERNEL))
-  with pytest.raises(NotImplementedError, match="dropout_rate=0.1"):
-    drop.apply(p, x, deterministic=False,
-               rngs={"dropout": jax.random.key(0)})
-  drop.apply(p, x, deterministic=True)  # inference: dropout is a no-op
-  flash = FlashMultiHeadDotProductAttention(num_heads=4, dropout_rate=0.1,
-                                            **KERNEL)
-  with pytest.raises(NotImplementedError, match="dropout_rate=0.1"):
-    flash.apply(p, x, deterministic=False)
+  flash = FlashMultiHeadDotProductAttention(num_heads=4, **KERNEL)
   with pytest.raises(NotImplementedError, match="takes no dense mask"):
     flash.apply(p, x, deterministic=True, mask=jnp.ones((2, 1, 24, 24), bool))
   with pytest.raises(NotImplementedError, match="sow_weights"):

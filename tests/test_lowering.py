@@ -690,3 +690,24 @@ def test_paged_fp8_cache_lowers_to_triton(fake_gpu):
   text = jax.jit(run).trace(q, pages, pages, table, lengths, scales).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "jaxflash_paged_decode" in text
+
+
+@pytest.mark.parametrize("fake_gpu", ["H100"], indirect=True)
+def test_dropout_lowers_to_triton(fake_gpu):
+  """Attention dropout's hash (uint32 multiplies, xors, shifts) in the
+  forward and both backward kernels lowers to Triton IR."""
+  q = jax.ShapeDtypeStruct((2, 300, 8, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 300, 2, 64), jnp.bfloat16)
+  seeds = jax.ShapeDtypeStruct((2, 2), jnp.int32)  # (seed, first head)
+  mask = MaskSpec(300, 300, True)
+
+  def loss(q, k, v, seeds):
+    out, lse = triton_attention(
+        q, k, v, mask=mask, arrays=MaskArrays(dropout_seeds=seeds),
+        softmax_scale=0.125, dropout_rate=0.1)
+    return out.astype(jnp.float32).sum()
+
+  text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, kv, kv, seeds).lower(
+      lowering_platforms=("cuda",)).as_text()
+  for name in ("jaxflash_fwd", "jaxflash_bwd_dkv", "jaxflash_bwd_dq"):
+    assert name in text

@@ -230,3 +230,31 @@ def test_shard_qkv_mqa_and_indivisible():
                      r" not divisible by mesh axis \('tensor',\) of size 4"):
     sharding.shard_qkv(mesh, q, jnp.ones((4, 32, 2, 16)),
                        jnp.ones((4, 32, 2, 16)))
+
+
+@pytest.mark.parametrize("axis_type", [
+    AxisType.Auto, pytest.param(AxisType.Explicit, marks=pytest.mark.slow)],
+    ids=["Auto", "Explicit"])
+def test_dropout_sharded_matches_single_device(axis_type):
+  """Attention dropout with batch and heads sharded keeps every (row,
+  head) mask of the one-device call: each shard hashes its global head
+  index."""
+  _need_devices()
+  mesh = jax.make_mesh((2, 4), ("data", "tensor"),
+                       axis_types=(axis_type,) * 2)
+  q, k, v, do, _ = _inputs(kv_heads=4, seg=False)
+  key = jax.random.key(11)
+
+  def run(q, k, v, do):
+    attend = functools.partial(
+        jaxflash.flash_attention, causal=True, dropout_rate=0.3,
+        dropout_rng=key, implementation="triton", interpret=True,
+        config=TILES)
+    out, vjp = jax.vjp(attend, q, k, v)
+    return (out, *vjp(do))
+
+  want = jax.jit(run)(q, k, v, do)
+  args = _shard(mesh, "data", "tensor", q, k, v, do, None)[:4]
+  got = jax.jit(run)(*args)
+  for a, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(w))

@@ -435,7 +435,10 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
   if q.dtype not in SUPPORTED_DTYPES:
     raise NotImplementedError(
         f"mosaic_gpu backend supports bfloat16 and float16, got {q.dtype}")
-  del arrays  # segment ids and lengths are served
+  if arrays.dropout_seeds is not None:
+    raise NotImplementedError(
+        "the Hopper kernels take no attention dropout yet (the Triton"
+        " kernels do)")
   dp = kernel_head_dim(q.shape[3])
   why = config and head_dim_problem(config, dp)
   if why:

@@ -75,16 +75,27 @@ def _mask_inputs(arrays: MaskArrays, prob: Problem, batch: int) -> MaskInputs:
   return MaskInputs(q_seg, kv_seg, lengths)
 
 
+def _dropout(arrays: MaskArrays, rate: float, shared: bool):
+  """The kernels' ``(dropout_seeds, dropout)`` arguments."""
+  if not rate:
+    return None, None
+  if arrays.dropout_seeds is None:
+    raise ValueError(f"dropout_rate={rate} needs dropout seeds")
+  return arrays.dropout_seeds, (float(rate), bool(shared))
+
+
 def _forward(q, k, v, arrays, st: _Static, count_tiles=False, dequant=None,
-             out_dtype=None):
+             out_dtype=None, dropout_rate=0.0, dropout_shared=False):
   prob = st.prob
+  seeds, dropout = _dropout(arrays, dropout_rate, dropout_shared)
   results = fwd_lib.forward(
       _pad(q, prob.q_pad, prob.head_dim_padded),
       _pad(k, prob.kv_pad, prob.head_dim_padded),
       _pad(v, prob.kv_pad, prob.head_dim_padded),
       _mask_inputs(arrays, prob, q.shape[0]),
       prob=prob, config=st.config, interpret=st.interpret,
-      count_tiles=count_tiles, dequant=dequant, out_dtype=out_dtype)
+      count_tiles=count_tiles, dequant=dequant, out_dtype=out_dtype,
+      dropout_seeds=seeds, dropout=dropout)
   T = q.shape[1]
   out, lse = results[0][:, :T, :, :st.head_dim], results[1][:, :, :T]
   if count_tiles:
@@ -94,12 +105,16 @@ def _forward(q, k, v, arrays, st: _Static, count_tiles=False, dequant=None,
 
 def forward(q, k, v, arrays: MaskArrays, *, mask: MaskSpec,
             softmax_scale: float, logits_soft_cap: float | None = None,
-            config: TritonConfig | None = None, interpret: bool = False):
+            config: TritonConfig | None = None, interpret: bool = False,
+            dropout_rate: float = 0.0, dropout_shared: bool = False):
   """The forward kernel on (local) arrays: ``(out, lse)``; not
-  differentiable by itself (see :mod:`jaxflash.op`)."""
+  differentiable by itself (see :mod:`jaxflash.op`).  ``dropout_rate``
+  (with ``arrays.dropout_seeds``; ``dropout_shared``: one mask for every
+  head): attention dropout."""
   st = _plan(q, k, mask, arrays, softmax_scale, logits_soft_cap, config,
              interpret)
-  return _forward(q, k, v, arrays, st)
+  return _forward(q, k, v, arrays, st, dropout_rate=dropout_rate,
+                  dropout_shared=dropout_shared)
 
 
 def forward_fp8(q, k, v, arrays: MaskArrays, *, mask: MaskSpec,
@@ -119,7 +134,8 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
              mask: MaskSpec, softmax_scale: float,
              logits_soft_cap: float | None = None,
              config: TritonConfig | None = None, interpret: bool = False,
-             deterministic: bool = False):
+             deterministic: bool = False, dropout_rate: float = 0.0,
+             dropout_shared: bool = False):
   """The backward kernels from the forward's residuals: ``(dq, dk, dv)``.
 
   Always bitwise reproducible (``deterministic`` is accepted for the
@@ -139,7 +155,9 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
       pq(dout.astype(q.dtype)), pad_axis(dlse.astype(jnp.float32), 2,
                                          prob.q_pad),
       _mask_inputs(arrays, prob, q.shape[0]),
-      prob=prob, config=st.config, interpret=st.interpret)
+      prob=prob, config=st.config, interpret=st.interpret,
+      **dict(zip(("dropout_seeds", "dropout"),
+                 _dropout(arrays, dropout_rate, dropout_shared))))
   D = st.head_dim
   return dq[:, :T, :, :D], dk[:, :S, :, :D], dv[:, :S, :, :D]
 

@@ -26,23 +26,35 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxflash._util import LOG2E, out_struct, softmax_delta
+from jaxflash.masks import dropout_keep
 from jaxflash.triton import tiles
 from jaxflash.triton.common import Problem, dot, logits
 from jaxflash.triton.config import TritonConfig
 
 
-def _dscores(q, k, v, do, lse2, delta, visible, *, prob: Problem):
+def _dscores(q, k, v, do, lse2, delta, visible, *, prob: Problem,
+             keep=None, rate: float = 0.0):
   """(P, dS) of one tile, float32; dS is w.r.t. the scaled logits / scale.
 
   ``visible``: the tile's element mask, or None for a fully visible tile.
   lse2 is +inf for rows that saw no key (see _lse2), so P = 0 there.
+  ``keep``: attention dropout's keep mask of the tile; P is then the
+  dropped ``P * keep / (1 - rate)`` the forward multiplied V by, and dS
+  that of the undropped softmax: ``P (keep dP / (1 - rate) - delta)``,
+  with ``delta = rowsum(dO O)`` of the dropped output (FlashAttention-2's
+  dropout backward).
   """
   s, th = logits(q, k, prob)
   if visible is not None:
     s = jnp.where(visible, s, -jnp.inf)
   p = jnp.exp2(s - lse2[:, None])
   dp = dot(do, v, trans_b=True)           # dO V^T
-  ds = p * (dp - delta[:, None])          # softmax backward
+  if keep is not None:
+    z = jnp.where(keep, 1.0 / (1.0 - rate), 0.0)
+    ds = p * (dp * z - delta[:, None])
+    p = p * z
+  else:
+    ds = p * (dp - delta[:, None])        # softmax backward
   if th is not None:
     ds = ds * (1.0 - th * th)             # through cap * tanh(x / cap)
   return p, ds
@@ -56,9 +68,16 @@ def _valid(prob, held_info):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
-                prob: Problem, block_q: int, block_k: int):
+                prob: Problem, block_q: int, block_k: int,
+                dropout: tuple | None):
   held_info, stream_info, kv_seg_ref, q_seg_ref, rest = tiles.split_mask_refs(
       prob.has_segments, prob.has_lengths, rest)
+  seed = None
+  # The group's first query head among all heads, read outside the loops.
+  first_head = pl.program_id(2) * prob.group
+  if dropout is not None:
+    seed, first_head, rest = (rest[0][0], first_head + rest[0][1],
+                              rest[1:])
   dk_ref, dv_ref = rest
   k_start = pl.program_id(0) * block_k
   k = k_ref[...]  # [block_k, D]
@@ -77,8 +96,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
       visible = tiles.q_tile_visible(prob.mask, k_idx, t, block_q,
                                      valid=valid, k_seg=k_seg,
                                      q_seg_ref=q_seg_ref)
+    keep, rate = None, 0.0
+    if dropout is not None:
+      rate, shared = dropout
+      head = 0 if shared else first_head + g
+      rows = t * block_q + lax.broadcasted_iota(jnp.int32,
+                                                (block_q, block_k), 0)
+      keep = dropout_keep(seed, head, rows, k_idx, rate)
     p, ds = _dscores(q, k, v, do, lse2_ref[g, q_slice],
-                     delta_ref[g, q_slice], visible, prob=prob)
+                     delta_ref[g, q_slice], visible, prob=prob, keep=keep,
+                     rate=rate)
     dv = dv + dot(p.astype(do.dtype), do, trans_a=True)  # P^T dO
     dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)   # dS^T Q
     return dk, dv
@@ -101,9 +128,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
-               prob: Problem, block_q: int, block_k: int):
+               prob: Problem, block_q: int, block_k: int,
+               dropout: tuple | None):
   held_info, stream_info, q_seg_ref, kv_seg_ref, rest = tiles.split_mask_refs(
       prob.has_segments, prob.has_lengths, rest)
+  seed = None
+  q_head = pl.program_id(2)  # read outside the loop
+  if dropout is not None:
+    seed, q_head, rest = rest[0][0], q_head + rest[0][1], rest[1:]
   (dq_ref,) = rest
   q_start = pl.program_id(0) * block_q
   q = q_ref[...]
@@ -122,7 +154,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
       visible = tiles.kv_tile_visible(prob.mask, q_idx, t, block_k,
                                       valid=valid, q_seg=q_seg,
                                       kv_seg_ref=kv_seg_ref)
-    _, ds = _dscores(q, k, v, do, lse2, delta, visible, prob=prob)
+    keep, rate = None, 0.0
+    if dropout is not None:
+      rate, shared = dropout
+      cols = t * block_k + lax.broadcasted_iota(jnp.int32,
+                                                (block_q, block_k), 1)
+      keep = dropout_keep(seed, 0 if shared else q_head, q_idx, cols, rate)
+    _, ds = _dscores(q, k, v, do, lse2, delta, visible, prob=prob,
+                     keep=keep, rate=rate)
     return dq + dot(ds.astype(k.dtype), k)
 
   dq = tiles.tile_loop(
@@ -144,12 +183,15 @@ def _lse2(lse):
 
 
 def backward(q, k, v, o, lse, do, dlse, masks_in: tiles.MaskInputs, *,
-             prob: Problem, config: TritonConfig, interpret: bool):
+             prob: Problem, config: TritonConfig, interpret: bool,
+             dropout_seeds=None, dropout: tuple | None = None):
   """Padded tensors -> (dq, dk, dv), each padded like its input.
 
   ``dlse`` is the cotangent of the log-sum-exp ([B, H, T] float32): since
-  d lse_i / d s_ij = P_ij, it enters as ``delta - dlse``.
+  d lse_i / d s_ij = P_ij, it enters as ``delta - dlse``.  ``dropout``,
+  ``dropout_seeds``: as the forward's.
   """
+  seed_args = [] if dropout is None else [dropout_seeds]
   batch = q.shape[0]
   dp = prob.head_dim_padded
   group = prob.group
@@ -165,8 +207,11 @@ def backward(q, k, v, o, lse, do, dlse, masks_in: tiles.MaskInputs, *,
   mspecs, margs = tiles.mask_specs_and_args(
       masks_in, held_info, stream_info, held_q=False, held_block=bk,
       stream_len=prob.q_pad, index_held=lambda j, b, h: (b, j))
+  if dropout is not None:
+    mspecs = [*mspecs, pl.BlockSpec((None, 2), lambda j, b, h: (b, 0))]
   dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, prob=prob, block_q=bq, block_k=bk),
+      functools.partial(_dkv_kernel, prob=prob, block_q=bq, block_k=bk,
+                        dropout=dropout),
       grid=(prob.kv_pad // bk, batch, prob.num_kv_heads),
       in_specs=[
           # All query heads of this key/value head's group.
@@ -189,7 +234,7 @@ def backward(q, k, v, o, lse, do, dlse, masks_in: tiles.MaskInputs, *,
       compiler_params=params,
       interpret=interpret,
       name="jaxflash_bwd_dkv",
-  )(q, k, v, do, lse2, delta, *margs)
+  )(q, k, v, do, lse2, delta, *margs, *seed_args)
 
   bq, bk = config.block_q_dq, config.block_k_dq
   held_info, stream_info = tiles.info_arrays(
@@ -198,8 +243,11 @@ def backward(q, k, v, o, lse, do, dlse, masks_in: tiles.MaskInputs, *,
   mspecs, margs = tiles.mask_specs_and_args(
       masks_in, held_info, stream_info, held_q=True, held_block=bq,
       stream_len=prob.kv_pad, index_held=lambda i, b, h: (b, i))
+  if dropout is not None:
+    mspecs = [*mspecs, pl.BlockSpec((None, 2), lambda i, b, h: (b, 0))]
   dq = pl.pallas_call(
-      functools.partial(_dq_kernel, prob=prob, block_q=bq, block_k=bk),
+      functools.partial(_dq_kernel, prob=prob, block_q=bq, block_k=bk,
+                        dropout=dropout),
       grid=(prob.q_pad // bq, batch, prob.num_heads),
       in_specs=[
           pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, i, h, 0)),
@@ -218,5 +266,5 @@ def backward(q, k, v, o, lse, do, dlse, masks_in: tiles.MaskInputs, *,
       compiler_params=params,
       interpret=interpret,
       name="jaxflash_bwd_dq",
-  )(q, k, v, do, lse2, delta, *margs)
+  )(q, k, v, do, lse2, delta, *margs, *seed_args)
   return dq, dk, dv

@@ -19,13 +19,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxflash._util import out_struct
+from jaxflash.masks import dropout_keep
 from jaxflash.triton import tiles
 from jaxflash.triton.common import LN2, Problem, dot, logits
 from jaxflash.triton.config import TritonConfig
 
 
 def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
-                count_tiles: bool, fp8: bool):
+                count_tiles: bool, fp8: bool, dropout: tuple | None):
   q_ref, k_ref, v_ref = refs[:3]
   refs = refs[3:]
   qk_dequant = v_dequant = None
@@ -37,6 +38,10 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
     refs = refs[1:]
   held_info, stream_info, q_seg_ref, kv_seg_ref, rest = (
       tiles.split_mask_refs(prob.has_segments, prob.has_lengths, refs))
+  seed = head = None
+  if dropout is not None:
+    seed, first_head, rest = rest[0][0], rest[0][1], rest[1:]
+    head = 0 if dropout[1] else first_head + pl.program_id(2)
   o_ref, lse_ref = rest[0], rest[1]
   mask = prob.mask
 
@@ -69,9 +74,18 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
     p = jnp.exp2(s - m_use[:, None])
     l_next = l_prev * alpha + jnp.sum(p, axis=1)
     v = tiles.slice_tile(v_ref, t, block_k)
+    pv = p
+    if dropout is not None:
+      # The row sums (and the LSE) are the undropped ones; the product
+      # takes the kept probabilities, scaled by 1 / (1 - rate).
+      rate = dropout[0]
+      keep = dropout_keep(seed, head, q_idx,
+                          t * block_k + lax.broadcasted_iota(
+                              jnp.int32, (block_q, block_k), 1), rate)
+      pv = jnp.where(keep, p * (1.0 / (1.0 - rate)), 0.0)
     # With FP8 values P (in [0, 1] after the max subtraction) is rounded to
     # their format for the product, as FlashAttention-3 does.
-    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
+    acc = acc * alpha[:, None] + dot(pv.astype(v.dtype), v)
     return acc, m_next, l_next
 
   carry = (jnp.zeros((block_q, prob.head_dim_padded), jnp.float32),
@@ -98,14 +112,17 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
 
 def forward(q, k, v, masks_in: tiles.MaskInputs, *, prob: Problem,
             config: TritonConfig, interpret: bool,
-            count_tiles: bool = False, dequant=None, out_dtype=None):
+            count_tiles: bool = False, dequant=None, out_dtype=None,
+            dropout_seeds=None, dropout: tuple | None = None):
   """Padded inputs [B, T, H, Dp] -> (out [B, T, H, Dp], lse [B, H, T]).
 
   With ``count_tiles`` also returns ``[B, H, T]`` int32: the number of key
   tiles the program of each query row visited (a debug output for tests).
   ``dequant [H, 2]`` float32: FP8 inputs' scales per query head
   (``q_scale * k_scale``, ``v_scale``); ``out_dtype`` the output's dtype
-  (default ``q``'s).
+  (default ``q``'s).  ``dropout = (rate, shared)`` with ``dropout_seeds
+  [B, 2]`` int32: attention dropout (:func:`jaxflash.masks.dropout_keep`;
+  ``MaskArrays.dropout_seeds``).
   """
   batch = q.shape[0]
   bq, bk = config.block_q, config.block_k
@@ -131,6 +148,9 @@ def forward(q, k, v, masks_in: tiles.MaskInputs, *, prob: Problem,
       stream_len=prob.kv_pad, index_held=lambda i, b, h: (b, i))
   in_specs += mspecs
   args += margs
+  if dropout is not None:
+    in_specs.append(pl.BlockSpec((None, 2), lambda i, b, h: (b, 0)))
+    args.append(dropout_seeds)
   out_specs = [
       pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, i, h, 0)),
       pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
@@ -145,7 +165,7 @@ def forward(q, k, v, masks_in: tiles.MaskInputs, *, prob: Problem,
         (batch, prob.num_heads, prob.q_pad), jnp.int32, q, k, v))
   kernel = functools.partial(_fwd_kernel, prob=prob, block_q=bq, block_k=bk,
                              count_tiles=count_tiles,
-                             fp8=dequant is not None)
+                             fp8=dequant is not None, dropout=dropout)
   return pl.pallas_call(
       kernel,
       grid=grid,
