@@ -479,3 +479,22 @@ def test_generate_script_runs(capsys):
                                 results["jax-nn"].tokens)
   out = capsys.readouterr().out
   assert "| jaxflash |" in out and "| jax-nn |" in out
+
+
+def test_attention_dropout_trains():
+  """--attn-dropout: the training steps drop attention probabilities in
+  the kernels (a loss unlike the run without dropout, and finite), the
+  evaluation does not (the same loss as the model without dropout)."""
+  t = _trainer("data=8")
+  base, state = _run_steps(t, steps=2)
+  t_drop = train_lib.Trainer(dataclasses.replace(t.cfg, attn_dropout=0.1),
+                             t.mesh, t.tx)
+  drop, state_d = _run_steps(t_drop, steps=2)
+  assert np.isfinite(drop).all() and not np.allclose(drop, base)
+  docs = data_lib.load_documents(limit_bytes=50_000)
+  tokens, seg = data_lib.pack(docs, t.cfg.seq_len)
+  batch = t.global_batch(tokens[:8], seg[:8])
+  ev = t.make_eval(jax.tree.map(lambda x: x.sharding, state))
+  ev_d = t_drop.make_eval(jax.tree.map(lambda x: x.sharding, state_d))
+  np.testing.assert_allclose(ev_d(state_d["params"], *batch),
+                             ev(state_d["params"], *batch), rtol=1e-6)

@@ -54,6 +54,9 @@ class GPTConfig:
   # via nn.remat): activation memory of one block instead of all of them,
   # for ~1/3 more compute.  The 1B preset at seq 8192 needs it on one GPU.
   remat: bool = False
+  # Attention dropout in training (in the kernels): active when the model
+  # is applied with a "dropout" rng (train.py's steps), off otherwise.
+  attn_dropout: float = 0.0
 
   @property
   def ff(self) -> int:
@@ -283,8 +286,10 @@ class Block(nn.Module):
         local_window_size=window, rope_theta=cfg.rope_theta, dtype=dtype,
         use_bias=False, kernel_init=nn.initializers.normal(0.02),
         implementation=impl, interpret=cfg.interpret,
-        attention_override=override, name="attn")(
-            h, segment_ids=segment_ids, positions=positions)
+        attention_override=override, dropout_rate=cfg.attn_dropout,
+        name="attn")(
+            h, segment_ids=segment_ids, positions=positions,
+            deterministic=not (cfg.attn_dropout and self.has_rng("dropout")))
     x = x + h
     h = nn.RMSNorm(dtype=dtype, name="ln2")(x)
     h = _dense(cfg.ff, ("embed", "mlp"), "up", dtype)(h)

@@ -83,6 +83,7 @@ class Trainer:
   mesh: jax.sharding.Mesh
   tx: optax.GradientTransformation
   accum: int = 1
+  seed: int = 0  # attention dropout's keys (cfg.attn_dropout)
 
   def __post_init__(self):
     # The training model sees the mesh (ring attention over a context
@@ -121,7 +122,9 @@ class Trainer:
                       out_shardings=shardings)(jax.random.key(seed))
     return state, shardings
 
-  def loss(self, params, tokens, seg):
+  def loss(self, params, tokens, seg, dropout_rng=None):
+    """Mean next-token loss; ``dropout_rng`` (training) turns on the
+    model's attention dropout (``cfg.attn_dropout``)."""
     inputs, targets, seg = tokens[:, :-1], tokens[:, 1:], seg[:, :-1]
     positions = None
     if self.order is not None:
@@ -131,20 +134,29 @@ class Trainer:
                                                           seg))
       positions = jnp.broadcast_to(self.order, inputs.shape)
     with nn.logical_axis_rules(RULES):
-      logits = self.model.apply({"params": params}, inputs, seg, positions)
+      logits = self.model.apply(
+          {"params": params}, inputs, seg, positions,
+          rngs=None if dropout_rng is None else {"dropout": dropout_rng})
     return optax.softmax_cross_entropy_with_integer_labels(
         logits, targets).mean()
 
   def make_step(self, shardings):
     def step(state, tokens, seg):
+      # Attention dropout's key: a function of the step and micro-batch.
+      rng = jax.random.fold_in(jax.random.key(self.seed), state["step"])
+
       def micro(grads_loss, batch):
-        g, l_ = jax.value_and_grad(self.loss)(state["params"], *batch)[::-1]
+        *batch, i = batch
+        drop = (jax.random.fold_in(rng, i) if self.cfg.attn_dropout
+                else None)
+        g, l_ = jax.value_and_grad(self.loss)(state["params"], *batch,
+                                              drop)[::-1]
         return jax.tree.map(jnp.add, grads_loss, (g, l_)), None
       zeros = (jax.tree.map(jnp.zeros_like, state["params"]),
                jnp.zeros((), jnp.float32))
       split = lambda x: x.reshape(self.accum, -1, *x.shape[1:])
-      (grads, loss), _ = jax.lax.scan(micro, zeros,
-                                      (split(tokens), split(seg)))
+      (grads, loss), _ = jax.lax.scan(
+          micro, zeros, (split(tokens), split(seg), jnp.arange(self.accum)))
       grads = jax.tree.map(lambda g: g / self.accum, grads)
       updates, opt = self.tx.update(grads, state["opt"], state["params"])
       params = optax.apply_updates(state["params"], updates)
@@ -213,6 +225,8 @@ def main(argv=None):
   ap.add_argument("--interpret", action="store_true",
                   help="run the Pallas kernels in interpret mode (CPU)")
   ap.add_argument("--seq-len", type=int, default=None)
+  ap.add_argument("--attn-dropout", type=float, default=0.0,
+                  help="attention dropout rate in training (in the kernels)")
   ap.add_argument("--remat", action="store_true",
                   help="recompute each block's activations in the backward"
                        " pass (less memory, ~1/3 more compute)")
@@ -248,7 +262,8 @@ def main(argv=None):
   cfg = model_lib.PRESETS[args.preset]
   cfg = dataclasses.replace(
       cfg, attention=args.attention, interpret=args.interpret,
-      seq_len=args.seq_len or cfg.seq_len, remat=args.remat or cfg.remat)
+      seq_len=args.seq_len or cfg.seq_len, remat=args.remat or cfg.remat,
+      attn_dropout=args.attn_dropout)
   mesh = make_mesh(parse_mesh(args.mesh, jax.device_count()))
   if args.lr is None:
     args.lr = PEAK_LR[args.preset]
@@ -257,7 +272,7 @@ def main(argv=None):
       args.lr * 0.1)
   tx = optax.chain(optax.clip_by_global_norm(1.0),
                    optax.adamw(schedule, b2=0.95, weight_decay=0.1))
-  trainer = Trainer(cfg, mesh, tx, args.accum)
+  trainer = Trainer(cfg, mesh, tx, args.accum, args.seed)
 
   docs = data_lib.load_documents(args.data, args.limit_bytes)
   if args.doc_bytes:
