@@ -9,6 +9,7 @@ from jaxflash.masks import PAD_SEGMENT_ID as PAD_SEGMENT_ID
 from jaxflash.masks import MaskSpec as MaskSpec
 from jaxflash.mosaic_gpu import MosaicConfig as MosaicConfig
 from jaxflash.op import RESIDUAL_NAMES as RESIDUAL_NAMES
+from jaxflash.paged import mla_attention as mla_attention
 from jaxflash.paged import paged_attention as paged_attention
 from jaxflash.triton import TritonConfig as TritonConfig
 from jaxflash.tune import autotune as autotune

@@ -45,7 +45,12 @@ def _check_cache(k_pages, v_pages, page_indices, kv_lengths):
     raise ValueError(
         f"k_pages {k_pages.shape} {k_pages.dtype} and v_pages"
         f" {v_pages.shape} {v_pages.dtype} must match")
-  page = k_pages.shape[1]
+  return _check_table(page_indices, kv_lengths, k_pages.shape[1])
+
+
+def _check_table(page_indices, kv_lengths, page: int):
+  """The page table and lengths checked: ``(page_indices, kv_lengths)`` as
+  int32 (checks.int_array)."""
   if page % 8 or not 8 <= page <= 256:
     raise ValueError(f"page_size={page} must be a multiple of 8 up to 256")
   if getattr(page_indices, "ndim", None) != 2:
@@ -180,6 +185,96 @@ def paged_attention(q, k_pages, v_pages, page_indices, kv_lengths, *,
         logits_soft_cap=cap, window_left=left,
         **({} if kv_scales is None else dict(k_scale=kv_scales[:, 0],
                                              v_scale=kv_scales[:, 1])))
+  return (out, lse) if return_lse else out
+
+
+def mla_attention(q, kv_pages, page_indices, kv_lengths, *,
+                  v_head_dim: int = 512, softmax_scale: float | None = None,
+                  return_lse: bool = False,
+                  implementation: str | None = None,
+                  config: decode.PagedConfig | None = None,
+                  interpret: bool = False):
+  """Multi-head latent attention (DeepSeek-V2's absorbed form, as FlashMLA
+  serves it) of new queries over a paged latent cache.
+
+  Every query head attends to one cached vector per token; the values are
+  its first ``v_head_dim`` columns: ``out = softmax(q k^T scale) k[...,
+  :v_head_dim]``, causal bottom-right as in :func:`paged_attention`.
+
+  Args:
+    q: ``[batch, q_len, heads, head_dim]`` (DeepSeek: head_dim 576, the
+      512 latent and 64 rotary columns).
+    kv_pages: ``[num_pages, page_size, head_dim]``, one latent vector per
+      token.
+    page_indices, kv_lengths: as :func:`paged_attention`'s.
+    v_head_dim: the value width (DeepSeek: 512).
+    softmax_scale: default ``1 / sqrt(head_dim)``; DeepSeek-V2/V3 use ``1 /
+      sqrt(192)`` (their query/key width before absorption).
+    implementation: ``"triton"`` (the split-K paged kernel reading the
+      latent and rotary columns as two blocks and the latent block once
+      for both products: ``v_head_dim`` and ``head_dim - v_head_dim``
+      powers of two, the second dividing the first, page sizes powers of
+      two from 16), ``"xla"``, or None: the kernel where it serves the
+      call, else XLA.
+    config, interpret, return_lse: as :func:`paged_attention`'s.
+
+  Returns:
+    ``out [batch, q_len, heads, v_head_dim]`` in ``q``'s dtype, and with
+    ``return_lse`` the log-sum-exp ``[batch, heads, q_len]``.
+  """
+  if getattr(q, "ndim", None) != 4:
+    raise ValueError("q must be [batch, q_len, heads, head_dim], got shape"
+                     f" {getattr(q, 'shape', q)}")
+  if getattr(kv_pages, "ndim", None) != 3:
+    raise ValueError("kv_pages must be [num_pages, page_size, head_dim],"
+                     f" got shape {getattr(kv_pages, 'shape', kv_pages)}")
+  B, T, H, D = q.shape
+  if kv_pages.shape[2] != D or kv_pages.dtype != q.dtype:
+    raise ValueError(f"q {q.shape} {q.dtype} and kv_pages {kv_pages.shape}"
+                     f" {kv_pages.dtype} must share head_dim and dtype")
+  if not isinstance(v_head_dim, int) or not 0 < v_head_dim < D:
+    raise ValueError(f"v_head_dim={v_head_dim!r} must be an int in (0,"
+                     f" head_dim={D})")
+  page_indices, kv_lengths = _check_table(page_indices, kv_lengths,
+                                          kv_pages.shape[1])
+  if page_indices.shape[0] != B:
+    raise ValueError(f"page_indices has {page_indices.shape[0]} rows for"
+                     f" batch {B}")
+  if T < 1:
+    raise ValueError(f"q_len={T} must be at least 1")
+  scale = checks.static_positive(
+      "softmax_scale", 1.0 / math.sqrt(D) if softmax_scale is None
+      else softmax_scale)
+  if implementation not in (None, *IMPLEMENTATIONS):
+    raise ValueError(f"implementation={implementation!r} is not one of"
+                     f" {(None, *IMPLEMENTATIONS)}")
+  pages = kv_pages[:, :, None, :]  # one key/value head
+
+  def kernel_check():
+    decode.check_mla(q, pages, v_head_dim)
+    if not interpret:
+      require_cuda("the Triton paged kernel", "a CUDA GPU",
+                   lambda cc: float(cc) >= 8.0,
+                   "pass interpret=True to run it in the Pallas"
+                   " interpreter")
+
+  use = implementation
+  if use is None:
+    try:
+      kernel_check()
+      use = "triton"
+    except NotImplementedError:
+      use = "xla"
+  if use == "triton":
+    kernel_check()
+    out, lse = decode.paged_forward(
+        q, pages, None, page_indices, kv_lengths, softmax_scale=scale,
+        logits_soft_cap=None, window_left=None, config=config,
+        interpret=interpret, sm_count=sm_count(), v_head_dim=v_head_dim)
+  else:
+    out, lse = reference.paged_attention(
+        q, pages, pages[..., :v_head_dim], page_indices, kv_lengths,
+        softmax_scale=scale)
   return (out, lse) if return_lse else out
 
 

@@ -186,9 +186,10 @@ def attention(
         jnp.arange(S, dtype=jnp.int32)[None, :], dropout_rate))(
             jnp.asarray(dropout_seeds, jnp.int32))
     probs = jnp.where(keep, probs * (1.0 / (1.0 - dropout_rate)), 0.0)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(cdtype), v,
+  # Values may be narrower than keys (multi-head latent attention).
+  out = jnp.einsum("bkgts,bske->btkge", probs.astype(cdtype), v,
                    precision=precision, preferred_element_type=cdtype)
-  out = out.reshape(B, T, H, D).astype(dtype)
+  out = out.reshape(B, T, H, v.shape[-1]).astype(dtype)
   lse = lse[..., 0].reshape(B, H, T)
   return out, lse
 
@@ -233,7 +234,7 @@ def paged_attention(
   T = q_BxTxHxD.shape[1]
   idx = jnp.clip(page_indices_BxM.astype(jnp.int32), 0, num_pages - 1)
   gather = lambda pages: jnp.take(pages, idx, axis=0).reshape(
-      B, M * page, K, D)
+      B, M * page, K, pages.shape[-1])
   k, v = gather(k_pages_NxPxKxD), gather(v_pages_NxPxKxD)
   if k_scale is not None:
     work = jnp.float32 if upcast else q_BxTxHxD.dtype

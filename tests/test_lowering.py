@@ -711,3 +711,25 @@ def test_dropout_lowers_to_triton(fake_gpu):
       lowering_platforms=("cuda",)).as_text()
   for name in ("jaxflash_fwd", "jaxflash_bwd_dkv", "jaxflash_bwd_dq"):
     assert name in text
+
+
+@pytest.mark.parametrize("fake_gpu", ["H100"], indirect=True)
+def test_mla_lowers_to_triton(fake_gpu):
+  """Multi-head latent attention at DeepSeek's shapes (128 heads,
+  576 = 512 latent + 64 rotary columns, pages of 64) lowers to Triton IR:
+  the two column blocks of one cache, 32-row tiles."""
+  from jaxflash.triton import decode
+  q = jax.ShapeDtypeStruct((2, 1, 128, 576), jnp.bfloat16)
+  pages = jax.ShapeDtypeStruct((40, 64, 1, 576), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((2, 20), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+
+  def run(q, pages, table, lengths):
+    return decode.paged_forward(
+        q, pages, None, table, lengths, softmax_scale=192 ** -0.5,
+        logits_soft_cap=None, window_left=None, config=None,
+        interpret=False, v_head_dim=512)
+
+  text = jax.jit(run).trace(q, pages, table, lengths).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "jaxflash_paged_decode" in text

@@ -157,6 +157,37 @@ def test_split_plan_follows_lengths():
                                  config=cfg), args)
 
 
+@pytest.mark.parametrize("q_len,heads,head_dim,v_head_dim", [
+    (1, 16, 80, 64), pytest.param(2, 128, 576, 512, marks=pytest.mark.slow)])
+def test_mla_attention(q_len, heads, head_dim, v_head_dim):
+  """Multi-head latent attention over a paged latent cache: the kernel
+  (latent and rotary columns as two blocks, values from the latent
+  block) against the reference of the same cache as keys and its first
+  v_head_dim columns as values; lengths 0, 1, a page multiple and one
+  off; DeepSeek's 576/512 at 128 heads (slow)."""
+  q, kp, _, table, lengths = _cache(
+      9, batch=4, q_len=q_len, heads=heads, kv_heads=1, head_dim=head_dim,
+      page=16, pages_per_seq=4, lengths=[0, 1, 32, 63], dtype=jnp.float32)
+  pages = kp[:, :, 0]
+  got = paged.mla_attention(q, pages, table, lengths, v_head_dim=v_head_dim,
+                            softmax_scale=192 ** -0.5, return_lse=True,
+                            implementation="triton", interpret=True)
+  assert got[0].shape == (4, q_len, heads, v_head_dim)
+  args = (q, kp, kp[..., :v_head_dim], table, lengths)
+  _check(got, args, softmax_scale=192 ** -0.5)
+  xla = paged.mla_attention(q, pages, table, lengths, v_head_dim=v_head_dim,
+                            softmax_scale=192 ** -0.5, return_lse=True,
+                            implementation="xla")
+  _check(xla, args, softmax_scale=192 ** -0.5)
+  with pytest.raises(NotImplementedError, match="v_head_dim=48"):
+    paged.mla_attention(q, pages, table, lengths, v_head_dim=48,
+                        implementation="triton", interpret=True)
+  with pytest.raises(ValueError, match="kv_pages must be"):
+    paged.mla_attention(q, kp, table, lengths)
+  with pytest.raises(ValueError, match=f"v_head_dim={head_dim}"):
+    paged.mla_attention(q, pages, table, lengths, v_head_dim=head_dim)
+
+
 def test_reference_matches_dense_attention():
   """The paged reference against dense attention over each sequence's
   keys in order (causal, bottom-right)."""
@@ -406,3 +437,20 @@ def test_gpu_fp8_cache(page):
       *a, k_scale=ks, v_scale=vs, return_lse=True,
       implementation="triton"))(*args)
   _check(got, args, k_scale=ks, v_scale=vs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,q_len", [(128, 1), (16, 2)])
+def test_gpu_mla(heads, q_len):
+  """The compiled latent-attention kernel at DeepSeek's widths (576 / 512,
+  pages of 64, lengths up to 4096), by the numerics rule."""
+  q, kp, _, table, lengths = _cache(
+      14, batch=3, q_len=q_len, heads=heads, kv_heads=1, head_dim=576,
+      page=64, pages_per_seq=64, lengths=[4096, 1000, 1],
+      dtype=jnp.float32)
+  q, kp = q.astype(jnp.bfloat16), kp.astype(jnp.bfloat16)
+  got = jax.jit(lambda q, p, t, n: paged.mla_attention(
+      q, p, t, n, softmax_scale=192 ** -0.5, return_lse=True,
+      implementation="triton"))(q, kp[:, :, 0], table, lengths)
+  _check(got, (q, kp, kp[..., :512], table, lengths),
+         softmax_scale=192 ** -0.5)

@@ -62,6 +62,9 @@ class PagedConfig:
 # them for long chunks): a 128 x head_dim float32 accumulator is what
 # Triton's flash-attention tiles hold in four warps.
 MAX_TILE_ROWS = 128
+# With multi-head latent attention's 512-wide values, 32 rows keep the
+# float32 accumulator at 128 registers a thread in four warps.
+MLA_TILE_ROWS = 32
 
 # block_pages: keys per loop step (pages of fewer keys are taken several
 # at a time).
@@ -108,12 +111,38 @@ def check_supported(q, k_pages, config: PagedConfig | None) -> None:
                               " float16 queries")
 
 
+def check_mla(q, pages, v_head_dim: int) -> None:
+  """NotImplementedError where the kernel cannot serve multi-head latent
+  attention: it reads the latent columns ``[0, v_head_dim)`` and the
+  rotary ones as two blocks, each a power of two from 16 wide, the second
+  dividing the first."""
+  page, d = pages.shape[1], pages.shape[3]
+  rope = d - v_head_dim
+  if (v_head_dim & (v_head_dim - 1) or rope & (rope - 1) or rope < 16
+      or v_head_dim % rope):
+    raise NotImplementedError(
+        f"the Triton paged kernel takes latent attention with v_head_dim"
+        f" and head_dim - v_head_dim powers of two from 16, the second"
+        f" dividing the first, got head_dim={d}, v_head_dim={v_head_dim}")
+  if page < 16 or page & (page - 1):
+    raise NotImplementedError(
+        f"the Triton paged kernel takes page sizes that are powers of two"
+        f" from 16, got page_size={page}")
+  if q.dtype not in (jnp.float16, jnp.bfloat16, jnp.float32):
+    raise NotImplementedError(f"dtype {q.dtype} is not served")
+
+
 def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, *refs,
             q_len: int, group: int, row_tiles: int, page: int,
             per_step: int, scale: float,
             soft_cap: float | None, causal: bool, window_left: int | None,
-            window_right: int | None, fp8: bool):
-  v_scale = None
+            window_right: int | None, fp8: bool, mla: bool):
+  v_scale = qr = None
+  if mla:
+    # Multi-head latent attention (DeepSeek-V2's absorbed form): k_ref
+    # holds the latent columns, which are also the values, v_ref the
+    # rotary columns of the same cache; the scores add both products.
+    qr, refs = refs[0][...], refs[1:]
   if fp8:
     # An FP8 cache: pages widened to q's dtype (exact: every e4m3 and
     # e5m2 number is a bfloat16 and a float16 one), this head's k_scale
@@ -166,7 +195,11 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, *refs,
       p = lo + step * per_step + j
       live = p < hi
       slot = jnp.where(live, idx_ref[jnp.minimum(p, last_entry)], 0)
-      s = dot(q, k_ref[slot].astype(q.dtype), trans_b=True) * scale
+      k = k_ref[slot].astype(q.dtype)
+      s = dot(q, k, trans_b=True)
+      if mla:
+        s = s + dot(qr, v_ref[slot], trans_b=True)
+      s = s * scale
       if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
       s = s * LOG2E
@@ -179,7 +212,7 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, *refs,
       if window_left is not None:
         keep = keep & (key[None, :] >= pos[:, None] - window_left)
       logits.append(jnp.where(keep, s, -jnp.inf))
-      values.append(v_ref[slot].astype(q.dtype))
+      values.append(k if mla else v_ref[slot].astype(q.dtype))
     m_next = m_prev
     for s in logits:
       m_next = jnp.maximum(m_next, jnp.max(s, axis=1))
@@ -230,7 +263,7 @@ def paged_forward(q, k_pages, v_pages, page_indices, kv_lengths, *,
                   window_left: int | None, config: PagedConfig | None,
                   interpret: bool, sm_count: int = 132, q_start=None,
                   causal: bool = True, window_right: int | None = None,
-                  kv_scales=None):
+                  kv_scales=None, v_head_dim: int | None = None):
   """``(out [B, T, H, D], lse [B, H, T] float32)`` of queries ``q [B, T,
   H, D]`` over the paged cache (see :mod:`jaxflash.reference`'s
   ``paged_attention`` for the semantics).
@@ -241,16 +274,24 @@ def paged_forward(q, k_pages, v_pages, page_indices, kv_lengths, *,
   after a row's position, more than ``window_left`` before it or more than
   ``window_right`` after it are masked, besides those past the length.
   ``kv_scales [K, 2]`` float32: an FP8 cache's ``(k_scale, v_scale)`` per
-  key/value head."""
+  key/value head.
+
+  ``v_pages`` None: multi-head latent attention, the values the first
+  ``v_head_dim`` columns of ``k_pages`` (:func:`check_mla`); the output is
+  ``[B, T, H, v_head_dim]``."""
   config = config or PagedConfig()
   B, T, H, D = q.shape
   _, page, K, _ = k_pages.shape
   M = page_indices.shape[1]
   G = H // K
+  mla = v_pages is None
+  Dv = v_head_dim if mla else D
   # The q_len x group rows of each key/value head (row t * G + g) in tiles
-  # of a power of two (Triton's block shapes) up to MAX_TILE_ROWS: a decode
-  # step's group is one tile, so each page is read once per key/value head.
-  tile = min(MAX_TILE_ROWS, max(16, 1 << (T * G - 1).bit_length()))
+  # of a power of two (Triton's block shapes) up to MAX_TILE_ROWS (MLA's
+  # 512-wide accumulator: MLA_TILE_ROWS): a decode step's group is one
+  # tile where it fits, so each page is read once per key/value head.
+  tile = min(MLA_TILE_ROWS if mla else MAX_TILE_ROWS,
+             max(16, 1 << (T * G - 1).bit_length()))
   R = -(-T * G // tile)
   per_step = config.block_pages or block_pages(page)
   # At most one split per loop step of the table's capacity; the pages of
@@ -271,43 +312,58 @@ def paged_forward(q, k_pages, v_pages, page_indices, kv_lengths, *,
       per_step=per_step,
       scale=float(softmax_scale), soft_cap=logits_soft_cap, causal=causal,
       window_left=window_left, window_right=window_right,
-      fp8=kv_scales is not None)
+      fp8=kv_scales is not None, mla=mla)
+  q_specs, q_args = [], []
+  if mla:
+    # The latent columns [0, Dv) and the rotary ones [Dv, D) of the same
+    # pages, as two blocks (each a power of two wide; Dv a multiple of
+    # the rotary width).
+    Dr = D - Dv
+    qt, qr = qt[..., :Dv], qt[..., Dv:]
+    v_pages = k_pages
+    v_spec = pl.BlockSpec((k_pages.shape[0], page, None, Dr),
+                          lambda b, i, s: (0, 0, i // R, Dv // Dr))
+    q_specs = [pl.BlockSpec((None, None, tile, Dr),
+                            lambda b, i, s: (b, i // R, i % R, 0))]
+    q_args = [qr]
+  else:
+    v_spec = pl.BlockSpec((v_pages.shape[0], page, None, D),
+                          lambda b, i, s: (0, 0, i // R, 0))
   # Program (b, i, s): sequence b, key/value head i // R, row tile i % R,
   # split s.
   out_parts, lse_parts = pl.pallas_call(
       kernel,
       grid=(B, K * R, splits),
       in_specs=[
-          pl.BlockSpec((None, None, tile, D),
+          pl.BlockSpec((None, None, tile, Dv),
                        lambda b, i, s: (b, i // R, i % R, 0)),
-          pl.BlockSpec((k_pages.shape[0], page, None, D),
+          pl.BlockSpec((k_pages.shape[0], page, None, Dv),
                        lambda b, i, s: (0, 0, i // R, 0)),
-          pl.BlockSpec((v_pages.shape[0], page, None, D),
-                       lambda b, i, s: (0, 0, i // R, 0)),
+          v_spec,
           pl.BlockSpec((None, M), lambda b, i, s: (b, 0)),
           pl.BlockSpec((None, 1), lambda b, i, s: (b, 0)),
           pl.BlockSpec((None, 1), lambda b, i, s: (b, 0)),
-      ] + ([] if kv_scales is None else [
+      ] + q_specs + ([] if kv_scales is None else [
           pl.BlockSpec((None, 2), lambda b, i, s: (i // R, 0))]),
       out_specs=[
-          pl.BlockSpec((None, None, None, tile, D),
+          pl.BlockSpec((None, None, None, tile, Dv),
                        lambda b, i, s: (b, i // R, s, i % R, 0)),
           pl.BlockSpec((None, None, None, tile),
                        lambda b, i, s: (b, i // R, s, i % R)),
       ],
       out_shape=[
-          out_struct((B, K, splits, R * tile, D), jnp.float32, q, k_pages),
+          out_struct((B, K, splits, R * tile, Dv), jnp.float32, q, k_pages),
           out_struct((B, K, splits, R * tile), jnp.float32, q, k_pages),
       ],
       compiler_params=plt.CompilerParams(num_warps=config.num_warps,
                                          num_stages=config.num_stages),
       interpret=interpret,
       name="jaxflash_paged_decode",
-  )(qt, k_pages, v_pages, idx, lengths, starts,
+  )(qt, k_pages, v_pages, idx, lengths, starts, *q_args,
     *([] if kv_scales is None else [kv_scales]))
-  out, lse = merge(out_parts, lse_parts)  # [B, K, rows, D], [B, K, rows]
-  out = out[:, :, :T * G].reshape(B, K, T, G, D).transpose(
-      0, 2, 1, 3, 4).reshape(B, T, H, D)
+  out, lse = merge(out_parts, lse_parts)  # [B, K, rows, Dv], [B, K, rows]
+  out = out[:, :, :T * G].reshape(B, K, T, G, Dv).transpose(
+      0, 2, 1, 3, 4).reshape(B, T, H, Dv)
   lse = lse[:, :, :T * G].reshape(B, K, T, G).transpose(0, 1, 3, 2)
   return out.astype(q.dtype), lse.reshape(B, H, T)
 
