@@ -627,3 +627,17 @@ def test_decode_fp8_cache_row():
   assert fp8["gbytes_per_s"] == pytest.approx(
       shape.kv_bytes / 2 / (fp8["ms"] * 1e-3) / 1e9)
   assert bench_main.main(["--mode", "decode", "--dtype", "fp8"]) == 2
+
+
+def test_mla_mode_cpu_smoke(tmp_path):
+  """``--mode mla``: latent-attention rows (mode "mla", the kernel and the
+  XLA path, each checked against the reference first) with TFLOP/s by
+  FlashMLA's count and GB/s of the one latent cache."""
+  assert bench_main.main(["--mode", "mla", "--cpu-smoke", "--samples", "1",
+                          "--out", str(tmp_path), "--name", "m"]) == 0
+  _, rows = report.read_json(str(tmp_path / "m.json"))
+  assert {r["impl"] for r in rows} == {"jaxflash-mla", "jaxflash-mla-xla"}
+  for r in rows:
+    assert r["mode"] == "mla" and r["error"] is None and r["tflops"] > 0
+    assert r["gbytes_per_s"] == pytest.approx(
+        r["batch"] * r["seq_k"] * r["head_dim"] * 4 / (r["ms"] * 1e-3) / 1e9)

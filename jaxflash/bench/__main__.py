@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--mask", default=None,
                  help="none, segments:N or window:L")
   p.add_argument("--mode", default="both",
-                 choices=["fwd", "fwd_bwd", "both", "decode"],
+                 choices=["fwd", "fwd_bwd", "both", "decode", "mla"],
                  help="decode: new queries over a paged KV cache, in"
                       " bandwidth (bench/decode.py; the --decode-*"
                       " options)")
@@ -300,7 +300,7 @@ def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   args.dtype = DTYPES[args.dtype]
   on_gpu = jax.default_backend() == "gpu"
-  if args.mode == decode.MODE:
+  if args.mode in (decode.MODE, decode.MLA_MODE):
     return _decode_main(args, on_gpu)
   if not args.sample_seconds >= 0:
     print(f"error: --sample-seconds={args.sample_seconds} must be >= 0",
@@ -384,7 +384,19 @@ def main(argv=None) -> int:
 
 
 def _decode_main(args, on_gpu: bool) -> int:
-  """``--mode decode``: the decode grid, its JSON, table and plot."""
+  """``--mode decode`` (or ``mla``): the decode grid, its JSON, table and
+  plot."""
+  mla = args.mode == decode.MLA_MODE
+  if mla:
+    # FlashMLA's grid where the decode options keep their defaults:
+    # 128 heads over one 576-wide latent vector per token, pages of 64.
+    p = _parser()
+    for name, value in (("decode_batches", "1,16,64,128"),
+                        ("decode_kv_lens", "1024,4096,16384,65536"),
+                        ("decode_page_sizes", "64"), ("decode_q_lens", "1,2"),
+                        ("decode_heads", "128:1"), ("head_dims", "576")):
+      if getattr(args, name) == p.get_default(name):
+        setattr(args, name, value)
   if args.dtype == DTYPES["fp8"]:
     print("error: --mode decode takes --dtype bfloat16 or float16 (the"
           " queries' and cache's); its FP8 cache is the jaxflash-paged-fp8"
@@ -397,7 +409,8 @@ def _decode_main(args, on_gpu: bool) -> int:
     if args.cpu_smoke:
       shapes = decode.grid(batches=[2], kv_lens=[160],
                            page_sizes=[16], q_lens=[1, 3], heads=4,
-                           kv_heads=2, head_dim=32, dtype="float32")
+                           kv_heads=1 if mla else 2,
+                           head_dim=80 if mla else 32, dtype="float32")
     else:
       shapes = decode.grid(
           batches=core.parse_int_list(args.decode_batches),
@@ -412,7 +425,8 @@ def _decode_main(args, on_gpu: bool) -> int:
     print("No GPU here; for a smoke test on this CPU run: python -m"
           " jaxflash.bench --mode decode --cpu-smoke")
     return 0
-  names = _impl_names(args, decode.IMPLS, decode.CPU_IMPLS)
+  names = (_impl_names(args, decode.MLA_IMPLS, tuple(decode.MLA_IMPLS))
+           if mla else _impl_names(args, decode.IMPLS, decode.CPU_IMPLS))
   if names is None:
     return 2
   meta, base = _run_meta(

@@ -136,6 +136,33 @@ def _paged_fp8(shape: DecodeShape, interpret: bool):
   return attend, "fp8"
 
 
+# --mode mla: multi-head latent attention, DeepSeek's softmax scale.
+MLA_MODE = "mla"
+MLA_SCALE = 192 ** -0.5
+
+
+def mla_v_head_dim(head_dim: int) -> int:
+  """The latent (value) width of an MLA shape: the largest power of two
+  below ``head_dim`` (576 -> 512, DeepSeek's)."""
+  return 1 << (head_dim - 1).bit_length() - 1
+
+
+def _mla(implementation: str):
+  def make(shape: DecodeShape, interpret: bool):
+    if shape.kv_heads != 1:
+      raise NotImplementedError("latent attention has one cache vector per"
+                                " token (kv_heads 1)")
+
+    def attend(q, pages, table, lengths):
+      return jaxflash.mla_attention(
+          q, pages, table, lengths,
+          v_head_dim=mla_v_head_dim(shape.head_dim),
+          softmax_scale=MLA_SCALE, implementation=implementation,
+          interpret=interpret)
+    return attend, "mla"
+  return make
+
+
 def _jax_nn(implementation: str):
   def make(shape: DecodeShape, interpret: bool):
     del interpret
@@ -183,11 +210,15 @@ IMPLS: dict[str, Callable] = {
     "jax-pallas-paged": _pallas_paged,
 }
 CPU_IMPLS = ("jaxflash-paged", "jaxflash-paged-xla", "xla")
+MLA_IMPLS: dict[str, Callable] = {
+    "jaxflash-mla": _mla("triton"),
+    "jaxflash-mla-xla": _mla("xla"),
+}
 
 
 # Bytes of K and V an implementation reads per element of the shape's
 # dtype: the FP8 cache one byte where the others read two.
-BYTES_READ = {"jaxflash-paged-fp8": 0.5}
+BYTES_READ = {"jaxflash-paged-fp8": 0.5, **{n: 0.5 for n in MLA_IMPLS}}
 
 
 def record(shape: DecodeShape, impl: str, *, ms=None, max_abs_err=None,
@@ -196,14 +227,20 @@ def record(shape: DecodeShape, impl: str, *, ms=None, max_abs_err=None,
   the new queries, ``seq_k`` the cached keys) with ``q_len``,
   ``page_size`` and ``gbytes_per_s`` (of the bytes it reads:
   :data:`BYTES_READ`)."""
-  gbs = None
+  gbs = tflops = None
+  mla = impl in MLA_IMPLS  # one latent cache, read once (BYTES_READ)
   if ms is not None and error is None:
     gbs = (shape.kv_bytes * BYTES_READ.get(impl, 1.0)
            / (ms * 1e-3) / 1e9)
+    if mla:  # FlashMLA's count: 2 B T H S (head_dim + v_head_dim)
+      flops = (2 * shape.batch * shape.q_len * shape.heads * shape.kv_len
+               * (shape.head_dim + mla_v_head_dim(shape.head_dim)))
+      tflops = flops / (ms * 1e-3) / 1e12
   return dict(impl=impl, model=None, batch=shape.batch, seq_q=shape.q_len,
               seq_k=shape.kv_len, heads=shape.heads,
               kv_heads=shape.kv_heads, head_dim=shape.head_dim, causal=True,
-              dtype=shape.dtype, mask=None, mode=MODE, ms=ms, tflops=None,
+              dtype=shape.dtype, mask=None, mode=MLA_MODE if mla else MODE,
+              ms=ms, tflops=tflops,
               peak_bytes=None, max_abs_err=max_abs_err, error=error,
               samples_ms=samples_ms, same_program_as=None, paired_with=None,
               q_len=shape.q_len, page_size=shape.page_size,
@@ -224,9 +261,17 @@ def run_shape(shape: DecodeShape, names, *, interpret: bool, samples: int,
   rows, calls = {}, {}
   for name in names:
     try:
-      attend, layout = IMPLS[name](shape, interpret)
+      attend, layout = {**IMPLS, **MLA_IMPLS}[name](shape, interpret)
       expect = want
-      if layout == "fp8":
+      if layout == "mla":
+        # The cache's one vector per token is the key, its first columns
+        # the value.
+        dv = mla_v_head_dim(shape.head_dim)
+        args = (q, k_pages[:, :, 0], table, lengths)
+        expect = np.asarray(reference.paged_attention(
+            q[:1], k_pages, k_pages[..., :dv], table[:1], lengths[:1],
+            softmax_scale=MLA_SCALE)[0], np.float32)
+      elif layout == "fp8":
         # Checked against the reference of the dequantized pages.
         (k8, ks), (v8, vs) = (jaxflash.quantize_fp8(x, axis=2)
                               for x in (k_pages, v_pages))
