@@ -34,7 +34,7 @@ compare: $(STAMP)
 # The slowest 15 tests are printed, to keep the budget in view.
 test: $(STAMP)
 	$(PY) -m ruff check jaxflash tests examples tools
-	$(PY) -m pytest -q -n auto -m "not slow" --durations=15 tests
+	$(PY) -m pytest -q -n auto -m "not slow" --dist worksteal --durations=15 tests
 
 # Every CPU test, the slow tier included.
 test-all: $(STAMP)

@@ -629,6 +629,7 @@ def test_decode_fp8_cache_row():
   assert bench_main.main(["--mode", "decode", "--dtype", "fp8"]) == 2
 
 
+@pytest.mark.slow  # 8 s; the MLA kernel is tested per commit (test_paged)
 def test_mla_mode_cpu_smoke(tmp_path):
   """``--mode mla``: latent-attention rows (mode "mla", the kernel and the
   XLA path, each checked against the reference first) with TFLOP/s by

@@ -92,6 +92,7 @@ def test_keep_mask_statistics_and_purity():
                                                       out.shape))
 
 
+@pytest.mark.slow
 def test_finite_differences_at_a_fixed_key():
   """With the key fixed the dropped attention is a smooth function of q,
   k and v: its gradients pass a finite-difference check."""

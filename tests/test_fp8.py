@@ -63,7 +63,8 @@ def test_quantize_fp8():
     jaxflash.quantize_fp8(x, axis=4)
 
 
-@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("head_dim", [
+    64, pytest.param(80, marks=pytest.mark.slow)])
 def test_hadamard_rotate_keeps_logits(head_dim):
   q, k, _ = _qkv(3, head_dim=head_dim, kv_heads=4)
   qr, kr = jaxflash.hadamard_rotate(q, k, key=jax.random.key(5))

@@ -416,8 +416,9 @@ def _full_forward_logits(params, cfg, prompts, lengths, tokens):
   return np.take_along_axis(np.asarray(logits), at[:, :, None], axis=1)
 
 
-@pytest.mark.parametrize("window", [
-    None, pytest.param(8, marks=pytest.mark.slow)])
+# Slow (11 s): test_generate_script_runs compares the paths per commit.
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [None, 8])
 def test_generation_matches_the_full_forward(window):
   """Greedy generation through the paged cache (the Triton kernel in the
   interpreter, GQA 4:2, pages of 16 with prompts of 37, 20 and 29 tokens
@@ -481,6 +482,7 @@ def test_generate_script_runs(capsys):
   assert "| jaxflash |" in out and "| jax-nn |" in out
 
 
+@pytest.mark.slow  # the kernels' dropout is tested per commit (test_dropout)
 def test_attention_dropout_trains():
   """--attn-dropout: the training steps drop attention probabilities in
   the kernels (a loss unlike the run without dropout, and finite), the

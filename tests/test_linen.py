@@ -195,9 +195,7 @@ def test_attention_fn_in_nnx_mha_with_decode():
 def test_attention_dropout():
   """Flax's attention dropout runs in the kernels: attention_fn with a
   dropout key equals flash_attention's dropout ("xla", the same keep
-  mask), per head or broadcast; the modules (Flax's with our
-  attention_fn, ours) drop in training only, the same key giving the same
-  output and another key another."""
+  mask), per head or broadcast."""
   x = _x()
   q, k, v = (x.reshape(2, 24, 4, 8)[..., :8] * s for s in (1.0, 0.5, 2.0))
   q, k, v = (jnp.concatenate([t, t], -1) for t in (q, k, v))  # head_dim 16
@@ -212,6 +210,13 @@ def test_attention_dropout():
     _close(got, want)
   _close(fn(q, k, v, dropout_rng=key, dropout_rate=0.3, deterministic=True),
          fn(q, k, v))
+
+
+@pytest.mark.slow  # 7 s; the attention_fn's dropout runs per commit
+def test_attention_dropout_in_modules():
+  """The modules (Flax's with our attention_fn, ours) drop in training
+  only, the same key giving the same output and another key another."""
+  x = _x()
   for mod in (nn.MultiHeadDotProductAttention(
                   num_heads=2, dropout_rate=0.2,
                   attention_fn=make_attention_fn(**KERNEL)),
