@@ -132,26 +132,36 @@ def check_scales(q, k, *, q_scale, k_scale, v_scale, out_dtype, names=None):
 
 
 def _backend(implementation, q, k, interpret: bool) -> str:
-  """The FP8 forward's backend: the Triton kernel where it runs, else
-  XLA; a named one that cannot serve the call raises."""
-  if implementation is not None and not isinstance(implementation, str):
-    implementation = next(iter(implementation), None)
-  if implementation in (None, "triton"):
+  """The FP8 forward's backend: the first of ``implementation`` (a name or
+  a sequence tried in order; None: the Triton kernel, then XLA) that
+  serves the call; NotImplementedError with every reason when none
+  does."""
+  if implementation is None:
+    names, named = ["triton", "xla"], False
+  else:
+    names = ([implementation] if isinstance(implementation, str)
+             else list(implementation))
+    named = True
+  reasons = []
+  for name in names:
+    if name not in backends.IMPLEMENTATIONS:
+      raise ValueError(f"implementation={name!r} is not one of"
+                       f" {backends.IMPLEMENTATIONS}")
+    if name == "xla":
+      return "xla"
+    if name == "mosaic_gpu":
+      reasons.append("mosaic_gpu: FP8 inputs are not served by the Hopper"
+                     " kernels yet; implementation='triton' runs them on"
+                     " sm89+ GPUs")
+      continue
     try:
       triton_kernels.check_supported_fp8(q, k, interpret=interpret)
       return "triton"
-    except NotImplementedError:
-      if implementation == "triton":
-        raise
-      return "xla"
-  if implementation == "xla":
-    return "xla"
-  if implementation == "mosaic_gpu":
-    raise NotImplementedError(
-        "FP8 inputs are not served by the Hopper (mosaic_gpu) kernels yet;"
-        " implementation='triton' runs them on sm89+ GPUs")
-  raise ValueError(f"implementation={implementation!r} is not one of"
-                   f" {backends.IMPLEMENTATIONS}")
+    except NotImplementedError as e:
+      reasons.append(f"triton: {e}")
+  raise NotImplementedError(
+      ("no requested backend" if named else "no backend")
+      + " can serve this FP8 call: " + "; ".join(reasons))
 
 
 def attention(q, k, v, *, q_scale, k_scale, v_scale, out_dtype,

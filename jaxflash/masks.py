@@ -77,9 +77,13 @@ class MaskArrays(NamedTuple):
 # Attention dropout's keep mask, as FlashAttention-1/2 make it: a pure
 # function of (seed, head, row, column), so the backward regenerates it
 # and nothing of size N x N is stored.  A counter-based hash (the
-# finaliser of MurmurHash3, Appleby) of the row's key, then of the column:
-# uint32 multiplies, xors and shifts, the same in XLA and in the kernels.
-_H1, _H2, _H3 = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35
+# finaliser of MurmurHash3, Appleby, a bijection of uint32) applied after
+# each input is folded in: uint32 multiplies, xors and shifts, the same in
+# XLA and in the kernels.  Each row gets two 32-bit keys, the second
+# folding the row in again, so two (head, row) pairs share a mask only if
+# both keys collide (one xor-then-mix key collided for 8 of the 2^18
+# pairs of 32 heads x 8192 rows).
+_H1, _H2, _H3, _H4 = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F
 
 
 def _fmix32(x):
@@ -98,9 +102,11 @@ def dropout_keep(seed, head, rows, cols, rate: float):
   probability ``1 - rate`` (to 2^-24): the hash's top 24 bits against
   ``rate * 2^24``."""
   u32 = lambda x: lax.bitcast_convert_type(_i32(x), jnp.uint32)
-  row_key = _fmix32(u32(seed) ^ (u32(head) * jnp.uint32(_H1))
-                    ^ (u32(rows) * jnp.uint32(_H2)))
-  bits = _fmix32(row_key ^ (u32(cols) * jnp.uint32(_H3)))
+  head_key = _fmix32(u32(seed) ^ _fmix32(u32(head) * jnp.uint32(_H1)))
+  row_key = _fmix32(head_key ^ (u32(rows) * jnp.uint32(_H2)))
+  row_key2 = _fmix32(row_key ^ (u32(rows) * jnp.uint32(_H4)))
+  bits = _fmix32(_fmix32(row_key ^ (u32(cols) * jnp.uint32(_H3)))
+                 ^ row_key2)
   top = lax.bitcast_convert_type(bits >> 8, jnp.int32)
   return top >= int(round(rate * (1 << 24)))
 

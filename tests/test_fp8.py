@@ -165,6 +165,14 @@ def test_fp8_forward_only_and_errors():
   np.testing.assert_array_equal(out, want)
   with pytest.raises(NotImplementedError, match="mosaic_gpu"):
     jaxflash.flash_attention(qf, kf, vf, implementation="mosaic_gpu")
+  # A sequence is tried in order: the Hopper kernels decline, XLA serves.
+  np.testing.assert_array_equal(
+      jaxflash.flash_attention(qf, kf, vf, implementation=("mosaic_gpu",
+                                                           "xla"), **scales),
+      jaxflash.flash_attention(qf, kf, vf, implementation="xla", **scales))
+  with pytest.raises(NotImplementedError, match="kv_len from 32"):
+    jaxflash.flash_attention(qf, kf, vf, implementation="triton",
+                             interpret=True, **scales)
   with pytest.raises(NotImplementedError, match="dense bias"):
     jaxflash.dot_product_attention(qf, kf, vf, bias=jnp.zeros((1, 1, 16, 16)),
                                    implementation="xla")

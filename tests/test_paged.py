@@ -272,6 +272,12 @@ def test_decode_route_top_left_and_fallbacks():
         q, k, v, implementation="triton", interpret=True, **kw))(q, k, v))
 
   assert "jaxflash_paged_decode" in program(q, k, v, causal=True)
+  # Traced lengths past the keys mean every key, as on the other paths.
+  long = jax.jit(lambda q, k, v, n: jaxflash.flash_attention(
+      q, k, v, kv_seq_lengths=n, implementation="triton", interpret=True))(
+          q, k, v, jnp.asarray([40, 32], jnp.int32))
+  np.testing.assert_allclose(long, jaxflash.flash_attention(
+      q, k, v, implementation="xla"), atol=2e-5)
   for kw in (dict(q_seq_lengths=jnp.asarray([2, 1])), dict(segment_ids=(
       jnp.zeros((2, 2), jnp.int32), jnp.zeros((2, 32), jnp.int32)))):
     assert "jaxflash_paged_decode" not in program(q, k, v, **kw)

@@ -198,7 +198,12 @@ def check_supported_fp8(q, k, *, interpret: bool) -> None:
         f"the Triton FP8 kernel takes float8_e4m3fn keys and values, got"
         f" {jnp.dtype(k.dtype).name} (the 'xla' backend takes"
         f" float8_e5m2)")
-  del q
+  # Hopper's FP8 MMA takes inner sizes of 32: the head_dim (Q K^T) and the
+  # key tile (P V, tiles fitted down to 16 for short keys) must reach it.
+  if q.shape[3] < 32 or k.shape[1] < 32:
+    raise NotImplementedError(
+        f"the Triton FP8 kernel takes head_dim and kv_len from 32, got"
+        f" head_dim={q.shape[3]}, kv_len={k.shape[1]}")
   if interpret:
     return
   require_cuda("triton", "a CUDA GPU of compute capability >= 8.9 (FP8"

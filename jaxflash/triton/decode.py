@@ -153,7 +153,10 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, *refs,
   o_ref, lse_ref = refs
   split = pl.program_id(2)
   first_row = lax.rem(pl.program_id(1), row_tiles) * q_ref.shape[0]
-  length = len_ref[0]
+  # A traced length past the table's capacity means the whole table (as
+  # in the reference); uncapped, the page plan would revisit the last
+  # entry's page.
+  length = jnp.minimum(len_ref[0], idx_ref.shape[0] * page)
   start = start_ref[0]  # position of query row 0
   rows = q_ref.shape[0]
   # Query row r is (t, g) = divmod(r, group), at position start + t.
