@@ -65,6 +65,36 @@ def _check_table(page_indices, kv_lengths, page: int):
   return table, lengths
 
 
+def _kernel_serves(implementation, config, interpret: bool, check,
+                   fp8_cache: bool = False) -> bool:
+  """Whether the Triton kernel runs the call (else XLA's reference):
+  ``implementation`` None takes it where ``check()`` (NotImplementedError
+  for what it cannot serve) passes and a CUDA GPU (compute capability 8.9
+  for an FP8 cache) or the interpreter runs it; ``"triton"`` takes it or
+  raises; ``"xla"`` never does."""
+  if implementation not in (None, *IMPLEMENTATIONS):
+    raise ValueError(f"implementation={implementation!r} is not one of"
+                     f" {(None, *IMPLEMENTATIONS)}")
+  if config is not None and not isinstance(config, decode.PagedConfig):
+    raise ValueError(f"config must be a PagedConfig, got {config!r}")
+  if implementation == "xla":
+    return False
+  try:
+    check()
+    if not interpret:
+      require_cuda("the Triton paged kernel",
+                   "a CUDA GPU (of compute capability 8.9 or more for an FP8"
+                   " cache)",
+                   lambda cc: float(cc) >= (8.9 if fp8_cache else 8.0),
+                   "pass interpret=True to run it in the Pallas"
+                   " interpreter")
+  except NotImplementedError:
+    if implementation == "triton":
+      raise
+    return False
+  return True
+
+
 def _window_left(local_window_size) -> int | None:
   """The window's left side (the right one is 0: the queries are
   causal)."""
@@ -151,30 +181,9 @@ def paged_attention(q, k_pages, v_pages, page_indices, kv_lengths, *,
   cap = (None if logits_soft_cap is None
          else checks.static_positive("logits_soft_cap", logits_soft_cap))
   left = _window_left(local_window_size)
-  if implementation not in (None, *IMPLEMENTATIONS):
-    raise ValueError(f"implementation={implementation!r} is not one of"
-                     f" {(None, *IMPLEMENTATIONS)}")
-  if config is not None and not isinstance(config, decode.PagedConfig):
-    raise ValueError(f"config must be a PagedConfig, got {config!r}")
-  def kernel_check():
-    decode.check_supported(q, k_pages, config)
-    if not interpret:
-      require_cuda("the Triton paged kernel",
-                   "a CUDA GPU (of compute capability 8.9 or more for an FP8"
-                   " cache)",
-                   lambda cc: float(cc) >= (8.9 if fp8_cache else 8.0),
-                   "pass interpret=True to run it in the Pallas"
-                   " interpreter")
-
-  use = implementation
-  if use is None:
-    try:
-      kernel_check()
-      use = "triton"
-    except NotImplementedError:
-      use = "xla"
-  if use == "triton":
-    kernel_check()
+  if _kernel_serves(implementation, config, interpret,
+                    lambda: decode.check_supported(q, k_pages, config),
+                    fp8_cache):
     out, lse = decode.paged_forward(
         q, k_pages, v_pages, page_indices, kv_lengths, softmax_scale=scale,
         logits_soft_cap=cap, window_left=left, config=config,
@@ -245,28 +254,9 @@ def mla_attention(q, kv_pages, page_indices, kv_lengths, *,
   scale = checks.static_positive(
       "softmax_scale", 1.0 / math.sqrt(D) if softmax_scale is None
       else softmax_scale)
-  if implementation not in (None, *IMPLEMENTATIONS):
-    raise ValueError(f"implementation={implementation!r} is not one of"
-                     f" {(None, *IMPLEMENTATIONS)}")
   pages = kv_pages[:, :, None, :]  # one key/value head
-
-  def kernel_check():
-    decode.check_mla(q, pages, v_head_dim)
-    if not interpret:
-      require_cuda("the Triton paged kernel", "a CUDA GPU",
-                   lambda cc: float(cc) >= 8.0,
-                   "pass interpret=True to run it in the Pallas"
-                   " interpreter")
-
-  use = implementation
-  if use is None:
-    try:
-      kernel_check()
-      use = "triton"
-    except NotImplementedError:
-      use = "xla"
-  if use == "triton":
-    kernel_check()
+  if _kernel_serves(implementation, config, interpret,
+                    lambda: decode.check_mla(q, pages, v_head_dim)):
     out, lse = decode.paged_forward(
         q, pages, None, page_indices, kv_lengths, softmax_scale=scale,
         logits_soft_cap=None, window_left=None, config=config,

@@ -145,6 +145,7 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
   del deterministic
   st = _plan(q, k, mask, arrays, softmax_scale, logits_soft_cap, config,
              interpret)
+  seeds, dropout = _dropout(arrays, dropout_rate, dropout_shared)
   prob = st.prob
   dp = prob.head_dim_padded
   T, S = q.shape[1], k.shape[1]
@@ -156,8 +157,7 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
                                          prob.q_pad),
       _mask_inputs(arrays, prob, q.shape[0]),
       prob=prob, config=st.config, interpret=st.interpret,
-      **dict(zip(("dropout_seeds", "dropout"),
-                 _dropout(arrays, dropout_rate, dropout_shared))))
+      dropout_seeds=seeds, dropout=dropout)
   D = st.head_dim
   return dq[:, :T, :, :D], dk[:, :S, :, :D], dv[:, :S, :, :D]
 
