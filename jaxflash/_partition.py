@@ -32,6 +32,10 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxflash.masks import MaskArrays
+
+_DROPOUT_SEEDS = MaskArrays._fields.index("dropout_seeds")
+
 
 def axes_of(entry) -> tuple[str, ...]:
   if entry is None:
@@ -95,24 +99,32 @@ def _plan_from_args(mesh, arg_shapes):
   return plan(mesh, spec, q.shape, k.shape)
 
 
-def _mask_specs(present, b):
-  """Specs of the present mask arrays: segment ids [B, L], lengths [B],
-  dropout seeds [B, 2]."""
-  kinds = (P(b, None), P(b, None), P(b), P(b), P(b, None))
-  return [spec for spec, p in zip(kinds, present) if p]
+def mask_array_spec(shape, b, h):
+  """Spec of one mask array: segment ids ``[B, L]`` and dropout seeds
+  ``[B, 2]`` by batch, lengths ``[B]``, and a dense bias or mask ``[B|1,
+  H|1, T|1, S]`` by batch and heads where those axes are full (an axis of
+  size 1 is replicated)."""
+  if len(shape) == 4:
+    return P(b if shape[0] > 1 else None, h if shape[1] > 1 else None,
+             None, None)
+  return P(b, None) if len(shape) == 2 else P(b)
 
 
-def _forward_specs(present, b, h, kv):
+def _forward_specs(mask_shapes, b, h, kv, bias_at=None):
+  del bias_at
   qs, kvs = P(b, None, h, None), P(b, None, kv, None)
-  args = [qs, kvs, kvs, *_mask_specs(present, b)]
+  args = [qs, kvs, kvs, *(mask_array_spec(m, b, h) for m in mask_shapes)]
   results = (qs, P(b, h, None))
   return args, results
 
 
-def _backward_specs(present, b, h, kv):
+def _backward_specs(mask_shapes, b, h, kv, bias_at=None):
   qs, kvs, lse = P(b, None, h, None), P(b, None, kv, None), P(b, h, None)
-  args = [qs, kvs, kvs, qs, lse, qs, lse, *_mask_specs(present, b)]
+  masks = [mask_array_spec(m, b, h) for m in mask_shapes]
+  args = [qs, kvs, kvs, qs, lse, qs, lse, *masks]
   results = (qs, kvs, kvs)
+  if bias_at is not None:  # the dense bias's gradient, laid out like it
+    results += (masks[bias_at],)
   return args, results
 
 
@@ -124,26 +136,50 @@ def shard_dropout_seeds(seeds, head_axes, local_heads: int):
   return seeds.at[:, 1].set(jax.lax.axis_index(head_axes) * local_heads)
 
 
+def _bias_at(present, bias_grad):
+  """Index of the dense bias among the mask arrays when its gradient is
+  computed, else None."""
+  i = MaskArrays._fields.index("bias")
+  return sum(present[:i]) if bias_grad else None
+
+
 def _partition(specs_fn, local_fn, backward=False):
-  def partition(p, present, mesh, arg_shapes, result_shape):
+  def partition(p, present, *rest):
+    bias_grad, (mesh, arg_shapes, result_shape) = (
+        (rest[0], rest[1:]) if backward else (False, rest))
     del result_shape
+    first = 7 if backward else 3
+    mask_shapes = [a.shape for a in arg_shapes[first:]]
+    bias_at = _bias_at(present, bias_grad)
     batch, heads, kv_heads = _plan_from_args(mesh, arg_shapes)
     b, h, kv = (spec_entry(a) for a in (batch, heads, kv_heads))
-    args, results = specs_fn(present, b, h, kv)
+    args, results = specs_fn(mask_shapes, b, h, kv, bias_at)
     named = lambda spec: NamedSharding(mesh, spec)
     # MQA with sharded query heads: each shard's dK/dV sums only its own
     # query heads; the replicated key/value head needs the sum of all.
     reduce_kv = backward and heads and not kv_heads
+    # A bias broadcast over a sharded axis: each shard's gradient sums its
+    # own rows or heads; the replicated bias needs the sum of all.
+    bias_axes = ()
+    if bias_at is not None:
+      shape = mask_shapes[bias_at]
+      bias_axes = ((batch if shape[0] == 1 else ())
+                   + (heads if shape[1] == 1 else ()))
 
     def lower(*operands):
-      if heads and p.dropout_rate and present[4]:
-        *rest, seeds = operands
-        operands = (*rest, shard_dropout_seeds(
-            seeds, heads, arg_shapes[0].shape[2] // axes_size(mesh, heads)))
-      res = local_fn(p, present, *operands)
+      if heads and p.dropout_rate and present[_DROPOUT_SEEDS]:
+        at = first + sum(present[:_DROPOUT_SEEDS])
+        operands = list(operands)
+        operands[at] = shard_dropout_seeds(
+            operands[at], heads,
+            arg_shapes[0].shape[2] // axes_size(mesh, heads))
+      res = (local_fn(p, present, bias_grad, *operands) if backward
+             else local_fn(p, present, *operands))
       if reduce_kv:
-        dq, dk, dv = res
-        res = (dq, jax.lax.psum(dk, heads), jax.lax.psum(dv, heads))
+        res = (res[0], jax.lax.psum(res[1], heads),
+               jax.lax.psum(res[2], heads), *res[3:])
+      if bias_axes:
+        res = (*res[:3], jax.lax.psum(res[3], bias_axes))
       return res
 
     return (mesh, lower, tuple(named(s) for s in results),
@@ -159,19 +195,42 @@ def backward_partition(local_fn):
   return _partition(_backward_specs, local_fn, backward=True)
 
 
-def _infer(specs_fn):
-  def infer(p, present, mesh, arg_shapes, result_shape):
-    del p, result_shape
+def _infer(specs_fn, backward=False):
+  def infer(p, present, *rest):
+    del p
+    bias_grad, (mesh, arg_shapes, result_shape) = (
+        (rest[0], rest[1:]) if backward else (False, rest))
+    del result_shape
+    first = 7 if backward else 3
+    mask_shapes = [a.shape for a in arg_shapes[first:]]
     b, h, kv = (spec_entry(a) for a in _plan_from_args(mesh, arg_shapes))
-    _, results = specs_fn(present, b, h, kv)
+    _, results = specs_fn(mask_shapes, b, h, kv,
+                          _bias_at(present, bias_grad))
     return tuple(NamedSharding(mesh, s) for s in results)
   return infer
 
 
 forward_result_shardings = _infer(_forward_specs)
-backward_result_shardings = _infer(_backward_specs)
+backward_result_shardings = _infer(_backward_specs, backward=True)
 
-_MASK_FACTORS = ("b t", "b s", "b", "b", "b c")
+
+_MASK_FACTORS = ("b t", "b s", "b", "b", "b c", None, None)
+
+
+def _mask_factors(present, types) -> list[str]:
+  """Shardy factors of the present mask arrays: batch ``b``, heads ``h``,
+  the sequences; a broadcast (size-1) axis of a dense array gets a factor
+  of its own."""
+  kinds = [f for f, on in zip(_MASK_FACTORS, present) if on]
+  out = []
+  for n, (kind, x) in enumerate(zip(kinds, types)):
+    if kind is None:
+      shape = x.shape
+      kind = " ".join([
+          "b" if shape[0] > 1 else f"x{n}b", "h" if shape[1] > 1 else
+          f"x{n}h", "t" if shape[2] > 1 else f"x{n}t", "s"])
+    out.append(kind)
+  return out
 
 
 def forward_rule(p, present, mesh, value_types, result_types):
@@ -183,13 +242,17 @@ def forward_rule(p, present, mesh, value_types, result_types):
   axis on an Auto mesh (the callback still sees q sharded there, as
   tried), so the rule leaves them plain and
   docs/sharding.md gives the workaround."""
-  del p, mesh, value_types, result_types
-  masks = "".join(", " + f for f, on in zip(_MASK_FACTORS, present) if on)
+  del p, mesh, result_types
+  masks = "".join(", " + f for f in _mask_factors(present, value_types[3:]))
   return f"b t h d, b s k d, b s k d{masks} -> b t h d, b h t"
 
 
-def backward_rule(p, present, mesh, value_types, result_types):
-  del p, mesh, value_types, result_types
-  masks = "".join(", " + f for f, on in zip(_MASK_FACTORS, present) if on)
+def backward_rule(p, present, bias_grad, mesh, value_types, result_types):
+  del p, mesh, result_types
+  factors = _mask_factors(present, value_types[7:])
+  masks = "".join(", " + f for f in factors)
+  dbias = ""
+  if bias_grad:
+    dbias = ", " + factors[_bias_at(present, True)]
   return ("b t h d, b s k d, b s k d, b t h d, b h t, b t h d, b h t"
-          f"{masks} -> b t h d, b s k d, b s k d")
+          f"{masks} -> b t h d, b s k d, b s k d{dbias}")

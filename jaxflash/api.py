@@ -52,6 +52,8 @@ def flash_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     dropout_broadcast: bool = False,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
 ):
   """Exact attention in O(sequence) memory.
 
@@ -118,6 +120,17 @@ def flash_attention(
     dropout_rng: a ``jax.random`` key, required with ``dropout_rate > 0``.
     dropout_broadcast: one keep mask for every batch row and head (Flax's
       ``broadcast_dropout``).
+    bias: a dense ``[batch, heads, q_len, kv_len]`` floating array added
+      to the scaled logits (ALiBi, T5's relative positions, a learned
+      bias); any axis may be 1 and broadcast.  Differentiable: its
+      gradient is computed, summed over the broadcast axes, only when the
+      bias is differentiated.  Read tile by tile with the Q/K tiles.
+    mask: a dense boolean array shaped like ``bias``: False hides the key
+      from the query, combined with every other mask argument.  Tiles with
+      no visible pair are skipped (a summary of the mask's tiles is made
+      once per call).  The bias does not combine with
+      ``logits_soft_cap``; the Triton kernels and ``"xla"`` serve both
+      (not the Hopper kernels yet).
 
   Returns:
     ``out`` shaped and typed like ``q``, or ``(out, lse)`` with
@@ -127,6 +140,7 @@ def flash_attention(
     ValueError: malformed input (ranks, shapes, dtypes, head_dim, names).
     NotImplementedError: the named backend(s) cannot serve this call.
   """
+  dense = _dense_args(q, k, bias, mask, logits_soft_cap, squeeze=False)
   return _attention(
       q, k, v, causal=causal, offset=None, segment_ids=segment_ids,
       local_window_size=local_window_size, q_seq_lengths=q_seq_lengths,
@@ -136,7 +150,28 @@ def flash_attention(
       deterministic=deterministic,
       fp8_args=dict(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                     out_dtype=out_dtype),
-      dropout=(dropout_rate, dropout_rng, dropout_broadcast))
+      dropout=(dropout_rate, dropout_rng, dropout_broadcast), dense=dense)
+
+
+def _dense_args(q, k, bias, mask, logits_soft_cap, *, squeeze: bool,
+                names=None):
+  """``(bias, mask)`` checked (:func:`jaxflash.checks.dense_array`) and
+  rank 4, or None when both are None.  ``q``, ``k``: rank 4; ``squeeze``:
+  the arrays come rank 3, for rank-3 inputs of ``dot_product_attention``."""
+  if bias is None and mask is None:
+    return None
+  if bias is not None and logits_soft_cap is not None:
+    raise NotImplementedError(
+        "a dense bias does not combine with logits_soft_cap (which of the"
+        " two applies first is undefined)")
+  nm = (names or {}).get
+  if getattr(q, "ndim", 0) != 4 or getattr(k, "ndim", 0) != 4:
+    return bias, mask  # checks.validate names the malformed inputs first
+  full = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+  return (checks.dense_array(nm("bias", "bias"), bias, full, squeeze,
+                             boolean=False),
+          checks.dense_array(nm("mask", "mask"), mask, full, squeeze,
+                             boolean=True))
 
 
 def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
@@ -148,9 +183,8 @@ def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
   ``offset``: query ``i`` is aligned with key ``i + offset`` (None:
   bottom-right, as flash_attention documents; 0: top-left, as jax.nn).
   ``names``: the caller's argument names for the error messages.
-  ``dense``: ``(bias, mask)`` checked by
-  :func:`jaxflash.checks.dense_array` (either may be None), for the
-  ``"xla"`` backend alone.  ``fp8_args``: the FP8 scales and output dtype
+  ``dense``: ``(bias, mask)`` checked by :func:`_dense_args` (either may
+  be None).  ``fp8_args``: the FP8 scales and output dtype
   (:mod:`jaxflash.fp8`).  ``dropout``: ``(rate, rng, broadcast)``.
   """
   nm = (names or {}).get
@@ -173,6 +207,8 @@ def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
   arrays = checks.mask_arrays(q, k, segment_ids, q_seq_lengths,
                               kv_seq_lengths, names)
   deterministic = checks.resolve_deterministic(deterministic)
+  if dense is not None:
+    arrays = arrays._replace(bias=dense[0], dense_mask=dense[1])
   rate, shared = 0.0, False
   if dropout is not None:
     rate, rng, shared = dropout
@@ -201,8 +237,6 @@ def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
   if cfg_owner is not None and cfg_owner.check_config is not None:
     cfg_owner.check_config(config, deterministic)
 
-  if dense is not None:
-    implementation = "xla"
   backend = backends.select(q, k, v, implementation=implementation,
                             config=config, interpret=interpret,
                             arrays=arrays, logits_soft_cap=logits_soft_cap)
@@ -215,7 +249,7 @@ def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
         backend, q, k, v, mask=mask, arrays=arrays,
         softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
         config=config, interpret=interpret, deterministic=deterministic,
-        dense=dense, dropout_rate=rate, dropout_shared=shared)
+        dropout_rate=rate, dropout_shared=shared)
   return (out, lse) if return_lse else out
 
 
@@ -258,14 +292,10 @@ def dot_product_attention(
   ``"triton"``, ``"xla"``), a sequence of them, or None (best available).
   ``bias`` (floating) and a dense boolean ``mask`` are ``[B, N, T, S]``
   arrays (``[N, T, S]`` with rank-3 inputs; any axis may be 1 and
-  broadcast) that the O(N) kernels cannot take: they are served only
-  when ``implementation`` names ``"xla"`` (alone or in a sequence), by
-  jaxflash's reference with the bias added to the scaled logits and the
-  mask combined with every other argument's, O(N^2) memory; otherwise
-  NotImplementedError names the compact alternatives (``is_causal``,
-  ``segment_ids``, ``local_window_size``, the sequence lengths).  Every
-  argument is checked as on the kernels' path; ``logits_soft_cap`` does
-  not combine with ``bias`` (NotImplementedError).
+  broadcast), served by the Triton kernels (read tile by tile, tiles the
+  mask hides skipped, the bias's gradient when it is differentiated; see
+  :func:`flash_attention`) and by ``"xla"``; the bias does not combine
+  with ``logits_soft_cap`` (NotImplementedError).
 
   Documented differences (docs/flax.md), on every path: a query row that
   sees no key at all gets output 0 and residual ``-inf`` here, where
@@ -286,29 +316,8 @@ def dot_product_attention(
   squeeze = query.ndim == 3
   if squeeze:
     query, key, value = query[None], key[None], value[None]
-  if bias is not None or mask is not None:
-    # A sequence of names is tried in order; only "xla" takes the dense
-    # arrays, so it serves the call wherever it is named.
-    names = [b.name for b in backends.candidates(implementation, config,
-                                                 interpret)[0]]
-    if implementation is None or "xla" not in names:
-      what = "bias" if bias is not None else "a dense mask"
-      raise NotImplementedError(
-          f"jaxflash kernels take no {what} (an N x N array): express the"
-          " mask with is_causal, segment_ids, local_window_size or"
-          " query_seq_lengths/key_value_seq_lengths, or pass"
-          " implementation='xla' for the dense O(N^2) path")
-    if bias is not None and logits_soft_cap is not None:
-      raise NotImplementedError(
-          "implementation='xla' with a dense bias does not combine with"
-          " logits_soft_cap (which of the two applies first is undefined)")
-    checks.validate(query, key, value, _DPA_NAMES)
-    full = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
-    dense = (checks.dense_array("bias", bias, full, squeeze, boolean=False),
-             checks.dense_array("mask", mask, full, squeeze, boolean=True))
-    config = None  # a kernel's config does not serve the dense path
-  else:
-    dense = None
+  dense = _dense_args(query, key, bias, mask, logits_soft_cap,
+                      squeeze=squeeze)
   out, lse = _attention(
       query, key, value, causal=is_causal, offset=0, segment_ids=segment_ids,
       local_window_size=local_window_size, q_seq_lengths=query_seq_lengths,

@@ -205,30 +205,26 @@ def op_params(backend: Backend, *, mask: MaskSpec, softmax_scale: float,
 def attention(backend: Backend | str, q, k, v, *, mask: MaskSpec,
               arrays: MaskArrays = NO_MASK_ARRAYS, softmax_scale: float,
               logits_soft_cap: float | None = None, config=None,
-              interpret=False, deterministic: bool = False, dense=None,
+              interpret=False, deterministic: bool = False,
               dropout_rate: float = 0.0, dropout_shared: bool = False):
   """``(out, lse)`` of ``backend`` on checked inputs, differentiable in
   both (no support check: :func:`select` chose it, or a test or tool
-  asks for it).  ``dense``: ``(bias, mask)`` arrays for the reference
-  alone (``dot_product_attention``'s)."""
+  asks for it)."""
   if isinstance(backend, str):
     backend = get(backend)
   if backend.kernels is None:
     segs = None
     if arrays.q_segment_ids is not None:
       segs = (arrays.q_segment_ids, arrays.kv_segment_ids)
-    bias, dense_mask = dense if dense is not None else (None, None)
     return reference.attention(
         q, k, v, causal=mask.causal, offset=mask.offset,
         window=(mask.window_left, mask.window_right), segment_ids=segs,
         q_seq_lengths=arrays.q_seq_lengths,
         kv_seq_lengths=arrays.kv_seq_lengths, softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap, bias=bias, dense_mask=dense_mask,
+        logits_soft_cap=logits_soft_cap, bias=arrays.bias,
+        dense_mask=arrays.dense_mask,
         dropout_rate=dropout_rate, dropout_seeds=arrays.dropout_seeds,
         dropout_shared=dropout_shared)
-  if dense is not None:
-    raise NotImplementedError(
-        f"backend {backend.name!r} takes no dense bias or mask")
   return op.attention(q, k, v, arrays, op_params(
       backend, mask=mask, softmax_scale=softmax_scale,
       logits_soft_cap=logits_soft_cap, config=config, interpret=interpret,

@@ -274,7 +274,9 @@ def dense_array(name: str, x, full: tuple[int, int, int, int],
                  squeeze: bool, *, boolean: bool):
   """``dot_product_attention``'s ``bias`` (floating) or ``mask`` (bool),
   checked: rank 4 ``[B, N, T, S]`` (rank 3 ``[N, T, S]`` with rank-3
-  inputs), each axis full or 1 (broadcast); returned rank 4."""
+  inputs), each axis full or 1 (broadcast); returned rank 4 with the key
+  axis full (the kernels slice key tiles; the other axes stay
+  broadcast)."""
   if x is None:
     return None
   x = x if isinstance(x, jax.Array) else jnp.asarray(x)
@@ -291,7 +293,8 @@ def dense_array(name: str, x, full: tuple[int, int, int, int],
     raise ValueError(
         f"{name} must be a {'bool' if boolean else 'floating-point'} array,"
         f" got dtype {jnp.dtype(x.dtype).name}")
-  return x[None] if squeeze else x
+  x = x[None] if squeeze else x
+  return jnp.broadcast_to(x, (*x.shape[:3], full[3]))
 
 
 def resolve_deterministic(value) -> bool:

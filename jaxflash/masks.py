@@ -65,6 +65,11 @@ class MaskArrays(NamedTuple):
   [B, 2]``: attention dropout's seed per batch row (:func:`dropout_keep`)
   and the index of the array's first head among all heads (not 0 in a
   shard of head-sharded attention, so each head keeps its own mask).
+
+  Dense terms, as ``jax.nn.dot_product_attention``'s: ``bias [B|1, H|1,
+  T|1, S]`` (floating, added to the scaled logits; the one differentiable
+  entry) and ``dense_mask [B|1, H|1, T|1, S]`` (bool, False hides the
+  key); an axis of size 1 broadcasts.
   """
 
   q_segment_ids: jax.Array | None = None
@@ -72,6 +77,12 @@ class MaskArrays(NamedTuple):
   q_seq_lengths: jax.Array | None = None
   kv_seq_lengths: jax.Array | None = None
   dropout_seeds: jax.Array | None = None
+  bias: jax.Array | None = None
+  dense_mask: jax.Array | None = None
+
+  @property
+  def has_dense(self) -> bool:
+    return self.bias is not None or self.dense_mask is not None
 
 
 # Attention dropout's keep mask, as FlashAttention-1/2 make it: a pure
@@ -341,6 +352,33 @@ def overlap_range(rows: jax.Array, cols: jax.Array) -> jax.Array:
   any_ = last >= 0
   return jnp.stack([jnp.where(any_, first, 0), jnp.where(any_, last + 1, 0)],
                    axis=1).astype(jnp.int32)
+
+
+# -- dense-mask tile summaries ---------------------------------------------
+#
+# A dense boolean mask [b, h, t, s] (t = 1: one row for every query) is
+# summarised per (query tile, key tile) once per kernel tiling, so the tile
+# loop skips a tile with no visible pair (no loads) and drops the
+# per-element mask where every pair is visible (FlashMask's three tile
+# classes, arXiv 2410.01359).
+
+DENSE_HIDDEN, DENSE_PARTIAL, DENSE_FULL = 0, 1, 3
+
+
+def dense_tile_summary(mask_i8: jax.Array, block_q: int, block_k: int, *,
+                       transpose: bool = False) -> jax.Array:
+  """``[b, h, t // block_q, s // block_k]`` int32 (``t = 1``: one row of
+  tiles) of DENSE_HIDDEN / DENSE_PARTIAL / DENSE_FULL for a padded int8
+  mask ``[b, h, t, s]``; ``transpose`` swaps the last two axes (key tiles
+  first, for the dK/dV kernel)."""
+  b, h, t, s = mask_i8.shape
+  bq = block_q if t > 1 else 1
+  tiles = (mask_i8 != 0).reshape(b, h, t // bq, bq, s // block_k, block_k)
+  any_ = jnp.any(tiles, axis=(3, 5))
+  all_ = jnp.all(tiles, axis=(3, 5))
+  out = jnp.where(all_, DENSE_FULL, jnp.where(any_, DENSE_PARTIAL,
+                                              DENSE_HIDDEN)).astype(jnp.int32)
+  return jnp.swapaxes(out, 2, 3) if transpose else out
 
 
 def tiles_overlap(row_summary, col_summary):

@@ -9,7 +9,9 @@ Layers, outside in:
 
 1. ``jax.custom_vjp``: the forward saves ``(q, k, v, out, lse)`` (output and
    LSE named :data:`RESIDUAL_NAMES` for remat policies); the backward runs
-   the backward kernels from them.
+   the backward kernels from them.  A dense bias is the one differentiable
+   mask array; its gradient is computed only when the bias is
+   differentiated (symbolic zeros tell the forward).
 2. ``jax.custom_batching.custom_vmap``: ``vmap`` folds the mapped axis into
    the batch axis (attention is independent per batch row), so the kernels
    and the partitioning below never see a batching transform.
@@ -89,8 +91,21 @@ def _kwargs(p: OpParams) -> dict:
   return kw
 
 
-def _bwd_kwargs(p: OpParams) -> dict:
-  return dict(_kwargs(p), deterministic=p.deterministic)
+def _bwd_kwargs(p: OpParams, bias_grad: bool = False) -> dict:
+  kw = dict(_kwargs(p), deterministic=p.deterministic)
+  if bias_grad:  # only kernels that take a bias see it
+    kw.update(bias_grad=True)
+  return kw
+
+
+_BIAS = MaskArrays._fields.index("bias")
+_DENSE_MASK = MaskArrays._fields.index("dense_mask")
+_DROPOUT_SEEDS = MaskArrays._fields.index("dropout_seeds")
+
+
+def _flat_index(present, field: int) -> int | None:
+  """Position of MaskArrays field ``field`` in the packed tuple."""
+  return sum(present[:field]) if present[field] else None
 
 
 def _pack(arrays: MaskArrays):
@@ -110,10 +125,10 @@ def _local_forward(p: OpParams, present, q, k, v, *flat):
   return p.kernels.forward(q, k, v, _unpack(flat, present), **_kwargs(p))
 
 
-def _local_backward(p: OpParams, present, q, k, v, out, lse, dout, dlse,
-                    *flat):
+def _local_backward(p: OpParams, present, bias_grad, q, k, v, out, lse,
+                    dout, dlse, *flat):
   return p.kernels.backward(q, k, v, _unpack(flat, present), out, lse, dout,
-                            dlse, **_bwd_kwargs(p))
+                            dlse, **_bwd_kwargs(p, bias_grad))
 
 
 def local_forward(p: OpParams, q, k, v, arrays: MaskArrays):
@@ -135,7 +150,8 @@ _forward_cp.def_partition(
     infer_sharding_from_operands=partition.forward_result_shardings,
     sharding_rule=partition.forward_rule)
 
-_backward_cp = custom_partitioning(_local_backward, static_argnums=(0, 1))
+_backward_cp = custom_partitioning(_local_backward,
+                                   static_argnums=(0, 1, 2))
 _backward_cp.def_partition(
     partition=partition.backward_partition(_local_backward),
     infer_sharding_from_operands=partition.backward_result_shardings,
@@ -144,12 +160,19 @@ _backward_cp.def_partition(
 
 # -- vmap: fold the mapped axis into the batch axis ---------------------------
 
-def _fold(axis_size, batched, args):
+def _fold(axis_size, batched, args, dense=(), batch=None):
   """Moves each arg's vmapped axis (0) into its batch axis (0), broadcasting
-  unbatched args."""
+  unbatched args.  ``dense``: positions of dense arrays, whose batch axis
+  may be 1 (broadcast): left as they are when unbatched, else broadcast
+  to the ``batch`` rows of one vmapped slice first."""
   out = []
-  for x, b in zip(args, batched):
-    if not b:
+  for i, (x, b) in enumerate(zip(args, batched)):
+    if i in dense:
+      if not b:
+        out.append(x)
+        continue
+      x = jnp.broadcast_to(x, (axis_size, batch, *x.shape[2:]))
+    elif not b:
       x = jnp.broadcast_to(x, (axis_size, *x.shape))
     out.append(x.reshape((axis_size * x.shape[1], *x.shape[2:])))
   return out
@@ -166,6 +189,14 @@ def _direct(p: OpParams) -> bool:
   return p.kernels.inline_interpreted and bool(p.interpret)
 
 
+def _dense_positions(present, first: int) -> tuple[int, ...]:
+  """Argument positions of the dense arrays, mask arrays starting at
+  ``first``."""
+  return tuple(first + i for i in (_flat_index(present, _BIAS),
+                                   _flat_index(present, _DENSE_MASK))
+               if i is not None)
+
+
 @functools.cache
 def _forward_op(p: OpParams, present):
   if _direct(p):
@@ -178,25 +209,41 @@ def _forward_op(p: OpParams, present):
 
   @fwd.def_vmap
   def _rule(axis_size, in_batched, *args):
-    res = fwd(*_fold(axis_size, in_batched, args))
+    res = fwd(*_fold(axis_size, in_batched, args,
+                     _dense_positions(present, 3), args[0].shape[1]))
     return tuple(_unfold(axis_size, res)), (True, True)
 
   return fwd
 
 
 @functools.cache
-def _backward_op(p: OpParams, present):
+def _backward_op(p: OpParams, present, bias_grad: bool):
   if _direct(p):
-    return lambda *args: tuple(_local_backward(p, present, *args))
+    return lambda *args: tuple(_local_backward(p, present, bias_grad,
+                                               *args))
 
   @custom_vmap
   def bwd(*args):
-    return tuple(_backward_cp(p, present, *args))
+    return tuple(_backward_cp(p, present, bias_grad, *args))
 
   @bwd.def_vmap
   def _rule(axis_size, in_batched, *args):
-    res = bwd(*_fold(axis_size, in_batched, args))
-    return tuple(_unfold(axis_size, res)), (True, True, True)
+    res = bwd(*_fold(axis_size, in_batched, args,
+                     _dense_positions(present, 7), args[0].shape[1]))
+    if not bias_grad:
+      return tuple(_unfold(axis_size, res)), (True, True, True)
+    *grads, dbias = res
+    grads = _unfold(axis_size, grads)
+    i = 7 + _flat_index(present, _BIAS)
+    bias, batched = args[i], in_batched[i]
+    if not batched and bias.shape[0] == 1:  # not folded: summed already
+      return (*grads, dbias), (True, True, True, False)
+    dbias = dbias.reshape((axis_size, -1, *dbias.shape[1:]))
+    if not batched:
+      return (*grads, dbias.sum(0)), (True, True, True, False)
+    if bias.shape[1] == 1:  # batched, broadcast over the batch rows
+      dbias = dbias.sum(1, keepdims=True)
+    return (*grads, dbias), (True, True, True, True)
 
   return bwd
 
@@ -209,22 +256,39 @@ def _attention(q, k, v, flat, p: OpParams, present):
 
 
 def _attention_fwd(q, k, v, flat, p, present):
+  # Symbolic zeros: the arguments come as (value, perturbed) records.
+  bias_at = _flat_index(present, _BIAS)
+  bias_grad = bias_at is not None and bool(flat[bias_at].perturbed)
+  q, k, v = (x.value for x in (q, k, v))
+  flat = tuple(x.value for x in flat)
   out, lse = _forward_op(p, present)(q, k, v, *flat)
   out = checkpoint_name(out, RESIDUAL_NAMES[0])
   lse = checkpoint_name(lse, RESIDUAL_NAMES[1])
-  return (out, lse), (q, k, v, flat, out, lse)
+  # The residuals' structure carries the static bias_grad: () or None.
+  return (out, lse), (q, k, v, flat, out, lse, () if bias_grad else None)
+
+
+def _dense_ct(ct, like):
+  """A cotangent, with a symbolic zero made a real one."""
+  if isinstance(ct, jax.custom_derivatives.SymbolicZero):
+    return jnp.zeros(like.shape, like.dtype)
+  return ct.astype(like.dtype)
 
 
 def _attention_bwd(p, present, res, cotangents):
-  q, k, v, flat, out, lse = res
+  q, k, v, flat, out, lse, bias_flag = res
+  bias_grad = bias_flag is not None
   dout, dlse = cotangents
-  dq, dk, dv = _backward_op(p, present)(
-      q, k, v, out, lse, dout.astype(out.dtype), dlse.astype(jnp.float32),
-      *flat)
-  return dq, dk, dv, jax.tree.map(lambda _: None, flat)  # integer inputs
+  grads = _backward_op(p, present, bias_grad)(
+      q, k, v, out, lse, _dense_ct(dout, out),
+      _dense_ct(dlse, lse).astype(jnp.float32), *flat)
+  dflat = [None] * len(flat)  # integer inputs; the mask is not
+  if bias_grad:               # differentiable
+    dflat[_flat_index(present, _BIAS)] = grads[3]
+  return (*grads[:3], tuple(dflat))
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 def _explicit_mesh(x):
@@ -251,7 +315,7 @@ def attention(q, k, v, arrays: MaskArrays, params: OpParams):
       mesh, jax.typeof(q).sharding.spec, q.shape, k.shape))
   P = jax.sharding.PartitionSpec
   q_spec, kv_spec = P(b, None, h, None), P(b, None, kv, None)
-  mask_specs = tuple(P(b, None) if x.ndim == 2 else P(b) for x in flat)
+  mask_specs = tuple(partition.mask_array_spec(x.shape, b, h) for x in flat)
   # k, v and the mask arrays follow q's layout, whatever theirs (a
   # replicated k, host segment ids): shard_map takes only matching types.
   to = lambda xs, specs: tuple(
@@ -260,7 +324,7 @@ def attention(q, k, v, arrays: MaskArrays, params: OpParams):
   k, v = to((k, v), (kv_spec, kv_spec))
   flat = to(flat, mask_specs)
   def per_shard(q, k, v, flat):
-    if h is not None and params.dropout_rate and present[4]:
+    if h is not None and params.dropout_rate and present[_DROPOUT_SEEDS]:
       flat = (*flat[:-1], partition.shard_dropout_seeds(
           flat[-1], partition.axes_of(h), q.shape[2]))
     return _attention(q, k, v, flat, params, present)

@@ -387,23 +387,35 @@ def test_dot_product_attention_matches_jax_nn(kw):
 
 
 def test_dot_product_attention_dense_paths():
+  """bias and mask reach the kernels (by default or named) and "xla"
+  alike; the jaxpr of a call that does not differentiate the bias computes
+  no bias gradient."""
   q = jax.random.normal(jax.random.key(0), (2, 8, 4, 16))
   bias = jax.random.normal(jax.random.key(1), (2, 4, 8, 8))
-  with pytest.raises(NotImplementedError, match="segment_ids"):
-    jaxflash.dot_product_attention(q, q, q, bias=bias)
-  with pytest.raises(NotImplementedError, match="dense mask"):
-    jaxflash.dot_product_attention(q, q, q, mask=jnp.ones((1, 1, 8, 8), bool))
   want = jax.nn.dot_product_attention(q, q, q, bias=bias)
-  for implementation in ("xla", ["xla"], ("triton", "xla")):
-    # "xla" serves the dense arrays wherever the sequence names it.
-    got = jaxflash.dot_product_attention(q, q, q, bias=bias,
+  for implementation in (None, "xla", ["triton"], ("triton", "xla")):
+    got = jaxflash.dot_product_attention(q, q, q, bias=bias, interpret=True,
                                          implementation=implementation)
     _close(got, want)
-  with pytest.raises(NotImplementedError, match="take no bias"):
-    jaxflash.dot_product_attention(q, q, q, bias=bias,
-                                   implementation=["triton"])
   with pytest.raises(ValueError, match="implementation='cuda' is not one"):
     jaxflash.dot_product_attention(q, q, q, bias=bias, implementation="cuda")
+  with pytest.raises(NotImplementedError, match="logits_soft_cap"):
+    jaxflash.dot_product_attention(q, q, q, bias=bias, logits_soft_cap=5.0)
+  loss = lambda q, b: jnp.sum(jaxflash.dot_product_attention(
+      q, q, q, bias=b, implementation="triton", interpret=True) ** 2)
+  # The backward computes the bias's gradient only when it is asked for.
+  from jaxflash.triton import backward as bwd_lib
+  seen, kernels = [], bwd_lib.backward
+  def spy(*args, **kw):
+    seen.append(kw["dbias"])
+    return kernels(*args, **kw)
+  bwd_lib.backward = spy
+  try:
+    jax.make_jaxpr(jax.grad(loss))(q, bias)
+    jax.make_jaxpr(jax.grad(loss, argnums=1))(q, bias)
+  finally:
+    bwd_lib.backward = kernels
+  assert seen == [False, True]
 
 
 @pytest.mark.parametrize("kw", [
@@ -421,11 +433,12 @@ def test_dot_product_attention_dense_paths():
     pytest.param(dict(bias_shape=(4, 12, 20), mask_shape=(1, 12, 20),
                       rank3=True), id="rank3"),
 ])
-def test_dot_product_attention_dense_matches_jax_nn(kw):
-  """bias and mask on the "xla" path: jax.nn's results wherever a row
-  sees a key, with its gradients (the bias's too); rows that see none
-  give 0 and residual -inf (jax.nn: the mean of V and about -2.4e38), as
-  on the kernels' path."""
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_dot_product_attention_dense_matches_jax_nn(kw, impl):
+  """bias and mask on the "xla" path and in the Triton kernels: jax.nn's
+  results wherever a row sees a key, with its gradients (the bias's too);
+  rows that see none give 0 and residual -inf (jax.nn: the mean of V and
+  about -2.4e38)."""
   kw = dict(kw)
   bias_shape, mask_shape = kw.pop("bias_shape", None), kw.pop("mask_shape",
                                                               None)
@@ -450,7 +463,7 @@ def test_dot_product_attention_dense_matches_jax_nn(kw):
     return f(q, k, v, bias=bias, mask=mask, return_residual=True, **kw)
 
   ours = functools.partial(jaxflash.dot_product_attention,
-                           implementation="xla")
+                           implementation=impl, interpret=impl == "triton")
   out, res = call(ours, q, k, v, bias)
   want, want_res = call(jax.nn.dot_product_attention, q, k, v, bias)
   empty = np.isneginf(np.asarray(res))

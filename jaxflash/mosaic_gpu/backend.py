@@ -439,6 +439,10 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
     raise NotImplementedError(
         "the Hopper kernels take no attention dropout yet (the Triton"
         " kernels do)")
+  if arrays.has_dense:
+    raise NotImplementedError(
+        "the Hopper kernels take no dense bias or mask yet (the Triton"
+        " kernels do)")
   dp = kernel_head_dim(q.shape[3])
   why = config and head_dim_problem(config, dp)
   if why:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxflash._util import pad_axis, require_cuda, round_up
 from jaxflash.masks import PAD_SEGMENT_ID, MaskArrays, MaskSpec
 from jaxflash.triton import backward as bwd_lib
+from jaxflash.triton import dense as dense_lib
 from jaxflash.triton import forward as fwd_lib
 from jaxflash.triton.common import Problem, head_dim_padded
 from jaxflash.triton.config import TritonConfig, default_config
@@ -47,8 +48,32 @@ def _plan(q, k, mask: MaskSpec, arrays: MaskArrays, softmax_scale: float,
       head_dim_padded=dp, logits_soft_cap=logits_soft_cap,
       has_segments=arrays.q_segment_ids is not None,
       has_lengths=(arrays.q_seq_lengths is not None
-                   or arrays.kv_seq_lengths is not None))
+                   or arrays.kv_seq_lengths is not None),
+      bias_axes=_full_axes(arrays.bias), mask_axes=_full_axes(
+          arrays.dense_mask))
   return _Static(prob=prob, config=cfg, interpret=interpret, head_dim=D)
+
+
+def _full_axes(x):
+  """Which of a dense array's (batch, heads, query) axes are not 1."""
+  return None if x is None else tuple(n > 1 for n in x.shape[:3])
+
+
+def _dense_inputs(arrays: MaskArrays, prob: Problem) -> dense_lib.DenseInputs:
+  """The dense bias and mask padded to whole tiles (padding: bias 0, mask
+  hidden).  A key axis of size 1 is broadcast to the keys here (a bias
+  constant over keys is rare; the kernels slice key tiles)."""
+  def pad(x, fill):
+    x = jnp.broadcast_to(x, (*x.shape[:3], prob.mask.kv_len))
+    rows = prob.q_pad if x.shape[2] > 1 else 1
+    return jnp.pad(x, ((0, 0), (0, 0), (0, rows - x.shape[2]),
+                       (0, prob.kv_pad - x.shape[3])), constant_values=fill)
+  bias = mask = None
+  if arrays.bias is not None:
+    bias = pad(arrays.bias, 0)
+  if arrays.dense_mask is not None:
+    mask = pad(arrays.dense_mask.astype(jnp.int8), 0)
+  return dense_lib.DenseInputs(bias, mask)
 
 
 def _pad(x, seq: int, dp: int):
@@ -95,7 +120,8 @@ def _forward(q, k, v, arrays, st: _Static, count_tiles=False, dequant=None,
       _mask_inputs(arrays, prob, q.shape[0]),
       prob=prob, config=st.config, interpret=st.interpret,
       count_tiles=count_tiles, dequant=dequant, out_dtype=out_dtype,
-      dropout_seeds=seeds, dropout=dropout)
+      dropout_seeds=seeds, dropout=dropout,
+      dense=_dense_inputs(arrays, prob))
   T = q.shape[1]
   out, lse = results[0][:, :T, :, :st.head_dim], results[1][:, :, :T]
   if count_tiles:
@@ -135,8 +161,10 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
              logits_soft_cap: float | None = None,
              config: TritonConfig | None = None, interpret: bool = False,
              deterministic: bool = False, dropout_rate: float = 0.0,
-             dropout_shared: bool = False):
-  """The backward kernels from the forward's residuals: ``(dq, dk, dv)``.
+             dropout_shared: bool = False, bias_grad: bool = False):
+  """The backward kernels from the forward's residuals: ``(dq, dk, dv)``,
+  and with ``bias_grad`` the dense bias's gradient fourth (its shape and
+  dtype; broadcast axes summed).
 
   Always bitwise reproducible (``deterministic`` is accepted for the
   common interface): dQ and dK/dV are separate kernels that each own their
@@ -151,15 +179,24 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
   T, S = q.shape[1], k.shape[1]
   pq = functools.partial(_pad, seq=prob.q_pad, dp=dp)
   pkv = functools.partial(_pad, seq=prob.kv_pad, dp=dp)
-  dq, dk, dv = bwd_lib.backward(
+  grads = bwd_lib.backward(
       pq(q), pkv(k), pkv(v), pq(out), pad_axis(lse, 2, prob.q_pad),
       pq(dout.astype(q.dtype)), pad_axis(dlse.astype(jnp.float32), 2,
                                          prob.q_pad),
       _mask_inputs(arrays, prob, q.shape[0]),
       prob=prob, config=st.config, interpret=st.interpret,
-      dropout_seeds=seeds, dropout=dropout)
+      dropout_seeds=seeds, dropout=dropout,
+      dense=_dense_inputs(arrays, prob), dbias=bias_grad)
+  dq, dk, dv = grads[:3]
   D = st.head_dim
-  return dq[:, :T, :, :D], dk[:, :S, :, :D], dv[:, :S, :, :D]
+  out = (dq[:, :T, :, :D], dk[:, :S, :, :D], dv[:, :S, :, :D])
+  if not bias_grad:
+    return out
+  bias = arrays.bias
+  ds = grads[3][:, :, :T, :S]
+  # Summed over the bias's broadcast axes (float32, then its dtype).
+  axes = tuple(a for a in range(4) if bias.shape[a] == 1)
+  return (*out, jnp.sum(ds, axis=axes, keepdims=True).astype(bias.dtype))
 
 
 def count_visited_tiles(q, k, v, *, mask: MaskSpec,

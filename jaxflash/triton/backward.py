@@ -27,13 +27,14 @@ from jax.experimental.pallas import triton as plt
 
 from jaxflash._util import LOG2E, out_struct, softmax_delta
 from jaxflash.masks import dropout_keep
+from jaxflash.triton import dense as dense_lib
 from jaxflash.triton import tiles
 from jaxflash.triton.common import Problem, dot, logits
 from jaxflash.triton.config import TritonConfig
 
 
 def _dscores(q, k, v, do, lse2, delta, visible, *, prob: Problem,
-             keep=None, rate: float = 0.0):
+             keep=None, rate: float = 0.0, bias=None):
   """(P, dS) of one tile, float32; dS is w.r.t. the scaled logits / scale.
 
   ``visible``: the tile's element mask, or None for a fully visible tile.
@@ -42,9 +43,12 @@ def _dscores(q, k, v, do, lse2, delta, visible, *, prob: Problem,
   dropped ``P * keep / (1 - rate)`` the forward multiplied V by, and dS
   that of the undropped softmax: ``P (keep dP / (1 - rate) - delta)``,
   with ``delta = rowsum(dO O)`` of the dropped output (FlashAttention-2's
-  dropout backward).
+  dropout backward).  ``bias``: ``s2 -> s2`` adding the dense bias's
+  tile, or None.
   """
   s, th = logits(q, k, prob)
+  if bias is not None:
+    s = bias(s)
   if visible is not None:
     s = jnp.where(visible, s, -jnp.inf)
   p = jnp.exp2(s - lse2[:, None])
@@ -69,16 +73,20 @@ def _valid(prob, held_info):
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
                 prob: Problem, block_q: int, block_k: int,
-                dropout: tuple | None):
+                dropout: tuple | None, dbias: bool):
   held_info, stream_info, kv_seg_ref, q_seg_ref, rest = tiles.split_mask_refs(
       prob.has_segments, prob.has_lengths, rest)
+  bias_ref, dmask_ref, summary_ref, rest = dense_lib.split_refs(prob, rest)
   seed = None
   # The group's first query head among all heads, read outside the loops.
   first_head = pl.program_id(2) * prob.group
   if dropout is not None:
     seed, first_head, rest = (rest[0][0], first_head + rest[0][1],
                               rest[1:])
-  dk_ref, dv_ref = rest
+  if dbias:
+    rest = rest[1:]  # the zeroed dbias input, aliased to the output
+  dk_ref, dv_ref = rest[:2]
+  dbias_ref = rest[2] if dbias else None
   k_start = pl.program_id(0) * block_k
   k = k_ref[...]  # [block_k, D]
   v = v_ref[...]
@@ -96,6 +104,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
       visible = tiles.q_tile_visible(prob.mask, k_idx, t, block_q,
                                      valid=valid, k_seg=k_seg,
                                      q_seg_ref=q_seg_ref)
+      if dmask_ref is not None:
+        visible = visible & dense_lib.mask_tile(
+            dmask_ref, prob, held_q=False, t=t, g=g, block=block_q)
+    bias = None
+    if bias_ref is not None:
+      bias = lambda s: dense_lib.add_bias(s, bias_ref, prob, held_q=False,
+                                          t=t, g=g, block=block_q)
     keep, rate = None, 0.0
     if dropout is not None:
       rate, shared = dropout
@@ -105,7 +120,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
       keep = dropout_keep(seed, head, rows, k_idx, rate)
     p, ds = _dscores(q, k, v, do, lse2_ref[g, q_slice],
                      delta_ref[g, q_slice], visible, prob=prob, keep=keep,
-                     rate=rate)
+                     rate=rate, bias=bias)
+    if dbias_ref is not None:
+      # dL/dbias is dS itself (the bias adds to the scaled logits); each
+      # program owns its key columns, so the stores never overlap.
+      dbias_ref[g, q_slice, :] = ds
     dv = dv + dot(p.astype(do.dtype), do, trans_a=True)  # P^T dO
     dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)   # dS^T Q
     return dk, dv
@@ -115,7 +134,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
         prob.mask, held_q=False, held_start=k_start, held_block=block_k,
         stream_block=block_q, held_info_ref=held_info,
         stream_info_ref=stream_info, has_lengths=prob.has_lengths,
-        body=functools.partial(body, g=g), carry=carry)
+        body=functools.partial(body, g=g), carry=carry,
+        dense_class=dense_lib.tile_class(summary_ref, prob, held_q=False,
+                                         g=g))
 
   carry = (jnp.zeros((block_k, prob.head_dim_padded), jnp.float32),
            jnp.zeros((block_k, prob.head_dim_padded), jnp.float32))
@@ -132,6 +153,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
                dropout: tuple | None):
   held_info, stream_info, q_seg_ref, kv_seg_ref, rest = tiles.split_mask_refs(
       prob.has_segments, prob.has_lengths, rest)
+  bias_ref, dmask_ref, summary_ref, rest = dense_lib.split_refs(prob, rest)
   seed = None
   q_head = pl.program_id(2)  # read outside the loop
   if dropout is not None:
@@ -154,6 +176,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
       visible = tiles.kv_tile_visible(prob.mask, q_idx, t, block_k,
                                       valid=valid, q_seg=q_seg,
                                       kv_seg_ref=kv_seg_ref)
+      if dmask_ref is not None:
+        visible = visible & dense_lib.mask_tile(dmask_ref, prob, held_q=True,
+                                                t=t, block=block_k)
+    bias = None
+    if bias_ref is not None:
+      bias = lambda s: dense_lib.add_bias(s, bias_ref, prob, held_q=True,
+                                          t=t, block=block_k)
     keep, rate = None, 0.0
     if dropout is not None:
       rate, shared = dropout
@@ -161,14 +190,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
                                                 (block_q, block_k), 1)
       keep = dropout_keep(seed, 0 if shared else q_head, q_idx, cols, rate)
     _, ds = _dscores(q, k, v, do, lse2, delta, visible, prob=prob,
-                     keep=keep, rate=rate)
+                     keep=keep, rate=rate, bias=bias)
     return dq + dot(ds.astype(k.dtype), k)
 
   dq = tiles.tile_loop(
       prob.mask, held_q=True, held_start=q_start, held_block=block_q,
       stream_block=block_k, held_info_ref=held_info,
       stream_info_ref=stream_info, has_lengths=prob.has_lengths, body=body,
-      carry=jnp.zeros((block_q, prob.head_dim_padded), jnp.float32))
+      carry=jnp.zeros((block_q, prob.head_dim_padded), jnp.float32),
+      dense_class=dense_lib.tile_class(summary_ref, prob, held_q=True))
   dq_ref[...] = (dq * prob.softmax_scale).astype(dq_ref.dtype)
 
 
@@ -184,12 +214,17 @@ def _lse2(lse):
 
 def backward(q, k, v, o, lse, do, dlse, masks_in: tiles.MaskInputs, *,
              prob: Problem, config: TritonConfig, interpret: bool,
-             dropout_seeds=None, dropout: tuple | None = None):
-  """Padded tensors -> (dq, dk, dv), each padded like its input.
+             dropout_seeds=None, dropout: tuple | None = None,
+             dense: dense_lib.DenseInputs = dense_lib.NO_DENSE,
+             dbias: bool = False):
+  """Padded tensors -> (dq, dk, dv), each padded like its input, and with
+  ``dbias`` a fourth: the gradient of the logits ``[B, H, T_pad, S_pad]``
+  float32 (zero on skipped tiles), which is the dense bias's before its
+  broadcast axes are summed.
 
   ``dlse`` is the cotangent of the log-sum-exp ([B, H, T] float32): since
   d lse_i / d s_ij = P_ij, it enters as ``delta - dlse``.  ``dropout``,
-  ``dropout_seeds``: as the forward's.
+  ``dropout_seeds``, ``dense``: as the forward's.
   """
   seed_args = [] if dropout is None else [dropout_seeds]
   batch = q.shape[0]
@@ -207,11 +242,32 @@ def backward(q, k, v, o, lse, do, dlse, masks_in: tiles.MaskInputs, *,
   mspecs, margs = tiles.mask_specs_and_args(
       masks_in, held_info, stream_info, held_q=False, held_block=bk,
       stream_len=prob.q_pad, index_held=lambda j, b, h: (b, j))
+  dspecs, dargs = dense_lib.specs_and_args(dense, prob, held_q=False,
+                                           block_q=bq, block_k=bk)
+  mspecs, margs = mspecs + dspecs, margs + dargs
   if dropout is not None:
     mspecs = [*mspecs, pl.BlockSpec((None, 2), lambda j, b, h: (b, 0))]
-  dk, dv = pl.pallas_call(
+  out_specs = [
+      pl.BlockSpec((None, bk, None, dp), lambda j, b, h: (b, j, h, 0)),
+      pl.BlockSpec((None, bk, None, dp), lambda j, b, h: (b, j, h, 0))]
+  out_shape = [out_struct(k.shape, k.dtype, q, k, v, do),
+               out_struct(v.shape, v.dtype, q, k, v, do)]
+  extra, aliases = [], {}
+  if dbias:
+    # Skipped tiles are never written: the output starts as zeros (an
+    # input aliased to it).
+    ds_spec = pl.BlockSpec((None, group, prob.q_pad, bk),
+                           lambda j, b, h: (b, h, 0, j))
+    n_in = 6 + len(margs) + (dropout is not None)
+    extra = [jnp.zeros((batch, prob.num_heads, prob.q_pad, prob.kv_pad),
+                       jnp.float32)]
+    mspecs = [*mspecs, ds_spec]
+    out_specs.append(ds_spec)
+    out_shape.append(out_struct(extra[0].shape, jnp.float32, q, k, v, do))
+    aliases = {n_in: 2}
+  dkv = pl.pallas_call(
       functools.partial(_dkv_kernel, prob=prob, block_q=bq, block_k=bk,
-                        dropout=dropout),
+                        dropout=dropout, dbias=dbias),
       grid=(prob.kv_pad // bk, batch, prob.num_kv_heads),
       in_specs=[
           # All query heads of this key/value head's group.
@@ -225,16 +281,14 @@ def backward(q, k, v, o, lse, do, dlse, masks_in: tiles.MaskInputs, *,
           pl.BlockSpec((None, group, prob.q_pad), lambda j, b, h: (b, h, 0)),
           *mspecs,
       ],
-      out_specs=[
-          pl.BlockSpec((None, bk, None, dp), lambda j, b, h: (b, j, h, 0)),
-          pl.BlockSpec((None, bk, None, dp), lambda j, b, h: (b, j, h, 0)),
-      ],
-      out_shape=[out_struct(k.shape, k.dtype, q, k, v, do),
-                 out_struct(v.shape, v.dtype, q, k, v, do)],
+      out_specs=out_specs,
+      out_shape=out_shape,
+      input_output_aliases=aliases,
       compiler_params=params,
       interpret=interpret,
       name="jaxflash_bwd_dkv",
-  )(q, k, v, do, lse2, delta, *margs, *seed_args)
+  )(q, k, v, do, lse2, delta, *margs, *seed_args, *extra)
+  dk, dv = dkv[:2]
 
   bq, bk = config.block_q_dq, config.block_k_dq
   held_info, stream_info = tiles.info_arrays(
@@ -243,6 +297,9 @@ def backward(q, k, v, o, lse, do, dlse, masks_in: tiles.MaskInputs, *,
   mspecs, margs = tiles.mask_specs_and_args(
       masks_in, held_info, stream_info, held_q=True, held_block=bq,
       stream_len=prob.kv_pad, index_held=lambda i, b, h: (b, i))
+  dspecs, dargs = dense_lib.specs_and_args(dense, prob, held_q=True,
+                                           block_q=bq, block_k=bk)
+  mspecs, margs = mspecs + dspecs, margs + dargs
   if dropout is not None:
     mspecs = [*mspecs, pl.BlockSpec((None, 2), lambda i, b, h: (b, 0))]
   dq = pl.pallas_call(
@@ -267,4 +324,6 @@ def backward(q, k, v, o, lse, do, dlse, masks_in: tiles.MaskInputs, *,
       interpret=interpret,
       name="jaxflash_bwd_dq",
   )(q, k, v, do, lse2, delta, *margs, *seed_args)
+  if dbias:
+    return dq, dk, dv, dkv[2]
   return dq, dk, dv

@@ -33,6 +33,10 @@ class Problem:
   logits_soft_cap: float | None = None
   has_segments: bool = False
   has_lengths: bool = False
+  # Dense bias / boolean mask (jax.nn's): which of their (batch, heads,
+  # query) axes are full (False: size 1, broadcast), or None when absent.
+  bias_axes: tuple[bool, bool, bool] | None = None
+  mask_axes: tuple[bool, bool, bool] | None = None
 
   @property
   def group(self) -> int:

@@ -402,7 +402,7 @@ def serves_contiguous(q, k, arrays: MaskArrays) -> bool:
   if (T > MAX_DECODE_Q_LEN or T * (q.shape[2] // k.shape[2]) > MAX_DECODE_ROWS
       or page is None or arrays.q_segment_ids is not None
       or arrays.q_seq_lengths is not None
-      or arrays.dropout_seeds is not None):
+      or arrays.dropout_seeds is not None or arrays.has_dense):
     return False
   try:
     check_supported(q, jax.ShapeDtypeStruct((1, page, *k.shape[2:]),

@@ -20,6 +20,7 @@ from jax.experimental.pallas import triton as plt
 
 from jaxflash._util import out_struct
 from jaxflash.masks import dropout_keep
+from jaxflash.triton import dense as dense_lib
 from jaxflash.triton import tiles
 from jaxflash.triton.common import LN2, Problem, dot, logits
 from jaxflash.triton.config import TritonConfig
@@ -38,6 +39,7 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
     refs = refs[1:]
   held_info, stream_info, q_seg_ref, kv_seg_ref, rest = (
       tiles.split_mask_refs(prob.has_segments, prob.has_lengths, refs))
+  bias_ref, dmask_ref, summary_ref, rest = dense_lib.split_refs(prob, rest)
   seed = head = None
   if dropout is not None:
     seed, first_head, rest = rest[0][0], rest[0][1], rest[1:]
@@ -59,12 +61,20 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
     k = tiles.slice_tile(k_ref, t, block_k)
     # Base-2 logits with the softmax scale folded in: exp(x) = exp2(x log2e).
     s, _ = logits(q, k, prob, qk_dequant)  # [block_q, block_k] float32
+    if bias_ref is not None:
+      s = dense_lib.add_bias(s, bias_ref, prob, held_q=True, t=t,
+                             block=block_k)
     if masked:
       visible = tiles.kv_tile_visible(mask, q_idx, t, block_k, valid=valid,
                                       q_seg=q_seg, kv_seg_ref=kv_seg_ref)
+      if dmask_ref is not None:
+        visible = visible & dense_lib.mask_tile(dmask_ref, prob, held_q=True,
+                                                t=t, block=block_k)
       s = jnp.where(visible, s, -jnp.inf)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-    if masked:
+    # A bias may hold -inf (a mask given as a bias) even in a tile the
+    # mask leaves whole, so with a bias every tile takes the guard.
+    if masked or bias_ref is not None:
       # A row with no visible key so far has m = -inf; subtracting 0
       # instead keeps exp2(-inf - 0) = 0 (not exp2(-inf + inf) = NaN).
       m_use = jnp.where(m_next == -jnp.inf, 0.0, m_next)
@@ -95,7 +105,8 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
       mask, held_q=True, held_start=q_start, held_block=block_q,
       stream_block=block_k, held_info_ref=held_info,
       stream_info_ref=stream_info, has_lengths=prob.has_lengths, body=body,
-      carry=carry, count_tiles=count_tiles)
+      carry=carry, count_tiles=count_tiles,
+      dense_class=dense_lib.tile_class(summary_ref, prob, held_q=True))
   if count_tiles:
     (acc, m, l), count = result
     rest[2][...] = jnp.full((block_q,), count, jnp.int32)
@@ -113,7 +124,8 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
 def forward(q, k, v, masks_in: tiles.MaskInputs, *, prob: Problem,
             config: TritonConfig, interpret: bool,
             count_tiles: bool = False, dequant=None, out_dtype=None,
-            dropout_seeds=None, dropout: tuple | None = None):
+            dropout_seeds=None, dropout: tuple | None = None,
+            dense: dense_lib.DenseInputs = dense_lib.NO_DENSE):
   """Padded inputs [B, T, H, Dp] -> (out [B, T, H, Dp], lse [B, H, T]).
 
   With ``count_tiles`` also returns ``[B, H, T]`` int32: the number of key
@@ -122,7 +134,8 @@ def forward(q, k, v, masks_in: tiles.MaskInputs, *, prob: Problem,
   (``q_scale * k_scale``, ``v_scale``); ``out_dtype`` the output's dtype
   (default ``q``'s).  ``dropout = (rate, shared)`` with ``dropout_seeds
   [B, 2]`` int32: attention dropout (:func:`jaxflash.masks.dropout_keep`;
-  ``MaskArrays.dropout_seeds``).
+  ``MaskArrays.dropout_seeds``).  ``dense``: the padded dense bias and
+  mask (:mod:`jaxflash.triton.dense`).
   """
   batch = q.shape[0]
   bq, bk = config.block_q, config.block_k
@@ -148,6 +161,10 @@ def forward(q, k, v, masks_in: tiles.MaskInputs, *, prob: Problem,
       stream_len=prob.kv_pad, index_held=lambda i, b, h: (b, i))
   in_specs += mspecs
   args += margs
+  dspecs, dargs = dense_lib.specs_and_args(dense, prob, held_q=True,
+                                           block_q=bq, block_k=bk)
+  in_specs += dspecs
+  args += dargs
   if dropout is not None:
     in_specs.append(pl.BlockSpec((None, 2), lambda i, b, h: (b, 0)))
     args.append(dropout_seeds)

@@ -87,13 +87,16 @@ def info_arrays(m: MaskInputs, *, held_q: bool, held_block: int,
 def tile_loop(spec: masks.MaskSpec, *, held_q: bool, held_start,
               held_block: int, stream_block: int, held_info_ref,
               stream_info_ref, has_lengths: bool, body, carry,
-              count_tiles: bool = False):
+              count_tiles: bool = False, dense_class=None):
   """Runs ``body(t, carry, masked=...)`` over the live streamed tiles.
 
   ``held_info_ref``: this program's column of ``held_info`` (shape
   ``[8]``), or None; ``stream_info_ref``: this batch row's
-  ``stream_info`` (``[8, n_streamed]``), or None.  Returns the carry, and
-  with ``count_tiles`` also the number of tiles visited (a debug output).
+  ``stream_info`` (``[8, n_streamed]``), or None.  ``dense_class(t)``:
+  the dense mask's class of the tile pair (``masks.DENSE_HIDDEN``,
+  ``DENSE_PARTIAL`` or ``DENSE_FULL``, a traced int32), or None.  Returns
+  the carry, and with ``count_tiles`` also the number of tiles visited (a
+  debug output).
   """
   valid = {}
   if has_lengths:
@@ -110,31 +113,41 @@ def tile_loop(spec: masks.MaskSpec, *, held_q: bool, held_start,
       return body(t, c, masked=masked), n + 1
     return run
 
-  if stream_info_ref is None:
+  if stream_info_ref is None and dense_class is None:
     # Three runs: partial tiles, fully visible tiles (no mask arithmetic),
     # partial tiles.  Tiles outside [lo, hi) are never loaded.
     state = (carry, count)
     state = lax.fori_loop(lo, full_lo, counted(True), state)
     state = lax.fori_loop(full_lo, full_hi, counted(False), state)
     carry, count = lax.fori_loop(full_hi, hi, counted(True), state)
-  else:
+    return (carry, count) if count_tiles else carry
+
+  # Per tile: the positional class, narrowed by the segment summaries and
+  # the dense mask's; a hidden tile is skipped, a full one runs unmasked.
+  if stream_info_ref is not None:
     held = [held_info_ref[r] for r in range(3)]
     lo = jnp.maximum(lo, held_info_ref[ROW_RANGE_LO])
     hi = jnp.minimum(hi, held_info_ref[ROW_RANGE_HI])
 
-    def visit(t, state):
+  def visit(t, state):
+    live = jnp.bool_(True)
+    full = (t >= full_lo) & (t < full_hi)
+    if stream_info_ref is not None:
       stream = [stream_info_ref[r, t] for r in range(3)]
       live = masks.tiles_overlap(held, stream)
-      full = (masks.tiles_segment_full(held, stream)
-              & (t >= full_lo) & (t < full_hi))
-      run_full = functools.partial(counted(False), t)
-      run_part = functools.partial(counted(True), t)
-      return lax.cond(
-          live, lambda s: lax.cond(full, run_full, run_part, s),
-          lambda s: s, state)
+      full = full & masks.tiles_segment_full(held, stream)
+    if dense_class is not None:
+      cls = dense_class(t)
+      live = live & (cls != masks.DENSE_HIDDEN)
+      full = full & (cls == masks.DENSE_FULL)
+    run_full = functools.partial(counted(False), t)
+    run_part = functools.partial(counted(True), t)
+    return lax.cond(
+        live, lambda s: lax.cond(full, run_full, run_part, s),
+        lambda s: s, state)
 
-    carry, count = lax.fori_loop(lo, jnp.maximum(lo, hi), visit,
-                                 (carry, count))
+  carry, count = lax.fori_loop(lo, jnp.maximum(lo, hi), visit,
+                               (carry, count))
   return (carry, count) if count_tiles else carry
 
 

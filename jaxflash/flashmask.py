@@ -1,0 +1,489 @@
+"""FlashMask: a column-wise sparse description of an attention mask.
+
+The mask representation of FlashMask (Wang et al., "FlashMask: Efficient
+and Rich Mask Extension of FlashAttention", arXiv 2410.01359): instead of
+an N x N array, each key column ``j`` carries at most two half-open ranges
+of query rows from which it is HIDDEN,
+
+* the lower range ``[lt_start[j], lt_end[j])`` (below the diagonal in the
+  usual causal picture; ``lt_end=None`` means ``q_len``, to the end), and
+* the upper range ``[ut_start[j], ut_end[j])`` (above it; both ``None``:
+  no upper range).
+
+Query row ``i`` sees key ``j`` iff ``i`` lies in neither range.  Each field
+is an int32 array ``[batch|1, heads|1, kv_len]`` (a size-1 axis is shared
+by every batch row / head), so the description costs O(N) memory and the
+kernels read it in O(N) per (batch, head).
+
+Rows are query positions ``0 .. q_len-1`` counted from the top-left, as in
+``jax.nn.dot_product_attention``; note that :class:`jaxflash.masks.MaskSpec`
+aligns ``causal`` bottom-right instead, which is the same only when
+``q_len == kv_len``.  The paper pairs the lower range with a ``causal``
+flag; a standalone description here expresses causality itself, with the
+upper range ``[0, j)``.  A kernel ANDs a FlashMask with its other terms
+(causal, window, segment ids, sequence lengths): a pair is visible only
+when every term says so.
+
+Values are not checked (they may be traced): a range with ``start >=
+end`` is empty, and rows outside ``[0, q_len)`` do not exist, so any int32
+is meaningful.  Picture (``x`` = visible), causal documents of lengths 3,
+2, 1 (:meth:`FlashMask.causal_document`)::
+
+          keys 0 1 2 3 4 5
+    query 0    x . . . . .
+    query 1    x x . . . .
+    query 2    x x x . . .
+    query 3    . . . x . .
+    query 4    . . . x x .
+    query 5    . . . . . x
+    lt_start = 3 3 3 5 5 6     lt_end = None (6)
+    ut_start = 0 0 0 0 0 0
+    ut_end   = 0 1 2 3 4 5
+
+Kernels skip tiles with the per-key-tile extremes of :meth:`FlashMask.
+tile_bounds` and the rule of :func:`tile_class` (hidden / partial /
+visible), the block skipping of FlashMask's forward and backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+_BIG = 2**30  # an int32 past any row: lt_end of padding and of "to the end"
+
+TILE_HIDDEN = 0
+""":func:`tile_class`: no pair of the tile is visible (skip the tile)."""
+TILE_PARTIAL = 1
+""":func:`tile_class`: some pairs may be hidden (mask per element)."""
+TILE_VISIBLE = 2
+""":func:`tile_class`: every pair of the tile is visible (no mask)."""
+
+_FIELDS = ("lt_start", "lt_end", "ut_start", "ut_end")
+
+
+def _i32(x):
+  return jnp.asarray(x, jnp.int32)
+
+
+def _check_static_int(name: str, value, lowest: int):
+  """ValueError for a Python int below ``lowest``; traced values pass."""
+  if isinstance(value, (int, np.integer)) and value < lowest:
+    raise ValueError(f"{name}={value} must be >= {lowest}")
+
+
+def _next_true(flags_BxS: jax.Array) -> jax.Array:
+  """``[B, S]`` int32: for each position ``j`` the first ``k > j`` with
+  ``flags[:, k]``, or ``S`` when there is none (a reverse cumulative
+  minimum, so it works on traced flags)."""
+  b, s = flags_BxS.shape
+  pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+  at = jnp.where(flags_BxS, pos, jnp.int32(s))
+  after = jnp.concatenate([at[:, 1:], jnp.full((b, 1), s, jnp.int32)], axis=1)
+  return lax.cummin(after, axis=1, reverse=True)
+
+
+def _run_end(ids_BxS: jax.Array) -> jax.Array:
+  """``[B, S]``: one past the last position of ``j``'s run, a maximal run
+  of equal ids (a document when documents are packed contiguously)."""
+  ids = _i32(ids_BxS)
+  starts = jnp.concatenate(
+      [jnp.zeros_like(ids[:, :1], dtype=bool), ids[:, 1:] != ids[:, :-1]],
+      axis=1)
+  return _next_true(starts)
+
+
+def _ids_2d(name: str, ids) -> jax.Array:
+  ids = jnp.asarray(ids)
+  if ids.ndim != 2:
+    raise ValueError(f"{name} must be [batch, seq], got shape {ids.shape}")
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise ValueError(f"{name} must be integers, got dtype {ids.dtype}")
+  return _i32(ids)
+
+
+class TileBounds(NamedTuple):
+  """Per key tile, the extremes of each field over the tile's columns:
+  int32 ``[B|1, H|1, n_tiles]`` each (see :meth:`FlashMask.tile_bounds`)."""
+
+  lt_start_min: jax.Array
+  lt_start_max: jax.Array
+  lt_end_min: jax.Array
+  lt_end_max: jax.Array
+  ut_start_min: jax.Array
+  ut_start_max: jax.Array
+  ut_end_min: jax.Array
+  ut_end_max: jax.Array
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True, eq=False)
+class FlashMask:
+  """Column-wise hidden row ranges; see the module docstring.
+
+  A pytree whose leaves are the (non-None) arrays, so it passes through
+  ``jit``, ``vmap`` and ``shard_map`` like any array argument.  ``eq=False``:
+  arrays have no truth value, so identity is the only equality.
+
+  Attributes:
+    lt_start: int ``[B|1, H|1, kv_len]``: first hidden row of the lower
+      range of each key column.
+    lt_end: one past its last hidden row; ``None`` means ``q_len``.
+    ut_start, ut_end: the upper range, likewise; both ``None`` for none.
+  """
+
+  lt_start: jax.Array
+  lt_end: jax.Array | None = None
+  ut_start: jax.Array | None = None
+  ut_end: jax.Array | None = None
+
+  def __post_init__(self):
+    if self.lt_start is None:
+      raise ValueError("lt_start is required (lt_start=None)")
+    if (self.ut_start is None) != (self.ut_end is None):
+      raise ValueError(
+          "ut_start and ut_end come together (both or neither), got"
+          f" ut_start is None={self.ut_start is None},"
+          f" ut_end is None={self.ut_end is None}")
+
+  # -- pytree: rebuilt without __post_init__, so transformations may put
+  # -- any placeholder (object(), None from a tree_map) in the leaves.
+  def tree_flatten(self):
+    return tuple(getattr(self, f) for f in _FIELDS), None
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    del aux
+    obj = object.__new__(cls)
+    for name, value in zip(_FIELDS, children, strict=True):
+      object.__setattr__(obj, name, value)
+    return obj
+
+  # -- validation -----------------------------------------------------------
+  def check(self, batch: int, heads: int, q_len: int,
+            kv_len: int) -> FlashMask:
+    """Validate the shapes against an attention call; return the mask with
+    int32 arrays (``None`` fields stay ``None``).
+
+    Each field must be ``[b, h, kv_len]`` with ``b`` in ``{1, batch}``,
+    ``h`` in ``{1, heads}`` (query heads) and an integer dtype; otherwise
+    ValueError naming the field.  Values are not checked (they may be
+    traced).
+    """
+    for name, val in (("batch", batch), ("heads", heads), ("q_len", q_len),
+                      ("kv_len", kv_len)):
+      if val < 1:
+        raise ValueError(f"{name}={val} must be >= 1")
+    out = {}
+    for name in _FIELDS:
+      x = getattr(self, name)
+      if x is None:
+        out[name] = None
+        continue
+      if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        x = jnp.asarray(x)
+      if x.ndim != 3:
+        raise ValueError(
+            f"FlashMask.{name} must be [batch|1, heads|1, kv_len] (rank 3),"
+            f" got shape {tuple(x.shape)}")
+      if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(
+            f"FlashMask.{name} must have an integer dtype, got {x.dtype}")
+      b, h, s = x.shape
+      if b not in (1, batch):
+        raise ValueError(
+            f"FlashMask.{name} batch axis {b} must be 1 or {batch=}"
+            f" (shape {tuple(x.shape)})")
+      if h not in (1, heads):
+        raise ValueError(
+            f"FlashMask.{name} heads axis {h} must be 1 or {heads=}"
+            f" (shape {tuple(x.shape)})")
+      if s != kv_len:
+        raise ValueError(
+            f"FlashMask.{name} last axis {s} must equal {kv_len=}"
+            f" (shape {tuple(x.shape)})")
+      out[name] = _i32(x)
+    return FlashMask(**out)
+
+  # -- elementwise ----------------------------------------------------------
+  def dense(self, q_len: int) -> jax.Array:
+    """Bool ``[B|1, H|1, q_len, kv_len]``, True where VISIBLE (reference
+    and tests only: this is the N x N array the description avoids)."""
+    rows = jnp.arange(q_len, dtype=jnp.int32)[:, None]
+    col = lambda x: _i32(x)[..., None, :]
+    lt_end = q_len if self.lt_end is None else col(self.lt_end)
+    hidden = (col(self.lt_start) <= rows) & (rows < lt_end)
+    if self.ut_start is not None:
+      hidden = hidden | ((col(self.ut_start) <= rows)
+                         & (rows < col(self.ut_end)))
+    return ~hidden
+
+  # -- tiles ----------------------------------------------------------------
+  def tile_bounds(self, block_k: int) -> TileBounds:
+    """Per key tile of ``block_k`` columns, the min and max of each field
+    over the tile's columns (:class:`TileBounds`, ``[B|1, H|1,
+    cdiv(kv_len, block_k)]`` each), the eight vectors FlashMask keeps.
+
+    ``kv_len`` is padded to whole tiles with columns hidden from every
+    row, through both ranges (``lt = ut = [0, BIG)``), so padding never
+    makes a tile look visible nor spoils a "fully hidden" proof.  An
+    absent ``lt_end`` becomes BIG (no row reaches it: same as ``q_len``);
+    an absent upper range becomes the empty ``[0, 0)``.
+    """
+    if block_k < 1:
+      raise ValueError(f"{block_k=} must be >= 1")
+    kv_len = self.lt_start.shape[-1]
+    pad = -kv_len % block_k
+    n_tiles = (kv_len + pad) // block_k
+
+    def tiles(x, fill, pad_value):
+      x = jnp.full((1, 1, kv_len), fill, jnp.int32) if x is None else _i32(x)
+      x = jnp.pad(x, ((0, 0), (0, 0), (0, pad)), constant_values=pad_value)
+      x = x.reshape(*x.shape[:2], n_tiles, block_k)
+      return x.min(axis=-1), x.max(axis=-1)
+
+    lt_start = tiles(self.lt_start, 0, 0)
+    lt_end = tiles(self.lt_end, _BIG, _BIG)
+    ut_start = tiles(self.ut_start, 0, 0)
+    ut_end = tiles(self.ut_end, 0, _BIG)
+    return TileBounds(*lt_start, *lt_end, *ut_start, *ut_end)
+
+  # -- the patterns ---------------------------------------------------------
+  @classmethod
+  def causal(cls, q_len: int, kv_len: int) -> FlashMask:
+    """Causal, top-left: row ``i`` sees keys ``j <= i``.  Column ``j`` is
+    hidden from rows ``[0, j)`` (the upper range); the lower range is
+    empty (``lt_start = q_len``).  ``[1, 1, kv_len]``::
+
+              keys 0 1 2 3
+        query 0    x . . .
+        query 1    x x . .
+        query 2    x x x .
+        query 3    x x x x
+        ut_end   = 0 1 2 3     ut_start = 0, lt_start = 4
+    """
+    _check_static_int("q_len", q_len, 1)
+    _check_static_int("kv_len", kv_len, 1)
+    j = jnp.arange(kv_len, dtype=jnp.int32)[None, None, :]
+    return cls(lt_start=jnp.full_like(j, q_len), ut_start=jnp.zeros_like(j),
+               ut_end=j)
+
+  @classmethod
+  def causal_document(cls, segment_ids) -> FlashMask:
+    """Causal attention within each document of a packed row.
+
+    ``segment_ids`` int ``[batch, seq]``; a document is a maximal run of
+    equal ids (documents packed contiguously; two adjacent documents need
+    different ids, and an id that recurs later starts a new document).
+    Column ``j`` is hidden from rows ``[0, j)`` (causal) and from rows
+    ``[doc_end(j), seq)`` (later documents).  ``[batch, 1, seq]``; ids
+    ``0 0 0 1 1 2``::
+
+              keys 0 1 2 3 4 5
+        query 0    x . . . . .
+        query 1    x x . . . .
+        query 2    x x x . . .
+        query 3    . . . x . .
+        query 4    . . . x x .
+        query 5    . . . . . x
+        lt_start = 3 3 3 5 5 6     lt_end = None (6)
+        ut_end   = 0 1 2 3 4 5     ut_start = 0
+
+    Padding is better left to ``kv_seq_lengths``: a run of padding ids is
+    just one more document here.
+    """
+    ids = _ids_2d("segment_ids", segment_ids)
+    b, s = ids.shape
+    j = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    return cls(lt_start=_run_end(ids)[:, None, :],
+               ut_start=jnp.zeros((b, 1, s), jnp.int32),
+               ut_end=j[:, None, :])
+
+  @classmethod
+  def prefix_lm(cls, prefix_lengths, seq: int) -> FlashMask:
+    """Prefix LM: bidirectional over the first ``prefix_lengths[b]``
+    tokens, causal after.  Row ``i`` sees key ``j`` iff ``j < prefix`` or
+    ``j <= i``: a prefix column has no hidden row (``ut_end = 0``), a later
+    column is hidden from rows ``[0, j)``; no lower range (``lt_start =
+    seq``).  ``prefix_lengths`` int ``[batch]``; ``[batch, 1, seq]``;
+    prefix 3 of 5::
+
+              keys 0 1 2 3 4
+        query 0    x x x . .
+        query 1    x x x . .
+        query 2    x x x . .
+        query 3    x x x x .
+        query 4    x x x x x
+        ut_end   = 0 0 0 3 4     ut_start = 0, lt_start = 5
+    """
+    _check_static_int("seq", seq, 1)
+    prefix = jnp.asarray(prefix_lengths)
+    if prefix.ndim != 1:
+      raise ValueError(
+          f"prefix_lengths must be [batch], got shape {prefix.shape}")
+    if not jnp.issubdtype(prefix.dtype, jnp.integer):
+      raise ValueError(
+          f"prefix_lengths must be integers, got dtype {prefix.dtype}")
+    b = prefix.shape[0]
+    j = jnp.arange(seq, dtype=jnp.int32)[None, None, :]
+    ut_end = jnp.where(j < _i32(prefix)[:, None, None], 0, j)
+    return cls(lt_start=jnp.full((b, 1, seq), seq, jnp.int32),
+               ut_start=jnp.zeros((b, 1, seq), jnp.int32),
+               ut_end=ut_end.astype(jnp.int32))
+
+  @classmethod
+  def sliding_window(cls, seq: int, window: int) -> FlashMask:
+    """Causal sliding window: row ``i`` sees keys ``i-window+1 .. i``.
+    Column ``j`` is hidden from rows ``[0, j)`` and ``[j + window, seq)``
+    (``lt_start`` clipped to ``seq``).  ``[1, 1, seq]``; ``window=3``::
+
+              keys 0 1 2 3 4 5
+        query 0    x . . . . .
+        query 1    x x . . . .
+        query 2    x x x . . .
+        query 3    . x x x . .
+        query 4    . . x x x .
+        query 5    . . . x x x
+        lt_start = 3 4 5 6 6 6     lt_end = None (6)
+        ut_end   = 0 1 2 3 4 5     ut_start = 0
+    """
+    _check_static_int("seq", seq, 1)
+    _check_static_int("window", window, 1)
+    j = jnp.arange(seq, dtype=jnp.int32)[None, None, :]
+    return cls(lt_start=jnp.minimum(j + _i32(window), seq),
+               ut_start=jnp.zeros_like(j), ut_end=j)
+
+  @classmethod
+  def shared_question(cls, answer_ids) -> FlashMask:
+    """The shared-question mask of FlashMask: a question followed by
+    several answers; each answer attends causally to the question and to
+    itself, never to another answer (one forward pass scores all answers
+    to one prompt, as in reward-model or DPO training).
+
+    ``answer_ids`` int ``[batch, seq]``: ``0`` marks question tokens, any
+    other id an answer; an answer is a maximal run of one id, so adjacent
+    answers need different ids.  Several (question, answers) groups may
+    be packed in a row: each run of 0s after an answer starts a new group,
+    which sees nothing of the earlier ones.  Column ``j`` is hidden from
+    rows ``[0, j)`` (causal) and from rows ``[lt_start, seq)`` with
+    ``lt_start`` the start of the next group for a question token, the end
+    of its own answer for an answer token.  ``[batch, 1, seq]``; ids
+    ``0 0 1 1 2 2``::
+
+              keys 0 1 2 3 4 5
+        query 0    x . . . . .
+        query 1    x x . . . .
+        query 2    x x x . . .
+        query 3    x x x x . .
+        query 4    x x . . x .
+        query 5    x x . . x x
+        lt_start = 6 6 4 4 6 6     lt_end = None (6)
+        ut_end   = 0 1 2 3 4 5     ut_start = 0
+    """
+    ids = _ids_2d("answer_ids", answer_ids)
+    b, s = ids.shape
+    question = ids == 0
+    # A group starts where a question run follows an answer token.
+    group_start = jnp.concatenate(
+        [jnp.zeros_like(question[:, :1]), question[:, 1:] & ~question[:, :-1]],
+        axis=1)
+    lt_start = jnp.where(question, _next_true(group_start), _run_end(ids))
+    j = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    return cls(lt_start=lt_start[:, None, :],
+               ut_start=jnp.zeros((b, 1, s), jnp.int32),
+               ut_end=j[:, None, :])
+
+  @classmethod
+  def global_and_window(cls, seq: int, num_global: int,
+                        window: int) -> FlashMask:
+    """Causal sliding window of width ``window`` plus ``num_global``
+    leading global tokens, which every later row sees (causal, so the
+    global rows themselves see only earlier global tokens, that is all
+    their keys).  Column ``j`` is hidden from rows ``[0, j)``, and, unless
+    global, from rows ``[j + window, seq)``.  ``[1, 1, seq]``;
+    ``num_global=1, window=2``::
+
+              keys 0 1 2 3 4 5
+        query 0    x . . . . .
+        query 1    x x . . . .
+        query 2    x x x . . .
+        query 3    x . x x . .
+        query 4    x . . x x .
+        query 5    x . . . x x
+        lt_start = 6 3 4 5 6 6     lt_end = None (6)
+        ut_end   = 0 1 2 3 4 5     ut_start = 0
+    """
+    _check_static_int("seq", seq, 1)
+    _check_static_int("num_global", num_global, 0)
+    _check_static_int("window", window, 1)
+    j = jnp.arange(seq, dtype=jnp.int32)[None, None, :]
+    lt_start = jnp.where(j < _i32(num_global), seq,
+                         jnp.minimum(j + _i32(window), seq))
+    return cls(lt_start=lt_start.astype(jnp.int32),
+               ut_start=jnp.zeros_like(j), ut_end=j)
+
+
+def _select(cond, a, b):
+  """Int32 ``where`` as a select of two int32 arrays of one shape: a
+  ``where`` between constants folds into a bool-to-int convert, which
+  lowers badly in Pallas Triton (see jaxflash.masks)."""
+  return lax.select(cond, jnp.broadcast_to(_i32(a), cond.shape),
+                    jnp.broadcast_to(_i32(b), cond.shape))
+
+
+def tile_class(bounds: TileBounds, row_lo, row_hi) -> jax.Array:
+  """Classify key tiles for the query rows ``[row_lo, row_hi)``.
+
+  Returns int32 :data:`TILE_HIDDEN`, :data:`TILE_PARTIAL` or
+  :data:`TILE_VISIBLE`, broadcast over ``bounds`` (``[B|1, H|1,
+  n_tiles]``, or scalars of one tile) and ``row_lo`` / ``row_hi`` (scalars
+  or arrays, e.g. one query tile per entry for the dK/dV loop); rows
+  must be non-empty (``row_lo < row_hi``).
+
+  A column's hidden rows are the union of ``[lt_start, lt_end)`` and
+  ``[ut_start, ut_end)``.  Only the tile's extremes are known, so both
+  answers are sufficient conditions, and anything unproven is PARTIAL
+  (per-element masking is always correct):
+
+  * HIDDEN when for every column the union covers ``[row_lo, row_hi)``,
+    proved by one of: the lower range alone covers it (``lt_start_max <=
+    row_lo`` and ``lt_end_min >= row_hi``); the upper range alone does;
+    or the two ranges chain without a gap, upper then lower
+    (``ut_start_max <= row_lo``, ``lt_start_max <= ut_end_min``,
+    ``lt_end_min >= row_hi``), or lower then upper.
+  * VISIBLE when for every column neither range meets ``[row_lo,
+    row_hi)``: ``[s, e)`` misses it iff ``max(s, row_lo) >= min(e,
+    row_hi)``, and ``max(s_min, row_lo) >= min(e_max, row_hi)`` implies
+    that for every column of the tile (empty ranges included).
+
+  FlashMask's block skipping (arXiv 2410.01359) uses the same eight
+  extremes for the same two decisions.
+  """
+  b = bounds
+  row_lo, row_hi = _i32(row_lo), _i32(row_hi)
+
+  def covers(s_max, e_min):
+    return (s_max <= row_lo) & (e_min >= row_hi)
+
+  hidden = (covers(b.lt_start_max, b.lt_end_min)
+            | covers(b.ut_start_max, b.ut_end_min)
+            | (covers(b.ut_start_max, b.lt_end_min)
+               & (b.lt_start_max <= b.ut_end_min))
+            | (covers(b.lt_start_max, b.ut_end_min)
+               & (b.ut_start_max <= b.lt_end_min)))
+
+  def misses(s_min, e_max):
+    return jnp.maximum(s_min, row_lo) >= jnp.minimum(e_max, row_hi)
+
+  visible = (misses(b.lt_start_min, b.lt_end_max)
+             & misses(b.ut_start_min, b.ut_end_max))
+  shape = jnp.broadcast_shapes(hidden.shape, visible.shape)
+  hidden = jnp.broadcast_to(hidden, shape)
+  visible = jnp.broadcast_to(visible, shape)
+  return _select(hidden, TILE_HIDDEN,
+                 _select(visible, TILE_VISIBLE, TILE_PARTIAL))
