@@ -228,22 +228,26 @@ def _backward_op(p: OpParams, present, bias_grad: bool):
 
   @bwd.def_vmap
   def _rule(axis_size, in_batched, *args):
+    in_batched = list(in_batched)
+    if bias_grad:
+      # The bias's gradient is per mapped slice even for a bias the slices
+      # share, so the bias is mapped here (broadcast over the slices).
+      i = 7 + _flat_index(present, _BIAS)
+      rows = args[i].shape[1] if in_batched[i] else args[i].shape[0]
+      if not in_batched[i]:
+        args = (*args[:i], jnp.broadcast_to(args[i], (axis_size,
+                                                      *args[i].shape)),
+                *args[i + 1:])
+        in_batched[i] = True
     res = bwd(*_fold(axis_size, in_batched, args,
                      _dense_positions(present, 7), args[0].shape[1]))
     if not bias_grad:
       return tuple(_unfold(axis_size, res)), (True, True, True)
     *grads, dbias = res
-    grads = _unfold(axis_size, grads)
-    i = 7 + _flat_index(present, _BIAS)
-    bias, batched = args[i], in_batched[i]
-    if not batched and bias.shape[0] == 1:  # not folded: summed already
-      return (*grads, dbias), (True, True, True, False)
     dbias = dbias.reshape((axis_size, -1, *dbias.shape[1:]))
-    if not batched:
-      return (*grads, dbias.sum(0)), (True, True, True, False)
-    if bias.shape[1] == 1:  # batched, broadcast over the batch rows
+    if rows == 1:  # the slice's bias is broadcast over its batch rows
       dbias = dbias.sum(1, keepdims=True)
-    return (*grads, dbias), (True, True, True, True)
+    return (*_unfold(axis_size, grads), dbias), (True,) * 4
 
   return bwd
 

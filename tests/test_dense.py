@@ -1,0 +1,240 @@
+"""Dense bias and boolean mask (jax.nn's ``bias`` / ``mask``) in the Triton
+kernels (interpreter) against the reference: outputs, gradients and the
+bias's gradient for each broadcast form; tiles the mask hides are skipped;
+vmap and batch/head sharding (8 CPU devices); the argument checks."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from numerics import check_rule, outputs_and_grads, random_inputs
+
+import jaxflash
+from jaxflash.masks import MaskArrays, MaskSpec
+from jaxflash.triton import backend as triton_backend
+
+TILES = jaxflash.TritonConfig(block_q=16, block_k=16, block_q_dkv=16,
+                              block_k_dkv=16, block_q_dq=16, block_k_dq=16)
+
+CASES = [
+    pytest.param(dict(batch=2, q_len=70, kv_len=90, heads=4, kv_heads=2,
+                      head_dim=32, dtype=jnp.float32),
+                 (1, 4, 70, 90), (2, 1, 70, 90), dict(causal=True),
+                 id="gqa-causal-bias-heads-mask-rows"),
+    pytest.param(dict(batch=2, q_len=33, kv_len=48, heads=3, kv_heads=1,
+                      head_dim=16, dtype=jnp.float32),
+                 (2, 1, 1, 48), (1, 3, 1, 48),
+                 dict(kv_seq_lengths=jnp.asarray([48, 20]),
+                      segment_ids=(jnp.asarray([[0] * 20 + [1] * 13] * 2),
+                                   jnp.asarray([[0] * 30 + [1] * 18] * 2))),
+                 id="mqa-key-bias-head-mask-segments-lengths"),
+    pytest.param(dict(batch=1, q_len=64, kv_len=64, heads=2, kv_heads=2,
+                      head_dim=64, dtype=jnp.bfloat16),
+                 (1, 2, 64, 64), None, dict(local_window_size=(20, 5)),
+                 id="bf16-window-bias", marks=pytest.mark.slow),
+]
+
+
+def _dense(shape_b, shape_m, seed=1):
+  kb, km = jax.random.split(jax.random.key(seed))
+  bias = None if shape_b is None else 2.0 * jax.random.normal(kb, shape_b)
+  mask = None
+  if shape_m is not None:
+    mask = jax.random.bernoulli(km, 0.7, shape_m)
+    mask = mask.at[..., 2, :].set(False)  # a row (or every row) hidden
+  return bias, mask
+
+
+def _reference_kwargs(kw, bias, mask, q_len, kv_len):
+  ref = dict(causal=kw.get("causal", False),
+             window=kw.get("local_window_size", (None, None)),
+             kv_seq_lengths=kw.get("kv_seq_lengths"))
+  if "segment_ids" in kw:
+    ref["segment_ids"] = kw["segment_ids"]
+  if bias is not None:
+    ref["bias"] = jnp.broadcast_to(bias, (*bias.shape[:3], kv_len))
+  if mask is not None:
+    ref["dense_mask"] = jnp.broadcast_to(mask, (*mask.shape[:3], kv_len))
+  return {n: x for n, x in ref.items() if x is not None}
+
+
+@pytest.mark.parametrize("shape,bias_shape,mask_shape,kw", CASES)
+def test_kernels_keep_the_numerics_rule(shape, bias_shape, mask_shape, kw):
+  """Out, LSE, dQ, dK, dV keep the numerics rule; the bias's gradient
+  (summed over its broadcast axes) matches the reference's; no NaN where
+  the mask hides a whole row."""
+  q, k, v, do, dlse = random_inputs(jax.random.key(0), **shape)
+  bias, mask = _dense(bias_shape, mask_shape)
+  fn = lambda q, k, v, bias=bias: jaxflash.flash_attention(
+      q, k, v, bias=bias, mask=mask, implementation="triton",
+      interpret=True, return_lse=True, config=TILES, **kw)
+  got = outputs_and_grads(fn, q, k, v, do, dlse)
+  check_rule(got, q, k, v, do, dlse, **_reference_kwargs(
+      kw, bias, mask, shape["q_len"], shape["kv_len"]))
+  if bias is None:
+    return
+  # The bias's gradient: d/d bias of <out, do> + <lse, dlse>.
+  def loss(impl, bias):
+    out, lse = jaxflash.flash_attention(
+        *(x.astype(jnp.float32) for x in (q, k, v)), bias=bias, mask=mask,
+        implementation=impl, interpret=impl == "triton", return_lse=True,
+        config=TILES if impl == "triton" else None, **kw)
+    return (jnp.sum(out * do.astype(jnp.float32))
+            + jnp.sum(jnp.where(jnp.isneginf(lse), 0.0, lse * dlse)))
+  got = jax.jit(jax.grad(functools.partial(loss, "triton")))(bias)
+  want = jax.jit(jax.grad(functools.partial(loss, "xla")))(bias)
+  assert got.shape == bias.shape
+  np.testing.assert_allclose(got, want, atol=2e-5 * max(
+      1.0, float(jnp.abs(want).max())))
+
+
+def test_infinite_bias_and_hidden_rows_give_zeros_not_nan():
+  """A bias of -inf hides keys as a mask does (even on tiles the masks
+  leave whole); rows with every key hidden give output 0, LSE -inf and
+  zero gradients."""
+  q, k, v, do, _ = random_inputs(jax.random.key(2), batch=1, q_len=32,
+                                 kv_len=32, heads=2, kv_heads=2, head_dim=16,
+                                 dtype=jnp.float32)
+  bias = jnp.zeros((1, 2, 32, 32)).at[:, :, :16].set(-jnp.inf)
+  bias = bias.at[:, :, 20:, 5].set(-jnp.inf)
+  fn = lambda q, k, v: jaxflash.flash_attention(
+      q, k, v, bias=bias, implementation="triton", interpret=True,
+      return_lse=True, config=TILES)
+  (out, lse), vjp = jax.vjp(fn, q, k, v)
+  grads = vjp((do, jnp.zeros_like(lse)))
+  for x in (out, *grads):
+    assert not np.isnan(np.asarray(x)).any()
+  np.testing.assert_array_equal(out[:, :16], 0)
+  assert np.isneginf(np.asarray(lse[:, :, :16])).all()
+  want = jaxflash.flash_attention(q, k, v, bias=bias, implementation="xla")
+  np.testing.assert_allclose(out, want, atol=2e-5)
+
+
+def test_hidden_tiles_are_skipped():
+  """A block-diagonal dense mask leaves the forward kernel one key tile
+  per query tile (of 16 x 16 tiles), as segment ids would."""
+  q = jnp.ones((1, 64, 1, 16))
+  blocks = jnp.arange(64) // 16
+  mask = (blocks[:, None] == blocks[None, :])[None, None]
+  arrays = MaskArrays(dense_mask=mask)
+  counts = triton_backend.count_visited_tiles(
+      q, q, q, mask=MaskSpec(64, 64), arrays=arrays, config=TILES,
+      interpret=True)
+  np.testing.assert_array_equal(counts, 1)
+  counts = triton_backend.count_visited_tiles(
+      q, q, q, mask=MaskSpec(64, 64, causal=True),
+      arrays=MaskArrays(dense_mask=jnp.ones((1, 1, 1, 64), bool)),
+      config=TILES, interpret=True)
+  np.testing.assert_array_equal(counts[0, 0], np.arange(64) // 16 + 1)
+
+
+def test_vmap_over_a_batched_or_shared_bias():
+  """vmap with the bias mapped (broadcast over its batch rows) or not
+  (shared by every mapped slice): gradients equal a loop over the slices,
+  per slice under vmap(grad), summed under grad of the vmapped sum."""
+  q, k, v, _, _ = random_inputs(jax.random.key(4), batch=2, q_len=16,
+                                kv_len=16, heads=2, kv_heads=1, head_dim=16,
+                                dtype=jnp.float32)
+  qs = jnp.stack([q, 2 * q, -q])
+  bias_b = jax.random.normal(jax.random.key(5), (3, 1, 2, 16, 16))
+  bias_s = bias_b[0]
+  f = lambda q, b: jnp.sum(jnp.sin(jaxflash.flash_attention(
+      q, k, v, bias=b, implementation="triton", interpret=True,
+      config=TILES)))
+  g = jax.grad(f, argnums=(0, 1))
+  for bias, axis in ((bias_b, 0), (bias_s, None)):
+    got = jax.vmap(g, in_axes=(0, axis))(qs, bias)
+    want = [g(qs[i], bias if axis is None else bias[i]) for i in range(3)]
+    np.testing.assert_allclose(got[0], jnp.stack([w[0] for w in want]),
+                               atol=1e-5)
+    want_db = jnp.stack([w[1] for w in want])
+    np.testing.assert_allclose(got[1], want_db, atol=1e-5)
+    summed = jax.grad(lambda qs, b: jnp.sum(jax.vmap(f, in_axes=(0, axis))(
+        qs, b)), argnums=1)(qs, bias)
+    np.testing.assert_allclose(summed, want_db if axis is not None
+                               else want_db.sum(0), atol=1e-5)
+
+
+@pytest.mark.parametrize("axis_type", [
+    AxisType.Explicit, pytest.param(AxisType.Auto, marks=pytest.mark.slow)],
+    ids=["Explicit", "Auto"])
+def test_sharded_bias_and_mask_match_single_device(axis_type):
+  """Batch and heads sharded over a (2, 4) mesh with a bias full in heads
+  but shared by the batch rows, and a mask per row: outputs and gradients
+  (the bias's summed over every shard) equal the one-device call."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices (tests/conftest.py sets 8 CPU devices)")
+  mesh = jax.make_mesh((2, 4), ("data", "tensor"),
+                       axis_types=(axis_type,) * 2)
+  q, k, v, do, _ = random_inputs(jax.random.key(6), batch=4, q_len=32,
+                                 kv_len=32, heads=8, kv_heads=4, head_dim=16,
+                                 dtype=jnp.float32)
+  bias, mask = _dense((1, 8, 32, 32), (4, 1, 32, 32), seed=7)
+
+  def run(q, k, v, do, bias, mask):
+    attend = lambda q, k, v, b: jaxflash.flash_attention(
+        q, k, v, bias=b, mask=mask, causal=True, implementation="triton",
+        interpret=True, config=TILES)
+    out, vjp = jax.vjp(attend, q, k, v, bias)
+    return (out, *vjp(do))
+
+  want = jax.jit(run)(q, k, v, do, bias, mask)
+  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+  qs, kvs = P("data", None, "tensor", None), P("data", None, "tensor", None)
+  got = jax.jit(run)(put(q, qs), put(k, kvs), put(v, kvs), put(do, qs),
+                     put(bias, P(None, "tensor", None, None)),
+                     put(mask, P("data", None, None, None)))
+  for a, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=1e-5)
+
+
+def test_dense_errors():
+  q = jnp.ones((2, 16, 4, 16))
+  for kw, err, match in [
+      (dict(bias=jnp.zeros((2, 3, 16, 16))), ValueError,
+       r"bias must have shape \[B, N, T, S\] = \(2, 4, 16, 16\)"),
+      (dict(bias=jnp.zeros((16, 16))), ValueError, "bias must have shape"),
+      (dict(mask=jnp.ones((1, 1, 16, 16), jnp.int8)), ValueError,
+       "mask must be a bool array, got dtype int8"),
+      (dict(bias=jnp.zeros((1, 1, 16, 16), jnp.int32)), ValueError,
+       "bias must be a floating-point array"),
+      (dict(bias=jnp.zeros((1, 1, 16, 16)), logits_soft_cap=3.0),
+       NotImplementedError, "does not combine with logits_soft_cap"),
+  ]:
+    with pytest.raises(err, match=match):
+      jaxflash.flash_attention(q, q, q, implementation="triton",
+                               interpret=True, **kw)
+  with pytest.raises(NotImplementedError, match="no dense bias or mask"):
+    b = q.astype(jnp.bfloat16)
+    jaxflash.flash_attention(b, b, b, bias=jnp.zeros((1, 1, 16, 16)),
+                             implementation="mosaic_gpu", interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_dense(causal):
+  """The compiled Triton kernels (default dispatch: the Hopper kernels
+  decline dense arrays) with a bias per head and a mask per row at 2 x
+  1024 tokens, 8:2 heads, head_dim 128, bf16: the numerics rule, and the
+  bias's gradient against the reference's."""
+  q, k, v, do, dlse = random_inputs(jax.random.key(3), batch=2, q_len=1024,
+                                    kv_len=1024, heads=8, kv_heads=2,
+                                    head_dim=128, dtype=jnp.bfloat16)
+  bias, mask = _dense((1, 8, 1024, 1024), (2, 1, 1024, 1024))
+  bias = bias.astype(jnp.bfloat16)
+  fn = lambda q, k, v: jaxflash.flash_attention(
+      q, k, v, bias=bias, mask=mask, causal=causal, return_lse=True)
+  check_rule(outputs_and_grads(fn, q, k, v, do, dlse), q, k, v, do, dlse,
+             **_reference_kwargs(dict(causal=causal), bias, mask, 1024,
+                                 1024))
+  loss = lambda impl: jax.jit(jax.grad(lambda b: jnp.sum(
+      jaxflash.flash_attention(q, k, v, bias=b, mask=mask, causal=causal,
+                               implementation=impl).astype(jnp.float32)
+      * do.astype(jnp.float32))))(bias)
+  got, want = loss(None), loss("xla")
+  err = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))
+  assert err.max() <= 2 ** -6 * max(1.0, float(jnp.abs(want).max()))
