@@ -144,6 +144,10 @@ def _reference_out(shape, q, k, v, mask_kw):
     kw["segment_ids"] = (seg[:, -SPOT_ROWS:], seg)
   if "local_window_size" in mask_kw:
     kw["window"] = mask_kw["local_window_size"]
+  heads = min(2, shape.kv_heads) * (shape.heads // shape.kv_heads)
+  for name, ref_name in (("bias", "bias"), ("mask", "dense_mask")):
+    if name in mask_kw:  # the spot slice (_spot) of the dense array
+      kw[ref_name] = mask_kw[name][:1, :heads, -SPOT_ROWS:]
   # FP8 inputs: the reference of their values in float32.
   def up(x):
     return x.astype(jnp.float32) if shape.jnp_dtype.itemsize == 1 else x
@@ -180,8 +184,16 @@ def prepare(name: str, shape: core.Shape, modes, arrays, ref_out,
     return {mode: core.record(shape, name, mode, error=_message(e))
             for mode in modes}
 
-  def fwd_bwd(q, k, v, do):
-    _, vjp = jax.vjp(attend, q, k, v)
+  def fwd_bwd(q, k, v, do, *bias):
+    if not bias:
+      _, vjp = jax.vjp(attend, q, k, v)
+      return vjp(do)
+    # A dense bias is differentiated too (its gradient, dbias, is part of
+    # the backward measured).
+    maker = (makers or impls.IMPLS)[name]
+    with_bias = lambda q, k, v, b: maker(shape, dict(mask_kw, bias=b),
+                                         interpret)(q, k, v)
+    _, vjp = jax.vjp(with_bias, q, k, v, bias[0])
     return vjp(do)
 
   out = {}
@@ -190,7 +202,8 @@ def prepare(name: str, shape: core.Shape, modes, arrays, ref_out,
       if mode == "fwd":
         traced, fn, args = traced_fwd, fwd, (q, k, v)
       else:
-        args = (q, k, v, do)
+        args = (q, k, v, do, *([mask_kw["bias"]] if "bias" in mask_kw
+                               else []))
         traced = jax.jit(fwd_bwd).trace(*args)
         fn = traced.lower().compile()
       jax.block_until_ready(fn(*args))  # run errors are this row's

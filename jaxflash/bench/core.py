@@ -34,7 +34,8 @@ class Shape:
   head_dim: int
   causal: bool
   dtype: str = "bfloat16"
-  mask: str | None = None  # None, "segments:N" or "window:L"
+  # None, "segments:N", "window:L", "bias" or "dense-segments:N"
+  mask: str | None = None
   model: str | None = None  # the MODELS entry it was taken from
 
   @property
@@ -81,11 +82,14 @@ def parse_mask(text: str | None) -> str | None:
   if text in (None, "", "none"):
     return None
   kind, _, arg = text.partition(":")
-  if kind not in ("segments", "window") or not arg.isdigit() or int(arg) < 1:
-    raise ValueError(
-        f"mask={text!r} must be none, segments:N (N documents per row) or"
-        " window:L (sliding window of L keys, causal)")
-  return text
+  if text == "bias" or (kind in ("segments", "window", "dense-segments")
+                        and arg.isdigit() and int(arg) >= 1):
+    return text
+  raise ValueError(
+      f"mask={text!r} must be none, segments:N (N documents per row),"
+      " window:L (sliding window of L keys, causal), bias (a dense bias per"
+      " head, differentiated in fwd_bwd) or dense-segments:N (segments:N"
+      " as a dense boolean mask)")
 
 
 def grid(*, head_dims, seqs, causal, tokens: int, width: int, kv_ratio=1,

@@ -40,7 +40,8 @@ def _jax_nn(implementation: str):
 
     def attend(q, k, v):
       return jax.nn.dot_product_attention(
-          q, k, v, is_causal=shape.causal, local_window_size=window,
+          q, k, v, bias=mask_kw.get("bias"), mask=mask_kw.get("mask"),
+          is_causal=shape.causal, local_window_size=window,
           implementation=implementation)
     return attend
   return make
@@ -54,6 +55,8 @@ def _pallas_mha(shape: Shape, mask_kw: dict, interpret: bool) -> Callable:
     raise NotImplementedError("JAX's Pallas mha has no GQA/MQA")
   if "local_window_size" in mask_kw:
     raise NotImplementedError("JAX's Pallas mha has no local window")
+  if "bias" in mask_kw or "mask" in mask_kw:
+    raise NotImplementedError("JAX's Pallas mha takes no dense bias or mask")
   seg = mask_kw.get("segment_ids")
   scale = shape.head_dim ** -0.5
 
@@ -78,7 +81,8 @@ def _tokamax(implementation: str):
 
     def attend(q, k, v):
       return tokamax.dot_product_attention(
-          q, k, v, is_causal=shape.causal, local_window_size=window,
+          q, k, v, bias=mask_kw.get("bias"), mask=mask_kw.get("mask"),
+          is_causal=shape.causal, local_window_size=window,
           implementation=implementation)
     return attend
   return make
@@ -145,6 +149,10 @@ def mask_kwargs(shape: Shape) -> dict:
   """flash_attention keywords for the shape's mask description."""
   if shape.mask is None:
     return {}
+  if shape.mask == "bias":  # one [T, S] bias per head, as T5's or ALiBi's
+    bias = jax.random.normal(jax.random.key(7), (1, shape.heads, shape.seq_q,
+                                                 shape.seq_k))
+    return dict(bias=bias.astype(shape.jnp_dtype))
   kind, _, arg = shape.mask.partition(":")
   n = int(arg)
   if kind == "window":
@@ -152,4 +160,8 @@ def mask_kwargs(shape: Shape) -> dict:
   # segments:N - N equal documents per row (the last one takes the rest).
   doc = max(1, shape.seq_q // n)
   ids = jnp.minimum(jnp.arange(shape.seq_q, dtype=jnp.int32) // doc, n - 1)
+  if kind == "dense-segments":  # the same documents as a [B, 1, T, S] mask
+    same = ids[:, None] == ids[None, :]
+    return dict(mask=jnp.broadcast_to(same, (shape.batch, 1, shape.seq_q,
+                                             shape.seq_k)))
   return dict(segment_ids=jnp.broadcast_to(ids, (shape.batch, shape.seq_q)))
