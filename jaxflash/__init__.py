@@ -3,6 +3,7 @@
 from jaxflash.api import IMPLEMENTATIONS as IMPLEMENTATIONS
 from jaxflash.api import dot_product_attention as dot_product_attention
 from jaxflash.api import flash_attention as flash_attention
+from jaxflash.flashmask import FlashMask as FlashMask
 from jaxflash.fp8 import hadamard_rotate as hadamard_rotate
 from jaxflash.fp8 import quantize_fp8 as quantize_fp8
 from jaxflash.masks import PAD_SEGMENT_ID as PAD_SEGMENT_ID

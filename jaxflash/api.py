@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import backends, checks, fp8
+from jaxflash import backends, checks, flashmask, fp8
+from jaxflash.flashmask import FlashMask
 
 IMPLEMENTATIONS = backends.IMPLEMENTATIONS
 
@@ -126,9 +127,12 @@ def flash_attention(
       gradient is computed, summed over the broadcast axes, only when the
       bias is differentiated.  Read tile by tile with the Q/K tiles.
     mask: a dense boolean array shaped like ``bias``: False hides the key
-      from the query, combined with every other mask argument.  Tiles with
-      no visible pair are skipped (a summary of the mask's tiles is made
-      once per call).  The bias does not combine with
+      from the query, combined with every other mask argument; or a
+      :class:`jaxflash.FlashMask` (per key, the query rows it is hidden
+      from: causal documents, prefix-LM, shared question, sliding and
+      global windows in O(N) memory; rows counted from the top-left).
+      Tiles with no visible pair are skipped (a summary of the mask's
+      tiles is made once per call).  The bias does not combine with
       ``logits_soft_cap``; the Triton kernels and ``"xla"`` serve both
       (not the Hopper kernels yet).
 
@@ -155,9 +159,11 @@ def flash_attention(
 
 def _dense_args(q, k, bias, mask, logits_soft_cap, *, squeeze: bool,
                 names=None):
-  """``(bias, mask)`` checked (:func:`jaxflash.checks.dense_array`) and
-  rank 4, or None when both are None.  ``q``, ``k``: rank 4; ``squeeze``:
-  the arrays come rank 3, for rank-3 inputs of ``dot_product_attention``."""
+  """``(bias, mask, flash_columns)`` checked
+  (:func:`jaxflash.checks.dense_array`, :meth:`FlashMask.check`), the
+  dense ones rank 4, or None when both arguments are None.  ``q``,
+  ``k``: rank 4; ``squeeze``: the arrays come rank 3, for rank-3 inputs
+  of ``dot_product_attention``."""
   if bias is None and mask is None:
     return None
   if bias is not None and logits_soft_cap is not None:
@@ -166,12 +172,16 @@ def _dense_args(q, k, bias, mask, logits_soft_cap, *, squeeze: bool,
         " two applies first is undefined)")
   nm = (names or {}).get
   if getattr(q, "ndim", 0) != 4 or getattr(k, "ndim", 0) != 4:
-    return bias, mask  # checks.validate names the malformed inputs first
+    return None  # checks.validate names the malformed inputs first
   full = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+  cols = None
+  if isinstance(mask, FlashMask):
+    cols = flashmask.columns(mask.check(full[0], full[1], full[2], full[3]))
+    mask = None
   return (checks.dense_array(nm("bias", "bias"), bias, full, squeeze,
                              boolean=False),
           checks.dense_array(nm("mask", "mask"), mask, full, squeeze,
-                             boolean=True))
+                             boolean=True), cols)
 
 
 def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
@@ -208,7 +218,8 @@ def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
                               kv_seq_lengths, names)
   deterministic = checks.resolve_deterministic(deterministic)
   if dense is not None:
-    arrays = arrays._replace(bias=dense[0], dense_mask=dense[1])
+    arrays = arrays._replace(bias=dense[0], dense_mask=dense[1],
+                             flash_mask=dense[2])
   rate, shared = 0.0, False
   if dropout is not None:
     rate, rng, shared = dropout
@@ -292,8 +303,9 @@ def dot_product_attention(
   ``"triton"``, ``"xla"``), a sequence of them, or None (best available).
   ``bias`` (floating) and a dense boolean ``mask`` are ``[B, N, T, S]``
   arrays (``[N, T, S]`` with rank-3 inputs; any axis may be 1 and
-  broadcast), served by the Triton kernels (read tile by tile, tiles the
-  mask hides skipped, the bias's gradient when it is differentiated; see
+  broadcast; ``mask`` may also be a :class:`jaxflash.FlashMask`), served
+  by the Triton kernels (read tile by tile, tiles the mask hides skipped,
+  the bias's gradient when it is differentiated; see
   :func:`flash_attention`) and by ``"xla"``; the bias does not combine
   with ``logits_soft_cap`` (NotImplementedError).
 

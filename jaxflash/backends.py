@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from jaxflash import mosaic_gpu, op, reference, triton
+from jaxflash import flashmask, mosaic_gpu, op, reference, triton
 from jaxflash._util import sm_count
 from jaxflash.masks import MaskArrays, MaskSpec
 from jaxflash.mosaic_gpu import backend as mosaic_kernels
@@ -216,13 +216,17 @@ def attention(backend: Backend | str, q, k, v, *, mask: MaskSpec,
     segs = None
     if arrays.q_segment_ids is not None:
       segs = (arrays.q_segment_ids, arrays.kv_segment_ids)
+    dense_mask = arrays.dense_mask
+    if arrays.flash_mask is not None:
+      cols = flashmask.visible_from_columns(arrays.flash_mask, q.shape[1])
+      dense_mask = cols if dense_mask is None else dense_mask & cols
     return reference.attention(
         q, k, v, causal=mask.causal, offset=mask.offset,
         window=(mask.window_left, mask.window_right), segment_ids=segs,
         q_seq_lengths=arrays.q_seq_lengths,
         kv_seq_lengths=arrays.kv_seq_lengths, softmax_scale=softmax_scale,
         logits_soft_cap=logits_soft_cap, bias=arrays.bias,
-        dense_mask=arrays.dense_mask,
+        dense_mask=dense_mask,
         dropout_rate=dropout_rate, dropout_seeds=arrays.dropout_seeds,
         dropout_shared=dropout_shared)
   return op.attention(q, k, v, arrays, op_params(

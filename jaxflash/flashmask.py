@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-_BIG = 2**30  # an int32 past any row: lt_end of padding and of "to the end"
+BIG = 2**30  # an int32 past any row: lt_end of padding and of "to the end"
 
 TILE_HIDDEN = 0
 """:func:`tile_class`: no pair of the tile is visible (skip the tile)."""
@@ -248,9 +248,9 @@ class FlashMask:
       return x.min(axis=-1), x.max(axis=-1)
 
     lt_start = tiles(self.lt_start, 0, 0)
-    lt_end = tiles(self.lt_end, _BIG, _BIG)
+    lt_end = tiles(self.lt_end, BIG, BIG)
     ut_start = tiles(self.ut_start, 0, 0)
-    ut_end = tiles(self.ut_end, 0, _BIG)
+    ut_end = tiles(self.ut_end, 0, BIG)
     return TileBounds(*lt_start, *lt_end, *ut_start, *ut_end)
 
   # -- the patterns ---------------------------------------------------------
@@ -487,3 +487,29 @@ def tile_class(bounds: TileBounds, row_lo, row_hi) -> jax.Array:
   visible = jnp.broadcast_to(visible, shape)
   return _select(hidden, TILE_HIDDEN,
                  _select(visible, TILE_VISIBLE, TILE_PARTIAL))
+
+
+# -- the kernels' form ---------------------------------------------------------
+
+def columns(mask: FlashMask) -> jax.Array:
+  """The four fields stacked as the kernels read them: int32 ``[B|1, H|1,
+  4, kv_len]`` (rows ``lt_start, lt_end, ut_start, ut_end``), an absent
+  ``lt_end`` as BIG (past every row) and an absent upper range as the
+  empty ``[0, 0)``.  ``mask`` checked (:meth:`FlashMask.check`)."""
+  fields = [mask.lt_start, mask.lt_end, mask.ut_start, mask.ut_end]
+  fills = [0, BIG, 0, 0]
+  shape = jnp.broadcast_shapes(*(x.shape for x in fields if x is not None))
+  return jnp.stack([
+      jnp.full(shape, fill, jnp.int32) if x is None
+      else jnp.broadcast_to(_i32(x), shape)
+      for x, fill in zip(fields, fills)], axis=2)
+
+
+def visible_from_columns(cols: jax.Array, q_len: int) -> jax.Array:
+  """Bool ``[B|1, H|1, q_len, kv_len]`` of :func:`columns`' output, True
+  where visible (the reference's dense form)."""
+  rows = jnp.arange(q_len, dtype=jnp.int32)[:, None]
+  c = lambda r: cols[:, :, r, None, :]
+  hidden = (((c(0) <= rows) & (rows < c(1)))
+            | ((c(2) <= rows) & (rows < c(3))))
+  return ~hidden

@@ -69,7 +69,8 @@ class MaskArrays(NamedTuple):
   Dense terms, as ``jax.nn.dot_product_attention``'s: ``bias [B|1, H|1,
   T|1, S]`` (floating, added to the scaled logits; the one differentiable
   entry) and ``dense_mask [B|1, H|1, T|1, S]`` (bool, False hides the
-  key); an axis of size 1 broadcasts.
+  key); an axis of size 1 broadcasts.  ``flash_mask [B|1, H|1, 4, S]``
+  int32: a FlashMask's columns (:func:`jaxflash.flashmask.columns`).
   """
 
   q_segment_ids: jax.Array | None = None
@@ -79,10 +80,12 @@ class MaskArrays(NamedTuple):
   dropout_seeds: jax.Array | None = None
   bias: jax.Array | None = None
   dense_mask: jax.Array | None = None
+  flash_mask: jax.Array | None = None
 
   @property
   def has_dense(self) -> bool:
-    return self.bias is not None or self.dense_mask is not None
+    return (self.bias is not None or self.dense_mask is not None
+            or self.flash_mask is not None)
 
 
 # Attention dropout's keep mask, as FlashAttention-1/2 make it: a pure

@@ -100,6 +100,7 @@ def _bwd_kwargs(p: OpParams, bias_grad: bool = False) -> dict:
 
 _BIAS = MaskArrays._fields.index("bias")
 _DENSE_MASK = MaskArrays._fields.index("dense_mask")
+_FLASH_MASK = MaskArrays._fields.index("flash_mask")
 _DROPOUT_SEEDS = MaskArrays._fields.index("dropout_seeds")
 
 
@@ -193,7 +194,8 @@ def _dense_positions(present, first: int) -> tuple[int, ...]:
   """Argument positions of the dense arrays, mask arrays starting at
   ``first``."""
   return tuple(first + i for i in (_flat_index(present, _BIAS),
-                                   _flat_index(present, _DENSE_MASK))
+                                   _flat_index(present, _DENSE_MASK),
+                                   _flat_index(present, _FLASH_MASK))
                if i is not None)
 
 

@@ -9,6 +9,7 @@ import functools
 
 import jax.numpy as jnp
 
+from jaxflash import flashmask
 from jaxflash._util import pad_axis, require_cuda, round_up
 from jaxflash.masks import PAD_SEGMENT_ID, MaskArrays, MaskSpec
 from jaxflash.triton import backward as bwd_lib
@@ -50,7 +51,9 @@ def _plan(q, k, mask: MaskSpec, arrays: MaskArrays, softmax_scale: float,
       has_lengths=(arrays.q_seq_lengths is not None
                    or arrays.kv_seq_lengths is not None),
       bias_axes=_full_axes(arrays.bias), mask_axes=_full_axes(
-          arrays.dense_mask))
+          arrays.dense_mask),
+      flash_axes=(None if arrays.flash_mask is None
+                  else _full_axes(arrays.flash_mask)[:2]))
   return _Static(prob=prob, config=cfg, interpret=interpret, head_dim=D)
 
 
@@ -68,12 +71,21 @@ def _dense_inputs(arrays: MaskArrays, prob: Problem) -> dense_lib.DenseInputs:
     rows = prob.q_pad if x.shape[2] > 1 else 1
     return jnp.pad(x, ((0, 0), (0, 0), (0, rows - x.shape[2]),
                        (0, prob.kv_pad - x.shape[3])), constant_values=fill)
-  bias = mask = None
+  bias = mask = flash = None
   if arrays.bias is not None:
     bias = pad(arrays.bias, 0)
   if arrays.dense_mask is not None:
     mask = pad(arrays.dense_mask.astype(jnp.int8), 0)
-  return dense_lib.DenseInputs(bias, mask)
+  if arrays.flash_mask is not None:
+    # Padding keys are hidden from every row: both ranges [0, BIG).
+    cols = arrays.flash_mask
+    # (Built from scalars: an array constant cannot be closed over under
+    # custom_partitioning.)
+    n = prob.kv_pad - cols.shape[3]
+    fill = [jnp.full((*cols.shape[:2], 1, n), x, jnp.int32)
+            for x in (0, flashmask.BIG, 0, flashmask.BIG)]
+    flash = jnp.concatenate([cols, jnp.concatenate(fill, axis=2)], axis=3)
+  return dense_lib.DenseInputs(bias, mask, flash)
 
 
 def _pad(x, seq: int, dp: int):

@@ -76,7 +76,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
                 dropout: tuple | None, dbias: bool):
   held_info, stream_info, kv_seg_ref, q_seg_ref, rest = tiles.split_mask_refs(
       prob.has_segments, prob.has_lengths, rest)
-  bias_ref, dmask_ref, summary_ref, rest = dense_lib.split_refs(prob, rest)
+  dense_refs, rest = dense_lib.split_refs(prob, rest)
+  bias_ref = dense_refs.bias
   seed = None
   # The group's first query head among all heads, read outside the loops.
   first_head = pl.program_id(2) * prob.group
@@ -104,9 +105,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
       visible = tiles.q_tile_visible(prob.mask, k_idx, t, block_q,
                                      valid=valid, k_seg=k_seg,
                                      q_seg_ref=q_seg_ref)
-      if dmask_ref is not None:
-        visible = visible & dense_lib.mask_tile(
-            dmask_ref, prob, held_q=False, t=t, g=g, block=block_q)
+      dense_vis = dense_lib.visible_tile(
+          dense_refs, prob, held_q=False, t=t, g=g, block=block_q,
+          q_idx=t * block_q + lax.broadcasted_iota(jnp.int32,
+                                                   (block_q, block_k), 0))
+      if dense_vis is not None:
+        visible = visible & dense_vis
     bias = None
     if bias_ref is not None:
       bias = lambda s: dense_lib.add_bias(s, bias_ref, prob, held_q=False,
@@ -135,7 +139,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
         stream_block=block_q, held_info_ref=held_info,
         stream_info_ref=stream_info, has_lengths=prob.has_lengths,
         body=functools.partial(body, g=g), carry=carry,
-        dense_class=dense_lib.tile_class(summary_ref, prob, held_q=False,
+        dense_class=dense_lib.tile_class(dense_refs, prob, held_q=False,
                                          g=g))
 
   carry = (jnp.zeros((block_k, prob.head_dim_padded), jnp.float32),
@@ -153,7 +157,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
                dropout: tuple | None):
   held_info, stream_info, q_seg_ref, kv_seg_ref, rest = tiles.split_mask_refs(
       prob.has_segments, prob.has_lengths, rest)
-  bias_ref, dmask_ref, summary_ref, rest = dense_lib.split_refs(prob, rest)
+  dense_refs, rest = dense_lib.split_refs(prob, rest)
+  bias_ref = dense_refs.bias
   seed = None
   q_head = pl.program_id(2)  # read outside the loop
   if dropout is not None:
@@ -176,9 +181,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
       visible = tiles.kv_tile_visible(prob.mask, q_idx, t, block_k,
                                       valid=valid, q_seg=q_seg,
                                       kv_seg_ref=kv_seg_ref)
-      if dmask_ref is not None:
-        visible = visible & dense_lib.mask_tile(dmask_ref, prob, held_q=True,
-                                                t=t, block=block_k)
+      dense_vis = dense_lib.visible_tile(dense_refs, prob, held_q=True, t=t,
+                                         block=block_k, q_idx=q_idx)
+      if dense_vis is not None:
+        visible = visible & dense_vis
     bias = None
     if bias_ref is not None:
       bias = lambda s: dense_lib.add_bias(s, bias_ref, prob, held_q=True,
@@ -198,7 +204,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
       stream_block=block_k, held_info_ref=held_info,
       stream_info_ref=stream_info, has_lengths=prob.has_lengths, body=body,
       carry=jnp.zeros((block_q, prob.head_dim_padded), jnp.float32),
-      dense_class=dense_lib.tile_class(summary_ref, prob, held_q=True))
+      dense_class=dense_lib.tile_class(dense_refs, prob, held_q=True))
   dq_ref[...] = (dq * prob.softmax_scale).astype(dq_ref.dtype)
 
 

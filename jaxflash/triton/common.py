@@ -37,6 +37,8 @@ class Problem:
   # query) axes are full (False: size 1, broadcast), or None when absent.
   bias_axes: tuple[bool, bool, bool] | None = None
   mask_axes: tuple[bool, bool, bool] | None = None
+  # FlashMask columns: which of their (batch, heads) axes are full.
+  flash_axes: tuple[bool, bool] | None = None
 
   @property
   def group(self) -> int:

@@ -1,6 +1,6 @@
 """Dense bias and boolean mask inputs of the Triton kernels (``jax.nn``'s
-``bias`` and ``mask``): their BlockSpecs, and the tile reads inside the
-kernels.
+``bias`` and ``mask``) and FlashMask's column ranges: their BlockSpecs,
+and the tile reads inside the kernels.
 
 Each array is ``[B|1, H|1, T_pad|1, S_pad]`` (an axis of size 1
 broadcasts; only the key axis is always full) and is read tile by tile
@@ -10,7 +10,11 @@ kernel holds one key tile's columns for the query heads of its group and
 slices query tiles.  The mask travels as int8 with a per-tile summary
 (:func:`jaxflash.masks.dense_tile_summary`) that lets the tile loop skip
 a tile with no visible pair and drop the element mask where all are
-visible.
+visible.  A FlashMask (:mod:`jaxflash.flashmask`) travels as its four
+column vectors ``[B|1, H|1, 4, S_pad]`` (hidden rows ``[lt_start,
+lt_end)`` and ``[ut_start, ut_end)`` of each key), with a summary of the
+same form from :func:`jaxflash.flashmask.tile_class`: O(N) memory where the
+dense mask is O(N^2).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxflash import masks
+from jaxflash import flashmask, masks
 from jaxflash._util import LOG2E
 from jaxflash.triton.common import Problem
 
@@ -32,6 +36,7 @@ class DenseInputs(NamedTuple):
 
   bias: jax.Array | None = None
   mask: jax.Array | None = None
+  flash: jax.Array | None = None  # FlashMask columns [B|1, H|1, 4, S_pad]
 
 
 NO_DENSE = DenseInputs()
@@ -48,10 +53,42 @@ def _row_index(axes, held_q: bool):
   return index
 
 
+def _summary_spec(summary, axes, prob: Problem, held_q: bool):
+  full_b, full_h, full_t = axes
+  if held_q:
+    return pl.BlockSpec(
+        (None, None, None, summary.shape[-1]),
+        lambda i, b, h: ((b if full_b else 0), (h if full_h else 0),
+                         (i if full_t else 0), 0))
+  return pl.BlockSpec(
+      (None, prob.group if full_h else 1, None, summary.shape[-1]),
+      lambda j, b, h: ((b if full_b else 0), (h if full_h else 0), j, 0))
+
+
+def flash_summary(cols, q_pad: int, block_q: int, block_k: int, *,
+                  transpose: bool = False):
+  """The FlashMask columns' tile classes in the dense mask's encoding
+  (:func:`jaxflash.masks.dense_tile_summary`), ``[b, h, n_q, n_k]`` (or
+  transposed) for the tiling ``(block_q, block_k)``."""
+  n_k = cols.shape[-1] // block_k
+  tiles = cols.reshape(*cols.shape[:3], n_k, block_k)
+  lo, hi = tiles.min(-1)[:, :, :, None, :], tiles.max(-1)[:, :, :, None, :]
+  bounds = flashmask.TileBounds(lo[:, :, 0], hi[:, :, 0], lo[:, :, 1],
+                                hi[:, :, 1], lo[:, :, 2], hi[:, :, 2],
+                                lo[:, :, 3], hi[:, :, 3])
+  rows = jnp.arange(0, q_pad, block_q, dtype=jnp.int32)[:, None]
+  cls = flashmask.tile_class(bounds, rows, rows + block_q)
+  cls = jnp.where(cls == flashmask.TILE_VISIBLE, masks.DENSE_FULL,
+                  jnp.where(cls == flashmask.TILE_HIDDEN, masks.DENSE_HIDDEN,
+                            masks.DENSE_PARTIAL)).astype(jnp.int32)
+  return jnp.swapaxes(cls, 2, 3) if transpose else cls
+
+
 def specs_and_args(dense: DenseInputs, prob: Problem, *, held_q: bool,
                    block_q: int, block_k: int):
   """BlockSpecs and arrays of the dense inputs of one kernel, in the order
-  :func:`split_refs` unpacks them: bias, mask, the mask's tile summary.
+  :func:`split_refs` unpacks them: bias, mask, the mask's tile summary,
+  FlashMask columns, their tile summary.
 
   ``held_q``: the forward / dQ tiling (a query tile's rows, all keys);
   otherwise the dK/dV tiling (a key tile's columns, all query rows of the
@@ -70,32 +107,52 @@ def specs_and_args(dense: DenseInputs, prob: Problem, *, held_q: bool,
     specs.append(pl.BlockSpec(block, _row_index(axes, held_q)))
     args.append(x)
   if dense.mask is not None:
-    full_b, full_h, full_t = prob.mask_axes
     summary = masks.dense_tile_summary(dense.mask, block_q, block_k,
                                        transpose=not held_q)
-    if held_q:
-      block = (None, None, None, summary.shape[-1])
-      index = lambda i, b, h: ((b if full_b else 0), (h if full_h else 0),
-                               (i if full_t else 0), 0)
-    else:
-      block = (None, prob.group if full_h else 1, None, summary.shape[-1])
-      index = lambda j, b, h: ((b if full_b else 0), (h if full_h else 0),
-                               j, 0)
-    specs.append(pl.BlockSpec(block, index))
+    specs.append(_summary_spec(summary, prob.mask_axes, prob, held_q))
     args.append(summary)
+  if dense.flash is not None:
+    full_b, full_h = prob.flash_axes
+    if held_q:
+      specs.append(pl.BlockSpec(
+          (None, None, 4, prob.kv_pad),
+          lambda i, b, h: ((b if full_b else 0), (h if full_h else 0), 0,
+                           0)))
+    else:
+      specs.append(pl.BlockSpec(
+          (None, prob.group if full_h else 1, 4, block_k),
+          lambda j, b, h: ((b if full_b else 0), (h if full_h else 0), 0,
+                           j)))
+    summary = flash_summary(dense.flash, prob.q_pad, block_q, block_k,
+                            transpose=not held_q)
+    specs.append(_summary_spec(summary, (full_b, full_h, True), prob,
+                               held_q))
+    args += [dense.flash, summary]
   return specs, args
 
 
+class DenseRefs(NamedTuple):
+  """A kernel's refs of the dense inputs (None where absent)."""
+
+  bias: object = None
+  mask: object = None
+  mask_summary: object = None
+  flash: object = None
+  flash_summary: object = None
+
+
 def split_refs(prob: Problem, refs):
-  """``(bias_ref, mask_ref, summary_ref, remaining refs)`` (None where
-  absent), the inverse of :func:`specs_and_args`."""
+  """``(DenseRefs, remaining refs)``, the inverse of
+  :func:`specs_and_args`."""
   refs = list(refs)
-  bias = mask = summary = None
+  bias = mask = summary = flash = flash_summary_ref = None
   if prob.bias_axes is not None:
     bias, refs = refs[0], refs[1:]
   if prob.mask_axes is not None:
     mask, summary, refs = refs[0], refs[1], refs[2:]
-  return bias, mask, summary, refs
+  if prob.flash_axes is not None:
+    flash, flash_summary_ref, refs = refs[0], refs[1], refs[2:]
+  return DenseRefs(bias, mask, summary, flash, flash_summary_ref), refs
 
 
 def _tile(ref, axes, *, held_q: bool, t, g, block: int):
@@ -114,20 +171,51 @@ def add_bias(s2, bias_ref, prob: Problem, *, held_q: bool, t, g=None,
   return s2 + b.astype(jnp.float32) * LOG2E
 
 
-def mask_tile(mask_ref, prob: Problem, *, held_q: bool, t, g=None,
-              block: int):
-  """The dense mask's tile as a bool array (broadcastable to the tile)."""
-  return _tile(mask_ref, prob.mask_axes, held_q=held_q, t=t, g=g,
-               block=block) != 0
+def visible_tile(refs: DenseRefs, prob: Problem, *, held_q: bool, t, g=None,
+                 block: int, q_idx):
+  """The dense mask's and the FlashMask's element mask of one tile (bool,
+  broadcastable to it), or None when neither is given.  ``q_idx``: the
+  tile's query rows ``[block_q, block_k]``."""
+  vis = None
+  if refs.mask is not None:
+    vis = _tile(refs.mask, prob.mask_axes, held_q=held_q, t=t, g=g,
+                block=block) != 0
+  if refs.flash is not None:
+    if held_q:  # [4, S_pad]: key tile t
+      keys = pl.ds(pl.multiple_of(t * block, block), block)
+      c = lambda r: refs.flash[r, keys][None, :]
+    else:       # [G|1, 4, bk]: this key tile, head g
+      head = g if prob.flash_axes[1] else 0
+      c = lambda r: refs.flash[head, r, :][None, :]
+    # FlashMask: key j is hidden from rows [lt_start, lt_end) and
+    # [ut_start, ut_end) (arXiv 2410.01359).
+    hidden = (((c(0) <= q_idx) & (q_idx < c(1)))
+              | ((c(2) <= q_idx) & (q_idx < c(3))))
+    vis = ~hidden if vis is None else vis & ~hidden
+  return vis
 
 
-def tile_class(summary_ref, prob: Problem, *, held_q: bool, g=None):
-  """``t -> class`` of streamed tile ``t`` for the tile loop (or None)."""
-  if summary_ref is None:
+def tile_class(refs: DenseRefs, prob: Problem, *, held_q: bool, g=None):
+  """``t -> class`` of streamed tile ``t`` for the tile loop (or None):
+  the dense mask's and the FlashMask's classes combined (the encoding
+  makes ``&`` their conjunction: hidden 0, partial 1, full 3)."""
+  classes = []
+  if refs.mask_summary is not None:
+    classes.append(_summary_class(refs.mask_summary, prob.mask_axes,
+                                  held_q=held_q, g=g))
+  if refs.flash_summary is not None:
+    classes.append(_summary_class(refs.flash_summary,
+                                  (*prob.flash_axes, True), held_q=held_q,
+                                  g=g))
+  if not classes:
     return None
-  if held_q:
-    return lambda t: summary_ref[t]
-  full_t = prob.mask_axes[2]
-  head = g if prob.mask_axes[1] else 0
-  return lambda t: summary_ref[head, t if full_t else 0]
+  if len(classes) == 1:
+    return classes[0]
+  return lambda t: classes[0](t) & classes[1](t)
 
+
+def _summary_class(ref, axes, *, held_q: bool, g):
+  if held_q:
+    return lambda t: ref[t]
+  head = g if axes[1] else 0
+  return lambda t: ref[head, t if axes[2] else 0]

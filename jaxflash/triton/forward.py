@@ -39,7 +39,8 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
     refs = refs[1:]
   held_info, stream_info, q_seg_ref, kv_seg_ref, rest = (
       tiles.split_mask_refs(prob.has_segments, prob.has_lengths, refs))
-  bias_ref, dmask_ref, summary_ref, rest = dense_lib.split_refs(prob, rest)
+  dense_refs, rest = dense_lib.split_refs(prob, rest)
+  bias_ref = dense_refs.bias
   seed = head = None
   if dropout is not None:
     seed, first_head, rest = rest[0][0], rest[0][1], rest[1:]
@@ -67,9 +68,10 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
     if masked:
       visible = tiles.kv_tile_visible(mask, q_idx, t, block_k, valid=valid,
                                       q_seg=q_seg, kv_seg_ref=kv_seg_ref)
-      if dmask_ref is not None:
-        visible = visible & dense_lib.mask_tile(dmask_ref, prob, held_q=True,
-                                                t=t, block=block_k)
+      dense_vis = dense_lib.visible_tile(dense_refs, prob, held_q=True, t=t,
+                                         block=block_k, q_idx=q_idx)
+      if dense_vis is not None:
+        visible = visible & dense_vis
       s = jnp.where(visible, s, -jnp.inf)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
     # A bias may hold -inf (a mask given as a bias) even in a tile the
@@ -106,7 +108,7 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
       stream_block=block_k, held_info_ref=held_info,
       stream_info_ref=stream_info, has_lengths=prob.has_lengths, body=body,
       carry=carry, count_tiles=count_tiles,
-      dense_class=dense_lib.tile_class(summary_ref, prob, held_q=True))
+      dense_class=dense_lib.tile_class(dense_refs, prob, held_q=True))
   if count_tiles:
     (acc, m, l), count = result
     rest[2][...] = jnp.full((block_q,), count, jnp.int32)
