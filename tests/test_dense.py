@@ -159,13 +159,17 @@ def test_vmap_over_a_batched_or_shared_bias():
                                else want_db.sum(0), atol=1e-5)
 
 
-@pytest.mark.parametrize("axis_type", [
-    AxisType.Explicit, pytest.param(AxisType.Auto, marks=pytest.mark.slow)],
-    ids=["Explicit", "Auto"])
-def test_sharded_bias_and_mask_match_single_device(axis_type):
+@pytest.mark.parametrize("axis_type,flash", [
+    (AxisType.Explicit, False), (AxisType.Auto, True),
+    pytest.param(AxisType.Auto, False, marks=pytest.mark.slow),
+    pytest.param(AxisType.Explicit, True, marks=pytest.mark.slow)],
+    ids=["Explicit-dense", "Auto-flashmask", "Auto-dense",
+         "Explicit-flashmask"])
+def test_sharded_bias_and_mask_match_single_device(axis_type, flash):
   """Batch and heads sharded over a (2, 4) mesh with a bias full in heads
-  but shared by the batch rows, and a mask per row: outputs and gradients
-  (the bias's summed over every shard) equal the one-device call."""
+  but shared by the batch rows, and a mask per row (dense, or a FlashMask
+  of causal documents): outputs and gradients (the bias's summed over
+  every shard) equal the one-device call."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices (tests/conftest.py sets 8 CPU devices)")
   mesh = jax.make_mesh((2, 4), ("data", "tensor"),
@@ -174,6 +178,12 @@ def test_sharded_bias_and_mask_match_single_device(axis_type):
                                  kv_len=32, heads=8, kv_heads=4, head_dim=16,
                                  dtype=jnp.float32)
   bias, mask = _dense((1, 8, 32, 32), (4, 1, 32, 32), seed=7)
+  mask_spec = P("data", None, None, None)
+  if flash:
+    from jaxflash import FlashMask
+    seg = jnp.asarray([[0] * 10 + [1] * 22, [0] * 32] * 2, jnp.int32)
+    mask = FlashMask.causal_document(seg)
+    mask_spec = P("data", None, None)
 
   def run(q, k, v, do, bias, mask):
     attend = lambda q, k, v, b: jaxflash.flash_attention(
@@ -187,7 +197,7 @@ def test_sharded_bias_and_mask_match_single_device(axis_type):
   qs, kvs = P("data", None, "tensor", None), P("data", None, "tensor", None)
   got = jax.jit(run)(put(q, qs), put(k, kvs), put(v, kvs), put(do, qs),
                      put(bias, P(None, "tensor", None, None)),
-                     put(mask, P("data", None, None, None)))
+                     jax.tree.map(lambda x: put(x, mask_spec), mask))
   for a, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=1e-5)
 
@@ -238,3 +248,93 @@ def test_gpu_dense(causal):
   got, want = loss(None), loss("xla")
   err = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))
   assert err.max() <= 2 ** -6 * max(1.0, float(jnp.abs(want).max()))
+
+
+# -- FlashMask in the kernels -------------------------------------------------
+
+def _flash_masks(batch: int, seq: int):
+  from jaxflash import FlashMask
+  seg = jnp.asarray([[0] * 20 + [1] * 30 + [2] * (seq - 50),
+                     [0] * (seq - 20) + [1] * 20])[:batch]
+  answers = jnp.asarray([[0] * 12 + [1] * 20 + [2] * (seq - 32),
+                         [0] * 30 + [1] * (seq - 30)])[:batch]
+  cols = jax.random.randint(jax.random.key(9), (batch, 1, 4, seq), 0, seq)
+  return {
+      "causal-document": FlashMask.causal_document(seg),
+      "prefix-lm": FlashMask.prefix_lm(jnp.asarray([10, 33])[:batch], seq),
+      "sliding-window": FlashMask.sliding_window(seq, 9),
+      "global-and-window": FlashMask.global_and_window(seq, 4, 12),
+      "shared-question": FlashMask.shared_question(answers),
+      "random-ranges": FlashMask(*(cols[:, :, i] for i in range(4))),
+  }
+
+
+@pytest.mark.parametrize("pattern", [
+    "causal-document", "prefix-lm", "shared-question", "random-ranges",
+    pytest.param("sliding-window", marks=pytest.mark.slow),
+    pytest.param("global-and-window", marks=pytest.mark.slow)])
+def test_flashmask_patterns_keep_the_numerics_rule(pattern):
+  """Each FlashMask pattern (GQA 4:2, 70 tokens, 16 x 16 tiles) keeps the
+  numerics rule against the reference given its dense form; rows it hides
+  entirely (random ranges) give zeros, not NaN."""
+  q, k, v, do, dlse = random_inputs(jax.random.key(0), batch=2, q_len=70,
+                                    kv_len=70, heads=4, kv_heads=2,
+                                    head_dim=32, dtype=jnp.float32)
+  fm = _flash_masks(2, 70)[pattern]
+  fn = lambda q, k, v: jaxflash.flash_attention(
+      q, k, v, mask=fm, implementation="triton", interpret=True,
+      return_lse=True, config=TILES)
+  check_rule(outputs_and_grads(fn, q, k, v, do, dlse), q, k, v, do, dlse,
+             dense_mask=fm.check(2, 4, 70, 70).dense(70))
+
+
+def test_flashmask_per_head_with_other_masks_and_cross_lengths():
+  """A FlashMask per head, with q_len != kv_len (its rows are query
+  positions, top-left), causal (bottom-right) and kv lengths ANDed in."""
+  from jaxflash import FlashMask
+  q, k, v, do, dlse = random_inputs(jax.random.key(1), batch=2, q_len=40,
+                                    kv_len=72, heads=2, kv_heads=1,
+                                    head_dim=16, dtype=jnp.float32)
+  ends = jax.random.randint(jax.random.key(2), (1, 2, 72), 0, 41)
+  fm = FlashMask(lt_start=ends // 2, lt_end=ends)
+  lengths = jnp.asarray([72, 50])
+  fn = lambda q, k, v: jaxflash.flash_attention(
+      q, k, v, mask=fm, causal=True, kv_seq_lengths=lengths,
+      implementation="triton", interpret=True, return_lse=True, config=TILES)
+  check_rule(outputs_and_grads(fn, q, k, v, do, dlse), q, k, v, do, dlse,
+             causal=True, kv_seq_lengths=lengths,
+             dense_mask=fm.check(2, 2, 40, 72).dense(40))
+
+
+def test_flashmask_skips_tiles_like_segment_ids():
+  """Causal documents as a FlashMask visit the key tiles that the same
+  documents as segment ids visit."""
+  from jaxflash import FlashMask, flashmask
+  seg = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 32)[None]
+  q = jnp.ones((1, 128, 1, 16))
+  cols = flashmask.columns(FlashMask.causal_document(seg).check(1, 1, 128,
+                                                                128))
+  spec = MaskSpec(128, 128, causal=True)
+  as_flash = triton_backend.count_visited_tiles(
+      q, q, q, mask=MaskSpec(128, 128), arrays=MaskArrays(flash_mask=cols),
+      config=TILES, interpret=True)
+  as_segments = triton_backend.count_visited_tiles(
+      q, q, q, mask=spec, arrays=MaskArrays(seg, seg), config=TILES,
+      interpret=True)
+  np.testing.assert_array_equal(as_flash, as_segments)
+  assert int(as_flash.max()) == 2  # a document is two 16-tiles
+
+
+def test_flashmask_errors():
+  from jaxflash import FlashMask
+  q = jnp.ones((2, 16, 4, 16))
+  for fm, match in [
+      (FlashMask(jnp.zeros((2, 4, 15), jnp.int32)), "last axis 15 must"),
+      (FlashMask(jnp.zeros((3, 1, 16), jnp.int32)), "batch axis 3 must"),
+      (FlashMask(jnp.zeros((1, 1, 16))), "must have an integer dtype"),
+      (FlashMask(jnp.zeros((16,), jnp.int32)), r"\(rank 3\)"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      jaxflash.flash_attention(q, q, q, mask=fm, implementation="xla")
+  with pytest.raises(ValueError, match="ut_start and ut_end come together"):
+    FlashMask(jnp.zeros((1, 1, 16), jnp.int32), ut_start=jnp.zeros(16))

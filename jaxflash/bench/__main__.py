@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxflash import reference
 from jaxflash.bench import core, decode, impls, report
+from jaxflash.flashmask import FlashMask
 
 # Output-check tolerance, relative to max(1, max|ref|): a few units in the
 # last place of each dtype; a wrong mask or tile shows as errors of 1e-1.
@@ -57,7 +58,11 @@ def _parser() -> argparse.ArgumentParser:
                       " normal values are exact e4m3 numbers once"
                       " rounded), forward only")
   p.add_argument("--mask", default=None,
-                 help="none, segments:N or window:L")
+                 help="none, segments:N, window:L, bias (a dense bias per"
+                      " head, differentiated in fwd_bwd), dense-segments:N"
+                      " (segments:N as a dense boolean mask) or"
+                      " flashmask-doc:N (causal documents as a FlashMask;"
+                      " the peers get its dense form)")
   p.add_argument("--mode", default="both",
                  choices=["fwd", "fwd_bwd", "both", "decode", "mla"],
                  help="decode: new queries over a paged KV cache, in"
@@ -147,7 +152,10 @@ def _reference_out(shape, q, k, v, mask_kw):
   heads = min(2, shape.kv_heads) * (shape.heads // shape.kv_heads)
   for name, ref_name in (("bias", "bias"), ("mask", "dense_mask")):
     if name in mask_kw:  # the spot slice (_spot) of the dense array
-      kw[ref_name] = mask_kw[name][:1, :heads, -SPOT_ROWS:]
+      x = mask_kw[name]
+      if isinstance(x, FlashMask):
+        x = impls.flashmask_dense(x, shape, rows=SPOT_ROWS)
+      kw[ref_name] = x[:1, :heads, -SPOT_ROWS:]
   # FP8 inputs: the reference of their values in float32.
   def up(x):
     return x.astype(jnp.float32) if shape.jnp_dtype.itemsize == 1 else x
@@ -167,11 +175,25 @@ def prepare(name: str, shape: core.Shape, modes, arrays, ref_out,
   hash of the program traced for that compile
   (:func:`core.program_fingerprint`)."""
   q, k, v, do = arrays
+  maker = (makers or impls.IMPLS)[name]
+  # Dense bias and mask arrays (N x N) and FlashMask columns are arguments
+  # of the timed program, never constants compiled into it; peers take a
+  # FlashMask as the dense mask it stands for, made here, untimed.
+  extra = {n: mask_kw[n] for n in ("bias", "mask") if n in mask_kw}
+  if (isinstance(extra.get("mask"), FlashMask)
+      and not name.startswith("jaxflash")):
+    extra["mask"] = impls.flashmask_dense(extra["mask"], shape)
+  names = tuple(extra)
+
+  def attend(q, k, v, *dense):
+    return maker(shape, dict(mask_kw, **dict(zip(names, dense))),
+                 interpret)(q, k, v)
+
+  dense = tuple(extra.values())
   try:
-    attend = (makers or impls.IMPLS)[name](shape, mask_kw, interpret)
-    traced_fwd = jax.jit(attend).trace(q, k, v)
+    traced_fwd = jax.jit(attend).trace(q, k, v, *dense)
     fwd = traced_fwd.lower().compile()
-    got = np.asarray(_spot(fwd(q, k, v), shape), np.float32)
+    got = np.asarray(_spot(fwd(q, k, v, *dense), shape), np.float32)
     want = np.asarray(ref_out, np.float32)
     err = float(np.max(np.abs(got - want))) if got.size else 0.0
     tol = CHECK_TOL[shape.dtype] * max(1.0, float(np.max(np.abs(want))))
@@ -184,26 +206,21 @@ def prepare(name: str, shape: core.Shape, modes, arrays, ref_out,
     return {mode: core.record(shape, name, mode, error=_message(e))
             for mode in modes}
 
-  def fwd_bwd(q, k, v, do, *bias):
-    if not bias:
-      _, vjp = jax.vjp(attend, q, k, v)
-      return vjp(do)
-    # A dense bias is differentiated too (its gradient, dbias, is part of
-    # the backward measured).
-    maker = (makers or impls.IMPLS)[name]
-    with_bias = lambda q, k, v, b: maker(shape, dict(mask_kw, bias=b),
-                                         interpret)(q, k, v)
-    _, vjp = jax.vjp(with_bias, q, k, v, bias[0])
+  def fwd_bwd(q, k, v, do, *dense):
+    # A dense bias (first of the dense arguments) is differentiated too:
+    # its gradient, dbias, is part of the backward measured.
+    n = 4 if "bias" in names else 3
+    primal = lambda *a: attend(*a[:n], *dense[n - 3:])
+    _, vjp = jax.vjp(primal, q, k, v, *dense[:n - 3])
     return vjp(do)
 
   out = {}
   for mode in modes:
     try:
       if mode == "fwd":
-        traced, fn, args = traced_fwd, fwd, (q, k, v)
+        traced, fn, args = traced_fwd, fwd, (q, k, v, *dense)
       else:
-        args = (q, k, v, do, *([mask_kw["bias"]] if "bias" in mask_kw
-                               else []))
+        args = (q, k, v, do, *dense)
         traced = jax.jit(fwd_bwd).trace(*args)
         fn = traced.lower().compile()
       jax.block_until_ready(fn(*args))  # run errors are this row's

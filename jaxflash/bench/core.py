@@ -34,7 +34,8 @@ class Shape:
   head_dim: int
   causal: bool
   dtype: str = "bfloat16"
-  # None, "segments:N", "window:L", "bias" or "dense-segments:N"
+  # None, "segments:N", "window:L", "bias", "dense-segments:N" or
+  # "flashmask-doc:N" (parse_mask)
   mask: str | None = None
   model: str | None = None  # the MODELS entry it was taken from
 
@@ -82,14 +83,16 @@ def parse_mask(text: str | None) -> str | None:
   if text in (None, "", "none"):
     return None
   kind, _, arg = text.partition(":")
-  if text == "bias" or (kind in ("segments", "window", "dense-segments")
+  if text == "bias" or (kind in ("segments", "window", "dense-segments",
+                                  "flashmask-doc")
                         and arg.isdigit() and int(arg) >= 1):
     return text
   raise ValueError(
       f"mask={text!r} must be none, segments:N (N documents per row),"
       " window:L (sliding window of L keys, causal), bias (a dense bias per"
-      " head, differentiated in fwd_bwd) or dense-segments:N (segments:N"
-      " as a dense boolean mask)")
+      " head, differentiated in fwd_bwd), dense-segments:N (segments:N"
+      " as a dense boolean mask) or flashmask-doc:N (causal documents as a"
+      " FlashMask)")
 
 
 def grid(*, head_dims, seqs, causal, tokens: int, width: int, kv_ratio=1,

@@ -145,6 +145,14 @@ def parse_mosaic_variants(text: str, tuned_for: str | None = None
 CPU_IMPLS = ("jaxflash-triton", "jaxflash-xla", "xla")
 
 
+def flashmask_dense(mask, shape: Shape, rows: int | None = None):
+  """A FlashMask's dense boolean form ``[B|1, H|1, T, S]`` (its last
+  ``rows`` query rows only, if given)."""
+  full = mask.check(shape.batch, shape.heads, shape.seq_q, shape.seq_k)
+  dense = full.dense(shape.seq_q)
+  return dense if rows is None else dense[:, :, -rows:]
+
+
 def mask_kwargs(shape: Shape) -> dict:
   """flash_attention keywords for the shape's mask description."""
   if shape.mask is None:
@@ -160,6 +168,9 @@ def mask_kwargs(shape: Shape) -> dict:
   # segments:N - N equal documents per row (the last one takes the rest).
   doc = max(1, shape.seq_q // n)
   ids = jnp.minimum(jnp.arange(shape.seq_q, dtype=jnp.int32) // doc, n - 1)
+  if kind == "flashmask-doc":  # causal documents (with causal=on)
+    return dict(mask=jaxflash.FlashMask.causal_document(
+        jnp.broadcast_to(ids, (shape.batch, shape.seq_q))))
   if kind == "dense-segments":  # the same documents as a [B, 1, T, S] mask
     same = ids[:, None] == ids[None, :]
     return dict(mask=jnp.broadcast_to(same, (shape.batch, 1, shape.seq_q,
