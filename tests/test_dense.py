@@ -153,9 +153,8 @@ def test_vmap_over_a_batched_or_shared_bias():
                                atol=1e-5)
     want_db = jnp.stack([w[1] for w in want])
     np.testing.assert_allclose(got[1], want_db, atol=1e-5)
-    mapped = jax.vmap(f, in_axes=(0, axis))
-    summed = jax.grad(lambda qs, b: jnp.sum(mapped(qs, b)),
-                      argnums=1)(qs, bias)
+    summed = jax.grad(lambda qs, b, m=jax.vmap(f, in_axes=(0, axis)):
+                      jnp.sum(m(qs, b)), argnums=1)(qs, bias)
     np.testing.assert_allclose(summed, want_db if axis is not None
                                else want_db.sum(0), atol=1e-5)
 
