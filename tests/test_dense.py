@@ -132,6 +132,11 @@ def test_hidden_tiles_are_skipped():
   np.testing.assert_array_equal(counts[0, 0], np.arange(64) // 16 + 1)
 
 
+def _grad_of_vmapped_sum(f, axis, qs, bias):
+  mapped = jax.vmap(f, in_axes=(0, axis))
+  return jax.grad(lambda qs, b: jnp.sum(mapped(qs, b)), argnums=1)(qs, bias)
+
+
 def test_vmap_over_a_batched_or_shared_bias():
   """vmap with the bias mapped (broadcast over its batch rows) or not
   (shared by every mapped slice): gradients equal a loop over the slices,
@@ -153,8 +158,7 @@ def test_vmap_over_a_batched_or_shared_bias():
                                atol=1e-5)
     want_db = jnp.stack([w[1] for w in want])
     np.testing.assert_allclose(got[1], want_db, atol=1e-5)
-    summed = jax.grad(lambda qs, b, m=jax.vmap(f, in_axes=(0, axis)):
-                      jnp.sum(m(qs, b)), argnums=1)(qs, bias)
+    summed = _grad_of_vmapped_sum(f, axis, qs, bias)
     np.testing.assert_allclose(summed, want_db if axis is not None
                                else want_db.sum(0), atol=1e-5)
 
