@@ -102,8 +102,9 @@ def _plan_from_args(mesh, arg_shapes):
 def mask_array_spec(shape, b, h):
   """Spec of one mask array: segment ids ``[B, L]`` and dropout seeds
   ``[B, 2]`` by batch, lengths ``[B]``, and a dense bias or mask ``[B|1,
-  H|1, T|1, S]`` or FlashMask columns ``[B|1, H|1, 4, S]`` by batch and
-  heads where those axes are full (an axis of size 1 is replicated)."""
+  H|1, T|1, S]``, FlashMask columns ``[B|1, H|1, 4, S]`` or ALiBi slopes
+  ``[B|1, H, 1, 2]`` by batch and heads where those axes are full (an
+  axis of size 1 is replicated)."""
   if len(shape) == 4:
     return P(b if shape[0] > 1 else None, h if shape[1] > 1 else None,
              None, None)
@@ -215,7 +216,7 @@ backward_result_shardings = _infer(_backward_specs, backward=True)
 
 
 _MASK_FACTORS = ("b t", "b s", "b", "b", "b c", "dense", "dense",
-                 "columns")
+                 "columns", "slopes")
 
 
 def _mask_factors(present, types) -> list[str]:
@@ -225,12 +226,12 @@ def _mask_factors(present, types) -> list[str]:
   kinds = [f for f, on in zip(_MASK_FACTORS, present) if on]
   out = []
   for n, (kind, x) in enumerate(zip(kinds, types)):
-    if kind in ("dense", "columns"):  # [B|1, H|1, T|1 or 4, S]
+    if kind in ("dense", "columns", "slopes"):  # [B|1, H|1, T|1|4, S|2]
       shape = x.shape
       kind = " ".join([
           "b" if shape[0] > 1 else f"x{n}b", "h" if shape[1] > 1 else
           f"x{n}h", "t" if kind == "dense" and shape[2] > 1 else f"x{n}t",
-          "s"])
+          f"x{n}s" if kind == "slopes" else "s"])
     out.append(kind)
   return out
 

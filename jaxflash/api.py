@@ -55,6 +55,7 @@ def flash_attention(
     dropout_broadcast: bool = False,
     bias: jax.Array | None = None,
     mask: jax.Array | None = None,
+    alibi_slopes: jax.Array | None = None,
 ):
   """Exact attention in O(sequence) memory.
 
@@ -132,9 +133,14 @@ def flash_attention(
       from: causal documents, prefix-LM, shared question, sliding and
       global windows in O(N) memory; rows counted from the top-left).
       Tiles with no visible pair are skipped (a summary of the mask's
-      tiles is made once per call).  The bias does not combine with
-      ``logits_soft_cap``; the Triton kernels and ``"xla"`` serve both
-      (not the Hopper kernels yet).
+      tiles is made once per call).
+    alibi_slopes: ``[heads]`` or ``[batch, heads]`` float: ALiBi (Press et
+      al.), ``-slope * |i' - j|`` added to the scaled logits (``i'`` the
+      query's aligned key position, as FlashAttention-2), computed in the
+      kernels with no array; not differentiated.
+    The bias and ALiBi do not combine with ``logits_soft_cap``; the Triton
+    kernels and ``"xla"`` serve ``bias``, ``mask`` and ``alibi_slopes``
+    (not the Hopper kernels yet).
 
   Returns:
     ``out`` shaped and typed like ``q``, or ``(out, lse)`` with
@@ -144,7 +150,8 @@ def flash_attention(
     ValueError: malformed input (ranks, shapes, dtypes, head_dim, names).
     NotImplementedError: the named backend(s) cannot serve this call.
   """
-  dense = _dense_args(q, k, bias, mask, logits_soft_cap, squeeze=False)
+  dense = _dense_args(q, k, bias, mask, logits_soft_cap, squeeze=False,
+                      alibi_slopes=alibi_slopes)
   return _attention(
       q, k, v, causal=causal, offset=None, segment_ids=segment_ids,
       local_window_size=local_window_size, q_seq_lengths=q_seq_lengths,
@@ -158,18 +165,20 @@ def flash_attention(
 
 
 def _dense_args(q, k, bias, mask, logits_soft_cap, *, squeeze: bool,
-                names=None):
-  """``(bias, mask, flash_columns)`` checked
-  (:func:`jaxflash.checks.dense_array`, :meth:`FlashMask.check`), the
-  dense ones rank 4, or None when both arguments are None.  ``q``,
+                names=None, alibi_slopes=None):
+  """``(bias, mask, flash_columns, alibi)`` checked
+  (:func:`jaxflash.checks.dense_array`, :meth:`FlashMask.check`,
+  :func:`jaxflash.checks.alibi_slopes`), the dense ones rank 4, or None
+  when no argument is given.  ``q``,
   ``k``: rank 4; ``squeeze``: the arrays come rank 3, for rank-3 inputs
   of ``dot_product_attention``."""
-  if bias is None and mask is None:
+  if bias is None and mask is None and alibi_slopes is None:
     return None
-  if bias is not None and logits_soft_cap is not None:
-    raise NotImplementedError(
-        "a dense bias does not combine with logits_soft_cap (which of the"
-        " two applies first is undefined)")
+  for name, x in (("a dense bias", bias), ("alibi_slopes", alibi_slopes)):
+    if x is not None and logits_soft_cap is not None:
+      raise NotImplementedError(
+          f"{name} does not combine with logits_soft_cap (which of the two"
+          " applies first is undefined)")
   nm = (names or {}).get
   if getattr(q, "ndim", 0) != 4 or getattr(k, "ndim", 0) != 4:
     return None  # checks.validate names the malformed inputs first
@@ -181,7 +190,8 @@ def _dense_args(q, k, bias, mask, logits_soft_cap, *, squeeze: bool,
   return (checks.dense_array(nm("bias", "bias"), bias, full, squeeze,
                              boolean=False),
           checks.dense_array(nm("mask", "mask"), mask, full, squeeze,
-                             boolean=True), cols)
+                             boolean=True), cols,
+          checks.alibi_slopes(alibi_slopes, full[0], full[1]))
 
 
 def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
@@ -219,7 +229,7 @@ def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
   deterministic = checks.resolve_deterministic(deterministic)
   if dense is not None:
     arrays = arrays._replace(bias=dense[0], dense_mask=dense[1],
-                             flash_mask=dense[2])
+                             flash_mask=dense[2], alibi_slopes=dense[3])
   rate, shared = 0.0, False
   if dropout is not None:
     rate, rng, shared = dropout
@@ -286,6 +296,7 @@ def dot_product_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     dropout_broadcast: bool = False,
+    alibi_slopes: jax.Array | None = None,
 ):
   """Drop-in for ``jax.nn.dot_product_attention``, served by jaxflash.
 
@@ -295,9 +306,10 @@ def dot_product_attention(
   defaults to ``1/sqrt(H)``, ``return_residual=True`` adds the log-sum-exp
   shaped ``[B, T, N]`` in the output dtype.  Extras: ``segment_ids`` and
   ``logits_soft_cap`` (see :func:`flash_attention`), ``config``,
-  ``interpret``, ``deterministic`` and attention dropout
-  (``dropout_rate``, ``dropout_rng``, ``dropout_broadcast``, as
-  :func:`flash_attention`'s).
+  ``interpret``, ``deterministic``, attention dropout
+  (``dropout_rate``, ``dropout_rng``, ``dropout_broadcast``) and
+  ``alibi_slopes``, as :func:`flash_attention`'s (ALiBi aligned top-left
+  here, as the causal mask).
 
   ``implementation``: a jaxflash backend name (``"mosaic_gpu"``,
   ``"triton"``, ``"xla"``), a sequence of them, or None (best available).
@@ -329,7 +341,7 @@ def dot_product_attention(
   if squeeze:
     query, key, value = query[None], key[None], value[None]
   dense = _dense_args(query, key, bias, mask, logits_soft_cap,
-                      squeeze=squeeze)
+                      squeeze=squeeze, alibi_slopes=alibi_slopes)
   out, lse = _attention(
       query, key, value, causal=is_causal, offset=0, segment_ids=segment_ids,
       local_window_size=local_window_size, q_seq_lengths=query_seq_lengths,

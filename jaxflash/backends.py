@@ -27,7 +27,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from jaxflash import flashmask, mosaic_gpu, op, reference, triton
+import jax.numpy as jnp
+
+from jaxflash import flashmask, masks, mosaic_gpu, op, reference, triton
 from jaxflash._util import sm_count
 from jaxflash.masks import MaskArrays, MaskSpec
 from jaxflash.mosaic_gpu import backend as mosaic_kernels
@@ -216,7 +218,13 @@ def attention(backend: Backend | str, q, k, v, *, mask: MaskSpec,
     segs = None
     if arrays.q_segment_ids is not None:
       segs = (arrays.q_segment_ids, arrays.kv_segment_ids)
-    dense_mask = arrays.dense_mask
+    dense_mask, bias = arrays.dense_mask, arrays.bias
+    if arrays.alibi_slopes is not None:
+      slopes = arrays.alibi_slopes[:, :, :, :1]  # [B|1, H, 1, 1]
+      alibi = masks.alibi_bias(
+          slopes, jnp.arange(q.shape[1])[:, None],
+          jnp.arange(k.shape[1])[None, :], mask.offset)
+      bias = alibi if bias is None else bias + alibi
     if arrays.flash_mask is not None:
       cols = flashmask.visible_from_columns(arrays.flash_mask, q.shape[1])
       dense_mask = cols if dense_mask is None else dense_mask & cols
@@ -225,7 +233,7 @@ def attention(backend: Backend | str, q, k, v, *, mask: MaskSpec,
         window=(mask.window_left, mask.window_right), segment_ids=segs,
         q_seq_lengths=arrays.q_seq_lengths,
         kv_seq_lengths=arrays.kv_seq_lengths, softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap, bias=arrays.bias,
+        logits_soft_cap=logits_soft_cap, bias=bias,
         dense_mask=dense_mask,
         dropout_rate=dropout_rate, dropout_seeds=arrays.dropout_seeds,
         dropout_shared=dropout_shared)

@@ -297,6 +297,24 @@ def dense_array(name: str, x, full: tuple[int, int, int, int],
   return jnp.broadcast_to(x, (*x.shape[:3], full[3]))
 
 
+def alibi_slopes(x, batch: int, heads: int):
+  """ALiBi slopes ``[heads]`` or ``[batch, heads]`` (floating) as the
+  kernels take them: float32 ``[B|1, H, 1, 2]`` (slope, unused); None
+  stays None."""
+  if x is None:
+    return None
+  x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"alibi_slopes must be floating-point, got dtype"
+                     f" {jnp.dtype(x.dtype).name}")
+  if x.shape not in ((heads,), (batch, heads)):
+    raise ValueError(
+        f"alibi_slopes must have shape (heads,) = ({heads},) or (batch,"
+        f" heads) = ({batch}, {heads}), got {tuple(x.shape)}")
+  x = x.astype(jnp.float32).reshape(-1, heads, 1, 1)
+  return jnp.concatenate([x, jnp.zeros_like(x)], axis=3)
+
+
 def resolve_deterministic(value) -> bool:
   """The ``deterministic`` argument resolved: None follows XLA's own
   switch for reproducible GPU reductions, ``--xla_gpu_deterministic_ops``

@@ -71,6 +71,8 @@ class MaskArrays(NamedTuple):
   entry) and ``dense_mask [B|1, H|1, T|1, S]`` (bool, False hides the
   key); an axis of size 1 broadcasts.  ``flash_mask [B|1, H|1, 4, S]``
   int32: a FlashMask's columns (:func:`jaxflash.flashmask.columns`).
+  ``alibi_slopes [B|1, H, 1, 2]`` float32: ALiBi's slope per head in
+  ``[..., 0]`` (:func:`alibi_bias`; ``[..., 1]`` unused).
   """
 
   q_segment_ids: jax.Array | None = None
@@ -81,11 +83,20 @@ class MaskArrays(NamedTuple):
   bias: jax.Array | None = None
   dense_mask: jax.Array | None = None
   flash_mask: jax.Array | None = None
+  alibi_slopes: jax.Array | None = None
 
   @property
   def has_dense(self) -> bool:
     return (self.bias is not None or self.dense_mask is not None
-            or self.flash_mask is not None)
+            or self.flash_mask is not None or self.alibi_slopes is not None)
+
+
+def alibi_bias(slope, q_idx, k_idx, offset: int):
+  """ALiBi (Press et al., arXiv 2108.12409) as FlashAttention-2 applies
+  it: ``-slope * |i + offset - j|`` added to the scaled logits, ``i +
+  offset`` the query's aligned key position (the bias is ``slope * (j -
+  i')`` on the keys a causal mask keeps)."""
+  return -slope * jnp.abs(q_idx + offset - k_idx).astype(jnp.float32)
 
 
 # Attention dropout's keep mask, as FlashAttention-1/2 make it: a pure

@@ -101,6 +101,7 @@ def _bwd_kwargs(p: OpParams, bias_grad: bool = False) -> dict:
 _BIAS = MaskArrays._fields.index("bias")
 _DENSE_MASK = MaskArrays._fields.index("dense_mask")
 _FLASH_MASK = MaskArrays._fields.index("flash_mask")
+_ALIBI = MaskArrays._fields.index("alibi_slopes")
 _DROPOUT_SEEDS = MaskArrays._fields.index("dropout_seeds")
 
 
@@ -195,7 +196,8 @@ def _dense_positions(present, first: int) -> tuple[int, ...]:
   ``first``."""
   return tuple(first + i for i in (_flat_index(present, _BIAS),
                                    _flat_index(present, _DENSE_MASK),
-                                   _flat_index(present, _FLASH_MASK))
+                                   _flat_index(present, _FLASH_MASK),
+                                   _flat_index(present, _ALIBI))
                if i is not None)
 
 

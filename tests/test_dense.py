@@ -171,9 +171,9 @@ def test_vmap_over_a_batched_or_shared_bias():
          "Explicit-flashmask"])
 def test_sharded_bias_and_mask_match_single_device(axis_type, flash):
   """Batch and heads sharded over a (2, 4) mesh with a bias full in heads
-  but shared by the batch rows, and a mask per row (dense, or a FlashMask
-  of causal documents): outputs and gradients (the bias's summed over
-  every shard) equal the one-device call."""
+  but shared by the batch rows, ALiBi slopes per head, and a mask per row
+  (dense, or a FlashMask of causal documents): outputs and gradients (the
+  bias's summed over every shard) equal the one-device call."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices (tests/conftest.py sets 8 CPU devices)")
   mesh = jax.make_mesh((2, 4), ("data", "tensor"),
@@ -189,10 +189,12 @@ def test_sharded_bias_and_mask_match_single_device(axis_type, flash):
     mask = FlashMask.causal_document(seg)
     mask_spec = P("data", None, None)
 
+  slopes = 2.0 ** -jnp.arange(1, 9, dtype=jnp.float32)
+
   def run(q, k, v, do, bias, mask):
     attend = lambda q, k, v, b: jaxflash.flash_attention(
         q, k, v, bias=b, mask=mask, causal=True, implementation="triton",
-        interpret=True, config=TILES)
+        interpret=True, config=TILES, alibi_slopes=slopes)
     out, vjp = jax.vjp(attend, q, k, v, bias)
     return (out, *vjp(do))
 
@@ -252,6 +254,36 @@ def test_gpu_dense(causal):
   got, want = loss(None), loss("xla")
   err = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))
   assert err.max() <= 2 ** -6 * max(1.0, float(jnp.abs(want).max()))
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_alibi_equals_its_bias(per_row):
+  """ALiBi slopes ([heads], or [batch, heads]) in the kernels give the
+  results of the explicit bias ``-slope |i + kv_len - q_len - j|``
+  (FlashAttention-2's), forward and gradients; dot_product_attention
+  aligns it top-left."""
+  q, k, v, do, dlse = random_inputs(jax.random.key(8), batch=2, q_len=40,
+                                    kv_len=72, heads=4, kv_heads=2,
+                                    head_dim=16, dtype=jnp.float32)
+  slopes = 2.0 ** -jnp.arange(1, 5, dtype=jnp.float32)
+  if per_row:
+    slopes = jnp.stack([slopes, slopes[::-1]])
+  sl = slopes.reshape(-1, 4, 1, 1)
+  dist = jnp.abs(jnp.arange(40)[:, None] + 32 - jnp.arange(72)[None, :])
+  fn = lambda q, k, v: jaxflash.flash_attention(
+      q, k, v, alibi_slopes=slopes, causal=True, implementation="triton",
+      interpret=True, return_lse=True, config=TILES)
+  check_rule(outputs_and_grads(fn, q, k, v, do, dlse), q, k, v, do, dlse,
+             causal=True, bias=-sl * dist)
+  top_left = jaxflash.dot_product_attention(
+      q, k, v, alibi_slopes=slopes, implementation="triton", interpret=True)
+  dist = jnp.abs(jnp.arange(40)[:, None] - jnp.arange(72)[None, :])
+  want = jax.nn.dot_product_attention(q, k, v, bias=-sl * dist)
+  np.testing.assert_allclose(top_left, want, atol=2e-5)
+  for bad, match in ((jnp.ones(3), r"shape \(heads,\) = \(4,\)"),
+                     (jnp.ones(4, jnp.int32), "must be floating-point")):
+    with pytest.raises(ValueError, match=match):
+      jaxflash.flash_attention(q, k, v, alibi_slopes=bad)
 
 
 # -- FlashMask in the kernels -------------------------------------------------

@@ -53,7 +53,9 @@ def _plan(q, k, mask: MaskSpec, arrays: MaskArrays, softmax_scale: float,
       bias_axes=_full_axes(arrays.bias), mask_axes=_full_axes(
           arrays.dense_mask),
       flash_axes=(None if arrays.flash_mask is None
-                  else _full_axes(arrays.flash_mask)[:2]))
+                  else _full_axes(arrays.flash_mask)[:2]),
+      alibi_batch=(None if arrays.alibi_slopes is None
+                   else arrays.alibi_slopes.shape[0] > 1))
   return _Static(prob=prob, config=cfg, interpret=interpret, head_dim=D)
 
 
@@ -85,7 +87,7 @@ def _dense_inputs(arrays: MaskArrays, prob: Problem) -> dense_lib.DenseInputs:
     fill = [jnp.full((*cols.shape[:2], 1, n), x, jnp.int32)
             for x in (0, flashmask.BIG, 0, flashmask.BIG)]
     flash = jnp.concatenate([cols, jnp.concatenate(fill, axis=2)], axis=3)
-  return dense_lib.DenseInputs(bias, mask, flash)
+  return dense_lib.DenseInputs(bias, mask, flash, arrays.alibi_slopes)
 
 
 def _pad(x, seq: int, dp: int):

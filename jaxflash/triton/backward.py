@@ -77,7 +77,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
   held_info, stream_info, kv_seg_ref, q_seg_ref, rest = tiles.split_mask_refs(
       prob.has_segments, prob.has_lengths, rest)
   dense_refs, rest = dense_lib.split_refs(prob, rest)
-  bias_ref = dense_refs.bias
+  biased = dense_lib.has_bias(prob)
   seed = None
   # The group's first query head among all heads, read outside the loops.
   first_head = pl.program_id(2) * prob.group
@@ -112,9 +112,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
       if dense_vis is not None:
         visible = visible & dense_vis
     bias = None
-    if bias_ref is not None:
-      bias = lambda s: dense_lib.add_bias(s, bias_ref, prob, held_q=False,
-                                          t=t, g=g, block=block_q)
+    if biased:
+      bias = lambda s: dense_lib.add_bias(
+          s, dense_refs, prob, held_q=False, t=t, g=g, block=block_q,
+          q_idx=t * block_q + lax.broadcasted_iota(jnp.int32,
+                                                   (block_q, block_k), 0),
+          k_idx=k_idx)
     keep, rate = None, 0.0
     if dropout is not None:
       rate, shared = dropout
@@ -158,7 +161,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
   held_info, stream_info, q_seg_ref, kv_seg_ref, rest = tiles.split_mask_refs(
       prob.has_segments, prob.has_lengths, rest)
   dense_refs, rest = dense_lib.split_refs(prob, rest)
-  bias_ref = dense_refs.bias
+  biased = dense_lib.has_bias(prob)
   seed = None
   q_head = pl.program_id(2)  # read outside the loop
   if dropout is not None:
@@ -186,9 +189,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
       if dense_vis is not None:
         visible = visible & dense_vis
     bias = None
-    if bias_ref is not None:
-      bias = lambda s: dense_lib.add_bias(s, bias_ref, prob, held_q=True,
-                                          t=t, block=block_k)
+    if biased:
+      bias = lambda s: dense_lib.add_bias(
+          s, dense_refs, prob, held_q=True, t=t, block=block_k, q_idx=q_idx,
+          k_idx=t * block_k + lax.broadcasted_iota(jnp.int32,
+                                                   (block_q, block_k), 1))
     keep, rate = None, 0.0
     if dropout is not None:
       rate, shared = dropout

@@ -39,6 +39,8 @@ class Problem:
   mask_axes: tuple[bool, bool, bool] | None = None
   # FlashMask columns: which of their (batch, heads) axes are full.
   flash_axes: tuple[bool, bool] | None = None
+  # ALiBi slopes: whether they vary over the batch rows, or None.
+  alibi_batch: bool | None = None
 
   @property
   def group(self) -> int:

@@ -37,6 +37,7 @@ class DenseInputs(NamedTuple):
   bias: jax.Array | None = None
   mask: jax.Array | None = None
   flash: jax.Array | None = None  # FlashMask columns [B|1, H|1, 4, S_pad]
+  alibi: jax.Array | None = None  # ALiBi slopes [B|1, H, 1, 2]
 
 
 NO_DENSE = DenseInputs()
@@ -128,6 +129,17 @@ def specs_and_args(dense: DenseInputs, prob: Problem, *, held_q: bool,
     specs.append(_summary_spec(summary, (full_b, full_h, True), prob,
                                held_q))
     args += [dense.flash, summary]
+  if dense.alibi is not None:
+    full_b = prob.alibi_batch
+    if held_q:
+      specs.append(pl.BlockSpec(
+          (None, None, None, 2),
+          lambda i, b, h: ((b if full_b else 0), h, 0, 0)))
+    else:
+      specs.append(pl.BlockSpec(
+          (None, prob.group, None, 2),
+          lambda j, b, h: ((b if full_b else 0), h, 0, 0)))
+    args.append(dense.alibi)
   return specs, args
 
 
@@ -139,20 +151,24 @@ class DenseRefs(NamedTuple):
   mask_summary: object = None
   flash: object = None
   flash_summary: object = None
+  alibi: object = None
 
 
 def split_refs(prob: Problem, refs):
   """``(DenseRefs, remaining refs)``, the inverse of
   :func:`specs_and_args`."""
   refs = list(refs)
-  bias = mask = summary = flash = flash_summary_ref = None
+  bias = mask = summary = flash = flash_summary_ref = alibi = None
   if prob.bias_axes is not None:
     bias, refs = refs[0], refs[1:]
   if prob.mask_axes is not None:
     mask, summary, refs = refs[0], refs[1], refs[2:]
   if prob.flash_axes is not None:
     flash, flash_summary_ref, refs = refs[0], refs[1], refs[2:]
-  return DenseRefs(bias, mask, summary, flash, flash_summary_ref), refs
+  if prob.alibi_batch is not None:
+    alibi, refs = refs[0], refs[1:]
+  return DenseRefs(bias, mask, summary, flash, flash_summary_ref,
+                   alibi), refs
 
 
 def _tile(ref, axes, *, held_q: bool, t, g, block: int):
@@ -164,11 +180,23 @@ def _tile(ref, axes, *, held_q: bool, t, g, block: int):
   return ref[g if axes[1] else 0, rows, :]  # ref [G|1, T_pad|1, bk]
 
 
-def add_bias(s2, bias_ref, prob: Problem, *, held_q: bool, t, g=None,
-             block: int):
-  """Base-2 logits plus the bias tile (converted to base 2 like them)."""
-  b = _tile(bias_ref, prob.bias_axes, held_q=held_q, t=t, g=g, block=block)
-  return s2 + b.astype(jnp.float32) * LOG2E
+def add_bias(s2, refs: DenseRefs, prob: Problem, *, held_q: bool, t,
+             g=None, block: int, q_idx, k_idx):
+  """Base-2 logits plus the dense bias's tile and ALiBi's (converted to
+  base 2 like them); ``q_idx``, ``k_idx``: the tile's positions."""
+  if refs.bias is not None:
+    b = _tile(refs.bias, prob.bias_axes, held_q=held_q, t=t, g=g,
+              block=block)
+    s2 = s2 + b.astype(jnp.float32) * LOG2E
+  if refs.alibi is not None:
+    slope = refs.alibi[0] if held_q else refs.alibi[g, 0]
+    s2 = s2 + masks.alibi_bias(slope, q_idx, k_idx,
+                               prob.mask.offset) * LOG2E
+  return s2
+
+
+def has_bias(prob: Problem) -> bool:
+  return prob.bias_axes is not None or prob.alibi_batch is not None
 
 
 def visible_tile(refs: DenseRefs, prob: Problem, *, held_q: bool, t, g=None,

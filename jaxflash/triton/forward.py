@@ -40,7 +40,7 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
   held_info, stream_info, q_seg_ref, kv_seg_ref, rest = (
       tiles.split_mask_refs(prob.has_segments, prob.has_lengths, refs))
   dense_refs, rest = dense_lib.split_refs(prob, rest)
-  bias_ref = dense_refs.bias
+  biased = dense_lib.has_bias(prob)
   seed = head = None
   if dropout is not None:
     seed, first_head, rest = rest[0][0], rest[0][1], rest[1:]
@@ -62,9 +62,11 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
     k = tiles.slice_tile(k_ref, t, block_k)
     # Base-2 logits with the softmax scale folded in: exp(x) = exp2(x log2e).
     s, _ = logits(q, k, prob, qk_dequant)  # [block_q, block_k] float32
-    if bias_ref is not None:
-      s = dense_lib.add_bias(s, bias_ref, prob, held_q=True, t=t,
-                             block=block_k)
+    if biased:
+      s = dense_lib.add_bias(
+          s, dense_refs, prob, held_q=True, t=t, block=block_k, q_idx=q_idx,
+          k_idx=t * block_k + lax.broadcasted_iota(jnp.int32,
+                                                   (block_q, block_k), 1))
     if masked:
       visible = tiles.kv_tile_visible(mask, q_idx, t, block_k, valid=valid,
                                       q_seg=q_seg, kv_seg_ref=kv_seg_ref)
@@ -76,7 +78,7 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
     # A bias may hold -inf (a mask given as a bias) even in a tile the
     # mask leaves whole, so with a bias every tile takes the guard.
-    if masked or bias_ref is not None:
+    if masked or biased:
       # A row with no visible key so far has m = -inf; subtracting 0
       # instead keeps exp2(-inf - 0) = 0 (not exp2(-inf + inf) = NaN).
       m_use = jnp.where(m_next == -jnp.inf, 0.0, m_next)
