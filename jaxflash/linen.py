@@ -36,6 +36,17 @@ def _flatten_batch(x):
   return x.reshape((-1,) + x.shape[-3:])
 
 
+def _flatten_dense(x, batch_shape):
+  """A Flax mask or bias ``[*batch, heads|1, q, kv]`` (batch dims possibly
+  1) as ``[batch|1, heads|1, q, kv]``: broadcast batch dims stay 1."""
+  x = jnp.asarray(x)
+  lead = x.shape[:-3]
+  if all(n == 1 for n in lead):
+    return x.reshape((1, *x.shape[-3:]))
+  x = jnp.broadcast_to(x, (*batch_shape, *x.shape[-3:]))
+  return x.reshape((-1, *x.shape[-3:]))
+
+
 def _key_mask_to_segments(mask, batch_shape, q_len, kv_len):
   """A dense mask that depends only on (batch, key) is a pair of segment
   ids: every query in segment 0, masked keys in PAD_SEGMENT_ID.  Returns
@@ -83,11 +94,13 @@ def make_attention_fn(
   The mask options are those of :func:`jaxflash.flash_attention` (causal
   aligned bottom-right, which equals Flax's ``make_causal_mask`` for
   self-attention).  The returned function accepts every keyword Flax
-  passes: ``mask`` is honoured only when it depends on (batch, key) alone
-  (a key-padding or decode-cache mask, turned into segment ids); any other
-  dense mask or a ``bias`` raises NotImplementedError naming the compact
-  options; ``sow_weights`` (which needs the N x N weights) raises
-  NotImplementedError too.  Attention dropout (``dropout_rate`` with
+  passes: a ``mask`` that depends on (batch, key) alone (a key-padding or
+  decode-cache mask) becomes segment ids; any other dense mask, and a
+  ``bias``, go to the kernels as :func:`jaxflash.flash_attention`'s
+  ``mask`` and ``bias`` (read tile by tile; prefer ``causal`` or
+  ``segment_ids`` where they say the same: no N x N array at all);
+  ``sow_weights`` (which needs the N x N weights) raises
+  NotImplementedError.  Attention dropout (``dropout_rate`` with
   ``deterministic=False`` and Flax's ``dropout_rng``) runs in the kernels,
   with ``broadcast_dropout`` sharing one mask over batch and heads as in
   Flax (:func:`jaxflash.flash_attention`'s ``dropout_*``).
@@ -106,9 +119,6 @@ def make_attention_fn(
       if val is not None:
         raise NotImplementedError(
             f"jaxflash attention_fn does not support {name}={val!r}")
-    if bias is not None:
-      raise NotImplementedError(
-          "jaxflash attention_fn takes no bias (an N x N array)")
     if deterministic or not dropout_rate:
       dropout_rate, dropout_rng = 0.0, None
     elif dropout_rng is None:
@@ -138,14 +148,16 @@ def make_attention_fn(
           " unknown here, so the window cannot be placed. Use"
           " FlashMultiHeadDotProductAttention(decode=True), which places it"
           " at the cache index")
+    dense_mask = None
+    seg_from_mask = None
     if mask is not None:
       seg_from_mask = _key_mask_to_segments(mask, batch_shape, q_len, kv_len)
-      if seg_from_mask is None:
-        raise NotImplementedError(
-            f"a dense attention mask of shape {tuple(jnp.shape(mask))} that"
-            " varies over queries or heads cannot be served without N x N"
-            " memory: drop it and use make_attention_fn(causal=True,"
-            " segment_ids=..., local_window_size=...) instead")
+      if seg_from_mask is None:  # varies over queries or heads
+        # Flax's masks are often float (1 keeps, 0 hides), as its
+        # dot_product_attention takes them.
+        dense_mask = _flatten_dense(mask, batch_shape).astype(bool)
+        mask = None
+    if seg_from_mask is not None:
       if seg is not None:
         raise NotImplementedError(
             "a key-padding mask and segment_ids together: fold the padding"
@@ -168,7 +180,9 @@ def make_attention_fn(
         kv_seq_lengths=kv_lens, logits_soft_cap=logits_soft_cap,
         implementation=implementation, config=config, interpret=interpret,
         deterministic=deterministic_grads, dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng, dropout_broadcast=bool(broadcast_dropout))
+        dropout_rng=dropout_rng, dropout_broadcast=bool(broadcast_dropout),
+        bias=None if bias is None else _flatten_dense(bias, batch_shape),
+        mask=dense_mask)
     return out.reshape(query.shape)
 
   return attention_fn
@@ -246,11 +260,12 @@ class FlashMultiHeadDotProductAttention(nn.Module):
                segment_ids=None, q_seq_lengths=None, kv_seq_lengths=None,
                positions=None, mask=None, deterministic=None,
                dropout_rng=None, sow_weights=False, inputs_kv=None):
-    if mask is not None:
+    if mask is not None and (self.decode
+                             or self.attention_override is not None):
       raise NotImplementedError(
-          "FlashMultiHeadDotProductAttention takes no dense mask: use"
-          " causal=True, segment_ids, local_window_size or the sequence"
-          " lengths")
+          "FlashMultiHeadDotProductAttention takes no dense mask with"
+          " decode=True or an attention_override: use causal=True,"
+          " segment_ids, local_window_size or the sequence lengths")
     if sow_weights:
       raise NotImplementedError(
           "sow_weights needs the N x N attention weights, which jaxflash"
@@ -346,7 +361,7 @@ class FlashMultiHeadDotProductAttention(nn.Module):
           implementation=self.implementation, config=self.config,
           interpret=self.interpret,
           deterministic_grads=self.deterministic_grads)
-      x = attend(query, key, value, dtype=self.dtype, **dropout)
+      x = attend(query, key, value, mask=mask, dtype=self.dtype, **dropout)
     x = nn.with_logical_constraint(x, act)
     out = nn.DenseGeneral(
         features=features, axis=(-2, -1), dtype=self.dtype,

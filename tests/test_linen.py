@@ -231,17 +231,30 @@ def test_attention_dropout_in_modules():
     assert not np.allclose(run(0), run(1))
 
 
+def test_dense_masks_and_bias_reach_the_kernels():
+  """Flax's own masks that vary over queries (make_causal_mask) and a
+  bias go to the kernels as dense arrays: Flax's module with our
+  attention_fn, and ours, give Flax's results."""
+  x = _x()
+  flax_mod = nn.MultiHeadDotProductAttention(num_heads=4)
+  p = flax_mod.init(jax.random.key(1), x)
+  causal = nn.make_causal_mask(x[..., 0])
+  want = flax_mod.apply(p, x, mask=causal)
+  ours = nn.MultiHeadDotProductAttention(
+      num_heads=4, attention_fn=make_attention_fn(**KERNEL))
+  _close(ours.apply(p, x, mask=causal), want)
+  flash = FlashMultiHeadDotProductAttention(num_heads=4, **KERNEL)
+  _close(flash.apply(p, x, deterministic=True, mask=causal), want)
+  bias = jax.random.normal(jax.random.key(2), (1, 4, 24, 24))
+  fn = make_attention_fn(**KERNEL)
+  q = jax.random.normal(jax.random.key(3), (2, 24, 4, 16))
+  _close(fn(q, q, q, bias=bias),
+         nn.dot_product_attention(q, q, q, bias=bias))
+
+
 def test_refusals():
   x = _x()
-  causal_dense = nn.MultiHeadDotProductAttention(
-      num_heads=4, attention_fn=make_attention_fn(causal=True, **KERNEL))
-  p = causal_dense.init(jax.random.key(1), x)
-  with pytest.raises(NotImplementedError, match="dense attention mask of"
-                     r" shape \(2, 1, 24, 24\)"):
-    causal_dense.apply(p, x, mask=nn.make_causal_mask(x[..., 0]))
-  flash = FlashMultiHeadDotProductAttention(num_heads=4, **KERNEL)
-  with pytest.raises(NotImplementedError, match="takes no dense mask"):
-    flash.apply(p, x, deterministic=True, mask=jnp.ones((2, 1, 24, 24), bool))
+  p = nn.MultiHeadDotProductAttention(num_heads=4).init(jax.random.key(1), x)
   with pytest.raises(NotImplementedError, match="sow_weights"):
     nn.MultiHeadDotProductAttention(
         num_heads=4, attention_fn=make_attention_fn(**KERNEL)).apply(
