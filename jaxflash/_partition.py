@@ -26,12 +26,14 @@ The public helpers that place arrays by these rules are in
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxflash import _context
 from jaxflash.masks import MaskArrays
 
 _DROPOUT_SEEDS = MaskArrays._fields.index("dropout_seeds")
@@ -53,15 +55,50 @@ def spec_entry(axes: tuple[str, ...]):
   return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def plan(mesh, q_spec, q_shape, k_shape):
+def _spec4(spec):
+  return tuple(spec) + (None,) * (4 - len(tuple(spec)))
+
+
+def seq_axes(q_spec) -> tuple[str, ...]:
+  """The mesh axes q's sequence axis is sharded over."""
+  return axes_of(_spec4(q_spec)[1])
+
+
+def check_context(p, present, seq: tuple[str, ...], q_shape, k_shape):
+  """Raises ValueError when a call sharded over ``seq`` on its sequence
+  axis cannot run as context-parallel ring attention: self-attention
+  (equal query and key lengths, the last query with the last key) with
+  causal or no positional mask, segment ids, GQA/MQA and a soft cap;
+  not windows, sequence lengths, dropout or dense terms (their masks
+  speak of global positions the per-block kernels do not see)."""
+  fields = MaskArrays._fields
+  unserved = [f for f, on in zip(fields, present)
+              if on and f not in ("q_segment_ids", "kv_segment_ids")]
+  m = p.mask
+  if m.window_left is not None or m.window_right is not None:
+    unserved.append("local_window_size")
+  if p.dropout_rate:
+    unserved.append("dropout_rate")
+  if q_shape[1] != k_shape[1] or m.offset != 0:
+    unserved.append(f"q_len={q_shape[1]} != kv_len={k_shape[1]}")
+  if unserved:
+    raise ValueError(
+        f"q's sequence axis is sharded over mesh axis {seq}: context"
+        " parallelism (ring attention, chosen automatically) serves causal"
+        " or full self-attention with segment ids, not"
+        f" {', '.join(unserved)}. Replicate the sequence axis, or call"
+        " jaxflash.sharding.ring_attention in shard_map (docs/sharding.md)")
+
+
+def plan(mesh, q_spec, q_shape, k_shape, *, allow_seq: bool = False):
   """``(batch_axes, head_axes, kv_head_axes)`` for q sharded as ``q_spec``.
 
   Raises ValueError, naming the mesh axis, for a sharding the per-shard
-  kernels cannot serve.
+  kernels cannot serve (a sharded sequence axis unless ``allow_seq``:
+  the caller runs the ring, :func:`check_context`).
   """
-  spec = tuple(q_spec) + (None,) * (4 - len(tuple(q_spec)))
-  batch, seq, heads, head_dim = (axes_of(e) for e in spec)
-  if seq:
+  batch, seq, heads, head_dim = (axes_of(e) for e in _spec4(q_spec))
+  if seq and not allow_seq:
     raise ValueError(
         f"q's sequence axis is sharded over mesh axis {seq}: per-shard"
         " kernels need whole sequences. Use jaxflash.sharding.ring_attention"
@@ -92,14 +129,25 @@ def plan(mesh, q_spec, q_shape, k_shape):
   return batch, heads, kv_heads
 
 
-def _plan_from_args(mesh, arg_shapes):
+def _q_spec(arg_shapes):
+  s = arg_shapes[0].sharding
+  return s.spec if isinstance(s, NamedSharding) else P()
+
+
+def _plan_from_args(mesh, arg_shapes, p=None, present=None):
+  """``(batch, heads, kv_heads, seq)`` axes of a call; with ``p`` a
+  sharded sequence axis is checked for the ring (:func:`check_context`),
+  else refused."""
   q, k = arg_shapes[0], arg_shapes[1]
-  s = q.sharding
-  spec = s.spec if isinstance(s, NamedSharding) else P()
-  return plan(mesh, spec, q.shape, k.shape)
+  spec = _q_spec(arg_shapes)
+  seq = seq_axes(spec)
+  if seq and p is not None:
+    check_context(p, present, seq, q.shape, k.shape)
+  return (*plan(mesh, spec, q.shape, k.shape, allow_seq=p is not None),
+          seq)
 
 
-def mask_array_spec(shape, b, h):
+def mask_array_spec(shape, b, h, t=None):
   """Spec of one mask array: segment ids ``[B, L]`` and dropout seeds
   ``[B, 2]`` by batch, lengths ``[B]``, and a dense bias or mask ``[B|1,
   H|1, T|1, S]``, FlashMask columns ``[B|1, H|1, 4, S]`` or ALiBi slopes
@@ -108,20 +156,20 @@ def mask_array_spec(shape, b, h):
   if len(shape) == 4:
     return P(b if shape[0] > 1 else None, h if shape[1] > 1 else None,
              None, None)
-  return P(b, None) if len(shape) == 2 else P(b)
+  return P(b, t) if len(shape) == 2 else P(b)
 
 
-def _forward_specs(mask_shapes, b, h, kv, bias_at=None):
+def _forward_specs(mask_shapes, b, h, kv, bias_at=None, t=None):
   del bias_at
-  qs, kvs = P(b, None, h, None), P(b, None, kv, None)
-  args = [qs, kvs, kvs, *(mask_array_spec(m, b, h) for m in mask_shapes)]
-  results = (qs, P(b, h, None))
+  qs, kvs = P(b, t, h, None), P(b, t, kv, None)
+  args = [qs, kvs, kvs, *(mask_array_spec(m, b, h, t) for m in mask_shapes)]
+  results = (qs, P(b, h, t))
   return args, results
 
 
-def _backward_specs(mask_shapes, b, h, kv, bias_at=None):
-  qs, kvs, lse = P(b, None, h, None), P(b, None, kv, None), P(b, h, None)
-  masks = [mask_array_spec(m, b, h) for m in mask_shapes]
+def _backward_specs(mask_shapes, b, h, kv, bias_at=None, t=None):
+  qs, kvs, lse = P(b, t, h, None), P(b, t, kv, None), P(b, h, t)
+  masks = [mask_array_spec(m, b, h, t) for m in mask_shapes]
   args = [qs, kvs, kvs, qs, lse, qs, lse, *masks]
   results = (qs, kvs, kvs)
   if bias_at is not None:  # the dense bias's gradient, laid out like it
@@ -152,9 +200,10 @@ def _partition(specs_fn, local_fn, backward=False):
     first = 7 if backward else 3
     mask_shapes = [a.shape for a in arg_shapes[first:]]
     bias_at = _bias_at(present, bias_grad)
-    batch, heads, kv_heads = _plan_from_args(mesh, arg_shapes)
-    b, h, kv = (spec_entry(a) for a in (batch, heads, kv_heads))
-    args, results = specs_fn(mask_shapes, b, h, kv, bias_at)
+    batch, heads, kv_heads, seq = _plan_from_args(mesh, arg_shapes, p,
+                                                  present)
+    b, h, kv, t = (spec_entry(a) for a in (batch, heads, kv_heads, seq))
+    args, results = specs_fn(mask_shapes, b, h, kv, bias_at, t)
     named = lambda spec: NamedSharding(mesh, spec)
     # MQA with sharded query heads: each shard's dK/dV sums only its own
     # query heads; the replicated key/value head needs the sum of all.
@@ -174,8 +223,12 @@ def _partition(specs_fn, local_fn, backward=False):
         operands[at] = shard_dropout_seeds(
             operands[at], heads,
             arg_shapes[0].shape[2] // axes_size(mesh, heads))
-      res = (local_fn(p, present, bias_grad, *operands) if backward
-             else local_fn(p, present, *operands))
+      if seq:
+        res = _ring_lower(local_fn, p, present, seq,
+                          axes_size(mesh, seq), backward, operands)
+      else:
+        res = (local_fn(p, present, bias_grad, *operands) if backward
+               else local_fn(p, present, *operands))
       if reduce_kv:
         res = (res[0], jax.lax.psum(res[1], heads),
                jax.lax.psum(res[2], heads), *res[3:])
@@ -188,6 +241,36 @@ def _partition(specs_fn, local_fn, backward=False):
   return partition
 
 
+def _ring_lower(local_fn, p, present, seq, n: int, backward: bool,
+                operands):
+  """The ring on this shard's blocks of a sequence sharded over ``seq``
+  (contiguous blocks in natural order: with causal, block ``i`` does
+  ``i + 1`` pairs of work; zig-zag order is ring_attention's)."""
+  first = 7 if backward else 3
+  arrays = dict(zip((f for f, on in zip(MaskArrays._fields, present) if on),
+                    operands[first:]))
+  q_seg, kv_seg = arrays.get("q_segment_ids"), arrays.get("kv_segment_ids")
+
+  def call(fn, params, *xs, arrays: MaskArrays, bias_grad=None):
+    flags = tuple(x is not None for x in arrays)
+    flat = tuple(x for x in arrays if x is not None)
+    if bias_grad is None:
+      return fn(params, flags, *xs, *flat)
+    return fn(params, flags, bias_grad, *xs, *flat)
+
+  ring = _context.Ring(
+      seq if len(seq) > 1 else seq[0], n, p.mask.causal, False,
+      lambda spec: dataclasses.replace(p, mask=spec), frozenset(),
+      local_forward=lambda params, q, k, v, a: call(
+          local_fn, params, q, k, v, arrays=a),
+      local_backward=lambda params, q, k, v, a, *res: call(
+          local_fn, params, q, k, v, *res, arrays=a, bias_grad=False))
+  if backward:
+    return _context.ring_backward(ring, *operands[:3], q_seg, kv_seg,
+                                  *operands[3:7])
+  return _context.ring_forward(ring, *operands[:3], q_seg, kv_seg)
+
+
 def forward_partition(local_fn):
   return _partition(_forward_specs, local_fn)
 
@@ -198,15 +281,15 @@ def backward_partition(local_fn):
 
 def _infer(specs_fn, backward=False):
   def infer(p, present, *rest):
-    del p
     bias_grad, (mesh, arg_shapes, result_shape) = (
         (rest[0], rest[1:]) if backward else (False, rest))
     del result_shape
     first = 7 if backward else 3
     mask_shapes = [a.shape for a in arg_shapes[first:]]
-    b, h, kv = (spec_entry(a) for a in _plan_from_args(mesh, arg_shapes))
+    b, h, kv, t = (spec_entry(a) for a in _plan_from_args(
+        mesh, arg_shapes, p, present))
     _, results = specs_fn(mask_shapes, b, h, kv,
-                          _bias_at(present, bias_grad))
+                          _bias_at(present, bias_grad), t)
     return tuple(NamedSharding(mesh, s) for s in results)
   return infer
 

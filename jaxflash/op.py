@@ -34,6 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 
+from jaxflash import _context
 from jaxflash import _partition as partition
 from jaxflash.masks import MaskArrays, MaskSpec
 
@@ -319,11 +320,17 @@ def attention(q, k, v, arrays: MaskArrays, params: OpParams):
   # while tracing.  Check them with the same rules and run the op per shard
   # under shard_map (Pallas kernels cannot trace over explicitly sharded
   # types; inside shard_map the partitioning layer is inlined).
+  spec = jax.typeof(q).sharding.spec
+  seq = partition.seq_axes(spec)
+  if seq:
+    partition.check_context(params, present, seq, q.shape, k.shape)
   b, h, kv = (partition.spec_entry(a) for a in partition.plan(
-      mesh, jax.typeof(q).sharding.spec, q.shape, k.shape))
+      mesh, spec, q.shape, k.shape, allow_seq=True))
+  t = partition.spec_entry(seq)
   P = jax.sharding.PartitionSpec
-  q_spec, kv_spec = P(b, None, h, None), P(b, None, kv, None)
-  mask_specs = tuple(partition.mask_array_spec(x.shape, b, h) for x in flat)
+  q_spec, kv_spec = P(b, t, h, None), P(b, t, kv, None)
+  mask_specs = tuple(partition.mask_array_spec(x.shape, b, h, t)
+                     for x in flat)
   # k, v and the mask arrays follow q's layout, whatever theirs (a
   # replicated k, host segment ids): shard_map takes only matching types.
   to = lambda xs, specs: tuple(
@@ -333,14 +340,23 @@ def attention(q, k, v, arrays: MaskArrays, params: OpParams):
   flat = to(flat, mask_specs)
   def per_shard(q, k, v, flat):
     if h is not None and params.dropout_rate and present[_DROPOUT_SEEDS]:
-      flat = (*flat[:-1], partition.shard_dropout_seeds(
-          flat[-1], partition.axes_of(h), q.shape[2]))
+      i = _flat_index(present, _DROPOUT_SEEDS)
+      flat = (*flat[:i], partition.shard_dropout_seeds(
+          flat[i], partition.axes_of(h), q.shape[2]), *flat[i + 1:])
+    if seq:  # context parallelism: the ring over the sequence's axes
+      a = _unpack(flat, present)
+      ring = _context.Ring(
+          t, partition.axes_size(mesh, seq), params.mask.causal, False,
+          lambda s: dataclasses.replace(params, mask=s), frozenset(),
+          local_forward=local_forward, local_backward=local_backward)
+      return _context.ring_attention(ring, q, k, v, a.q_segment_ids,
+                                     a.kv_segment_ids)
     return _attention(q, k, v, flat, params, present)
 
   return jax.shard_map(
       per_shard,
       mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, mask_specs),
-      out_specs=(q_spec, P(b, h, None)),
+      out_specs=(q_spec, P(b, h, t)),
       # Unchecked: the transpose then sums the cotangent of an input that
       # is replicated over an axis (MQA k/v over sharded heads).
       check_vma=False)(q, k, v, flat)

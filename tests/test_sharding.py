@@ -149,8 +149,6 @@ def test_gqa_and_mqa_head_sharding():
 
 
 @pytest.mark.parametrize("spec,match", [
-    (P(None, "data", None, None), r"sequence axis is sharded over mesh axis"
-                                  r" \('data',\).*ring_attention"),
     (P(None, None, None, "data"), r"head_dim axis is sharded over mesh axis"),
 ])
 def test_unservable_sharding_names_the_axis(spec, match):

@@ -1,0 +1,241 @@
+"""The ring of context parallelism: each device keeps its query block and
+passes its key/value block around ``axis_name`` with ``ppermute``, runs
+the kernels on every (query block, visiting key block) pair and merges the
+partial results exactly through the log-sum-exp (Liu et al., "Ring
+Attention with Blockwise Transformers", arXiv 2310.01889):
+
+    lse = logaddexp(lse_a, lse_b)
+    out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+
+The backward runs the ring again; each step's dK/dV travel with the
+key/value block and come home after a full turn; dQ stays local.  It uses
+the final output and LSE, so every partial gradient is exact.
+
+The kernels of a block pair come from the caller (:class:`Ring`'s
+``local_forward`` / ``local_backward``): :mod:`jaxflash.ring` (the
+``shard_map`` entry point) and :mod:`jaxflash._partition` (a sequence
+sharded under ``jit``) both run this loop.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxflash.masks import MaskArrays, MaskSpec
+
+
+def _merge(out_a, lse_a, out_b, lse_b):
+  """Exact merge of two partial softmax results (float32 accumulators)."""
+  lse = jnp.logaddexp(lse_a, lse_b)
+  safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
+  w_a = jnp.exp(lse_a - safe)  # [B, H, T]
+  w_b = jnp.exp(lse_b - safe)
+  tr = lambda w: jnp.swapaxes(w, 1, 2)[..., None]  # -> [B, T, H, 1]
+  return out_a * tr(w_a) + out_b * tr(w_b), lse
+
+
+def _chunks(x, parts: int):
+  """Split the sequence axis (1) of a local block into ``parts`` chunks."""
+  return jnp.split(x, parts, axis=1) if parts > 1 else [x]
+
+
+def varying_axes(x) -> frozenset:
+  """The manual mesh axes ``x``'s type varies over (empty outside
+  shard_map or with check_vma=False)."""
+  return jax.typeof(x).mat.varying
+
+
+class Ring:
+  """Static description of one ring attention call."""
+
+  def __init__(self, axis_name, n, causal, zigzag, params_for, varying,
+               local_forward=None, local_backward=None):
+    self.axis_name, self.n, self.causal = axis_name, n, causal
+    self.zigzag = zigzag and causal
+    self.parts = 2 if self.zigzag else 1
+    self.params_for = params_for  # MaskSpec -> OpParams
+    # The kernels of one block pair: (params, q, k, v, MaskArrays) ->
+    # (out, lse), and (..., out, lse, dout, dlse) -> (dq, dk, dv).
+    self.local_forward = local_forward
+    self.local_backward = local_backward
+    # shard_map(check_vma=True): the blocks' types say which manual axes
+    # they vary over (the ring's, and any other the blocks are split
+    # over: batch on "data", heads on "tensor"), and so must every value
+    # the loops and branches combine them with (zeros of skipped pairs,
+    # initial accumulators).  Empty without check_vma.
+    self.varying = frozenset(varying)
+
+  def vary(self, *xs):
+    """``xs`` typed as varying over the blocks' axes (under check_vma)."""
+    def cast(x):
+      missing = self.varying - varying_axes(x)
+      return lax.pcast(x, tuple(sorted(missing)), to="varying") if (
+          missing) else x
+    return tuple(cast(x) for x in xs)
+
+  def chunk_ids(self, dev):
+    """Global chunk indices of the chunks device ``dev`` holds."""
+    if self.zigzag:
+      return [dev, 2 * self.n - 1 - dev]
+    return [dev]
+
+  def relation(self, q_chunk, k_chunk):
+    """0: skip (later keys), 1: causal diagonal, 2: fully visible."""
+    if not self.causal:
+      return jnp.int32(2)
+    return jnp.where(k_chunk < q_chunk, 2, jnp.where(k_chunk == q_chunk, 1,
+                                                     0)).astype(jnp.int32)
+
+
+def _pair_forward(ring: Ring, rel, q, k, v, q_seg, k_seg):
+  """(out f32, lse) of one (query chunk, key chunk) pair by its relation."""
+  t, s = q.shape[1], k.shape[1]
+  arrays = MaskArrays(q_seg, k_seg) if q_seg is not None else MaskArrays()
+
+  def run(causal):
+    p = ring.params_for(MaskSpec(t, s, causal))
+    out, lse = ring.local_forward(p, q, k, v, arrays)
+    return out.astype(jnp.float32), lse
+
+  def skip():
+    return ring.vary(jnp.zeros(q.shape, jnp.float32),
+                     jnp.full((q.shape[0], q.shape[2], t), -jnp.inf,
+                              jnp.float32))
+
+  return lax.switch(rel, [skip, lambda: run(True), lambda: run(False)])
+
+
+def _pair_backward(ring: Ring, rel, q, k, v, q_seg, k_seg, out, lse, dout,
+                   dlse):
+  t, s = q.shape[1], k.shape[1]
+  arrays = MaskArrays(q_seg, k_seg) if q_seg is not None else MaskArrays()
+
+  def run(causal):
+    p = ring.params_for(MaskSpec(t, s, causal))
+    dq, dk, dv = ring.local_backward(p, q, k, v, arrays, out, lse, dout,
+                                     dlse)
+    return (dq.astype(jnp.float32), dk.astype(jnp.float32),
+            dv.astype(jnp.float32))
+
+  def skip():
+    return ring.vary(jnp.zeros(q.shape, jnp.float32),
+                     jnp.zeros(k.shape, jnp.float32),
+                     jnp.zeros(v.shape, jnp.float32))
+
+  return lax.switch(rel, [skip, lambda: run(True), lambda: run(False)])
+
+
+def _rotate(ring: Ring, xs):
+  """Sends each block to the next device of the ring."""
+  perm = [(i, (i + 1) % ring.n) for i in range(ring.n)]
+  return jax.tree.map(lambda x: lax.ppermute(x, ring.axis_name, perm), xs)
+
+
+def ring_forward(ring: Ring, q, k, v, q_seg, kv_seg):
+  dev = lax.axis_index(ring.axis_name)
+  q_parts = _chunks(q, ring.parts)
+  qs_parts = _chunks(q_seg, ring.parts) if q_seg is not None else None
+  q_ids = ring.chunk_ids(dev)
+  B, T, H, _ = q.shape
+  outs = list(ring.vary(*(jnp.zeros(x.shape, jnp.float32)
+                           for x in q_parts)))
+  lses = list(ring.vary(*(jnp.full((B, H, x.shape[1]), -jnp.inf, jnp.float32)
+                          for x in q_parts)))
+
+  def step(i, carry):
+    outs, lses, k, v, kv_seg = carry
+    src = lax.rem(dev - i + ring.n, ring.n)  # owner of the visiting block
+    k_ids = ring.chunk_ids(src)
+    k_parts, v_parts = _chunks(k, ring.parts), _chunks(v, ring.parts)
+    ks_parts = _chunks(kv_seg, ring.parts) if kv_seg is not None else None
+    new_outs, new_lses = [], []
+    for a in range(ring.parts):
+      o, l_ = outs[a], lses[a]
+      for b in range(ring.parts):
+        po, pl_ = _pair_forward(
+            ring, ring.relation(q_ids[a], k_ids[b]), q_parts[a], k_parts[b],
+            v_parts[b], qs_parts[a] if qs_parts else None,
+            ks_parts[b] if ks_parts else None)
+        o, l_ = _merge(o, l_, po, pl_)
+      new_outs.append(o)
+      new_lses.append(l_)
+    k, v, kv_seg = _rotate(ring, (k, v, kv_seg))
+    return new_outs, new_lses, k, v, kv_seg
+
+  outs, lses, *_ = lax.fori_loop(0, ring.n, step,
+                                 (outs, lses, k, v, kv_seg))
+  out = jnp.concatenate(outs, axis=1).astype(q.dtype)
+  lse = jnp.concatenate(lses, axis=2)
+  return out, lse
+
+
+def ring_backward(ring: Ring, q, k, v, q_seg, kv_seg, out, lse, dout,
+                   dlse):
+  dev = lax.axis_index(ring.axis_name)
+  split = lambda x: _chunks(x, ring.parts)
+  q_parts, o_parts, do_parts = split(q), split(out), split(dout)
+  l_parts = jnp.split(lse, ring.parts, axis=2) if ring.parts > 1 else [lse]
+  dl_parts = (jnp.split(dlse, ring.parts, axis=2) if ring.parts > 1
+              else [dlse])
+  qs_parts = split(q_seg) if q_seg is not None else None
+  q_ids = ring.chunk_ids(dev)
+  dq = list(ring.vary(*(jnp.zeros(x.shape, jnp.float32) for x in q_parts)))
+  dk, dv = ring.vary(jnp.zeros(k.shape, jnp.float32),
+                     jnp.zeros(v.shape, jnp.float32))
+
+  def step(i, carry):
+    dq, k, v, kv_seg, dk, dv = carry
+    src = lax.rem(dev - i + ring.n, ring.n)
+    k_ids = ring.chunk_ids(src)
+    k_parts, v_parts = split(k), split(v)
+    ks_parts = split(kv_seg) if kv_seg is not None else None
+    dk_parts, dv_parts = split(dk), split(dv)
+    dq = list(dq)
+    for a in range(ring.parts):
+      for b in range(ring.parts):
+        gq, gk, gv = _pair_backward(
+            ring, ring.relation(q_ids[a], k_ids[b]), q_parts[a], k_parts[b],
+            v_parts[b], qs_parts[a] if qs_parts else None,
+            ks_parts[b] if ks_parts else None, o_parts[a], l_parts[a],
+            do_parts[a], dl_parts[a])
+        dq[a] = dq[a] + gq
+        dk_parts[b] = dk_parts[b] + gk
+        dv_parts[b] = dv_parts[b] + gv
+    dk = jnp.concatenate(dk_parts, axis=1)
+    dv = jnp.concatenate(dv_parts, axis=1)
+    # The gradients travel with their key/value block.
+    k, v, kv_seg, dk, dv = _rotate(ring, (k, v, kv_seg, dk, dv))
+    return dq, k, v, kv_seg, dk, dv
+
+  dq, _, _, _, dk, dv = lax.fori_loop(0, ring.n, step,
+                                      (dq, k, v, kv_seg, dk, dv))
+  # After n rotations every block (and its gradients) is home again.
+  return (jnp.concatenate(dq, axis=1).astype(q.dtype), dk.astype(k.dtype),
+          dv.astype(v.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def ring_attention(ring: Ring, q, k, v, q_seg, kv_seg):
+  """``(out, lse)`` of the ring, differentiable: the backward runs
+  :func:`ring_backward` from the final output and LSE."""
+  return ring_forward(ring, q, k, v, q_seg, kv_seg)
+
+
+def _ring_fwd(ring, q, k, v, q_seg, kv_seg):
+  out, lse = ring_forward(ring, q, k, v, q_seg, kv_seg)
+  return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+
+
+def _ring_bwd(ring, res, cotangents):
+  q, k, v, q_seg, kv_seg, out, lse = res
+  dout, dlse = cotangents
+  dq, dk, dv = ring_backward(ring, q, k, v, q_seg, kv_seg, out, lse,
+                             dout.astype(q.dtype), dlse.astype(jnp.float32))
+  return dq, dk, dv, None, None
+
+
+ring_attention.defvjp(_ring_fwd, _ring_bwd)

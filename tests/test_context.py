@@ -1,0 +1,98 @@
+"""Context parallelism without ceremony: flash_attention under ``jit``
+with q, k, v sharded on the sequence axis runs ring attention by itself
+(8 CPU devices, interpret kernels): results equal the unsharded call,
+the compiled module passes key/value blocks by collective-permute and
+gathers nothing, and what the ring cannot serve is refused by name."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxflash
+
+TILES = jaxflash.TritonConfig(block_q=16, block_k=16, block_q_dkv=16,
+                              block_k_dkv=16, block_q_dq=16, block_k_dq=16)
+
+
+def _need_devices():
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices (tests/conftest.py sets 8 CPU devices)")
+
+
+def _inputs(heads=4, kv_heads=2, seq=64):
+  kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(kq, (2, seq, heads, 16))
+  k = jax.random.normal(kk, (2, seq, kv_heads, 16))
+  v = jax.random.normal(kv, (2, seq, kv_heads, 16))
+  do = jax.random.normal(kd, q.shape)
+  seg = jnp.asarray([[0] * 20 + [1] * (seq - 20), [0] * seq], jnp.int32)
+  return q, k, v, do, seg
+
+
+def _run(causal, **kw):
+  def run(q, k, v, do, seg):
+    f = lambda q, k, v: jaxflash.flash_attention(
+        q, k, v, causal=causal, segment_ids=seg, implementation="triton",
+        interpret=True, config=TILES, **kw)
+    out, vjp = jax.vjp(f, q, k, v)
+    return (out, *vjp(do))
+  return jax.jit(run)
+
+
+CASES = [
+    # (mesh shape, names, q spec, causal, axis type)
+    pytest.param((8,), ("context",), P(None, "context"), True,
+                 AxisType.Auto, id="8-seq-causal-Auto"),
+    pytest.param((2, 4), ("data", "context"), P("data", "context"), False,
+                 AxisType.Explicit, id="2x4-batch-seq-Explicit"),
+    pytest.param((4, 2), ("context", "tensor"),
+                 P(None, "context", "tensor"), True, AxisType.Explicit,
+                 id="4x2-seq-heads-causal-Explicit"),
+    pytest.param((2, 4), ("data", "context"), P("data", "context"), True,
+                 AxisType.Auto, id="2x4-batch-seq-causal-Auto",
+                 marks=pytest.mark.slow),
+    pytest.param((8,), ("context",), P(None, "context"), False,
+                 AxisType.Explicit, id="8-seq-Explicit",
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("mesh_shape,names,spec,causal,axis_type", CASES)
+def test_sequence_sharded_runs_the_ring(mesh_shape, names, spec, causal,
+                                        axis_type):
+  """Forward and gradients equal the one-device call (GQA 4:2, segment
+  ids); the sequence stays sharded; the module holds collective-permutes
+  and no all-gather."""
+  _need_devices()
+  mesh = jax.make_mesh(mesh_shape, names, axis_types=(axis_type,) * len(
+      names))
+  q, k, v, do, seg = _inputs()
+  want = _run(causal)(q, k, v, do, seg)
+  spec = P(*spec, *(None,) * (4 - len(spec)))
+  kv_spec = P(spec[0], spec[1], spec[2], None)
+  put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+  args = (put(q, spec), put(k, kv_spec), put(v, kv_spec), put(do, spec),
+          put(seg, P(spec[0], spec[1])))
+  got = _run(causal)(*args)
+  for a, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=2e-5)
+  assert got[0].sharding.spec[1] == spec[1]
+  hlo = _run(causal).lower(*args).compile().as_text()
+  assert "collective-permute" in hlo
+  assert "all-gather" not in hlo
+
+
+def test_what_the_ring_cannot_serve_is_named():
+  _need_devices()
+  mesh = jax.make_mesh((8,), ("context",), axis_types=(AxisType.Auto,))
+  q, k, v, do, seg = _inputs()
+  put = lambda x: jax.device_put(x, NamedSharding(
+      mesh, P(None, "context", *(None,) * (x.ndim - 2))))
+  with pytest.raises(Exception, match=r"sequence axis is sharded over mesh"
+                     r" axis \('context',\): context parallelism .* not"
+                     r" local_window_size"):
+    _run(True, local_window_size=8)(put(q), put(k), put(v), put(do),
+                                     put(seg))
