@@ -239,3 +239,107 @@ def _ring_bwd(ring, res, cotangents):
 
 
 ring_attention.defvjp(_ring_fwd, _ring_bwd)
+
+
+# -- all-gather: Llama 3's context parallelism --------------------------------
+#
+# Each device gathers the whole key/value sequence once (all-gather over the
+# sequence's axes) and runs the kernels on its query block against all of
+# it, its block's global position given to the mask as a static offset
+# (one kernel variant per device, picked by lax.switch); the backward
+# gathers again and returns each device its share of dK/dV by a
+# reduce-scatter.  One kernel per device over the whole key sequence and
+# no per-step merges, at the price of K/V communication that is not
+# overlapped: the cheaper choice where K/V are small next to Q (GQA).
+
+
+class AllGather:
+  """Static description of one all-gather context-parallel call:
+  ``params_for(spec)`` gives the op's parameters for a block's MaskSpec;
+  ``local_forward`` / ``local_backward`` as :class:`Ring`'s."""
+
+  def __init__(self, axis_name, n, params_for, mask: MaskSpec,
+               local_forward, local_backward):
+    self.axis_name, self.n = axis_name, n
+    self.params_for, self.mask = params_for, mask
+    self.local_forward, self.local_backward = local_forward, local_backward
+
+  def spec(self, dev: int, t: int, s: int) -> MaskSpec:
+    """Device ``dev``'s mask: its ``t`` queries start at global row ``dev
+    * t`` of the self-attention over ``s`` keys."""
+    m = self.mask
+    return MaskSpec(t, s, causal=m.causal, offset=dev * t,
+                    window_left=m.window_left, window_right=m.window_right)
+
+
+def _gather(ag: AllGather, *xs):
+  return tuple(None if x is None else lax.all_gather(
+      x, ag.axis_name, axis=1, tiled=True) for x in xs)
+
+
+def _by_device(ag: AllGather, fn):
+  """``fn(dev)`` for this device's index, a static int in each branch."""
+  return lax.switch(lax.axis_index(ag.axis_name),
+                    [lambda d=d: fn(d) for d in range(ag.n)])
+
+
+def allgather_forward(ag: AllGather, q, k, v, q_seg, kv_seg):
+  k, v, kv_seg = _gather(ag, k, v, kv_seg)
+  arrays = (MaskArrays(q_seg, kv_seg) if q_seg is not None
+            else MaskArrays())
+  return _by_device(ag, lambda d: ag.local_forward(
+      ag.params_for(ag.spec(d, q.shape[1], k.shape[1])), q, k, v, arrays))
+
+
+def allgather_backward(ag: AllGather, q, k, v, q_seg, kv_seg, out, lse,
+                       dout, dlse):
+  k_all, v_all, kv_seg = _gather(ag, k, v, kv_seg)
+  arrays = (MaskArrays(q_seg, kv_seg) if q_seg is not None
+            else MaskArrays())
+  dq, dk, dv = _by_device(ag, lambda d: ag.local_backward(
+      ag.params_for(ag.spec(d, q.shape[1], k_all.shape[1])), q, k_all,
+      v_all, arrays, out, lse, dout, dlse))
+  # Every device holds gradients for every key; each keeps the sum of its
+  # own block's (in float32, then the inputs' dtype).
+  scatter = lambda g, like: lax.psum_scatter(
+      g.astype(jnp.float32), ag.axis_name, scatter_dimension=1,
+      tiled=True).astype(like.dtype)
+  return dq, scatter(dk, k), scatter(dv, v)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def allgather_attention(ag: AllGather, q, k, v, q_seg, kv_seg):
+  """``(out, lse)`` of the all-gather scheme, differentiable."""
+  return allgather_forward(ag, q, k, v, q_seg, kv_seg)
+
+
+def _ag_fwd(ag, q, k, v, q_seg, kv_seg):
+  out, lse = allgather_forward(ag, q, k, v, q_seg, kv_seg)
+  return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+
+
+def _ag_bwd(ag, res, cotangents):
+  q, k, v, q_seg, kv_seg, out, lse = res
+  dout, dlse = cotangents
+  dq, dk, dv = allgather_backward(ag, q, k, v, q_seg, kv_seg, out, lse,
+                                  dout.astype(q.dtype),
+                                  dlse.astype(jnp.float32))
+  return dq, dk, dv, None, None
+
+
+allgather_attention.defvjp(_ag_fwd, _ag_bwd)
+
+
+def choose(mode: str | None, heads: int, kv_heads: int, window: bool) -> str:
+  """The context-parallel scheme: ``mode`` when given ("ring" or
+  "allgather"), else the cost rule.  All-gather moves all of K/V once,
+  not overlapped, and runs one kernel per device; the ring moves the same
+  bytes in n - 1 steps overlapped with the kernels but runs n kernels and
+  merges.  Where K/V are at most a quarter of Q's size (GQA 4:1 or more,
+  Llama 3's case) the gather is the smaller cost; a local window also
+  takes the gather (the ring serves none).  Otherwise the ring."""
+  if mode is not None:
+    return mode
+  if window or heads >= 4 * kv_heads:
+    return "allgather"
+  return "ring"

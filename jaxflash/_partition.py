@@ -64,18 +64,25 @@ def seq_axes(q_spec) -> tuple[str, ...]:
   return axes_of(_spec4(q_spec)[1])
 
 
-def check_context(p, present, seq: tuple[str, ...], q_shape, k_shape):
-  """Raises ValueError when a call sharded over ``seq`` on its sequence
-  axis cannot run as context-parallel ring attention: self-attention
-  (equal query and key lengths, the last query with the last key) with
-  causal or no positional mask, segment ids, GQA/MQA and a soft cap;
-  not windows, sequence lengths, dropout or dense terms (their masks
+def check_context(p, present, seq: tuple[str, ...], q_shape, k_shape) -> str:
+  """The context-parallel scheme for a call sharded over ``seq`` on its
+  sequence axis (:func:`jaxflash._context.choose`, or the call's
+  ``context_parallel``); ValueError where it cannot serve the call.
+
+  Both serve self-attention (equal query and key lengths, the last query
+  with the last key) with causal or no positional mask, segment ids,
+  GQA/MQA and a soft cap; the all-gather also serves local windows and
+  key lengths.  Not query lengths, dropout or dense terms (their masks
   speak of global positions the per-block kernels do not see)."""
-  fields = MaskArrays._fields
-  unserved = [f for f, on in zip(fields, present)
-              if on and f not in ("q_segment_ids", "kv_segment_ids")]
   m = p.mask
-  if m.window_left is not None or m.window_right is not None:
+  window = m.window_left is not None or m.window_right is not None
+  mode = _context.choose(p.context_parallel, q_shape[2], k_shape[2], window)
+  served = {"q_segment_ids", "kv_segment_ids"}
+  if mode == "allgather":
+    served.add("kv_seq_lengths")
+  unserved = [f for f, on in zip(MaskArrays._fields, present)
+              if on and f not in served]
+  if window and mode == "ring":
     unserved.append("local_window_size")
   if p.dropout_rate:
     unserved.append("dropout_rate")
@@ -84,10 +91,11 @@ def check_context(p, present, seq: tuple[str, ...], q_shape, k_shape):
   if unserved:
     raise ValueError(
         f"q's sequence axis is sharded over mesh axis {seq}: context"
-        " parallelism (ring attention, chosen automatically) serves causal"
-        " or full self-attention with segment ids, not"
+        f" parallelism ({mode}) serves causal or full self-attention with"
+        " segment ids (the all-gather also windows and kv_seq_lengths), not"
         f" {', '.join(unserved)}. Replicate the sequence axis, or call"
         " jaxflash.sharding.ring_attention in shard_map (docs/sharding.md)")
+  return mode
 
 
 def plan(mesh, q_spec, q_shape, k_shape, *, allow_seq: bool = False):
@@ -141,10 +149,11 @@ def _plan_from_args(mesh, arg_shapes, p=None, present=None):
   q, k = arg_shapes[0], arg_shapes[1]
   spec = _q_spec(arg_shapes)
   seq = seq_axes(spec)
+  mode = None
   if seq and p is not None:
-    check_context(p, present, seq, q.shape, k.shape)
+    mode = check_context(p, present, seq, q.shape, k.shape)
   return (*plan(mesh, spec, q.shape, k.shape, allow_seq=p is not None),
-          seq)
+          seq, mode)
 
 
 def mask_array_spec(shape, b, h, t=None):
@@ -200,8 +209,8 @@ def _partition(specs_fn, local_fn, backward=False):
     first = 7 if backward else 3
     mask_shapes = [a.shape for a in arg_shapes[first:]]
     bias_at = _bias_at(present, bias_grad)
-    batch, heads, kv_heads, seq = _plan_from_args(mesh, arg_shapes, p,
-                                                  present)
+    batch, heads, kv_heads, seq, mode = _plan_from_args(mesh, arg_shapes,
+                                                        p, present)
     b, h, kv, t = (spec_entry(a) for a in (batch, heads, kv_heads, seq))
     args, results = specs_fn(mask_shapes, b, h, kv, bias_at, t)
     named = lambda spec: NamedSharding(mesh, spec)
@@ -224,8 +233,8 @@ def _partition(specs_fn, local_fn, backward=False):
             operands[at], heads,
             arg_shapes[0].shape[2] // axes_size(mesh, heads))
       if seq:
-        res = _ring_lower(local_fn, p, present, seq,
-                          axes_size(mesh, seq), backward, operands)
+        res = _context_lower(mode, local_fn, p, present, seq,
+                             axes_size(mesh, seq), backward, operands)
       else:
         res = (local_fn(p, present, bias_grad, *operands) if backward
                else local_fn(p, present, *operands))
@@ -241,30 +250,40 @@ def _partition(specs_fn, local_fn, backward=False):
   return partition
 
 
-def _ring_lower(local_fn, p, present, seq, n: int, backward: bool,
-                operands):
-  """The ring on this shard's blocks of a sequence sharded over ``seq``
-  (contiguous blocks in natural order: with causal, block ``i`` does
-  ``i + 1`` pairs of work; zig-zag order is ring_attention's)."""
+def _context_lower(mode: str, local_fn, p, present, seq, n: int,
+                   backward: bool, operands):
+  """The ring or the all-gather (``mode``) on this shard's blocks of a
+  sequence sharded over ``seq``, contiguous blocks in natural order (with
+  causal, ring block ``i`` does ``i + 1`` pairs of work; zig-zag order is
+  ring_attention's)."""
   first = 7 if backward else 3
   arrays = dict(zip((f for f, on in zip(MaskArrays._fields, present) if on),
                     operands[first:]))
   q_seg, kv_seg = arrays.get("q_segment_ids"), arrays.get("kv_segment_ids")
+  lengths = arrays.get("kv_seq_lengths")
 
   def call(fn, params, *xs, arrays: MaskArrays, bias_grad=None):
+    if lengths is not None:
+      arrays = arrays._replace(kv_seq_lengths=lengths)
     flags = tuple(x is not None for x in arrays)
     flat = tuple(x for x in arrays if x is not None)
     if bias_grad is None:
       return fn(params, flags, *xs, *flat)
     return fn(params, flags, bias_grad, *xs, *flat)
 
-  ring = _context.Ring(
-      seq if len(seq) > 1 else seq[0], n, p.mask.causal, False,
-      lambda spec: dataclasses.replace(p, mask=spec), frozenset(),
-      local_forward=lambda params, q, k, v, a: call(
-          local_fn, params, q, k, v, arrays=a),
-      local_backward=lambda params, q, k, v, a, *res: call(
-          local_fn, params, q, k, v, *res, arrays=a, bias_grad=False))
+  fwd = lambda params, q, k, v, a: call(local_fn, params, q, k, v, arrays=a)
+  bwd = lambda params, q, k, v, a, *res: call(
+      local_fn, params, q, k, v, *res, arrays=a, bias_grad=False)
+  axis = seq if len(seq) > 1 else seq[0]
+  params_for = lambda spec: dataclasses.replace(p, mask=spec)
+  if mode == "allgather":
+    ag = _context.AllGather(axis, n, params_for, p.mask, fwd, bwd)
+    if backward:
+      return _context.allgather_backward(ag, *operands[:3], q_seg, kv_seg,
+                                         *operands[3:7])
+    return _context.allgather_forward(ag, *operands[:3], q_seg, kv_seg)
+  ring = _context.Ring(axis, n, p.mask.causal, False, params_for,
+                       frozenset(), local_forward=fwd, local_backward=bwd)
   if backward:
     return _context.ring_backward(ring, *operands[:3], q_seg, kv_seg,
                                   *operands[3:7])
@@ -287,7 +306,7 @@ def _infer(specs_fn, backward=False):
     first = 7 if backward else 3
     mask_shapes = [a.shape for a in arg_shapes[first:]]
     b, h, kv, t = (spec_entry(a) for a in _plan_from_args(
-        mesh, arg_shapes, p, present))
+        mesh, arg_shapes, p, present)[:4])
     _, results = specs_fn(mask_shapes, b, h, kv,
                           _bias_at(present, bias_grad), t)
     return tuple(NamedSharding(mesh, s) for s in results)

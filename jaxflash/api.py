@@ -56,6 +56,7 @@ def flash_attention(
     bias: jax.Array | None = None,
     mask: jax.Array | None = None,
     alibi_slopes: jax.Array | None = None,
+    context_parallel: str | None = None,
 ):
   """Exact attention in O(sequence) memory.
 
@@ -138,6 +139,12 @@ def flash_attention(
       al.), ``-slope * |i' - j|`` added to the scaled logits (``i'`` the
       query's aligned key position, as FlashAttention-2), computed in the
       kernels with no array; not differentiated.
+    context_parallel: with q, k, v sharded on the sequence axis under
+      ``jit``: ``"ring"`` (ring attention: key/value blocks passed around
+      the sequence's mesh axes, overlapped with the kernels),
+      ``"allgather"`` (K/V gathered once; also serves windows and
+      ``kv_seq_lengths``) or None (GQA of 4:1 or more and windows take the
+      all-gather, the rest the ring; docs/sharding.md).
     The bias and ALiBi do not combine with ``logits_soft_cap``; the Triton
     kernels and ``"xla"`` serve ``bias``, ``mask`` and ``alibi_slopes``
     (not the Hopper kernels yet).
@@ -161,7 +168,8 @@ def flash_attention(
       deterministic=deterministic,
       fp8_args=dict(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                     out_dtype=out_dtype),
-      dropout=(dropout_rate, dropout_rng, dropout_broadcast), dense=dense)
+      dropout=(dropout_rate, dropout_rng, dropout_broadcast), dense=dense,
+      context_parallel=context_parallel)
 
 
 def _dense_args(q, k, bias, mask, logits_soft_cap, *, squeeze: bool,
@@ -197,7 +205,8 @@ def _dense_args(q, k, bias, mask, logits_soft_cap, *, squeeze: bool,
 def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
                q_seq_lengths, kv_seq_lengths, logits_soft_cap, softmax_scale,
                return_lse, implementation, config, interpret, deterministic,
-               names=None, dense=None, fp8_args=None, dropout=None):
+               names=None, dense=None, fp8_args=None, dropout=None,
+               context_parallel=None):
   """Validation and dispatch shared by the public entry points.
 
   ``offset``: query ``i`` is aligned with key ``i + offset`` (None:
@@ -227,6 +236,9 @@ def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
   arrays = checks.mask_arrays(q, k, segment_ids, q_seq_lengths,
                               kv_seq_lengths, names)
   deterministic = checks.resolve_deterministic(deterministic)
+  if context_parallel not in (None, "ring", "allgather"):
+    raise ValueError(f"context_parallel={context_parallel!r} must be"
+                     " 'ring', 'allgather' or None")
   if dense is not None:
     arrays = arrays._replace(bias=dense[0], dense_mask=dense[1],
                              flash_mask=dense[2], alibi_slopes=dense[3])
@@ -270,7 +282,8 @@ def _attention(q, k, v, *, causal, offset, segment_ids, local_window_size,
         backend, q, k, v, mask=mask, arrays=arrays,
         softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
         config=config, interpret=interpret, deterministic=deterministic,
-        dropout_rate=rate, dropout_shared=shared)
+        dropout_rate=rate, dropout_shared=shared,
+        context_parallel=context_parallel)
   return (out, lse) if return_lse else out
 
 
@@ -297,6 +310,7 @@ def dot_product_attention(
     dropout_rng: jax.Array | None = None,
     dropout_broadcast: bool = False,
     alibi_slopes: jax.Array | None = None,
+    context_parallel: str | None = None,
 ):
   """Drop-in for ``jax.nn.dot_product_attention``, served by jaxflash.
 
@@ -308,8 +322,8 @@ def dot_product_attention(
   ``logits_soft_cap`` (see :func:`flash_attention`), ``config``,
   ``interpret``, ``deterministic``, attention dropout
   (``dropout_rate``, ``dropout_rng``, ``dropout_broadcast``) and
-  ``alibi_slopes``, as :func:`flash_attention`'s (ALiBi aligned top-left
-  here, as the causal mask).
+  ``alibi_slopes`` and ``context_parallel``, as :func:`flash_attention`'s
+  (ALiBi aligned top-left here, as the causal mask).
 
   ``implementation``: a jaxflash backend name (``"mosaic_gpu"``,
   ``"triton"``, ``"xla"``), a sequence of them, or None (best available).
@@ -349,7 +363,8 @@ def dot_product_attention(
       softmax_scale=scale, return_lse=True, implementation=implementation,
       config=config, interpret=interpret, deterministic=deterministic,
       names=_DPA_NAMES, dense=dense,
-      dropout=(dropout_rate, dropout_rng, dropout_broadcast))
+      dropout=(dropout_rate, dropout_rng, dropout_broadcast),
+      context_parallel=context_parallel)
   res = jnp.swapaxes(lse, 1, 2).astype(out.dtype)  # [B, N, T] -> [B, T, N]
   if squeeze:
     out = out[0]

@@ -190,7 +190,8 @@ def select(q, k, v, *, implementation, config, interpret: bool,
 def op_params(backend: Backend, *, mask: MaskSpec, softmax_scale: float,
               logits_soft_cap, config, interpret,
               deterministic: bool, dropout_rate: float = 0.0,
-              dropout_shared: bool = False) -> op.OpParams:
+              dropout_shared: bool = False,
+              context_parallel: str | None = None) -> op.OpParams:
   """The static arguments of ``backend``'s op (a kernel backend)."""
   if backend.kernels is None:
     raise ValueError(f"backend {backend.name!r} has no kernels")
@@ -201,14 +202,16 @@ def op_params(backend: Backend, *, mask: MaskSpec, softmax_scale: float,
                      logits_soft_cap=logits_soft_cap, config=config,
                      interpret=interpret, deterministic=bool(deterministic),
                      dropout_rate=float(dropout_rate),
-                     dropout_shared=bool(dropout_shared))
+                     dropout_shared=bool(dropout_shared),
+                     context_parallel=context_parallel)
 
 
 def attention(backend: Backend | str, q, k, v, *, mask: MaskSpec,
               arrays: MaskArrays = NO_MASK_ARRAYS, softmax_scale: float,
               logits_soft_cap: float | None = None, config=None,
               interpret=False, deterministic: bool = False,
-              dropout_rate: float = 0.0, dropout_shared: bool = False):
+              dropout_rate: float = 0.0, dropout_shared: bool = False,
+              context_parallel: str | None = None):
   """``(out, lse)`` of ``backend`` on checked inputs, differentiable in
   both (no support check: :func:`select` chose it, or a test or tool
   asks for it)."""
@@ -241,4 +244,4 @@ def attention(backend: Backend | str, q, k, v, *, mask: MaskSpec,
       backend, mask=mask, softmax_scale=softmax_scale,
       logits_soft_cap=logits_soft_cap, config=config, interpret=interpret,
       deterministic=deterministic, dropout_rate=dropout_rate,
-      dropout_shared=dropout_shared))
+      dropout_shared=dropout_shared, context_parallel=context_parallel))

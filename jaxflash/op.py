@@ -81,6 +81,9 @@ class OpParams:
   # dropout_shared one mask serves every head (Flax's broadcast_dropout).
   dropout_rate: float = 0.0
   dropout_shared: bool = False
+  # Context parallelism for a sequence-sharded call: "ring", "allgather",
+  # or None for the cost rule (jaxflash._context.choose).
+  context_parallel: str | None = None
 
 
 def _kwargs(p: OpParams) -> dict:
@@ -322,8 +325,8 @@ def attention(q, k, v, arrays: MaskArrays, params: OpParams):
   # types; inside shard_map the partitioning layer is inlined).
   spec = jax.typeof(q).sharding.spec
   seq = partition.seq_axes(spec)
-  if seq:
-    partition.check_context(params, present, seq, q.shape, k.shape)
+  mode = (partition.check_context(params, present, seq, q.shape, k.shape)
+          if seq else None)
   b, h, kv = (partition.spec_entry(a) for a in partition.plan(
       mesh, spec, q.shape, k.shape, allow_seq=True))
   t = partition.spec_entry(seq)
@@ -343,11 +346,20 @@ def attention(q, k, v, arrays: MaskArrays, params: OpParams):
       i = _flat_index(present, _DROPOUT_SEEDS)
       flat = (*flat[:i], partition.shard_dropout_seeds(
           flat[i], partition.axes_of(h), q.shape[2]), *flat[i + 1:])
-    if seq:  # context parallelism: the ring over the sequence's axes
+    if seq:  # context parallelism over the sequence's axes
       a = _unpack(flat, present)
+      n = partition.axes_size(mesh, seq)
+      params_for = lambda s: dataclasses.replace(params, mask=s)
+      with_lengths = lambda fn: lambda p, q, k, v, arrays, *r: fn(
+          p, q, k, v, arrays._replace(kv_seq_lengths=a.kv_seq_lengths), *r)
+      if mode == "allgather":
+        ag = _context.AllGather(t, n, params_for, params.mask,
+                                with_lengths(local_forward),
+                                with_lengths(local_backward))
+        return _context.allgather_attention(ag, q, k, v, a.q_segment_ids,
+                                            a.kv_segment_ids)
       ring = _context.Ring(
-          t, partition.axes_size(mesh, seq), params.mask.causal, False,
-          lambda s: dataclasses.replace(params, mask=s), frozenset(),
+          t, n, params.mask.causal, False, params_for, frozenset(),
           local_forward=local_forward, local_backward=local_backward)
       return _context.ring_attention(ring, q, k, v, a.q_segment_ids,
                                      a.kv_segment_ids)

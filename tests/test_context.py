@@ -60,29 +60,65 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("mesh_shape,names,spec,causal,axis_type", CASES)
-def test_sequence_sharded_runs_the_ring(mesh_shape, names, spec, causal,
-                                        axis_type):
-  """Forward and gradients equal the one-device call (GQA 4:2, segment
-  ids); the sequence stays sharded; the module holds collective-permutes
-  and no all-gather."""
-  _need_devices()
+def _check(mesh_shape, names, spec, causal, axis_type, mode, **kw):
+  """The sharded call equals the one-device one (GQA 4:2, segment ids);
+  the sequence stays sharded; returns the compiled module's text."""
   mesh = jax.make_mesh(mesh_shape, names, axis_types=(axis_type,) * len(
       names))
   q, k, v, do, seg = _inputs()
-  want = _run(causal)(q, k, v, do, seg)
+  want = _run(causal, **kw)(q, k, v, do, seg)
   spec = P(*spec, *(None,) * (4 - len(spec)))
   kv_spec = P(spec[0], spec[1], spec[2], None)
   put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
   args = (put(q, spec), put(k, kv_spec), put(v, kv_spec), put(do, spec),
           put(seg, P(spec[0], spec[1])))
-  got = _run(causal)(*args)
+  run = _run(causal, context_parallel=mode, **kw)
+  got = run(*args)
   for a, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=2e-5)
   assert got[0].sharding.spec[1] == spec[1]
-  hlo = _run(causal).lower(*args).compile().as_text()
+  return run.lower(*args).compile().as_text()
+
+
+@pytest.mark.parametrize("mesh_shape,names,spec,causal,axis_type", CASES)
+def test_sequence_sharded_runs_the_ring(mesh_shape, names, spec, causal,
+                                        axis_type):
+  """Forward and gradients equal the one-device call; the module holds
+  collective-permutes and no all-gather (GQA 2:1 takes the ring)."""
+  _need_devices()
+  hlo = _check(mesh_shape, names, spec, causal, axis_type, None)
   assert "collective-permute" in hlo
   assert "all-gather" not in hlo
+
+
+@pytest.mark.parametrize("axis_type,kw", [
+    (AxisType.Auto, {}),
+    (AxisType.Explicit, dict(local_window_size=(9, 0))),
+    pytest.param(AxisType.Explicit, {}, marks=pytest.mark.slow),
+    pytest.param(AxisType.Auto, dict(local_window_size=(9, 0),
+                                      kv_seq_lengths=jnp.asarray([64, 40])),
+                 marks=pytest.mark.slow)], ids=["Auto", "Explicit-window",
+                                                "Explicit", "Auto-window"])
+def test_allgather_mode(axis_type, kw):
+  """context_parallel="allgather" (and the rule's choice for a window):
+  K/V gathered once, each device's block masked at its global offset;
+  the backward returns each device its dK/dV by a reduce-scatter."""
+  _need_devices()
+  mode = None if "local_window_size" in kw else "allgather"
+  hlo = _check((2, 4), ("data", "context"), P("data", "context"), True,
+               axis_type, mode, **kw)
+  assert "all-gather" in hlo
+  assert "collective-permute" not in hlo
+
+
+def test_the_rule():
+  from jaxflash import _context
+  assert _context.choose(None, 32, 8, False) == "allgather"  # GQA 4:1
+  assert _context.choose(None, 32, 16, False) == "ring"
+  assert _context.choose(None, 32, 32, True) == "allgather"  # a window
+  assert _context.choose("ring", 32, 8, False) == "ring"
+  with pytest.raises(ValueError, match="context_parallel='gather' must be"):
+    jaxflash.flash_attention(*_inputs()[:3], context_parallel="gather")
 
 
 def test_what_the_ring_cannot_serve_is_named():
@@ -92,7 +128,7 @@ def test_what_the_ring_cannot_serve_is_named():
   put = lambda x: jax.device_put(x, NamedSharding(
       mesh, P(None, "context", *(None,) * (x.ndim - 2))))
   with pytest.raises(Exception, match=r"sequence axis is sharded over mesh"
-                     r" axis \('context',\): context parallelism .* not"
-                     r" local_window_size"):
-    _run(True, local_window_size=8)(put(q), put(k), put(v), put(do),
-                                     put(seg))
+                     r" axis \('context',\): context parallelism \(ring\)"
+                     r" .* not local_window_size"):
+    _run(True, local_window_size=8, context_parallel="ring")(
+        put(q), put(k), put(v), put(do), put(seg))
