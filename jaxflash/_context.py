@@ -218,27 +218,32 @@ def ring_backward(ring: Ring, q, k, v, q_seg, kv_seg, out, lse, dout,
           dv.astype(v.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def ring_attention(ring: Ring, q, k, v, q_seg, kv_seg):
-  """``(out, lse)`` of the ring, differentiable: the backward runs
-  :func:`ring_backward` from the final output and LSE."""
-  return ring_forward(ring, q, k, v, q_seg, kv_seg)
+def _differentiable(forward, backward):
+  """``forward(plan, q, k, v, q_seg, kv_seg) -> (out, lse)`` with a
+  ``jax.custom_vjp`` whose backward is ``backward(plan, ..., out, lse,
+  dout, dlse) -> (dq, dk, dv)``, run from the final output and LSE."""
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+  def attend(plan, q, k, v, q_seg, kv_seg):
+    return forward(plan, q, k, v, q_seg, kv_seg)
+
+  def fwd(plan, q, k, v, q_seg, kv_seg):
+    out, lse = forward(plan, q, k, v, q_seg, kv_seg)
+    return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+
+  def bwd(plan, res, cotangents):
+    q, k, v, q_seg, kv_seg, out, lse = res
+    dout, dlse = cotangents
+    grads = backward(plan, q, k, v, q_seg, kv_seg, out, lse,
+                     dout.astype(q.dtype), dlse.astype(jnp.float32))
+    return (*grads, None, None)
+
+  attend.defvjp(fwd, bwd)
+  return attend
 
 
-def _ring_fwd(ring, q, k, v, q_seg, kv_seg):
-  out, lse = ring_forward(ring, q, k, v, q_seg, kv_seg)
-  return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
-
-
-def _ring_bwd(ring, res, cotangents):
-  q, k, v, q_seg, kv_seg, out, lse = res
-  dout, dlse = cotangents
-  dq, dk, dv = ring_backward(ring, q, k, v, q_seg, kv_seg, out, lse,
-                             dout.astype(q.dtype), dlse.astype(jnp.float32))
-  return dq, dk, dv, None, None
-
-
-ring_attention.defvjp(_ring_fwd, _ring_bwd)
+ring_attention = _differentiable(ring_forward, ring_backward)
+"""``(out, lse)`` of the ring, differentiable."""
 
 
 # -- all-gather: Llama 3's context parallelism --------------------------------
@@ -307,27 +312,8 @@ def allgather_backward(ag: AllGather, q, k, v, q_seg, kv_seg, out, lse,
   return dq, scatter(dk, k), scatter(dv, v)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def allgather_attention(ag: AllGather, q, k, v, q_seg, kv_seg):
-  """``(out, lse)`` of the all-gather scheme, differentiable."""
-  return allgather_forward(ag, q, k, v, q_seg, kv_seg)
-
-
-def _ag_fwd(ag, q, k, v, q_seg, kv_seg):
-  out, lse = allgather_forward(ag, q, k, v, q_seg, kv_seg)
-  return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
-
-
-def _ag_bwd(ag, res, cotangents):
-  q, k, v, q_seg, kv_seg, out, lse = res
-  dout, dlse = cotangents
-  dq, dk, dv = allgather_backward(ag, q, k, v, q_seg, kv_seg, out, lse,
-                                  dout.astype(q.dtype),
-                                  dlse.astype(jnp.float32))
-  return dq, dk, dv, None, None
-
-
-allgather_attention.defvjp(_ag_fwd, _ag_bwd)
+allgather_attention = _differentiable(allgather_forward, allgather_backward)
+"""``(out, lse)`` of the all-gather scheme, differentiable."""
 
 
 def choose(mode: str | None, heads: int, kv_heads: int, window: bool) -> str:
