@@ -326,7 +326,7 @@ def test_tile_bounds_padding_and_defaults():
   m = FlashMask.causal(8, 6)
   bounds = m.tile_bounds(4)
   assert all(x.shape == (1, 1, 2) for x in bounds)
-  big = flashmask._BIG
+  big = flashmask.BIG
   np.testing.assert_array_equal(bounds.lt_start_min[0, 0], [8, 0])
   np.testing.assert_array_equal(bounds.lt_end_min[0, 0], [big, big])
   np.testing.assert_array_equal(bounds.ut_end_max[0, 0], [3, big])

@@ -15,8 +15,9 @@ ROOT = pathlib.Path(jaxflash.__file__).parent
 # Bottom to top.  A module may import modules of lower layers, and a
 # kernel package's modules each other; nothing of its own layer or above.
 LAYERS = (
-    ("jaxflash.masks", "jaxflash._util", "jaxflash._timing"),
-    ("jaxflash.reference",),
+    ("jaxflash.masks", "jaxflash.flashmask", "jaxflash._util",
+     "jaxflash._timing"),
+    ("jaxflash.reference", "jaxflash._context"),
     ("jaxflash.triton", "jaxflash.mosaic_gpu"),
     ("jaxflash._partition",),
     ("jaxflash.op",),
