@@ -38,8 +38,9 @@ def _plan(q, k, mask: MaskSpec, arrays: MaskArrays, softmax_scale: float,
   _, T, H, D = q.shape
   S, K = k.shape[1], k.shape[2]
   dp = head_dim_padded(D)
-  cfg = (config or TritonConfig()).merged_with(
-      default_config(T, S, dp, q.dtype))
+  cfg = (config or TritonConfig()).merged_with(default_config(
+      T, S, dp, q.dtype, bias_itemsize=(
+          0 if arrays.bias is None else jnp.dtype(arrays.bias.dtype).itemsize)))
   # Pad each sequence to a whole number of every tile that walks it.
   q_mult = max(cfg.block_q, cfg.block_q_dkv, cfg.block_q_dq)
   kv_mult = max(cfg.block_k, cfg.block_k_dkv, cfg.block_k_dq)

@@ -66,13 +66,14 @@ def _fit(block: int, seq_len: int) -> int:
 
 
 def default_config(q_len: int, kv_len: int, head_dim_padded: int,
-                   dtype) -> TritonConfig:
+                   dtype, bias_itemsize: int = 0) -> TritonConfig:
   """Tiles chosen from the shape and dtype (sm80/sm90 shared memory).
 
   A forward tile keeps Q [block_q, D] and double-buffered K, V
   [block_k, D] in shared memory; float32 inputs take twice the bytes, so
   their tiles are halved.  Large head dims use smaller key tiles for the
-  same reason.
+  same reason.  ``bias_itemsize``: a dense bias's bytes per element (0
+  for none), whose [block_q, block_k] tile rides with each K/V tile.
   """
   wide = jnp.dtype(dtype).itemsize >= 4
   # Measured on one H200, bf16, 16k tokens per call (docs/benchmarks/
@@ -93,6 +94,14 @@ def default_config(q_len: int, kv_len: int, head_dim_padded: int,
     bq, bk = max(16, bq // 2), max(16, bk // 2)
     bq_dkv, bk_dkv, bq_dq, bk_dq = 32, 32, 32, 32
     stages, stages_b = 2, 1
+  if bias_itemsize:
+    # The bias tile rides in every pipeline stage: three stages of Q-sized
+    # K, V and bias tiles overflowed an H100's 227 KiB (294,912 bytes
+    # asked at head_dim 128, bf16 bias); two stages fit, and a float32
+    # bias halves the key tile as well.
+    stages = min(stages, 2)
+    if bias_itemsize >= 4:
+      bk = max(16, bk // 2)
   return TritonConfig(
       block_q=_fit(bq, q_len), block_k=_fit(bk, kv_len),
       num_warps=warps, num_stages=stages,
