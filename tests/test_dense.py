@@ -137,7 +137,9 @@ def _grad_of_vmapped_sum(f, axis, qs, bias):
   return jax.grad(lambda qs, b: jnp.sum(mapped(qs, b)), argnums=1)(qs, bias)
 
 
-def test_vmap_over_a_batched_or_shared_bias():
+@pytest.mark.parametrize("mapped", [
+    False, pytest.param(True, marks=pytest.mark.slow)])
+def test_vmap_over_a_batched_or_shared_bias(mapped):
   """vmap with the bias mapped (broadcast over its batch rows) or not
   (shared by every mapped slice): gradients equal a loop over the slices,
   per slice under vmap(grad), summed under grad of the vmapped sum."""
@@ -151,7 +153,7 @@ def test_vmap_over_a_batched_or_shared_bias():
       q, k, v, bias=b, implementation="triton", interpret=True,
       config=TILES)))
   g = jax.grad(f, argnums=(0, 1))
-  for bias, axis in ((bias_b, 0), (bias_s, None)):
+  for bias, axis in ((bias_b, 0),) if mapped else ((bias_s, None),):
     got = jax.vmap(g, in_axes=(0, axis))(qs, bias)
     want = [g(qs[i], bias if axis is None else bias[i]) for i in range(3)]
     np.testing.assert_allclose(got[0], jnp.stack([w[0] for w in want]),
@@ -164,7 +166,8 @@ def test_vmap_over_a_batched_or_shared_bias():
 
 
 @pytest.mark.parametrize("axis_type,flash", [
-    (AxisType.Explicit, False), (AxisType.Auto, True),
+    pytest.param(AxisType.Explicit, False, marks=pytest.mark.slow),
+    (AxisType.Auto, True),
     pytest.param(AxisType.Auto, False, marks=pytest.mark.slow),
     pytest.param(AxisType.Explicit, True, marks=pytest.mark.slow)],
     ids=["Explicit-dense", "Auto-flashmask", "Auto-dense",
@@ -256,7 +259,8 @@ def test_gpu_dense(causal):
   assert err.max() <= 2 ** -6 * max(1.0, float(jnp.abs(want).max()))
 
 
-@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("per_row", [
+    False, pytest.param(True, marks=pytest.mark.slow)])
 def test_alibi_equals_its_bias(per_row):
   """ALiBi slopes ([heads], or [batch, heads]) in the kernels give the
   results of the explicit bias ``-slope |i + kv_len - q_len - j|``
@@ -306,7 +310,9 @@ def _flash_masks(batch: int, seq: int):
 
 
 @pytest.mark.parametrize("pattern", [
-    "causal-document", "prefix-lm", "shared-question", "random-ranges",
+    "causal-document", "random-ranges",
+    pytest.param("prefix-lm", marks=pytest.mark.slow),
+    pytest.param("shared-question", marks=pytest.mark.slow),
     pytest.param("sliding-window", marks=pytest.mark.slow),
     pytest.param("global-and-window", marks=pytest.mark.slow)])
 def test_flashmask_patterns_keep_the_numerics_rule(pattern):

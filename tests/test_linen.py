@@ -431,23 +431,28 @@ def test_dot_product_attention_dense_paths():
   assert seen == [False, True]
 
 
-@pytest.mark.parametrize("kw", [
-    pytest.param(dict(bias_shape=(2, 4, 12, 20)), id="bias",
-                 marks=pytest.mark.slow),
-    pytest.param(dict(bias_shape=(1, 1, 12, 20), is_causal=True),
-                 id="bias-broadcast-causal"),
-    pytest.param(dict(bias_shape=(2, 4, 1, 20), kv_heads=1),  # MQA, one row
-                 id="bias-mqa-row"),
-    pytest.param(dict(mask_shape=(2, 1, 12, 20), local_window_size=(3, 2)),
-                 id="mask-window", marks=pytest.mark.slow),
-    pytest.param(dict(mask_shape=(1, 4, 12, 20), bias_shape=(2, 1, 12, 1),
-                      key_value_seq_lengths=[20, 9],
-                      query_seq_lengths=[12, 7]), id="mask-bias-lengths"),
-    pytest.param(dict(bias_shape=(4, 12, 20), mask_shape=(1, 12, 20),
-                      rank3=True), id="rank3"),
-])
-@pytest.mark.parametrize("impl", ["xla", "triton"])
-def test_dot_product_attention_dense_matches_jax_nn(kw, impl):
+_DENSE_CASES = [  # (keywords, id, slow on "xla", slow on the kernels)
+    (dict(bias_shape=(2, 4, 12, 20)), "bias", True, True),
+    (dict(bias_shape=(1, 1, 12, 20), is_causal=True),
+     "bias-broadcast-causal", False, True),
+    (dict(bias_shape=(2, 4, 1, 20), kv_heads=1), "bias-mqa-row", False,
+     False),  # MQA, one row
+    (dict(mask_shape=(2, 1, 12, 20), local_window_size=(3, 2)),
+     "mask-window", True, True),
+    (dict(mask_shape=(1, 4, 12, 20), bias_shape=(2, 1, 12, 1),
+          key_value_seq_lengths=[20, 9], query_seq_lengths=[12, 7]),
+     "mask-bias-lengths", False, False),
+    (dict(bias_shape=(4, 12, 20), mask_shape=(1, 12, 20), rank3=True),
+     "rank3", False, True),
+]
+
+
+@pytest.mark.parametrize("kw,impl", [
+    pytest.param(kw, impl, id=f"{impl}-{name}",
+                 marks=[pytest.mark.slow] if slow else [])
+    for kw, name, slow_xla, slow_kernels in _DENSE_CASES
+    for impl, slow in (("xla", slow_xla), ("triton", slow_kernels))])
+def test_dot_product_attention_dense_matches_jax_nn(kw, impl, request):
   """bias and mask on the "xla" path and in the Triton kernels: jax.nn's
   results wherever a row sees a key, with its gradients (the bias's too);
   rows that see none give 0 and residual -inf (jax.nn: the mean of V and
