@@ -137,8 +137,8 @@ def _grad_of_vmapped_sum(f, axis, qs, bias):
   return jax.grad(lambda qs, b: jnp.sum(mapped(qs, b)), argnums=1)(qs, bias)
 
 
-@pytest.mark.parametrize("mapped", [
-    False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("mapped", [False, True])
 def test_vmap_over_a_batched_or_shared_bias(mapped):
   """vmap with the bias mapped (broadcast over its batch rows) or not
   (shared by every mapped slice): gradients equal a loop over the slices,
@@ -310,7 +310,8 @@ def _flash_masks(batch: int, seq: int):
 
 
 @pytest.mark.parametrize("pattern", [
-    "causal-document", "random-ranges",
+    "causal-document",
+    pytest.param("random-ranges", marks=pytest.mark.slow),
     pytest.param("prefix-lm", marks=pytest.mark.slow),
     pytest.param("shared-question", marks=pytest.mark.slow),
     pytest.param("sliding-window", marks=pytest.mark.slow),

@@ -143,7 +143,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
         stream_info_ref=stream_info, has_lengths=prob.has_lengths,
         body=functools.partial(body, g=g), carry=carry,
         dense_class=dense_lib.tile_class(dense_refs, prob, held_q=False,
-                                         g=g))
+                                         g=g),
+        dense_range=dense_lib.stream_range(dense_refs, prob, held_q=False,
+                                           g=g))
 
   carry = (jnp.zeros((block_k, prob.head_dim_padded), jnp.float32),
            jnp.zeros((block_k, prob.head_dim_padded), jnp.float32))
@@ -209,7 +211,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
       stream_block=block_k, held_info_ref=held_info,
       stream_info_ref=stream_info, has_lengths=prob.has_lengths, body=body,
       carry=jnp.zeros((block_q, prob.head_dim_padded), jnp.float32),
-      dense_class=dense_lib.tile_class(dense_refs, prob, held_q=True))
+      dense_class=dense_lib.tile_class(dense_refs, prob, held_q=True),
+      dense_range=dense_lib.stream_range(dense_refs, prob, held_q=True))
   dq_ref[...] = (dq * prob.softmax_scale).astype(dq_ref.dtype)
 
 

@@ -54,6 +54,25 @@ def _row_index(axes, held_q: bool):
   return index
 
 
+def _with_range(summary, stream_full: bool):
+  """A summary ``[b, h, n_held, n_stream]`` with two columns appended: per
+  held tile, the first and one-past-last streamed tile that is not hidden
+  (the tile loop visits no tile outside; an empty range ``[0, 0)`` when
+  all are hidden).  Where the streamed axis is broadcast (size 1, a mask
+  shared by every query row in the dK/dV tiling) the range is every tile
+  or none."""
+  n = summary.shape[-1]
+  live = summary != masks.DENSE_HIDDEN
+  idx = jnp.arange(n, dtype=jnp.int32)
+  first = jnp.min(jnp.where(live, idx, n), axis=-1)
+  last = jnp.max(jnp.where(live, idx + 1, 0), axis=-1)
+  if not stream_full:
+    first, last = jnp.zeros_like(first), jnp.where(last > 0, 2**30, 0)
+  first = jnp.minimum(first, last)
+  return jnp.concatenate([summary, first[..., None], last[..., None]],
+                         axis=-1).astype(jnp.int32)
+
+
 def _summary_spec(summary, axes, prob: Problem, held_q: bool):
   full_b, full_h, full_t = axes
   if held_q:
@@ -108,8 +127,10 @@ def specs_and_args(dense: DenseInputs, prob: Problem, *, held_q: bool,
     specs.append(pl.BlockSpec(block, _row_index(axes, held_q)))
     args.append(x)
   if dense.mask is not None:
-    summary = masks.dense_tile_summary(dense.mask, block_q, block_k,
-                                       transpose=not held_q)
+    summary = _with_range(
+        masks.dense_tile_summary(dense.mask, block_q, block_k,
+                                 transpose=not held_q),
+        stream_full=held_q or prob.mask_axes[2])
     specs.append(_summary_spec(summary, prob.mask_axes, prob, held_q))
     args.append(summary)
   if dense.flash is not None:
@@ -124,8 +145,9 @@ def specs_and_args(dense: DenseInputs, prob: Problem, *, held_q: bool,
           (None, prob.group if full_h else 1, 4, block_k),
           lambda j, b, h: ((b if full_b else 0), (h if full_h else 0), 0,
                            j)))
-    summary = flash_summary(dense.flash, prob.q_pad, block_q, block_k,
-                            transpose=not held_q)
+    summary = _with_range(flash_summary(dense.flash, prob.q_pad, block_q,
+                                        block_k, transpose=not held_q),
+                          stream_full=True)
     specs.append(_summary_spec(summary, (full_b, full_h, True), prob,
                                held_q))
     args += [dense.flash, summary]
@@ -240,6 +262,25 @@ def tile_class(refs: DenseRefs, prob: Problem, *, held_q: bool, g=None):
   if len(classes) == 1:
     return classes[0]
   return lambda t: classes[0](t) & classes[1](t)
+
+
+def stream_range(refs: DenseRefs, prob: Problem, *, held_q: bool, g=None):
+  """``(lo, hi)``: the streamed tiles the dense mask and the FlashMask
+  leave (the intersection of their summaries' ranges), or None."""
+  out = None
+  for ref, axes in ((refs.mask_summary, prob.mask_axes),
+                    (refs.flash_summary, (*(prob.flash_axes or ()), True))):
+    if ref is None:
+      continue
+    n = ref.shape[-1] - 2
+    if held_q:
+      lo, hi = ref[n], ref[n + 1]
+    else:
+      head = g if axes[1] else 0
+      lo, hi = ref[head, n], ref[head, n + 1]
+    out = (lo, hi) if out is None else (jnp.maximum(out[0], lo),
+                                        jnp.minimum(out[1], hi))
+  return out
 
 
 def _summary_class(ref, axes, *, held_q: bool, g):

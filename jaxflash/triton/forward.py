@@ -110,7 +110,8 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
       stream_block=block_k, held_info_ref=held_info,
       stream_info_ref=stream_info, has_lengths=prob.has_lengths, body=body,
       carry=carry, count_tiles=count_tiles,
-      dense_class=dense_lib.tile_class(dense_refs, prob, held_q=True))
+      dense_class=dense_lib.tile_class(dense_refs, prob, held_q=True),
+      dense_range=dense_lib.stream_range(dense_refs, prob, held_q=True))
   if count_tiles:
     (acc, m, l), count = result
     rest[2][...] = jnp.full((block_q,), count, jnp.int32)

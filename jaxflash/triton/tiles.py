@@ -87,7 +87,8 @@ def info_arrays(m: MaskInputs, *, held_q: bool, held_block: int,
 def tile_loop(spec: masks.MaskSpec, *, held_q: bool, held_start,
               held_block: int, stream_block: int, held_info_ref,
               stream_info_ref, has_lengths: bool, body, carry,
-              count_tiles: bool = False, dense_class=None):
+              count_tiles: bool = False, dense_class=None,
+              dense_range=None):
   """Runs ``body(t, carry, masked=...)`` over the live streamed tiles.
 
   ``held_info_ref``: this program's column of ``held_info`` (shape
@@ -96,7 +97,8 @@ def tile_loop(spec: masks.MaskSpec, *, held_q: bool, held_start,
   the dense mask's class of the tile pair (``masks.DENSE_HIDDEN``,
   ``DENSE_PARTIAL`` or ``DENSE_FULL``, a traced int32), or None.  Returns
   the carry, and with ``count_tiles`` also the number of tiles visited (a
-  debug output).
+  debug output).  ``dense_range``: ``(lo, hi)`` bounds of the streamed
+  tiles the dense terms leave (traced), or None.
   """
   valid = {}
   if has_lengths:
@@ -128,6 +130,9 @@ def tile_loop(spec: masks.MaskSpec, *, held_q: bool, held_start,
     held = [held_info_ref[r] for r in range(3)]
     lo = jnp.maximum(lo, held_info_ref[ROW_RANGE_LO])
     hi = jnp.minimum(hi, held_info_ref[ROW_RANGE_HI])
+  if dense_range is not None:
+    lo = jnp.maximum(lo, dense_range[0])
+    hi = jnp.minimum(hi, dense_range[1])
 
   def visit(t, state):
     live = jnp.bool_(True)
