@@ -329,3 +329,47 @@ def choose(mode: str | None, heads: int, kv_heads: int, window: bool) -> str:
   if window or heads >= 4 * kv_heads:
     return "allgather"
   return "ring"
+
+
+# -- causal balance: contiguous blocks <-> zig-zag ------------------------
+#
+# With the sequence cut in 2n chunks, contiguous blocks put chunks 2d and
+# 2d + 1 on device d, and causal attention gives device d about 2d + 1
+# chunk pairs of work: the last device does 2n - 1 times the first's.
+# Zig-zag blocks (chunks i and 2n - 1 - i on device i) give every device
+# the same.  Two ppermutes of half-blocks move one to the other: the even
+# chunk of each zig-zag pair travels in one, the odd chunk in the other
+# (i and 2n - 1 - i differ in parity), so each token moves once each way.
+
+
+def _zigzag_perms(n: int):
+  home = lambda c: c if c < n else 2 * n - 1 - c  # zig-zag device of c
+  return ([(d, home(2 * d)) for d in range(n)],
+          [(d, home(2 * d + 1)) for d in range(n)])
+
+
+def to_zigzag(x, axis_name, n: int, axis: int = 1):
+  """This device's contiguous block (chunks ``2d, 2d + 1``) -> its
+  zig-zag block (chunks ``d, 2n - 1 - d``) along ``axis``."""
+  if x is None:
+    return None
+  evens, odds = _zigzag_perms(n)
+  a, b = jnp.split(x, 2, axis=axis)
+  a, b = lax.ppermute(a, axis_name, evens), lax.ppermute(b, axis_name, odds)
+  even = lax.axis_index(axis_name) % 2 == 0  # chunk d is the even one
+  return jnp.concatenate([jnp.where(even, a, b), jnp.where(even, b, a)],
+                         axis=axis)
+
+
+def from_zigzag(x, axis_name, n: int, axis: int = 1):
+  """The inverse of :func:`to_zigzag`."""
+  if x is None:
+    return None
+  evens, odds = _zigzag_perms(n)
+  back = lambda perm: [(t, d) for d, t in perm]
+  first, second = jnp.split(x, 2, axis=axis)
+  even = lax.axis_index(axis_name) % 2 == 0
+  e, o = jnp.where(even, first, second), jnp.where(even, second, first)
+  return jnp.concatenate([lax.ppermute(e, axis_name, back(evens)),
+                          lax.ppermute(o, axis_name, back(odds))],
+                         axis=axis)

@@ -253,9 +253,9 @@ def _partition(specs_fn, local_fn, backward=False):
 def _context_lower(mode: str, local_fn, p, present, seq, n: int,
                    backward: bool, operands):
   """The ring or the all-gather (``mode``) on this shard's blocks of a
-  sequence sharded over ``seq``, contiguous blocks in natural order (with
-  causal, ring block ``i`` does ``i + 1`` pairs of work; zig-zag order is
-  ring_attention's)."""
+  sequence sharded over ``seq`` (contiguous blocks in natural order; the
+  causal ring balances them through zig-zag order, the all-gather does
+  not: its device ``i`` does ``i + 1`` of ``n`` key blocks)."""
   first = 7 if backward else 3
   arrays = dict(zip((f for f, on in zip(MaskArrays._fields, present) if on),
                     operands[first:]))
@@ -282,12 +282,23 @@ def _context_lower(mode: str, local_fn, p, present, seq, n: int,
       return _context.allgather_backward(ag, *operands[:3], q_seg, kv_seg,
                                          *operands[3:7])
     return _context.allgather_forward(ag, *operands[:3], q_seg, kv_seg)
-  ring = _context.Ring(axis, n, p.mask.causal, False, params_for,
+  # Causal: the blocks go to zig-zag order and back (two half-block
+  # ppermutes each way), so every device does the same work.
+  balance = p.mask.causal and n > 1 and operands[0].shape[1] % 2 == 0
+  z = lambda x, ax=1: (_context.to_zigzag(x, axis, n, ax) if balance
+                       else x)
+  unz = lambda x, ax=1: (_context.from_zigzag(x, axis, n, ax) if balance
+                         else x)
+  ring = _context.Ring(axis, n, p.mask.causal, balance, params_for,
                        frozenset(), local_forward=fwd, local_backward=bwd)
+  q, k, v = (z(x) for x in operands[:3])
   if backward:
-    return _context.ring_backward(ring, *operands[:3], q_seg, kv_seg,
-                                  *operands[3:7])
-  return _context.ring_forward(ring, *operands[:3], q_seg, kv_seg)
+    out, lse, dout, dlse = operands[3:7]
+    grads = _context.ring_backward(ring, q, k, v, z(q_seg), z(kv_seg),
+                                   z(out), z(lse, 2), z(dout), z(dlse, 2))
+    return tuple(unz(g) for g in grads)
+  out, lse = _context.ring_forward(ring, q, k, v, z(q_seg), z(kv_seg))
+  return unz(out), unz(lse, 2)
 
 
 def forward_partition(local_fn):

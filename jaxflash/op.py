@@ -358,11 +358,20 @@ def attention(q, k, v, arrays: MaskArrays, params: OpParams):
                                 with_lengths(local_backward))
         return _context.allgather_attention(ag, q, k, v, a.q_segment_ids,
                                             a.kv_segment_ids)
+      # Causal: zig-zag order in and out, as the Auto path does.
+      balance = params.mask.causal and n > 1 and q.shape[1] % 2 == 0
+      z = lambda x, ax=1: (_context.to_zigzag(x, t, n, ax) if balance
+                           else x)
       ring = _context.Ring(
-          t, n, params.mask.causal, False, params_for, frozenset(),
+          t, n, params.mask.causal, balance, params_for, frozenset(),
           local_forward=local_forward, local_backward=local_backward)
-      return _context.ring_attention(ring, q, k, v, a.q_segment_ids,
-                                     a.kv_segment_ids)
+      out, lse = _context.ring_attention(ring, z(q), z(k), z(v),
+                                         z(a.q_segment_ids),
+                                         z(a.kv_segment_ids))
+      if not balance:
+        return out, lse
+      return (_context.from_zigzag(out, t, n),
+              _context.from_zigzag(lse, t, n, 2))
     return _attention(q, k, v, flat, params, present)
 
   return jax.shard_map(

@@ -433,6 +433,7 @@ def test_sample_seconds_reaches_the_timer(tmp_path, monkeypatch):
   assert bench_main.main(["--cpu-smoke", "--sample-seconds", "-1"]) == 2
 
 
+@pytest.mark.slow  # 15 s; make test-all
 def test_mosaic_variants_are_rows_of_the_same_run(tmp_path, monkeypatch):
   """--mosaic-variants adds one row per named config override, timed with
   the others (here the interpretable config, on CPU); bad specs exit 2."""

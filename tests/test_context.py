@@ -134,3 +134,22 @@ def test_what_the_ring_cannot_serve_is_named():
                      r" .* not local_window_size"):
     _run(True, local_window_size=8, context_parallel="ring")(
         put(q), put(k), put(v), put(do), put(seg))
+
+
+def test_zigzag_moves_match_zigzag_indices():
+  """Two half-block ppermutes take contiguous blocks to the zig-zag order
+  of ``ring.zigzag_indices`` and back."""
+  _need_devices()
+  from jaxflash import _context
+  from jaxflash.ring import zigzag_indices
+  mesh = jax.make_mesh((8,), ("context",), axis_types=(AxisType.Auto,))
+  x = jnp.arange(2 * 64, dtype=jnp.float32).reshape(2, 64)
+  spec = P(None, "context")
+  there = jax.shard_map(
+      lambda x: _context.to_zigzag(x, "context", 8), mesh=mesh,
+      in_specs=spec, out_specs=spec)(x)
+  np.testing.assert_array_equal(there, x[:, zigzag_indices(64, 8)])
+  back = jax.shard_map(
+      lambda x: _context.from_zigzag(x, "context", 8), mesh=mesh,
+      in_specs=spec, out_specs=spec)(there)
+  np.testing.assert_array_equal(back, x)

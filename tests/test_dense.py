@@ -31,7 +31,8 @@ CASES = [
                  dict(kv_seq_lengths=jnp.asarray([48, 20]),
                       segment_ids=(jnp.asarray([[0] * 20 + [1] * 13] * 2),
                                    jnp.asarray([[0] * 30 + [1] * 18] * 2))),
-                 id="mqa-key-bias-head-mask-segments-lengths"),
+                 id="mqa-key-bias-head-mask-segments-lengths",
+                 marks=pytest.mark.slow),
     pytest.param(dict(batch=1, q_len=64, kv_len=64, heads=2, kv_heads=2,
                       head_dim=64, dtype=jnp.bfloat16),
                  (1, 2, 64, 64), None, dict(local_window_size=(20, 5)),
@@ -259,8 +260,8 @@ def test_gpu_dense(causal):
   assert err.max() <= 2 ** -6 * max(1.0, float(jnp.abs(want).max()))
 
 
-@pytest.mark.parametrize("per_row", [
-    False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("per_row", [False, True])
 def test_alibi_equals_its_bias(per_row):
   """ALiBi slopes ([heads], or [batch, heads]) in the kernels give the
   results of the explicit bias ``-slope |i + kv_len - q_len - j|``
@@ -331,6 +332,7 @@ def test_flashmask_patterns_keep_the_numerics_rule(pattern):
              dense_mask=fm.check(2, 4, 70, 70).dense(70))
 
 
+@pytest.mark.slow
 def test_flashmask_per_head_with_other_masks_and_cross_lengths():
   """A FlashMask per head, with q_len != kv_len (its rows are query
   positions, top-left), causal (bottom-right) and kv lengths ANDed in."""

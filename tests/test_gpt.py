@@ -251,6 +251,7 @@ def test_jax_nn_attention_path_matches():
   np.testing.assert_allclose(a, b, rtol=1e-4)
 
 
+@pytest.mark.slow  # 15 s; make test-all
 def test_compare_script_reports_rows(tmp_path):
   """examples/gpt/compare.py: one row per (preset, attention), a failing
   attention (cuDNN without a GPU) is a row with its error."""
