@@ -57,9 +57,21 @@ def test_parse_causal_and_mask():
     core.parse_causal("maybe")
   assert core.parse_mask("none") is None
   assert core.parse_mask("segments:8") == "segments:8"
-  for bad in ("segments", "window:x", "blocks:2", "window:0"):
+  for bad in ("segments", "window:x", "blocks:2", "window:0",
+              "flashmask-doc", "biases"):
     with pytest.raises(ValueError, match="must be none, segments:N"):
       core.parse_mask(bad)
+  # The dense and FlashMask kinds: what each gives flash_attention.
+  for kind, key, kind_of in (
+      ("bias", "bias", jax.Array), ("dense-segments:4", "mask", jax.Array),
+      *((f"{k}:4", "mask", jaxflash.FlashMask)
+        for k in core.FLASHMASK_KINDS)):
+    shape = core.Shape(2, 64, 64, 2, 2, 32, causal=False,
+                       mask=core.parse_mask(kind))
+    got = impls.mask_kwargs(shape)[key]
+    assert isinstance(got, kind_of), kind
+    if kind_of is jaxflash.FlashMask:
+      assert impls.flashmask_dense(got, shape).shape[-2:] == (64, 64)
   with pytest.raises(ValueError, match="not a multiple of head_dim=96"):
     core.grid(head_dims=[96], seqs=[64], causal=[False], tokens=64,
               width=2048)

@@ -60,9 +60,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--mask", default=None,
                  help="none, segments:N, window:L, bias (a dense bias per"
                       " head, differentiated in fwd_bwd), dense-segments:N"
-                      " (segments:N as a dense boolean mask) or"
-                      " flashmask-doc:N (causal documents as a FlashMask;"
-                      " the peers get its dense form)")
+                      " (segments:N as a dense boolean mask) or a FlashMask"
+                      " pattern (flashmask-doc:N, flashmask-prefix:N,"
+                      " flashmask-question:N, flashmask-window:L; the"
+                      " peers get its dense form; use --causal off)")
   p.add_argument("--mode", default="both",
                  choices=["fwd", "fwd_bwd", "both", "decode", "mla"],
                  help="decode: new queries over a paged KV cache, in"

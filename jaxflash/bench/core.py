@@ -83,16 +83,24 @@ def parse_mask(text: str | None) -> str | None:
   if text in (None, "", "none"):
     return None
   kind, _, arg = text.partition(":")
-  if text == "bias" or (kind in ("segments", "window", "dense-segments",
-                                  "flashmask-doc")
+  if text == "bias" or (kind in ("segments", "window", "dense-segments")
+                        + FLASHMASK_KINDS
                         and arg.isdigit() and int(arg) >= 1):
     return text
   raise ValueError(
       f"mask={text!r} must be none, segments:N (N documents per row),"
       " window:L (sliding window of L keys, causal), bias (a dense bias per"
       " head, differentiated in fwd_bwd), dense-segments:N (segments:N"
-      " as a dense boolean mask) or flashmask-doc:N (causal documents as a"
-      " FlashMask)")
+      " as a dense boolean mask) or a FlashMask pattern: flashmask-doc:N"
+      " (N causal documents), flashmask-prefix:N (prefix-LM, prefix of"
+      " seq / N), flashmask-question:N (a shared question and N answers),"
+      " flashmask-window:L (64 global tokens and a causal window of L)")
+
+
+# FlashMask patterns of the benchmark (jaxflash.bench.impls.mask_kwargs);
+# each holds its own causality, so they are meant for --causal off.
+FLASHMASK_KINDS = ("flashmask-doc", "flashmask-prefix", "flashmask-question",
+                   "flashmask-window")
 
 
 def grid(*, head_dims, seqs, causal, tokens: int, width: int, kv_ratio=1,

@@ -168,9 +168,20 @@ def mask_kwargs(shape: Shape) -> dict:
   # segments:N - N equal documents per row (the last one takes the rest).
   doc = max(1, shape.seq_q // n)
   ids = jnp.minimum(jnp.arange(shape.seq_q, dtype=jnp.int32) // doc, n - 1)
-  if kind == "flashmask-doc":  # causal documents (with causal=on)
-    return dict(mask=jaxflash.FlashMask.causal_document(
-        jnp.broadcast_to(ids, (shape.batch, shape.seq_q))))
+  rows = lambda x: jnp.broadcast_to(x, (shape.batch, shape.seq_q))
+  fm = jaxflash.FlashMask
+  if kind == "flashmask-doc":  # N causal documents
+    return dict(mask=fm.causal_document(rows(ids)))
+  if kind == "flashmask-prefix":  # bidirectional prefix of seq / N
+    return dict(mask=fm.prefix_lm(jnp.full((shape.batch,), shape.seq_q // n,
+                                           jnp.int32), shape.seq_q))
+  if kind == "flashmask-question":  # a question, then N equal answers
+    part = max(1, shape.seq_q // (n + 1))
+    answers = jnp.minimum(jnp.arange(shape.seq_q, dtype=jnp.int32) // part,
+                          n)
+    return dict(mask=fm.shared_question(rows(answers)))
+  if kind == "flashmask-window":  # 64 global tokens, causal window of n
+    return dict(mask=fm.global_and_window(shape.seq_q, 64, n))
   if kind == "dense-segments":  # the same documents as a [B, 1, T, S] mask
     same = ids[:, None] == ids[None, :]
     return dict(mask=jnp.broadcast_to(same, (shape.batch, 1, shape.seq_q,
