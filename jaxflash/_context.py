@@ -261,20 +261,32 @@ ring_attention = _differentiable(ring_forward, ring_backward)
 class AllGather:
   """Static description of one all-gather context-parallel call:
   ``params_for(spec)`` gives the op's parameters for a block's MaskSpec;
-  ``local_forward`` / ``local_backward`` as :class:`Ring`'s."""
+  ``local_forward`` / ``local_backward`` as :class:`Ring`'s.  With
+  ``balance`` (causal calls) the query blocks go to zig-zag order
+  (:func:`to_zigzag`) and each half runs at its own offset, so every
+  device does the same work; K/V are gathered in natural order."""
 
   def __init__(self, axis_name, n, params_for, mask: MaskSpec,
-               local_forward, local_backward):
+               local_forward, local_backward, balance: bool = False):
     self.axis_name, self.n = axis_name, n
     self.params_for, self.mask = params_for, mask
     self.local_forward, self.local_backward = local_forward, local_backward
+    self.balance = balance
 
-  def spec(self, dev: int, t: int, s: int) -> MaskSpec:
-    """Device ``dev``'s mask: its ``t`` queries start at global row ``dev
-    * t`` of the self-attention over ``s`` keys."""
+  def spec(self, start: int, t: int, s: int) -> MaskSpec:
+    """The mask of ``t`` queries starting at global row ``start`` of the
+    self-attention over ``s`` keys."""
     m = self.mask
-    return MaskSpec(t, s, causal=m.causal, offset=dev * t,
+    return MaskSpec(t, s, causal=m.causal, offset=start,
                     window_left=m.window_left, window_right=m.window_right)
+
+  def pieces(self, dev: int, t: int) -> list[tuple[int, int]]:
+    """``(global start, length)`` of device ``dev``'s query pieces, in
+    the order its (zig-zag or contiguous) block holds them."""
+    if not self.balance:
+      return [(dev * t, t)]
+    c = t // 2
+    return [(dev * c, c), ((2 * self.n - 1 - dev) * c, c)]
 
 
 def _gather(ag: AllGather, *xs):
@@ -288,28 +300,64 @@ def _by_device(ag: AllGather, fn):
                     [lambda d=d: fn(d) for d in range(ag.n)])
 
 
+def _zz(ag: AllGather, x, axis: int = 1):
+  return to_zigzag(x, ag.axis_name, ag.n, axis) if ag.balance else x
+
+
+def _unzz(ag: AllGather, x, axis: int = 1):
+  return from_zigzag(x, ag.axis_name, ag.n, axis) if ag.balance else x
+
+
+def _halves(ag: AllGather, x, axis: int = 1):
+  if x is None:
+    return [None, None] if ag.balance else [None]
+  return jnp.split(x, 2, axis=axis) if ag.balance else [x]
+
+
+def _arrays(q_seg, kv_seg):
+  return MaskArrays(q_seg, kv_seg) if q_seg is not None else MaskArrays()
+
+
 def allgather_forward(ag: AllGather, q, k, v, q_seg, kv_seg):
   k, v, kv_seg = _gather(ag, k, v, kv_seg)
-  arrays = (MaskArrays(q_seg, kv_seg) if q_seg is not None
-            else MaskArrays())
-  return _by_device(ag, lambda d: ag.local_forward(
-      ag.params_for(ag.spec(d, q.shape[1], k.shape[1])), q, k, v, arrays))
+  qs, segs = _halves(ag, _zz(ag, q)), _halves(ag, _zz(ag, q_seg))
+
+  def run(d):
+    outs = [ag.local_forward(ag.params_for(ag.spec(start, t, k.shape[1])),
+                             qp, k, v, _arrays(sp, kv_seg))
+            for (start, t), qp, sp in zip(ag.pieces(d, q.shape[1]), qs,
+                                          segs)]
+    return (jnp.concatenate([o for o, _ in outs], axis=1),
+            jnp.concatenate([lse for _, lse in outs], axis=2))
+
+  out, lse = _by_device(ag, run)
+  return _unzz(ag, out), _unzz(ag, lse, 2)
 
 
 def allgather_backward(ag: AllGather, q, k, v, q_seg, kv_seg, out, lse,
                        dout, dlse):
   k_all, v_all, kv_seg = _gather(ag, k, v, kv_seg)
-  arrays = (MaskArrays(q_seg, kv_seg) if q_seg is not None
-            else MaskArrays())
-  dq, dk, dv = _by_device(ag, lambda d: ag.local_backward(
-      ag.params_for(ag.spec(d, q.shape[1], k_all.shape[1])), q, k_all,
-      v_all, arrays, out, lse, dout, dlse))
+  split = lambda x, axis=1: _halves(ag, _zz(ag, x, axis), axis)
+  qs, segs, outs, douts = split(q), split(q_seg), split(out), split(dout)
+  lses, dlses = split(lse, 2), split(dlse, 2)
+
+  def run(d):
+    dq, dk, dv = [], 0.0, 0.0
+    for i, (start, t) in enumerate(ag.pieces(d, q.shape[1])):
+      gq, gk, gv = ag.local_backward(
+          ag.params_for(ag.spec(start, t, k_all.shape[1])), qs[i], k_all,
+          v_all, _arrays(segs[i], kv_seg), outs[i], lses[i], douts[i],
+          dlses[i])
+      dq.append(gq)
+      dk, dv = dk + gk.astype(jnp.float32), dv + gv.astype(jnp.float32)
+    return jnp.concatenate(dq, axis=1), dk, dv
+
+  dq, dk, dv = _by_device(ag, run)
   # Every device holds gradients for every key; each keeps the sum of its
   # own block's (in float32, then the inputs' dtype).
   scatter = lambda g, like: lax.psum_scatter(
-      g.astype(jnp.float32), ag.axis_name, scatter_dimension=1,
-      tiled=True).astype(like.dtype)
-  return dq, scatter(dk, k), scatter(dv, v)
+      g, ag.axis_name, scatter_dimension=1, tiled=True).astype(like.dtype)
+  return _unzz(ag, dq), scatter(dk, k), scatter(dv, v)
 
 
 allgather_attention = _differentiable(allgather_forward, allgather_backward)

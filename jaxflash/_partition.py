@@ -253,9 +253,8 @@ def _partition(specs_fn, local_fn, backward=False):
 def _context_lower(mode: str, local_fn, p, present, seq, n: int,
                    backward: bool, operands):
   """The ring or the all-gather (``mode``) on this shard's blocks of a
-  sequence sharded over ``seq`` (contiguous blocks in natural order; the
-  causal ring balances them through zig-zag order, the all-gather does
-  not: its device ``i`` does ``i + 1`` of ``n`` key blocks)."""
+  sequence sharded over ``seq`` (contiguous blocks in natural order, which
+  both balance through zig-zag order when causal)."""
   first = 7 if backward else 3
   arrays = dict(zip((f for f, on in zip(MaskArrays._fields, present) if on),
                     operands[first:]))
@@ -276,15 +275,16 @@ def _context_lower(mode: str, local_fn, p, present, seq, n: int,
       local_fn, params, q, k, v, *res, arrays=a, bias_grad=False)
   axis = seq if len(seq) > 1 else seq[0]
   params_for = lambda spec: dataclasses.replace(p, mask=spec)
+  # Causal: query blocks in zig-zag order (two half-block ppermutes each
+  # way), so every device does the same work.
+  balance = p.mask.causal and n > 1 and operands[0].shape[1] % 2 == 0
   if mode == "allgather":
-    ag = _context.AllGather(axis, n, params_for, p.mask, fwd, bwd)
+    ag = _context.AllGather(axis, n, params_for, p.mask, fwd, bwd,
+                            balance=balance)
     if backward:
       return _context.allgather_backward(ag, *operands[:3], q_seg, kv_seg,
                                          *operands[3:7])
     return _context.allgather_forward(ag, *operands[:3], q_seg, kv_seg)
-  # Causal: the blocks go to zig-zag order and back (two half-block
-  # ppermutes each way), so every device does the same work.
-  balance = p.mask.causal and n > 1 and operands[0].shape[1] % 2 == 0
   z = lambda x, ax=1: (_context.to_zigzag(x, axis, n, ax) if balance
                        else x)
   unz = lambda x, ax=1: (_context.from_zigzag(x, axis, n, ax) if balance

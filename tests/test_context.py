@@ -103,14 +103,15 @@ def test_sequence_sharded_runs_the_ring(mesh_shape, names, spec, causal,
                                                 "Explicit", "Auto-window"])
 def test_allgather_mode(axis_type, kw):
   """context_parallel="allgather" (and the rule's choice for a window):
-  K/V gathered once, each device's block masked at its global offset;
-  the backward returns each device its dK/dV by a reduce-scatter."""
+  K/V gathered once, each device's query pieces (causal: zig-zag halves,
+  moved by ppermutes) masked at their global offsets; the backward
+  returns each device its dK/dV by a reduce-scatter."""
   _need_devices()
   mode = None if "local_window_size" in kw else "allgather"
   hlo = _check((2, 4), ("data", "context"), P("data", "context"), True,
                axis_type, mode, **kw)
   assert "all-gather" in hlo
-  assert "collective-permute" not in hlo
+  assert "reduce-scatter" in hlo
 
 
 def test_the_rule():
