@@ -219,24 +219,25 @@ def ring_backward(ring: Ring, q, k, v, q_seg, kv_seg, out, lse, dout,
 
 
 def _differentiable(forward, backward):
-  """``forward(plan, q, k, v, q_seg, kv_seg) -> (out, lse)`` with a
-  ``jax.custom_vjp`` whose backward is ``backward(plan, ..., out, lse,
-  dout, dlse) -> (dq, dk, dv)``, run from the final output and LSE."""
+  """``forward(plan, q, k, v, *aux) -> (out, lse)`` with a
+  ``jax.custom_vjp`` whose backward is ``backward(plan, q, k, v, *aux,
+  out, lse, dout, dlse) -> (dq, dk, dv)``, run from the final output and
+  LSE; ``aux`` are integer arrays (segment ids, lengths) or None."""
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-  def attend(plan, q, k, v, q_seg, kv_seg):
-    return forward(plan, q, k, v, q_seg, kv_seg)
+  def attend(plan, q, k, v, *aux):
+    return forward(plan, q, k, v, *aux)
 
-  def fwd(plan, q, k, v, q_seg, kv_seg):
-    out, lse = forward(plan, q, k, v, q_seg, kv_seg)
-    return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+  def fwd(plan, q, k, v, *aux):
+    out, lse = forward(plan, q, k, v, *aux)
+    return (out, lse), (q, k, v, aux, out, lse)
 
   def bwd(plan, res, cotangents):
-    q, k, v, q_seg, kv_seg, out, lse = res
+    q, k, v, aux, out, lse = res
     dout, dlse = cotangents
-    grads = backward(plan, q, k, v, q_seg, kv_seg, out, lse,
-                     dout.astype(q.dtype), dlse.astype(jnp.float32))
-    return (*grads, None, None)
+    grads = backward(plan, q, k, v, *aux, out, lse, dout.astype(q.dtype),
+                     dlse.astype(jnp.float32))
+    return (*grads, *(None,) * len(aux))
 
   attend.defvjp(fwd, bwd)
   return attend
@@ -314,17 +315,23 @@ def _halves(ag: AllGather, x, axis: int = 1):
   return jnp.split(x, 2, axis=axis) if ag.balance else [x]
 
 
-def _arrays(q_seg, kv_seg):
-  return MaskArrays(q_seg, kv_seg) if q_seg is not None else MaskArrays()
+def _arrays(q_seg, kv_seg, q_lens, kv_lens, start: int, t: int):
+  """A query piece's mask arrays: its segment ids, and the global query
+  lengths as the piece's own (``[start, start + t)`` of the rows)."""
+  if q_lens is not None:
+    q_lens = jnp.clip(q_lens - start, 0, t)
+  return MaskArrays(q_seg, kv_seg, q_lens, kv_lens)
 
 
-def allgather_forward(ag: AllGather, q, k, v, q_seg, kv_seg):
+def allgather_forward(ag: AllGather, q, k, v, q_seg, kv_seg, q_lens=None,
+                      kv_lens=None):
   k, v, kv_seg = _gather(ag, k, v, kv_seg)
   qs, segs = _halves(ag, _zz(ag, q)), _halves(ag, _zz(ag, q_seg))
 
   def run(d):
     outs = [ag.local_forward(ag.params_for(ag.spec(start, t, k.shape[1])),
-                             qp, k, v, _arrays(sp, kv_seg))
+                             qp, k, v, _arrays(sp, kv_seg, q_lens, kv_lens,
+                                               start, t))
             for (start, t), qp, sp in zip(ag.pieces(d, q.shape[1]), qs,
                                           segs)]
     return (jnp.concatenate([o for o, _ in outs], axis=1),
@@ -334,8 +341,8 @@ def allgather_forward(ag: AllGather, q, k, v, q_seg, kv_seg):
   return _unzz(ag, out), _unzz(ag, lse, 2)
 
 
-def allgather_backward(ag: AllGather, q, k, v, q_seg, kv_seg, out, lse,
-                       dout, dlse):
+def allgather_backward(ag: AllGather, q, k, v, q_seg, kv_seg, q_lens,
+                       kv_lens, out, lse, dout, dlse):
   k_all, v_all, kv_seg = _gather(ag, k, v, kv_seg)
   split = lambda x, axis=1: _halves(ag, _zz(ag, x, axis), axis)
   qs, segs, outs, douts = split(q), split(q_seg), split(out), split(dout)
@@ -346,8 +353,8 @@ def allgather_backward(ag: AllGather, q, k, v, q_seg, kv_seg, out, lse,
     for i, (start, t) in enumerate(ag.pieces(d, q.shape[1])):
       gq, gk, gv = ag.local_backward(
           ag.params_for(ag.spec(start, t, k_all.shape[1])), qs[i], k_all,
-          v_all, _arrays(segs[i], kv_seg), outs[i], lses[i], douts[i],
-          dlses[i])
+          v_all, _arrays(segs[i], kv_seg, q_lens, kv_lens, start, t),
+          outs[i], lses[i], douts[i], dlses[i])
       dq.append(gq)
       dk, dv = dk + gk.astype(jnp.float32), dv + gv.astype(jnp.float32)
     return jnp.concatenate(dq, axis=1), dk, dv

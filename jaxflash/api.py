@@ -143,7 +143,7 @@ def flash_attention(
       ``jit``: ``"ring"`` (ring attention: key/value blocks passed around
       the sequence's mesh axes, overlapped with the kernels),
       ``"allgather"`` (K/V gathered once; also serves windows and
-      ``kv_seq_lengths``) or None (GQA of 4:1 or more and windows take the
+      sequence lengths) or None (GQA of 4:1 or more and windows take the
       all-gather, the rest the ring; docs/sharding.md).
     The bias and ALiBi do not combine with ``logits_soft_cap``; the Triton
     kernels and ``"xla"`` serve ``bias``, ``mask`` and ``alibi_slopes``

@@ -350,17 +350,15 @@ def attention(q, k, v, arrays: MaskArrays, params: OpParams):
       a = _unpack(flat, present)
       n = partition.axes_size(mesh, seq)
       params_for = lambda s: dataclasses.replace(params, mask=s)
-      with_lengths = lambda fn: lambda p, q, k, v, arrays, *r: fn(
-          p, q, k, v, arrays._replace(kv_seq_lengths=a.kv_seq_lengths), *r)
       # Causal: zig-zag order in and out, as the Auto path does.
       balance = params.mask.causal and n > 1 and q.shape[1] % 2 == 0
       if mode == "allgather":
         ag = _context.AllGather(t, n, params_for, params.mask,
-                                with_lengths(local_forward),
-                                with_lengths(local_backward),
+                                local_forward, local_backward,
                                 balance=balance)
-        return _context.allgather_attention(ag, q, k, v, a.q_segment_ids,
-                                            a.kv_segment_ids)
+        return _context.allgather_attention(
+            ag, q, k, v, a.q_segment_ids, a.kv_segment_ids,
+            a.q_seq_lengths, a.kv_seq_lengths)
       z = lambda x, ax=1: (_context.to_zigzag(x, t, n, ax) if balance
                            else x)
       ring = _context.Ring(

@@ -99,8 +99,13 @@ def test_sequence_sharded_runs_the_ring(mesh_shape, names, spec, causal,
     pytest.param(AxisType.Explicit, {}, marks=pytest.mark.slow),
     pytest.param(AxisType.Auto, dict(local_window_size=(9, 0),
                                       kv_seq_lengths=jnp.asarray([64, 40])),
-                 marks=pytest.mark.slow)], ids=["Auto", "Explicit-window",
-                                                "Explicit", "Auto-window"])
+                 marks=pytest.mark.slow),
+    pytest.param(AxisType.Explicit, dict(q_seq_lengths=jnp.asarray([50, 9]),
+                                          kv_seq_lengths=jnp.asarray([64,
+                                                                      40])),
+                 marks=pytest.mark.slow)],
+    ids=["Auto", "Explicit-window", "Explicit", "Auto-window-lengths",
+         "Explicit-lengths"])
 def test_allgather_mode(axis_type, kw):
   """context_parallel="allgather" (and the rule's choice for a window):
   K/V gathered once, each device's query pieces (causal: zig-zag halves,
