@@ -315,23 +315,25 @@ def _halves(ag: AllGather, x, axis: int = 1):
   return jnp.split(x, 2, axis=axis) if ag.balance else [x]
 
 
-def _arrays(q_seg, kv_seg, q_lens, kv_lens, start: int, t: int):
-  """A query piece's mask arrays: its segment ids, and the global query
-  lengths as the piece's own (``[start, start + t)`` of the rows)."""
+def _arrays(q_seg, kv_seg, q_lens, kv_lens, slopes, start: int, t: int):
+  """A query piece's mask arrays: its segment ids, the global query
+  lengths as the piece's own (``[start, start + t)`` of the rows), and
+  ALiBi's slopes (the piece's MaskSpec offset, ``start``, makes the
+  distances global)."""
   if q_lens is not None:
     q_lens = jnp.clip(q_lens - start, 0, t)
-  return MaskArrays(q_seg, kv_seg, q_lens, kv_lens)
+  return MaskArrays(q_seg, kv_seg, q_lens, kv_lens, alibi_slopes=slopes)
 
 
 def allgather_forward(ag: AllGather, q, k, v, q_seg, kv_seg, q_lens=None,
-                      kv_lens=None):
+                      kv_lens=None, slopes=None):
   k, v, kv_seg = _gather(ag, k, v, kv_seg)
   qs, segs = _halves(ag, _zz(ag, q)), _halves(ag, _zz(ag, q_seg))
 
   def run(d):
     outs = [ag.local_forward(ag.params_for(ag.spec(start, t, k.shape[1])),
                              qp, k, v, _arrays(sp, kv_seg, q_lens, kv_lens,
-                                               start, t))
+                                               slopes, start, t))
             for (start, t), qp, sp in zip(ag.pieces(d, q.shape[1]), qs,
                                           segs)]
     return (jnp.concatenate([o for o, _ in outs], axis=1),
@@ -342,7 +344,7 @@ def allgather_forward(ag: AllGather, q, k, v, q_seg, kv_seg, q_lens=None,
 
 
 def allgather_backward(ag: AllGather, q, k, v, q_seg, kv_seg, q_lens,
-                       kv_lens, out, lse, dout, dlse):
+                       kv_lens, slopes, out, lse, dout, dlse):
   k_all, v_all, kv_seg = _gather(ag, k, v, kv_seg)
   split = lambda x, axis=1: _halves(ag, _zz(ag, x, axis), axis)
   qs, segs, outs, douts = split(q), split(q_seg), split(out), split(dout)
@@ -353,7 +355,7 @@ def allgather_backward(ag: AllGather, q, k, v, q_seg, kv_seg, q_lens,
     for i, (start, t) in enumerate(ag.pieces(d, q.shape[1])):
       gq, gk, gv = ag.local_backward(
           ag.params_for(ag.spec(start, t, k_all.shape[1])), qs[i], k_all,
-          v_all, _arrays(segs[i], kv_seg, q_lens, kv_lens, start, t),
+          v_all, _arrays(segs[i], kv_seg, q_lens, kv_lens, slopes, start, t),
           outs[i], lses[i], douts[i], dlses[i])
       dq.append(gq)
       dk, dv = dk + gk.astype(jnp.float32), dv + gv.astype(jnp.float32)
@@ -371,14 +373,16 @@ allgather_attention = _differentiable(allgather_forward, allgather_backward)
 """``(out, lse)`` of the all-gather scheme, differentiable."""
 
 
-def choose(mode: str | None, heads: int, kv_heads: int, window: bool) -> str:
+def choose(mode: str | None, heads: int, kv_heads: int,
+           window: bool) -> str:
   """The context-parallel scheme: ``mode`` when given ("ring" or
   "allgather"), else the cost rule.  All-gather moves all of K/V once,
   not overlapped, and runs one kernel per device; the ring moves the same
   bytes in n - 1 steps overlapped with the kernels but runs n kernels and
   merges.  Where K/V are at most a quarter of Q's size (GQA 4:1 or more,
-  Llama 3's case) the gather is the smaller cost; a local window also
-  takes the gather (the ring serves none).  Otherwise the ring."""
+  Llama 3's case) the gather is the smaller cost; a local window or ALiBi
+  (``window``: a term of global positions, which the ring's pairs do not
+  see) also takes the gather.  Otherwise the ring."""
   if mode is not None:
     return mode
   if window or heads >= 4 * kv_heads:

@@ -71,15 +71,18 @@ def check_context(p, present, seq: tuple[str, ...], q_shape, k_shape) -> str:
 
   Both serve self-attention (equal query and key lengths, the last query
   with the last key) with causal or no positional mask, segment ids,
-  GQA/MQA and a soft cap; the all-gather also serves local windows and
-  sequence lengths.  Not dropout or dense terms (their masks speak of
-  global positions the per-block kernels do not see)."""
+  GQA/MQA and a soft cap; the all-gather also serves local windows,
+  sequence lengths and ALiBi.  Not dropout, dense bias or masks or
+  FlashMask (their positions are global ones the per-block kernels do
+  not see)."""
   m = p.mask
   window = m.window_left is not None or m.window_right is not None
-  mode = _context.choose(p.context_parallel, q_shape[2], k_shape[2], window)
+  alibi = present[MaskArrays._fields.index("alibi_slopes")]
+  mode = _context.choose(p.context_parallel, q_shape[2], k_shape[2],
+                         window or alibi)
   served = {"q_segment_ids", "kv_segment_ids"}
   if mode == "allgather":
-    served |= {"q_seq_lengths", "kv_seq_lengths"}
+    served |= {"q_seq_lengths", "kv_seq_lengths", "alibi_slopes"}
   unserved = [f for f, on in zip(MaskArrays._fields, present)
               if on and f not in served]
   if window and mode == "ring":
@@ -92,7 +95,7 @@ def check_context(p, present, seq: tuple[str, ...], q_shape, k_shape) -> str:
     raise ValueError(
         f"q's sequence axis is sharded over mesh axis {seq}: context"
         f" parallelism ({mode}) serves causal or full self-attention with"
-        " segment ids (the all-gather also windows and lengths), not"
+        " segment ids (the all-gather also windows, lengths and ALiBi), not"
         f" {', '.join(unserved)}. Replicate the sequence axis, or call"
         " jaxflash.sharding.ring_attention in shard_map (docs/sharding.md)")
   return mode
@@ -260,6 +263,7 @@ def _context_lower(mode: str, local_fn, p, present, seq, n: int,
                     operands[first:]))
   q_seg, kv_seg = arrays.get("q_segment_ids"), arrays.get("kv_segment_ids")
   lengths = arrays.get("q_seq_lengths"), arrays.get("kv_seq_lengths")
+  slopes = arrays.get("alibi_slopes")
 
   def call(fn, params, *xs, arrays: MaskArrays, bias_grad=None):
     flags = tuple(x is not None for x in arrays)
@@ -281,9 +285,9 @@ def _context_lower(mode: str, local_fn, p, present, seq, n: int,
                             balance=balance)
     if backward:
       return _context.allgather_backward(ag, *operands[:3], q_seg, kv_seg,
-                                         *lengths, *operands[3:7])
+                                         *lengths, slopes, *operands[3:7])
     return _context.allgather_forward(ag, *operands[:3], q_seg, kv_seg,
-                                      *lengths)
+                                      *lengths, slopes)
   z = lambda x, ax=1: (_context.to_zigzag(x, axis, n, ax) if balance
                        else x)
   unz = lambda x, ax=1: (_context.from_zigzag(x, axis, n, ax) if balance

@@ -358,7 +358,7 @@ def attention(q, k, v, arrays: MaskArrays, params: OpParams):
                                 balance=balance)
         return _context.allgather_attention(
             ag, q, k, v, a.q_segment_ids, a.kv_segment_ids,
-            a.q_seq_lengths, a.kv_seq_lengths)
+            a.q_seq_lengths, a.kv_seq_lengths, a.alibi_slopes)
       z = lambda x, ax=1: (_context.to_zigzag(x, t, n, ax) if balance
                            else x)
       ring = _context.Ring(

@@ -103,16 +103,19 @@ def test_sequence_sharded_runs_the_ring(mesh_shape, names, spec, causal,
     pytest.param(AxisType.Explicit, dict(q_seq_lengths=jnp.asarray([50, 9]),
                                           kv_seq_lengths=jnp.asarray([64,
                                                                       40])),
-                 marks=pytest.mark.slow)],
+                 marks=pytest.mark.slow),
+    pytest.param(AxisType.Explicit, dict(alibi_slopes=jnp.asarray(
+        [0.5, 0.25, 0.125, 0.0625])), marks=pytest.mark.slow)],
     ids=["Auto", "Explicit-window", "Explicit", "Auto-window-lengths",
-         "Explicit-lengths"])
+         "Explicit-lengths", "Explicit-alibi"])
 def test_allgather_mode(axis_type, kw):
   """context_parallel="allgather" (and the rule's choice for a window):
   K/V gathered once, each device's query pieces (causal: zig-zag halves,
   moved by ppermutes) masked at their global offsets; the backward
   returns each device its dK/dV by a reduce-scatter."""
   _need_devices()
-  mode = None if "local_window_size" in kw else "allgather"
+  mode = (None if "local_window_size" in kw or "alibi_slopes" in kw
+          else "allgather")
   hlo = _check((2, 4), ("data", "context"), P("data", "context"), True,
                axis_type, mode, **kw)
   assert "all-gather" in hlo
