@@ -166,19 +166,23 @@ _backward_cp.def_partition(
 
 # -- vmap: fold the mapped axis into the batch axis ---------------------------
 
-def _fold(axis_size, batched, args, dense=(), batch=None):
+def _fold(axis_size, batched, args, dense=()):
   """Moves each arg's vmapped axis (0) into its batch axis (0), broadcasting
   unbatched args.  ``dense``: positions of dense arrays, whose batch axis
-  may be 1 (broadcast): left as they are when unbatched, else broadcast
-  to the ``batch`` rows of one vmapped slice first."""
+  may be 1 (broadcast): left as they are when unbatched with batch 1, else
+  broadcast to the batch rows of one vmapped slice (those of ``args[0]``,
+  q) first."""
+  q, q_batched = args[0], batched[0]
+  batch = q.shape[1] if q_batched else q.shape[0]
   out = []
   for i, (x, b) in enumerate(zip(args, batched)):
     if i in dense:
-      if not b:
+      if not b and x.shape[0] == 1:
         out.append(x)
         continue
-      x = jnp.broadcast_to(x, (axis_size, batch, *x.shape[2:]))
-    elif not b:
+      if b:
+        x = jnp.broadcast_to(x, (axis_size, batch, *x.shape[2:]))
+    if not b:
       x = jnp.broadcast_to(x, (axis_size, *x.shape))
     out.append(x.reshape((axis_size * x.shape[1], *x.shape[2:])))
   return out
@@ -218,7 +222,7 @@ def _forward_op(p: OpParams, present):
   @fwd.def_vmap
   def _rule(axis_size, in_batched, *args):
     res = fwd(*_fold(axis_size, in_batched, args,
-                     _dense_positions(present, 3), args[0].shape[1]))
+                     _dense_positions(present, 3)))
     return tuple(_unfold(axis_size, res)), (True, True)
 
   return fwd
@@ -248,7 +252,7 @@ def _backward_op(p: OpParams, present, bias_grad: bool):
                 *args[i + 1:])
         in_batched[i] = True
     res = bwd(*_fold(axis_size, in_batched, args,
-                     _dense_positions(present, 7), args[0].shape[1]))
+                     _dense_positions(present, 7)))
     if not bias_grad:
       return tuple(_unfold(axis_size, res)), (True, True, True)
     *grads, dbias = res

@@ -383,3 +383,23 @@ def test_flashmask_errors():
       jaxflash.flash_attention(q, q, q, mask=fm, implementation="xla")
   with pytest.raises(ValueError, match="ut_start and ut_end come together"):
     FlashMask(jnp.zeros((1, 1, 16), jnp.int32), ut_start=jnp.zeros(16))
+
+
+def test_vmap_folds_dense_arrays_of_any_batch():
+  """vmap over q with a closed-over bias of batch 2 (tiled over the
+  mapped slices, not read past its rows), and over the bias alone with q
+  closed over (each slice's bias broadcast to q's batch rows): the
+  kernels give the reference's outputs."""
+  q, k, v, _, _ = random_inputs(jax.random.key(10), batch=2, q_len=32,
+                                kv_len=32, heads=2, kv_heads=2, head_dim=16,
+                                dtype=jnp.float32)
+  bias = 3.0 * jax.random.normal(jax.random.key(11), (2, 2, 32, 32))
+  biases = 3.0 * jax.random.normal(jax.random.key(12), (3, 1, 2, 32, 32))
+  run = lambda impl, q, b: jaxflash.flash_attention(
+      q, k, v, bias=b, implementation=impl, interpret=impl == "triton",
+      config=TILES if impl == "triton" else None)
+  qs = jnp.stack([q, 2 * q, -q])
+  for args, axes in (((qs, bias), (0, None)), ((q, biases), (None, 0))):
+    got = jax.vmap(lambda a, b: run("triton", a, b), in_axes=axes)(*args)
+    want = jax.vmap(lambda a, b: run("xla", a, b), in_axes=axes)(*args)
+    np.testing.assert_allclose(got, want, atol=2e-5)

@@ -129,7 +129,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
                      delta_ref[g, q_slice], visible, prob=prob, keep=keep,
                      rate=rate, bias=bias)
     if dbias_ref is not None:
-      # dL/dbias is dS itself (the bias adds to the scaled logits); each
+      # dL/dbias is dS itself (the bias adds to the scaled logits; a bias
+      # never comes with a soft cap, whose derivative dS holds); each
       # program owns its key columns, so the stores never overlap.
       dbias_ref[g, q_slice, :] = ds
     dv = dv + dot(p.astype(do.dtype), do, trans_a=True)  # P^T dO
