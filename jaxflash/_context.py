@@ -374,18 +374,18 @@ allgather_attention = _differentiable(allgather_forward, allgather_backward)
 
 
 def choose(mode: str | None, heads: int, kv_heads: int,
-           window: bool) -> str:
+           global_positions: bool) -> str:
   """The context-parallel scheme: ``mode`` when given ("ring" or
   "allgather"), else the cost rule.  All-gather moves all of K/V once,
   not overlapped, and runs one kernel per device; the ring moves the same
   bytes in n - 1 steps overlapped with the kernels but runs n kernels and
   merges.  Where K/V are at most a quarter of Q's size (GQA 4:1 or more,
   Llama 3's case) the gather is the smaller cost; a local window or ALiBi
-  (``window``: a term of global positions, which the ring's pairs do not
-  see) also takes the gather.  Otherwise the ring."""
+  (``global_positions``: terms the ring's block pairs cannot place) also
+  takes the gather.  Otherwise the ring."""
   if mode is not None:
     return mode
-  if window or heads >= 4 * kv_heads:
+  if global_positions or heads >= 4 * kv_heads:
     return "allgather"
   return "ring"
 
@@ -399,6 +399,12 @@ def choose(mode: str | None, heads: int, kv_heads: int,
 # the same.  Two ppermutes of half-blocks move one to the other: the even
 # chunk of each zig-zag pair travels in one, the odd chunk in the other
 # (i and 2n - 1 - i differ in parity), so each token moves once each way.
+
+
+def balances(causal: bool, n: int, local_len: int) -> bool:
+  """Whether a call goes to zig-zag order: causal, several devices, and
+  blocks that split into two chunks."""
+  return causal and n > 1 and local_len % 2 == 0
 
 
 def _zigzag_perms(n: int):

@@ -279,7 +279,7 @@ def _context_lower(mode: str, local_fn, p, present, seq, n: int,
   params_for = lambda spec: dataclasses.replace(p, mask=spec)
   # Causal: query blocks in zig-zag order (two half-block ppermutes each
   # way), so every device does the same work.
-  balance = p.mask.causal and n > 1 and operands[0].shape[1] % 2 == 0
+  balance = _context.balances(p.mask.causal, n, operands[0].shape[1])
   if mode == "allgather":
     ag = _context.AllGather(axis, n, params_for, p.mask, fwd, bwd,
                             balance=balance)

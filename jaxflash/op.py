@@ -355,7 +355,7 @@ def attention(q, k, v, arrays: MaskArrays, params: OpParams):
       n = partition.axes_size(mesh, seq)
       params_for = lambda s: dataclasses.replace(params, mask=s)
       # Causal: zig-zag order in and out, as the Auto path does.
-      balance = params.mask.causal and n > 1 and q.shape[1] % 2 == 0
+      balance = _context.balances(params.mask.causal, n, q.shape[1])
       if mode == "allgather":
         ag = _context.AllGather(t, n, params_for, params.mask,
                                 local_forward, local_backward,

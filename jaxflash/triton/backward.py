@@ -100,30 +100,26 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
     q_slice = pl.ds(pl.multiple_of(t * block_q, block_q), block_q)
     q = q_ref[q_slice, g, :]
     do = do_ref[q_slice, g, :]
+    rows = t * block_q + lax.broadcasted_iota(jnp.int32, (block_q, block_k),
+                                              0)
     visible = None
     if masked:
       visible = tiles.q_tile_visible(prob.mask, k_idx, t, block_q,
                                      valid=valid, k_seg=k_seg,
                                      q_seg_ref=q_seg_ref)
-      dense_vis = dense_lib.visible_tile(
-          dense_refs, prob, held_q=False, t=t, g=g, block=block_q,
-          q_idx=t * block_q + lax.broadcasted_iota(jnp.int32,
-                                                   (block_q, block_k), 0))
+      dense_vis = dense_lib.visible_tile(dense_refs, prob, held_q=False,
+                                         t=t, g=g, block=block_q, q_idx=rows)
       if dense_vis is not None:
         visible = visible & dense_vis
     bias = None
     if biased:
       bias = lambda s: dense_lib.add_bias(
           s, dense_refs, prob, held_q=False, t=t, g=g, block=block_q,
-          q_idx=t * block_q + lax.broadcasted_iota(jnp.int32,
-                                                   (block_q, block_k), 0),
-          k_idx=k_idx)
+          q_idx=rows, k_idx=k_idx)
     keep, rate = None, 0.0
     if dropout is not None:
       rate, shared = dropout
       head = 0 if shared else first_head + g
-      rows = t * block_q + lax.broadcasted_iota(jnp.int32,
-                                                (block_q, block_k), 0)
       keep = dropout_keep(seed, head, rows, k_idx, rate)
     p, ds = _dscores(q, k, v, do, lse2_ref[g, q_slice],
                      delta_ref[g, q_slice], visible, prob=prob, keep=keep,
@@ -191,17 +187,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
                                          block=block_k, q_idx=q_idx)
       if dense_vis is not None:
         visible = visible & dense_vis
+    cols = t * block_k + lax.broadcasted_iota(jnp.int32, (block_q, block_k),
+                                              1)
     bias = None
     if biased:
       bias = lambda s: dense_lib.add_bias(
           s, dense_refs, prob, held_q=True, t=t, block=block_k, q_idx=q_idx,
-          k_idx=t * block_k + lax.broadcasted_iota(jnp.int32,
-                                                   (block_q, block_k), 1))
+          k_idx=cols)
     keep, rate = None, 0.0
     if dropout is not None:
       rate, shared = dropout
-      cols = t * block_k + lax.broadcasted_iota(jnp.int32,
-                                                (block_q, block_k), 1)
       keep = dropout_keep(seed, 0 if shared else q_head, q_idx, cols, rate)
     _, ds = _dscores(q, k, v, do, lse2, delta, visible, prob=prob,
                      keep=keep, rate=rate, bias=bias)

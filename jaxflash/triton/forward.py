@@ -62,11 +62,11 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
     k = tiles.slice_tile(k_ref, t, block_k)
     # Base-2 logits with the softmax scale folded in: exp(x) = exp2(x log2e).
     s, _ = logits(q, k, prob, qk_dequant)  # [block_q, block_k] float32
+    k_idx = t * block_k + lax.broadcasted_iota(jnp.int32, (block_q, block_k),
+                                               1)
     if biased:
-      s = dense_lib.add_bias(
-          s, dense_refs, prob, held_q=True, t=t, block=block_k, q_idx=q_idx,
-          k_idx=t * block_k + lax.broadcasted_iota(jnp.int32,
-                                                   (block_q, block_k), 1))
+      s = dense_lib.add_bias(s, dense_refs, prob, held_q=True, t=t,
+                             block=block_k, q_idx=q_idx, k_idx=k_idx)
     if masked:
       visible = tiles.kv_tile_visible(mask, q_idx, t, block_k, valid=valid,
                                       q_seg=q_seg, kv_seg_ref=kv_seg_ref)
@@ -93,9 +93,7 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
       # The row sums (and the LSE) are the undropped ones; the product
       # takes the kept probabilities, scaled by 1 / (1 - rate).
       rate = dropout[0]
-      keep = dropout_keep(seed, head, q_idx,
-                          t * block_k + lax.broadcasted_iota(
-                              jnp.int32, (block_q, block_k), 1), rate)
+      keep = dropout_keep(seed, head, q_idx, k_idx, rate)
       pv = jnp.where(keep, p * (1.0 / (1.0 - rate)), 0.0)
     # With FP8 values P (in [0, 1] after the max subtraction) is rounded to
     # their format for the product, as FlashAttention-3 does.
