@@ -53,8 +53,11 @@ class Ring:
   """Static description of one ring attention call."""
 
   def __init__(self, axis_name, n, causal, zigzag, params_for, varying,
-               local_forward=None, local_backward=None):
+               local_forward=None, local_backward=None,
+               bias_grad: bool = False):
     self.axis_name, self.n, self.causal = axis_name, n, causal
+    # local_backward also returns the dense bias's gradient.
+    self.bias_grad = bias_grad
     self.zigzag = zigzag and causal
     self.parts = 2 if self.zigzag else 1
     self.params_for = params_for  # MaskSpec -> OpParams
@@ -91,10 +94,68 @@ class Ring:
                                                      0)).astype(jnp.int32)
 
 
-def _pair_forward(ring: Ring, rel, q, k, v, q_seg, k_seg):
+# -- a block pair's mask arrays ------------------------------------------------
+#
+# The mask arrays of a call sharded over the sequence come in three kinds:
+# per query row (q segment ids; the dense bias's and mask's rows), per key
+# (kv segment ids, which travel or are gathered with K/V), and global over
+# the keys (the dense terms' key axis and FlashMask's columns, whole on
+# every device).  A block pair (queries from global row ``q_start``, keys
+# from ``k_start``) takes its rows, slices the global key axes, moves
+# FlashMask's row ranges to its own rows, and gives dropout's hash its
+# global positions.
+
+
+def _rows(x, part: int, parts: int):
+  """Part ``part`` of ``parts`` of a dense term's query axis (2), or the
+  term itself where that axis broadcasts."""
+  if x is None or parts == 1 or x.shape[2] == 1:
+    return x
+  c = x.shape[2] // parts
+  return x[:, :, part * c:(part + 1) * c]
+
+
+def _keys(x, start, length: int):
+  """Keys ``[start, start + length)`` of a global key axis (the last)."""
+  if x is None or x.shape[-1] == length:
+    return x
+  return lax.dynamic_slice_in_dim(x, start, length, axis=x.ndim - 1)
+
+
+def pair_arrays(terms: MaskArrays, *, part: int, parts: int, q_start,
+                k_start, k_len: int, kv_seg) -> MaskArrays:
+  """The mask arrays of the block pair of query part ``part`` (of
+  ``parts`` in this device's block, at global row ``q_start``) and the
+  ``k_len`` keys from global key ``k_start`` (``kv_seg`` their segment
+  ids).  FlashMask's columns hide global rows, so the pair's rows are
+  ``q_start`` lower; dropout hashes global rows and keys."""
+  fm = terms.flash_mask
+  if fm is not None:
+    fm = _keys(fm, k_start, k_len) - jnp.int32(q_start)
+  seeds = terms.dropout_seeds
+  if seeds is not None:
+    seeds = seeds.at[:, 2].add(q_start).at[:, 3].add(k_start)
+  q_seg = terms.q_segment_ids
+  return terms._replace(
+      q_segment_ids=None if q_seg is None else _chunks(q_seg, parts)[part],
+      kv_segment_ids=kv_seg,
+      bias=_keys(_rows(terms.bias, part, parts), k_start, k_len),
+      dense_mask=_keys(_rows(terms.dense_mask, part, parts), k_start, k_len),
+      flash_mask=fm, dropout_seeds=seeds)
+
+
+def _add_bias_grad(buf, g, part: int, parts: int, k_start):
+  """Adds a pair's bias gradient into the block's (float32, rows of
+  ``part`` and keys from ``k_start``)."""
+  r0 = 0 if buf.shape[2] == 1 else part * (buf.shape[2] // parts)
+  at = (0, 0, r0, k_start)
+  cur = lax.dynamic_slice(buf, at, g.shape)
+  return lax.dynamic_update_slice(buf, cur + g.astype(jnp.float32), at)
+
+
+def _pair_forward(ring: Ring, rel, q, k, v, arrays: MaskArrays):
   """(out f32, lse) of one (query chunk, key chunk) pair by its relation."""
   t, s = q.shape[1], k.shape[1]
-  arrays = MaskArrays(q_seg, k_seg) if q_seg is not None else MaskArrays()
 
   def run(causal):
     p = ring.params_for(MaskSpec(t, s, causal))
@@ -109,22 +170,21 @@ def _pair_forward(ring: Ring, rel, q, k, v, q_seg, k_seg):
   return lax.switch(rel, [skip, lambda: run(True), lambda: run(False)])
 
 
-def _pair_backward(ring: Ring, rel, q, k, v, q_seg, k_seg, out, lse, dout,
-                   dlse):
+def _pair_backward(ring: Ring, rel, q, k, v, arrays: MaskArrays, out, lse,
+                   dout, dlse):
+  """(dq, dk, dv[, dbias]) in float32 of one pair by its relation."""
   t, s = q.shape[1], k.shape[1]
-  arrays = MaskArrays(q_seg, k_seg) if q_seg is not None else MaskArrays()
 
   def run(causal):
     p = ring.params_for(MaskSpec(t, s, causal))
-    dq, dk, dv = ring.local_backward(p, q, k, v, arrays, out, lse, dout,
-                                     dlse)
-    return (dq.astype(jnp.float32), dk.astype(jnp.float32),
-            dv.astype(jnp.float32))
+    grads = ring.local_backward(p, q, k, v, arrays, out, lse, dout, dlse)
+    return tuple(g.astype(jnp.float32) for g in grads)
 
   def skip():
-    return ring.vary(jnp.zeros(q.shape, jnp.float32),
-                     jnp.zeros(k.shape, jnp.float32),
-                     jnp.zeros(v.shape, jnp.float32))
+    zeros = [q.shape, k.shape, v.shape]
+    if ring.bias_grad:
+      zeros.append(arrays.bias.shape)
+    return ring.vary(*(jnp.zeros(z, jnp.float32) for z in zeros))
 
   return lax.switch(rel, [skip, lambda: run(True), lambda: run(False)])
 
@@ -135,10 +195,22 @@ def _rotate(ring: Ring, xs):
   return jax.tree.map(lambda x: lax.ppermute(x, ring.axis_name, perm), xs)
 
 
-def ring_forward(ring: Ring, q, k, v, q_seg, kv_seg):
+def _pair_terms(ring: Ring, terms: MaskArrays, a: int, q_id, k_id,
+                chunks: tuple[int, int], kv_seg):
+  """The mask arrays of query chunk ``q_id`` (part ``a`` of this device's
+  block) and key chunk ``k_id``; ``chunks``: their lengths."""
+  return pair_arrays(terms, part=a, parts=ring.parts,
+                     q_start=q_id * chunks[0], k_start=k_id * chunks[1],
+                     k_len=chunks[1], kv_seg=kv_seg)
+
+
+def ring_forward(ring: Ring, q, k, v, terms: MaskArrays):
+  """``(out, lse)`` of this device's query block; ``terms``: the block's
+  mask arrays (:func:`pair_arrays`' kinds; the kv segment ids travel with
+  K/V)."""
   dev = lax.axis_index(ring.axis_name)
   q_parts = _chunks(q, ring.parts)
-  qs_parts = _chunks(q_seg, ring.parts) if q_seg is not None else None
+  chunks = (q.shape[1] // ring.parts, k.shape[1] // ring.parts)
   q_ids = ring.chunk_ids(dev)
   B, T, H, _ = q.shape
   outs = list(ring.vary(*(jnp.zeros(x.shape, jnp.float32)
@@ -158,8 +230,8 @@ def ring_forward(ring: Ring, q, k, v, q_seg, kv_seg):
       for b in range(ring.parts):
         po, pl_ = _pair_forward(
             ring, ring.relation(q_ids[a], k_ids[b]), q_parts[a], k_parts[b],
-            v_parts[b], qs_parts[a] if qs_parts else None,
-            ks_parts[b] if ks_parts else None)
+            v_parts[b], _pair_terms(ring, terms, a, q_ids[a], k_ids[b], chunks,
+                                    ks_parts[b] if ks_parts else None))
         o, l_ = _merge(o, l_, po, pl_)
       new_outs.append(o)
       new_lses.append(l_)
@@ -167,28 +239,32 @@ def ring_forward(ring: Ring, q, k, v, q_seg, kv_seg):
     return new_outs, new_lses, k, v, kv_seg
 
   outs, lses, *_ = lax.fori_loop(0, ring.n, step,
-                                 (outs, lses, k, v, kv_seg))
+                                 (outs, lses, k, v, terms.kv_segment_ids))
   out = jnp.concatenate(outs, axis=1).astype(q.dtype)
   lse = jnp.concatenate(lses, axis=2)
   return out, lse
 
 
-def ring_backward(ring: Ring, q, k, v, q_seg, kv_seg, out, lse, dout,
-                   dlse):
+def ring_backward(ring: Ring, q, k, v, terms: MaskArrays, out, lse, dout,
+                  dlse):
+  """``(dq, dk, dv)`` of this device's blocks, and the gradient of its
+  dense bias rows (float32, over every key) with ``ring.bias_grad``."""
   dev = lax.axis_index(ring.axis_name)
   split = lambda x: _chunks(x, ring.parts)
   q_parts, o_parts, do_parts = split(q), split(out), split(dout)
+  chunks = (q.shape[1] // ring.parts, k.shape[1] // ring.parts)
   l_parts = jnp.split(lse, ring.parts, axis=2) if ring.parts > 1 else [lse]
   dl_parts = (jnp.split(dlse, ring.parts, axis=2) if ring.parts > 1
               else [dlse])
-  qs_parts = split(q_seg) if q_seg is not None else None
   q_ids = ring.chunk_ids(dev)
   dq = list(ring.vary(*(jnp.zeros(x.shape, jnp.float32) for x in q_parts)))
   dk, dv = ring.vary(jnp.zeros(k.shape, jnp.float32),
                      jnp.zeros(v.shape, jnp.float32))
+  db = (ring.vary(jnp.zeros(terms.bias.shape, jnp.float32))[0]
+        if ring.bias_grad else None)
 
   def step(i, carry):
-    dq, k, v, kv_seg, dk, dv = carry
+    dq, k, v, kv_seg, dk, dv, db = carry
     src = lax.rem(dev - i + ring.n, ring.n)
     k_ids = ring.chunk_ids(src)
     k_parts, v_parts = split(k), split(v)
@@ -197,46 +273,52 @@ def ring_backward(ring: Ring, q, k, v, q_seg, kv_seg, out, lse, dout,
     dq = list(dq)
     for a in range(ring.parts):
       for b in range(ring.parts):
-        gq, gk, gv = _pair_backward(
+        grads = _pair_backward(
             ring, ring.relation(q_ids[a], k_ids[b]), q_parts[a], k_parts[b],
-            v_parts[b], qs_parts[a] if qs_parts else None,
-            ks_parts[b] if ks_parts else None, o_parts[a], l_parts[a],
-            do_parts[a], dl_parts[a])
-        dq[a] = dq[a] + gq
-        dk_parts[b] = dk_parts[b] + gk
-        dv_parts[b] = dv_parts[b] + gv
+            v_parts[b], _pair_terms(ring, terms, a, q_ids[a], k_ids[b], chunks,
+                                    ks_parts[b] if ks_parts else None),
+            o_parts[a], l_parts[a], do_parts[a], dl_parts[a])
+        dq[a] = dq[a] + grads[0]
+        dk_parts[b] = dk_parts[b] + grads[1]
+        dv_parts[b] = dv_parts[b] + grads[2]
+        if ring.bias_grad:
+          db = _add_bias_grad(db, grads[3], a, ring.parts,
+                              k_ids[b] * chunks[1])
     dk = jnp.concatenate(dk_parts, axis=1)
     dv = jnp.concatenate(dv_parts, axis=1)
     # The gradients travel with their key/value block.
     k, v, kv_seg, dk, dv = _rotate(ring, (k, v, kv_seg, dk, dv))
-    return dq, k, v, kv_seg, dk, dv
+    return dq, k, v, kv_seg, dk, dv, db
 
-  dq, _, _, _, dk, dv = lax.fori_loop(0, ring.n, step,
-                                      (dq, k, v, kv_seg, dk, dv))
+  dq, _, _, _, dk, dv, db = lax.fori_loop(
+      0, ring.n, step, (dq, k, v, terms.kv_segment_ids, dk, dv, db))
   # After n rotations every block (and its gradients) is home again.
-  return (jnp.concatenate(dq, axis=1).astype(q.dtype), dk.astype(k.dtype),
-          dv.astype(v.dtype))
+  grads = (jnp.concatenate(dq, axis=1).astype(q.dtype), dk.astype(k.dtype),
+           dv.astype(v.dtype))
+  return grads + (db,) if ring.bias_grad else grads
 
 
 def _differentiable(forward, backward):
-  """``forward(plan, q, k, v, *aux) -> (out, lse)`` with a
-  ``jax.custom_vjp`` whose backward is ``backward(plan, q, k, v, *aux,
+  """``forward(plan, q, k, v, terms) -> (out, lse)`` with a
+  ``jax.custom_vjp`` whose backward is ``backward(plan, q, k, v, terms,
   out, lse, dout, dlse) -> (dq, dk, dv)``, run from the final output and
-  LSE; ``aux`` are integer arrays (segment ids, lengths) or None."""
+  LSE.  Called as ``attend(plan, q, k, v, *terms)``: ``terms`` a
+  :class:`MaskArrays` of integer arrays (segment ids, lengths, FlashMask
+  columns) or None."""
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
   def attend(plan, q, k, v, *aux):
-    return forward(plan, q, k, v, *aux)
+    return forward(plan, q, k, v, MaskArrays(*aux))
 
   def fwd(plan, q, k, v, *aux):
-    out, lse = forward(plan, q, k, v, *aux)
+    out, lse = forward(plan, q, k, v, MaskArrays(*aux))
     return (out, lse), (q, k, v, aux, out, lse)
 
   def bwd(plan, res, cotangents):
     q, k, v, aux, out, lse = res
     dout, dlse = cotangents
-    grads = backward(plan, q, k, v, *aux, out, lse, dout.astype(q.dtype),
-                     dlse.astype(jnp.float32))
+    grads = backward(plan, q, k, v, MaskArrays(*aux), out, lse,
+                     dout.astype(q.dtype), dlse.astype(jnp.float32))
     return (*grads, *(None,) * len(aux))
 
   attend.defvjp(fwd, bwd)
@@ -268,8 +350,10 @@ class AllGather:
   device does the same work; K/V are gathered in natural order."""
 
   def __init__(self, axis_name, n, params_for, mask: MaskSpec,
-               local_forward, local_backward, balance: bool = False):
+               local_forward, local_backward, balance: bool = False,
+               bias_grad: bool = False):
     self.axis_name, self.n = axis_name, n
+    self.bias_grad = bias_grad  # local_backward also returns dbias
     self.params_for, self.mask = params_for, mask
     self.local_forward, self.local_backward = local_forward, local_backward
     self.balance = balance
@@ -310,32 +394,43 @@ def _unzz(ag: AllGather, x, axis: int = 1):
 
 
 def _halves(ag: AllGather, x, axis: int = 1):
-  if x is None:
-    return [None, None] if ag.balance else [None]
   return jnp.split(x, 2, axis=axis) if ag.balance else [x]
 
 
-def _arrays(q_seg, kv_seg, q_lens, kv_lens, slopes, start: int, t: int):
-  """A query piece's mask arrays: its segment ids, the global query
-  lengths as the piece's own (``[start, start + t)`` of the rows), and
-  ALiBi's slopes (the piece's MaskSpec offset, ``start``, makes the
-  distances global)."""
-  if q_lens is not None:
-    q_lens = jnp.clip(q_lens - start, 0, t)
-  return MaskArrays(q_seg, kv_seg, q_lens, kv_lens, alibi_slopes=slopes)
+def zigzag_rows(terms: MaskArrays, zz) -> MaskArrays:
+  """``terms`` with their per-query-row arrays taken through ``zz`` (a
+  block reorder along an axis): q segment ids (axis 1) and the dense
+  bias's and mask's rows (axis 2, where not broadcast)."""
+  rows = lambda x: x if x is None or x.shape[2] == 1 else zz(x, 2)
+  return terms._replace(
+      q_segment_ids=(None if terms.q_segment_ids is None
+                     else zz(terms.q_segment_ids, 1)),
+      bias=rows(terms.bias), dense_mask=rows(terms.dense_mask))
 
 
-def allgather_forward(ag: AllGather, q, k, v, q_seg, kv_seg, q_lens=None,
-                      kv_lens=None, slopes=None):
-  k, v, kv_seg = _gather(ag, k, v, kv_seg)
-  qs, segs = _halves(ag, _zz(ag, q)), _halves(ag, _zz(ag, q_seg))
+def _piece(ag: AllGather, terms: MaskArrays, i: int, start: int, t: int,
+           kv_seg, s: int) -> MaskArrays:
+  """Query piece ``i``'s mask arrays (rows ``[start, start + t)`` against
+  all ``s`` keys): :func:`pair_arrays`, and the global query lengths as
+  the piece's own.  ALiBi's distances are global through the piece's
+  MaskSpec offset (``start``)."""
+  a = pair_arrays(terms, part=i, parts=2 if ag.balance else 1,
+                  q_start=start, k_start=0, k_len=s, kv_seg=kv_seg)
+  if a.q_seq_lengths is not None:
+    a = a._replace(q_seq_lengths=jnp.clip(a.q_seq_lengths - start, 0, t))
+  return a
+
+
+def allgather_forward(ag: AllGather, q, k, v, terms: MaskArrays):
+  k, v, kv_seg = _gather(ag, k, v, terms.kv_segment_ids)
+  qs, terms = _halves(ag, _zz(ag, q)), zigzag_rows(
+      terms, functools.partial(_zz, ag))
+  s = k.shape[1]
 
   def run(d):
-    outs = [ag.local_forward(ag.params_for(ag.spec(start, t, k.shape[1])),
-                             qp, k, v, _arrays(sp, kv_seg, q_lens, kv_lens,
-                                               slopes, start, t))
-            for (start, t), qp, sp in zip(ag.pieces(d, q.shape[1]), qs,
-                                          segs)]
+    outs = [ag.local_forward(ag.params_for(ag.spec(start, t, s)), qs[i], k,
+                             v, _piece(ag, terms, i, start, t, kv_seg, s))
+            for i, (start, t) in enumerate(ag.pieces(d, q.shape[1]))]
     return (jnp.concatenate([o for o, _ in outs], axis=1),
             jnp.concatenate([lse for _, lse in outs], axis=2))
 
@@ -343,34 +438,44 @@ def allgather_forward(ag: AllGather, q, k, v, q_seg, kv_seg, q_lens=None,
   return _unzz(ag, out), _unzz(ag, lse, 2)
 
 
-def allgather_backward(ag: AllGather, q, k, v, q_seg, kv_seg, q_lens,
-                       kv_lens, slopes, out, lse, dout, dlse):
-  k_all, v_all, kv_seg = _gather(ag, k, v, kv_seg)
+def allgather_backward(ag: AllGather, q, k, v, terms: MaskArrays, out, lse,
+                       dout, dlse):
+  """``(dq, dk, dv)``, and with ``ag.bias_grad`` the gradient of this
+  device's dense bias rows (float32, over every key)."""
+  k_all, v_all, kv_seg = _gather(ag, k, v, terms.kv_segment_ids)
   split = lambda x, axis=1: _halves(ag, _zz(ag, x, axis), axis)
-  qs, segs, outs, douts = split(q), split(q_seg), split(out), split(dout)
+  qs, outs, douts = split(q), split(out), split(dout)
   lses, dlses = split(lse, 2), split(dlse, 2)
+  terms = zigzag_rows(terms, functools.partial(_zz, ag))
+  s = k_all.shape[1]
 
   def run(d):
-    dq, dk, dv = [], 0.0, 0.0
+    dq, dk, dv, db = [], 0.0, 0.0, []
     for i, (start, t) in enumerate(ag.pieces(d, q.shape[1])):
-      gq, gk, gv = ag.local_backward(
-          ag.params_for(ag.spec(start, t, k_all.shape[1])), qs[i], k_all,
-          v_all, _arrays(segs[i], kv_seg, q_lens, kv_lens, slopes, start, t),
-          outs[i], lses[i], douts[i], dlses[i])
-      dq.append(gq)
-      dk, dv = dk + gk.astype(jnp.float32), dv + gv.astype(jnp.float32)
-    return jnp.concatenate(dq, axis=1), dk, dv
+      grads = ag.local_backward(
+          ag.params_for(ag.spec(start, t, s)), qs[i], k_all, v_all,
+          _piece(ag, terms, i, start, t, kv_seg, s), outs[i], lses[i],
+          douts[i], dlses[i])
+      dq.append(grads[0])
+      dk = dk + grads[1].astype(jnp.float32)
+      dv = dv + grads[2].astype(jnp.float32)
+      if ag.bias_grad:
+        db.append(grads[3].astype(jnp.float32))
+    res = (jnp.concatenate(dq, axis=1), dk, dv)
+    if ag.bias_grad:  # the pieces' rows, or their sum where rows broadcast
+      res += (sum(db) if terms.bias.shape[2] == 1
+              else jnp.concatenate(db, axis=2),)
+    return res
 
-  dq, dk, dv = _by_device(ag, run)
+  dq, dk, dv, *db = _by_device(ag, run)
   # Every device holds gradients for every key; each keeps the sum of its
   # own block's (in float32, then the inputs' dtype).
   scatter = lambda g, like: lax.psum_scatter(
       g, ag.axis_name, scatter_dimension=1, tiled=True).astype(like.dtype)
-  return _unzz(ag, dq), scatter(dk, k), scatter(dv, v)
-
-
-allgather_attention = _differentiable(allgather_forward, allgather_backward)
-"""``(out, lse)`` of the all-gather scheme, differentiable."""
+  grads = (_unzz(ag, dq), scatter(dk, k), scatter(dv, v))
+  if ag.bias_grad:
+    grads += (db[0] if terms.bias.shape[2] == 1 else _unzz(ag, db[0], 2),)
+  return grads
 
 
 def choose(mode: str | None, heads: int, kv_heads: int,

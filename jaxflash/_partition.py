@@ -71,31 +71,32 @@ def check_context(p, present, seq: tuple[str, ...], q_shape, k_shape) -> str:
 
   Both serve self-attention (equal query and key lengths, the last query
   with the last key) with causal or no positional mask, segment ids,
-  GQA/MQA and a soft cap; the all-gather also serves local windows,
-  sequence lengths and ALiBi.  Not dropout, dense bias or masks or
-  FlashMask (their positions are global ones the per-block kernels do
-  not see)."""
+  GQA/MQA, a soft cap, dropout, a dense bias (with its gradient) or mask
+  and FlashMask (each block pair is given its global positions,
+  :func:`jaxflash._context.pair_arrays`); the all-gather also serves
+  local windows, sequence lengths and ALiBi, whose static offsets the
+  ring's dynamic block pairs cannot carry."""
   m = p.mask
   window = m.window_left is not None or m.window_right is not None
   alibi = present[MaskArrays._fields.index("alibi_slopes")]
   mode = _context.choose(p.context_parallel, q_shape[2], k_shape[2],
                          window or alibi)
-  served = {"q_segment_ids", "kv_segment_ids"}
+  served = {"q_segment_ids", "kv_segment_ids", "dropout_seeds", "bias",
+            "dense_mask", "flash_mask"}
   if mode == "allgather":
     served |= {"q_seq_lengths", "kv_seq_lengths", "alibi_slopes"}
   unserved = [f for f, on in zip(MaskArrays._fields, present)
               if on and f not in served]
   if window and mode == "ring":
     unserved.append("local_window_size")
-  if p.dropout_rate:
-    unserved.append("dropout_rate")
   if q_shape[1] != k_shape[1] or m.offset != 0:
     unserved.append(f"q_len={q_shape[1]} != kv_len={k_shape[1]}")
   if unserved:
     raise ValueError(
         f"q's sequence axis is sharded over mesh axis {seq}: context"
         f" parallelism ({mode}) serves causal or full self-attention with"
-        " segment ids (the all-gather also windows, lengths and ALiBi), not"
+        " segment ids, dropout, dense bias or mask and FlashMask (the"
+        " all-gather also windows, lengths and ALiBi), not"
         f" {', '.join(unserved)}. Replicate the sequence axis, or call"
         " jaxflash.sharding.ring_attention in shard_map (docs/sharding.md)")
   return mode
@@ -159,29 +160,42 @@ def _plan_from_args(mesh, arg_shapes, p=None, present=None):
           seq, mode)
 
 
-def mask_array_spec(shape, b, h, t=None):
-  """Spec of one mask array: segment ids ``[B, L]`` and dropout seeds
-  ``[B, 2]`` by batch, lengths ``[B]``, and a dense bias or mask ``[B|1,
+def mask_array_spec(field: str, shape, b, h, t=None):
+  """Spec of the mask array ``field`` (a :class:`MaskArrays` field):
+  segment ids ``[B, L]`` by batch and sequence (``t``), lengths ``[B]``
+  and dropout seeds ``[B, 4]`` by batch, and a dense bias or mask ``[B|1,
   H|1, T|1, S]``, FlashMask columns ``[B|1, H|1, 4, S]`` or ALiBi slopes
   ``[B|1, H, 1, 2]`` by batch and heads where those axes are full (an
-  axis of size 1 is replicated)."""
-  if len(shape) == 4:
-    return P(b if shape[0] > 1 else None, h if shape[1] > 1 else None,
-             None, None)
-  return P(b, t) if len(shape) == 2 else P(b)
+  axis of size 1 is replicated).  Under context parallelism the dense
+  terms' query rows are sharded with the queries; their keys and
+  FlashMask's columns stay whole (:func:`context_lower`)."""
+  if field in ("q_segment_ids", "kv_segment_ids"):
+    return P(b, t)
+  if len(shape) < 4:
+    return P(b)
+  rows = t if field in ("bias", "dense_mask") and shape[2] > 1 else None
+  return P(b if shape[0] > 1 else None, h if shape[1] > 1 else None, rows,
+           None)
 
 
-def _forward_specs(mask_shapes, b, h, kv, bias_at=None, t=None):
+def mask_fields(present) -> list[str]:
+  """The :class:`MaskArrays` fields ``present`` flags, in order."""
+  return [f for f, on in zip(MaskArrays._fields, present) if on]
+
+
+def _forward_specs(fields, mask_shapes, b, h, kv, bias_at=None, t=None):
   del bias_at
   qs, kvs = P(b, t, h, None), P(b, t, kv, None)
-  args = [qs, kvs, kvs, *(mask_array_spec(m, b, h, t) for m in mask_shapes)]
+  args = [qs, kvs, kvs, *(mask_array_spec(f, m, b, h, t)
+                          for f, m in zip(fields, mask_shapes))]
   results = (qs, P(b, h, t))
   return args, results
 
 
-def _backward_specs(mask_shapes, b, h, kv, bias_at=None, t=None):
+def _backward_specs(fields, mask_shapes, b, h, kv, bias_at=None, t=None):
   qs, kvs, lse = P(b, t, h, None), P(b, t, kv, None), P(b, h, t)
-  masks = [mask_array_spec(m, b, h, t) for m in mask_shapes]
+  masks = [mask_array_spec(f, m, b, h, t)
+           for f, m in zip(fields, mask_shapes)]
   args = [qs, kvs, kvs, qs, lse, qs, lse, *masks]
   results = (qs, kvs, kvs)
   if bias_at is not None:  # the dense bias's gradient, laid out like it
@@ -215,7 +229,8 @@ def _partition(specs_fn, local_fn, backward=False):
     batch, heads, kv_heads, seq, mode = _plan_from_args(mesh, arg_shapes,
                                                         p, present)
     b, h, kv, t = (spec_entry(a) for a in (batch, heads, kv_heads, seq))
-    args, results = specs_fn(mask_shapes, b, h, kv, bias_at, t)
+    args, results = specs_fn(mask_fields(present), mask_shapes, b, h, kv,
+                             bias_at, t)
     named = lambda spec: NamedSharding(mesh, spec)
     # MQA with sharded query heads: each shard's dK/dV sums only its own
     # query heads; the replicated key/value head needs the sum of all.
@@ -226,7 +241,8 @@ def _partition(specs_fn, local_fn, backward=False):
     if bias_at is not None:
       shape = mask_shapes[bias_at]
       bias_axes = ((batch if shape[0] == 1 else ())
-                   + (heads if shape[1] == 1 else ()))
+                   + (heads if shape[1] == 1 else ())
+                   + (seq if shape[2] == 1 else ()))
 
     def lower(*operands):
       if heads and p.dropout_rate and present[_DROPOUT_SEEDS]:
@@ -236,8 +252,9 @@ def _partition(specs_fn, local_fn, backward=False):
             operands[at], heads,
             arg_shapes[0].shape[2] // axes_size(mesh, heads))
       if seq:
-        res = _context_lower(mode, local_fn, p, present, seq,
-                             axes_size(mesh, seq), backward, operands)
+        res = context_lower(mode, seq, axes_size(mesh, seq), local_fn, p,
+                            present, backward=backward, bias_grad=bias_grad,
+                            operands=operands)
       else:
         res = (local_fn(p, present, bias_grad, *operands) if backward
                else local_fn(p, present, *operands))
@@ -253,17 +270,16 @@ def _partition(specs_fn, local_fn, backward=False):
   return partition
 
 
-def _context_lower(mode: str, local_fn, p, present, seq, n: int,
-                   backward: bool, operands):
+def context_lower(mode: str, seq, n: int, local_fn, p, present, *,
+                  backward: bool, bias_grad: bool, operands):
   """The ring or the all-gather (``mode``) on this shard's blocks of a
   sequence sharded over ``seq`` (contiguous blocks in natural order, which
-  both balance through zig-zag order when causal)."""
+  both balance through zig-zag order when causal).  The mask arrays come
+  as :func:`mask_array_spec` lays them out: the dense terms' rows sharded
+  with the queries, their keys and FlashMask's columns whole."""
   first = 7 if backward else 3
-  arrays = dict(zip((f for f, on in zip(MaskArrays._fields, present) if on),
-                    operands[first:]))
-  q_seg, kv_seg = arrays.get("q_segment_ids"), arrays.get("kv_segment_ids")
-  lengths = arrays.get("q_seq_lengths"), arrays.get("kv_seq_lengths")
-  slopes = arrays.get("alibi_slopes")
+  flat = iter(operands[first:])
+  terms = MaskArrays(*(next(flat) if on else None for on in present))
 
   def call(fn, params, *xs, arrays: MaskArrays, bias_grad=None):
     flags = tuple(x is not None for x in arrays)
@@ -274,7 +290,7 @@ def _context_lower(mode: str, local_fn, p, present, seq, n: int,
 
   fwd = lambda params, q, k, v, a: call(local_fn, params, q, k, v, arrays=a)
   bwd = lambda params, q, k, v, a, *res: call(
-      local_fn, params, q, k, v, *res, arrays=a, bias_grad=False)
+      local_fn, params, q, k, v, *res, arrays=a, bias_grad=bias_grad)
   axis = seq if len(seq) > 1 else seq[0]
   params_for = lambda spec: dataclasses.replace(p, mask=spec)
   # Causal: query blocks in zig-zag order (two half-block ppermutes each
@@ -282,26 +298,40 @@ def _context_lower(mode: str, local_fn, p, present, seq, n: int,
   balance = _context.balances(p.mask.causal, n, operands[0].shape[1])
   if mode == "allgather":
     ag = _context.AllGather(axis, n, params_for, p.mask, fwd, bwd,
-                            balance=balance)
+                            balance=balance, bias_grad=bias_grad)
     if backward:
-      return _context.allgather_backward(ag, *operands[:3], q_seg, kv_seg,
-                                         *lengths, slopes, *operands[3:7])
-    return _context.allgather_forward(ag, *operands[:3], q_seg, kv_seg,
-                                      *lengths, slopes)
+      return _cast_bias_grad(_context.allgather_backward(
+          ag, *operands[:3], terms, *operands[3:7]), terms)
+    return _context.allgather_forward(ag, *operands[:3], terms)
   z = lambda x, ax=1: (_context.to_zigzag(x, axis, n, ax) if balance
                        else x)
   unz = lambda x, ax=1: (_context.from_zigzag(x, axis, n, ax) if balance
                          else x)
   ring = _context.Ring(axis, n, p.mask.causal, balance, params_for,
-                       frozenset(), local_forward=fwd, local_backward=bwd)
+                       frozenset(), local_forward=fwd, local_backward=bwd,
+                       bias_grad=bias_grad)
   q, k, v = (z(x) for x in operands[:3])
+  terms = _context.zigzag_rows(terms, z)._replace(
+      kv_segment_ids=z(terms.kv_segment_ids))
   if backward:
     out, lse, dout, dlse = operands[3:7]
-    grads = _context.ring_backward(ring, q, k, v, z(q_seg), z(kv_seg),
-                                   z(out), z(lse, 2), z(dout), z(dlse, 2))
-    return tuple(unz(g) for g in grads)
-  out, lse = _context.ring_forward(ring, q, k, v, z(q_seg), z(kv_seg))
+    grads = _context.ring_backward(ring, q, k, v, terms, z(out), z(lse, 2),
+                                   z(dout), z(dlse, 2))
+    dq, dk, dv = (unz(g) for g in grads[:3])
+    if not bias_grad:
+      return dq, dk, dv
+    db = grads[3]
+    return _cast_bias_grad(
+        (dq, dk, dv, db if db.shape[2] == 1 else unz(db, 2)), terms)
+  out, lse = _context.ring_forward(ring, q, k, v, terms)
   return unz(out), unz(lse, 2)
+
+
+def _cast_bias_grad(grads, terms: MaskArrays):
+  """The bias's gradient (float32 from the schemes) in the bias's dtype."""
+  if len(grads) == 3:
+    return grads
+  return (*grads[:3], grads[3].astype(terms.bias.dtype))
 
 
 def forward_partition(local_fn):
@@ -321,7 +351,7 @@ def _infer(specs_fn, backward=False):
     mask_shapes = [a.shape for a in arg_shapes[first:]]
     b, h, kv, t = (spec_entry(a) for a in _plan_from_args(
         mesh, arg_shapes, p, present)[:4])
-    _, results = specs_fn(mask_shapes, b, h, kv,
+    _, results = specs_fn(mask_fields(present), mask_shapes, b, h, kv,
                           _bias_at(present, bias_grad), t)
     return tuple(NamedSharding(mesh, s) for s in results)
   return infer

@@ -87,7 +87,7 @@ def validate(q, k, v, names=None) -> None:
 
 def dropout(rate, rng, broadcast, batch: int):
   """``(rate, seeds)``: attention dropout's rate as a float and
-  ``MaskArrays.dropout_seeds [batch, 2]``, the int32 seed per batch row
+  ``MaskArrays.dropout_seeds [batch, 4]``, the int32 seed per batch row
   drawn from ``rng`` (one seed for every row with ``broadcast``), or
   ``(0.0, None)`` without dropout."""
   if isinstance(rate, bool) or not isinstance(rate, (int, float, np.number)):
@@ -111,9 +111,11 @@ def dropout(rate, rng, broadcast, batch: int):
   bits = jax.random.bits(rng, (1 if broadcast else batch,), jnp.uint32)
   seeds = jnp.broadcast_to(jax.lax.bitcast_convert_type(bits, jnp.int32),
                            (batch,))
-  # Column 1: the first head's index (0 here; set per shard when the heads
-  # are sharded, jaxflash._partition).
-  return rate, jnp.stack([seeds, jnp.zeros_like(seeds)], axis=1)
+  # Columns 1-3: the index of the call's first head, query row and key
+  # among the whole attention's (0 here; set per shard when the heads or
+  # the sequence are sharded, jaxflash._partition and jaxflash._context).
+  zero = jnp.zeros_like(seeds)
+  return rate, jnp.stack([seeds, zero, zero, zero], axis=1)
 
 
 def check_bools(names=None, **flags) -> None:

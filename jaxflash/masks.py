@@ -62,9 +62,10 @@ class MaskArrays(NamedTuple):
 
   ``q_segment_ids [B, T]``, ``kv_segment_ids [B, S]`` (both or neither),
   ``q_seq_lengths [B]``, ``kv_seq_lengths [B]``, and ``dropout_seeds
-  [B, 2]``: attention dropout's seed per batch row (:func:`dropout_keep`)
-  and the index of the array's first head among all heads (not 0 in a
-  shard of head-sharded attention, so each head keeps its own mask).
+  [B, 4]``: attention dropout's seed per batch row (:func:`dropout_keep`)
+  and the index of the call's first head, first query row and first key
+  among the whole attention's (not 0 in a shard of head-sharded or
+  context-parallel attention, so each position keeps its own mask).
 
   Dense terms, as ``jax.nn.dot_product_attention``'s: ``bias [B|1, H|1,
   T|1, S]`` (floating, added to the scaled logits; the one differentiable

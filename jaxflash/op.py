@@ -34,7 +34,6 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 
-from jaxflash import _context
 from jaxflash import _partition as partition
 from jaxflash.masks import MaskArrays, MaskSpec
 
@@ -266,18 +265,37 @@ def _backward_op(p: OpParams, present, bias_grad: bool):
 
 # -- autodiff -----------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attention(q, k, v, flat, p: OpParams, present):
-  return _forward_op(p, present)(q, k, v, *flat)
+def _run_forward(p, present, context, q, k, v, *flat):
+  """The forward op, or with ``context = (mode, seq_axes, n)`` (inside
+  shard_map over an Explicit mesh) context parallelism on this shard's
+  blocks."""
+  if context is None:
+    return _forward_op(p, present)(q, k, v, *flat)
+  return partition.context_lower(*context, _local_forward, p, present,
+                                 backward=False, bias_grad=False,
+                                 operands=(q, k, v, *flat))
 
 
-def _attention_fwd(q, k, v, flat, p, present):
+def _run_backward(p, present, context, bias_grad, *args):
+  if context is None:
+    return _backward_op(p, present, bias_grad)(*args)
+  return partition.context_lower(*context, _local_backward, p, present,
+                                 backward=True, bias_grad=bias_grad,
+                                 operands=args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention(q, k, v, flat, p: OpParams, present, context=None):
+  return _run_forward(p, present, context, q, k, v, *flat)
+
+
+def _attention_fwd(q, k, v, flat, p, present, context=None):
   # Symbolic zeros: the arguments come as (value, perturbed) records.
   bias_at = _flat_index(present, _BIAS)
   bias_grad = bias_at is not None and bool(flat[bias_at].perturbed)
   q, k, v = (x.value for x in (q, k, v))
   flat = tuple(x.value for x in flat)
-  out, lse = _forward_op(p, present)(q, k, v, *flat)
+  out, lse = _run_forward(p, present, context, q, k, v, *flat)
   out = checkpoint_name(out, RESIDUAL_NAMES[0])
   lse = checkpoint_name(lse, RESIDUAL_NAMES[1])
   # The residuals' structure carries the static bias_grad: () or None.
@@ -291,11 +309,12 @@ def _dense_ct(ct, like):
   return ct.astype(like.dtype)
 
 
-def _attention_bwd(p, present, res, cotangents):
+def _attention_bwd(p, present, context, res, cotangents):
   q, k, v, flat, out, lse, bias_flag = res
   bias_grad = bias_flag is not None
   dout, dlse = cotangents
-  grads = _backward_op(p, present, bias_grad)(
+  grads = _run_backward(
+      p, present, context, bias_grad,
       q, k, v, out, lse, _dense_ct(dout, out),
       _dense_ct(dlse, lse).astype(jnp.float32), *flat)
   dflat = [None] * len(flat)  # integer inputs; the mask is not
@@ -336,8 +355,8 @@ def attention(q, k, v, arrays: MaskArrays, params: OpParams):
   t = partition.spec_entry(seq)
   P = jax.sharding.PartitionSpec
   q_spec, kv_spec = P(b, t, h, None), P(b, t, kv, None)
-  mask_specs = tuple(partition.mask_array_spec(x.shape, b, h, t)
-                     for x in flat)
+  mask_specs = tuple(partition.mask_array_spec(f, x.shape, b, h, t)
+                     for f, x in zip(partition.mask_fields(present), flat))
   # k, v and the mask arrays follow q's layout, whatever theirs (a
   # replicated k, host segment ids): shard_map takes only matching types.
   to = lambda xs, specs: tuple(
@@ -350,32 +369,10 @@ def attention(q, k, v, arrays: MaskArrays, params: OpParams):
       i = _flat_index(present, _DROPOUT_SEEDS)
       flat = (*flat[:i], partition.shard_dropout_seeds(
           flat[i], partition.axes_of(h), q.shape[2]), *flat[i + 1:])
-    if seq:  # context parallelism over the sequence's axes
-      a = _unpack(flat, present)
-      n = partition.axes_size(mesh, seq)
-      params_for = lambda s: dataclasses.replace(params, mask=s)
-      # Causal: zig-zag order in and out, as the Auto path does.
-      balance = _context.balances(params.mask.causal, n, q.shape[1])
-      if mode == "allgather":
-        ag = _context.AllGather(t, n, params_for, params.mask,
-                                local_forward, local_backward,
-                                balance=balance)
-        return _context.allgather_attention(
-            ag, q, k, v, a.q_segment_ids, a.kv_segment_ids,
-            a.q_seq_lengths, a.kv_seq_lengths, a.alibi_slopes)
-      z = lambda x, ax=1: (_context.to_zigzag(x, t, n, ax) if balance
-                           else x)
-      ring = _context.Ring(
-          t, n, params.mask.causal, balance, params_for, frozenset(),
-          local_forward=local_forward, local_backward=local_backward)
-      out, lse = _context.ring_attention(ring, z(q), z(k), z(v),
-                                         z(a.q_segment_ids),
-                                         z(a.kv_segment_ids))
-      if not balance:
-        return out, lse
-      return (_context.from_zigzag(out, t, n),
-              _context.from_zigzag(lse, t, n, 2))
-    return _attention(q, k, v, flat, params, present)
+    # Context parallelism over the sequence's axes: the ring or the
+    # all-gather on this shard's blocks, as the Auto path lowers it.
+    context = (mode, seq, partition.axes_size(mesh, seq)) if seq else None
+    return _attention(q, k, v, flat, params, present, context)
 
   return jax.shard_map(
       per_shard,

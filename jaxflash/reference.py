@@ -131,8 +131,9 @@ def attention(
     dropout_rate, dropout_seeds, dropout_shared: attention dropout: the
       probabilities ``masks.dropout_keep`` drops are zeroed and the others
       scaled by ``1 / (1 - rate)`` for the ``P V`` product (the keep mask
-      from ``dropout_seeds [B, 2]`` int32, each batch row's seed and first
-      head's index, and the query head, or head 0 for every head with
+      from ``dropout_seeds [B, 4]`` int32, each batch row's seed, and the
+      index of the first head, query row and key among the whole
+      attention's, and the query head, or head 0 for every head with
       ``dropout_shared``); the log-sum-exp is that of the undropped
       logits.
 
@@ -182,8 +183,8 @@ def attention(
              else jnp.arange(H, dtype=jnp.int32).reshape(K, G))
     keep = jax.vmap(lambda seed: dropout_keep(
         seed[0], heads[:, :, None, None] + (0 if dropout_shared else seed[1]),
-        jnp.arange(T, dtype=jnp.int32)[:, None],
-        jnp.arange(S, dtype=jnp.int32)[None, :], dropout_rate))(
+        seed[2] + jnp.arange(T, dtype=jnp.int32)[:, None],
+        seed[3] + jnp.arange(S, dtype=jnp.int32)[None, :], dropout_rate))(
             jnp.asarray(dropout_seeds, jnp.int32))
     probs = jnp.where(keep, probs * (1.0 / (1.0 - dropout_rate)), 0.0)
   # Values may be narrower than keys (multi-head latent attention).

@@ -32,8 +32,9 @@ import jax
 import numpy as np
 from jax import lax
 
-from jaxflash import _context, backends, checks
+from jaxflash import _context, backends, checks, flashmask
 from jaxflash import op as op_lib
+from jaxflash.flashmask import FlashMask
 from jaxflash.masks import MaskArrays
 
 
@@ -52,14 +53,16 @@ def zigzag_indices(seq_len: int, n: int) -> np.ndarray:
   return np.asarray(order)
 
 
-def kernel_backend(q, *, config=None, interpret=False) -> str:
+def kernel_backend(q, *, config=None, interpret=False,
+                   dense: bool = False) -> str:
   """The kernel backend ring attention runs when none is named: the one
   ``config`` belongs to; else Mosaic GPU where it serves ``q``'s head_dim
-  and dtype (Hopper), else Triton (other GPUs, and interpret mode)."""
+  and dtype (Hopper) and no FlashMask (``dense``) is given, else Triton
+  (other GPUs, and interpret mode)."""
   cfg_owner = backends.owner(config)
   if cfg_owner is not None:
     return cfg_owner.name
-  if interpret:
+  if interpret or dense:
     return "triton"
   x = jax.ShapeDtypeStruct((1, 128, 1, q.shape[-1]), q.dtype)
   try:
@@ -80,7 +83,8 @@ _local_backward = jax.jit(op_lib.local_backward, static_argnums=0)
 
 
 def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
-                   segment_ids=None, softmax_scale: float | None = None,
+                   segment_ids=None, mask: FlashMask | None = None,
+                   softmax_scale: float | None = None,
                    zigzag: bool = True, return_lse: bool = False,
                    implementation: str | None = None, config=None,
                    interpret: bool = False,
@@ -96,6 +100,10 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
     causal: causal self-attention over the global sequence.
     segment_ids: this device's ``[batch, seq / n]`` ids (self-attention),
       or a pair for q and k/v; they travel with their blocks.
+    mask: a :class:`jaxflash.FlashMask` of the *whole* sequence in its
+      natural token order (``[batch|1, heads|1, n * seq / n]`` columns,
+      the same on every device, whatever the blocks' order); each block
+      pair reads its keys' columns at its global rows.
     zigzag: balance causal work (see module docstring).
     implementation: the kernel backend of each block (``"triton"`` or
       ``"mosaic_gpu"``); ``None`` picks it as :func:`kernel_backend` does.
@@ -110,13 +118,28 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
   checks.check_bools(causal=causal, zigzag=zigzag, return_lse=return_lse,
                      interpret=interpret)
   n = lax.axis_size(axis_name)
+  terms = MaskArrays()
+  if segment_ids is not None:
+    terms = checks.mask_arrays(q, k, segment_ids, None, None)
+  if mask is not None:
+    if not isinstance(mask, FlashMask):
+      raise ValueError(
+          f"mask must be a jaxflash.FlashMask, got {type(mask).__name__}")
+    terms = terms._replace(flash_mask=flashmask.columns(mask.check(
+        q.shape[0], q.shape[2], n * q.shape[1], n * k.shape[1])))
+
   picked = implementation is None
   if picked:
-    implementation = kernel_backend(q, config=config, interpret=interpret)
+    implementation = kernel_backend(q, config=config, interpret=interpret,
+                                    dense=mask is not None)
   if implementation not in ("triton", "mosaic_gpu"):
     raise ValueError(
         f"implementation={implementation!r}: ring attention runs the kernel"
         " backends 'triton' or 'mosaic_gpu'")
+  if implementation == "mosaic_gpu" and mask is not None:
+    raise NotImplementedError(
+        "implementation='mosaic_gpu' takes no FlashMask (the Hopper kernels"
+        " serve causal, windows and segment ids); use 'triton'")
   if q.shape[1] != k.shape[1] and causal:
     raise ValueError(
         f"causal ring attention needs equal q and kv blocks, got {q.shape}"
@@ -127,11 +150,6 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
         " even")
   scale = (1.0 / math.sqrt(q.shape[3]) if softmax_scale is None
            else checks.static_positive("softmax_scale", softmax_scale))
-  q_seg = kv_seg = None
-  if segment_ids is not None:
-    arrays = checks.mask_arrays(q, k, segment_ids, None, None)
-    q_seg, kv_seg = arrays.q_segment_ids, arrays.kv_segment_ids
-
   deterministic = checks.resolve_deterministic(deterministic)
   # The ring calls the kernels directly (no dispatch): refuse here, with
   # the backend's reason, what it cannot run.  A named backend is lowered
@@ -144,7 +162,7 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
   if backend.check_config is not None:
     backend.check_config(config, deterministic)
   if interpret if implementation == "mosaic_gpu" else picked:
-    backend.check_supported(q, k, v, arrays=MaskArrays(),
+    backend.check_supported(q, k, v, arrays=terms,
                             logits_soft_cap=None, config=config,
                             interpret=interpret)
 
@@ -158,5 +176,5 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
       axis_name, n, causal, zigzag, params_for,
       varying=frozenset().union(*map(_context.varying_axes, (q, k, v))),
       local_forward=_local_forward, local_backward=_local_backward)
-  out, lse = _context.ring_attention(ring, q, k, v, q_seg, kv_seg)
+  out, lse = _context.ring_attention(ring, q, k, v, *terms)
   return (out, lse) if return_lse else out

@@ -698,7 +698,7 @@ def test_dropout_lowers_to_triton(fake_gpu):
   forward and both backward kernels lowers to Triton IR."""
   q = jax.ShapeDtypeStruct((2, 300, 8, 64), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 300, 2, 64), jnp.bfloat16)
-  seeds = jax.ShapeDtypeStruct((2, 2), jnp.int32)  # (seed, first head)
+  seeds = jax.ShapeDtypeStruct((2, 4), jnp.int32)  # seed, first head/row/key
   mask = MaskSpec(300, 300, True)
 
   def loss(q, k, v, seeds):

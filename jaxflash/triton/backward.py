@@ -81,9 +81,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
   seed = None
   # The group's first query head among all heads, read outside the loops.
   first_head = pl.program_id(2) * prob.group
+  row0 = col0 = 0
   if dropout is not None:
-    seed, first_head, rest = (rest[0][0], first_head + rest[0][1],
-                              rest[1:])
+    seed, first_head, row0, col0 = (rest[0][0], first_head + rest[0][1],
+                                    rest[0][2], rest[0][3])
+    rest = rest[1:]
   if dbias:
     rest = rest[1:]  # the zeroed dbias input, aliased to the output
   dk_ref, dv_ref = rest[:2]
@@ -120,7 +122,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
     if dropout is not None:
       rate, shared = dropout
       head = 0 if shared else first_head + g
-      keep = dropout_keep(seed, head, rows, k_idx, rate)
+      keep = dropout_keep(seed, head, rows + row0, k_idx + col0, rate)
     p, ds = _dscores(q, k, v, do, lse2_ref[g, q_slice],
                      delta_ref[g, q_slice], visible, prob=prob, keep=keep,
                      rate=rate, bias=bias)
@@ -163,8 +165,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
   biased = dense_lib.has_bias(prob)
   seed = None
   q_head = pl.program_id(2)  # read outside the loop
+  row0 = col0 = 0
   if dropout is not None:
-    seed, q_head, rest = rest[0][0], q_head + rest[0][1], rest[1:]
+    seed, q_head, row0, col0 = (rest[0][0], q_head + rest[0][1], rest[0][2],
+                                rest[0][3])
+    rest = rest[1:]
   (dq_ref,) = rest
   q_start = pl.program_id(0) * block_q
   q = q_ref[...]
@@ -197,7 +202,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *rest,
     keep, rate = None, 0.0
     if dropout is not None:
       rate, shared = dropout
-      keep = dropout_keep(seed, 0 if shared else q_head, q_idx, cols, rate)
+      keep = dropout_keep(seed, 0 if shared else q_head, q_idx + row0,
+                          cols + col0, rate)
     _, ds = _dscores(q, k, v, do, lse2, delta, visible, prob=prob,
                      keep=keep, rate=rate, bias=bias)
     return dq + dot(ds.astype(k.dtype), k)
@@ -256,7 +262,7 @@ def backward(q, k, v, o, lse, do, dlse, masks_in: tiles.MaskInputs, *,
                                            block_q=bq, block_k=bk)
   mspecs, margs = mspecs + dspecs, margs + dargs
   if dropout is not None:
-    mspecs = [*mspecs, pl.BlockSpec((None, 2), lambda j, b, h: (b, 0))]
+    mspecs = [*mspecs, pl.BlockSpec((None, 4), lambda j, b, h: (b, 0))]
   out_specs = [
       pl.BlockSpec((None, bk, None, dp), lambda j, b, h: (b, j, h, 0)),
       pl.BlockSpec((None, bk, None, dp), lambda j, b, h: (b, j, h, 0))]
@@ -311,7 +317,7 @@ def backward(q, k, v, o, lse, do, dlse, masks_in: tiles.MaskInputs, *,
                                            block_q=bq, block_k=bk)
   mspecs, margs = mspecs + dspecs, margs + dargs
   if dropout is not None:
-    mspecs = [*mspecs, pl.BlockSpec((None, 2), lambda i, b, h: (b, 0))]
+    mspecs = [*mspecs, pl.BlockSpec((None, 4), lambda i, b, h: (b, 0))]
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, prob=prob, block_q=bq, block_k=bk,
                         dropout=dropout),

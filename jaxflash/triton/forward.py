@@ -42,8 +42,12 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
   dense_refs, rest = dense_lib.split_refs(prob, rest)
   biased = dense_lib.has_bias(prob)
   seed = head = None
+  row0 = col0 = 0
   if dropout is not None:
-    seed, first_head, rest = rest[0][0], rest[0][1], rest[1:]
+    # The seed, the first head, row and key of this call among the whole
+    # attention's (a shard or a context-parallel piece hashes global ones).
+    seed, first_head, row0, col0 = (rest[0][i] for i in range(4))
+    rest = rest[1:]
     head = 0 if dropout[1] else first_head + pl.program_id(2)
   o_ref, lse_ref = rest[0], rest[1]
   mask = prob.mask
@@ -93,7 +97,7 @@ def _fwd_kernel(*refs, prob: Problem, block_q: int, block_k: int,
       # The row sums (and the LSE) are the undropped ones; the product
       # takes the kept probabilities, scaled by 1 / (1 - rate).
       rate = dropout[0]
-      keep = dropout_keep(seed, head, q_idx, k_idx, rate)
+      keep = dropout_keep(seed, head, q_idx + row0, k_idx + col0, rate)
       pv = jnp.where(keep, p * (1.0 / (1.0 - rate)), 0.0)
     # With FP8 values P (in [0, 1] after the max subtraction) is rounded to
     # their format for the product, as FlashAttention-3 does.
@@ -136,7 +140,7 @@ def forward(q, k, v, masks_in: tiles.MaskInputs, *, prob: Problem,
   ``dequant [H, 2]`` float32: FP8 inputs' scales per query head
   (``q_scale * k_scale``, ``v_scale``); ``out_dtype`` the output's dtype
   (default ``q``'s).  ``dropout = (rate, shared)`` with ``dropout_seeds
-  [B, 2]`` int32: attention dropout (:func:`jaxflash.masks.dropout_keep`;
+  [B, 4]`` int32: attention dropout (:func:`jaxflash.masks.dropout_keep`;
   ``MaskArrays.dropout_seeds``).  ``dense``: the padded dense bias and
   mask (:mod:`jaxflash.triton.dense`).
   """
@@ -169,7 +173,7 @@ def forward(q, k, v, masks_in: tiles.MaskInputs, *, prob: Problem,
   in_specs += dspecs
   args += dargs
   if dropout is not None:
-    in_specs.append(pl.BlockSpec((None, 2), lambda i, b, h: (b, 0)))
+    in_specs.append(pl.BlockSpec((None, 4), lambda i, b, h: (b, 0)))
     args.append(dropout_seeds)
   out_specs = [
       pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, i, h, 0)),
