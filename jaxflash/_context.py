@@ -204,10 +204,18 @@ def _pair_terms(ring: Ring, terms: MaskArrays, a: int, q_id, k_id,
                      k_len=chunks[1], kv_seg=kv_seg)
 
 
+def _varying_terms(ring: Ring, terms: MaskArrays) -> MaskArrays:
+  """``terms`` typed as varying like the blocks (under check_vma, a whole
+  key axis sliced at a device-dependent chunk must be)."""
+  return MaskArrays(*(None if x is None else ring.vary(x)[0]
+                      for x in terms))
+
+
 def ring_forward(ring: Ring, q, k, v, terms: MaskArrays):
   """``(out, lse)`` of this device's query block; ``terms``: the block's
   mask arrays (:func:`pair_arrays`' kinds; the kv segment ids travel with
   K/V)."""
+  terms = _varying_terms(ring, terms)
   dev = lax.axis_index(ring.axis_name)
   q_parts = _chunks(q, ring.parts)
   chunks = (q.shape[1] // ring.parts, k.shape[1] // ring.parts)
@@ -249,6 +257,7 @@ def ring_backward(ring: Ring, q, k, v, terms: MaskArrays, out, lse, dout,
                   dlse):
   """``(dq, dk, dv)`` of this device's blocks, and the gradient of its
   dense bias rows (float32, over every key) with ``ring.bias_grad``."""
+  terms = _varying_terms(ring, terms)
   dev = lax.axis_index(ring.axis_name)
   split = lambda x: _chunks(x, ring.parts)
   q_parts, o_parts, do_parts = split(q), split(out), split(dout)

@@ -162,3 +162,113 @@ def test_zigzag_moves_match_zigzag_indices():
       lambda x: _context.from_zigzag(x, "context", 8), mesh=mesh,
       in_specs=spec, out_specs=spec)(there)
   np.testing.assert_array_equal(back, x)
+
+
+def _dense_terms(kind: str, seq: int = 64):
+  """flash_attention keywords of one kind of global-position term."""
+  kb, km = jax.random.split(jax.random.key(1))
+  if kind == "bias-rows":      # [B, H, T, S]: rows sharded with q
+    return dict(bias=jax.random.normal(kb, (2, 4, seq, seq)))
+  if kind == "bias-broadcast":  # [1, H, 1, S]: its gradient summed
+    return dict(bias=jax.random.normal(kb, (1, 4, 1, seq)))
+  if kind == "mask":
+    keep = jax.random.bernoulli(km, 0.7, (2, 1, seq, seq))
+    return dict(mask=keep | jnp.eye(seq, dtype=bool))
+  if kind == "flashmask":
+    return dict(mask=jaxflash.FlashMask.prefix_lm(jnp.asarray([24, 40]),
+                                                  seq))
+  if kind == "dropout":
+    return dict(dropout_rate=0.25, dropout_rng=jax.random.key(7))
+  raise ValueError(kind)
+
+
+DENSE_CASES = [
+    # (scheme, axis type, causal, terms)
+    pytest.param("ring", AxisType.Auto, True, ("bias-rows", "dropout"),
+                 id="ring-Auto-causal-bias-dropout"),
+    pytest.param("ring", AxisType.Explicit, False, ("flashmask",),
+                 id="ring-Explicit-flashmask"),
+    pytest.param("allgather", AxisType.Auto, True, ("bias-broadcast",),
+                 id="allgather-Auto-causal-bias-broadcast",
+                 marks=pytest.mark.slow),
+    pytest.param("allgather", AxisType.Explicit, True, ("mask", "dropout"),
+                 id="allgather-Explicit-causal-mask-dropout",
+                 marks=pytest.mark.slow),
+    pytest.param("allgather", AxisType.Auto, False, ("flashmask",),
+                 id="allgather-Auto-flashmask", marks=pytest.mark.slow),
+    pytest.param("ring", AxisType.Explicit, True, ("bias-broadcast",),
+                 id="ring-Explicit-causal-bias-broadcast",
+                 marks=pytest.mark.slow),
+    pytest.param("ring", AxisType.Auto, False, ("mask",),
+                 id="ring-Auto-mask", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("mode,axis_type,causal,terms", DENSE_CASES)
+def test_global_position_terms(mode, axis_type, causal, terms):
+  """Dropout, a dense bias (and its gradient, rows sharded or broadcast)
+  or mask, and FlashMask under both schemes: each block pair gets its
+  global rows and keys, so the sharded call equals the one-device one
+  (same dropout mask included) on a (2, 4) batch x sequence mesh."""
+  _need_devices()
+  kw = {}
+  for term in terms:
+    kw.update(_dense_terms(term))
+  bias = kw.pop("bias", None)
+  q, k, v, do, seg = _inputs()
+
+  def run(q, k, v, do, seg, bias, **extra):
+    def f(q, k, v, bias):
+      return jaxflash.flash_attention(
+          q, k, v, causal=causal, segment_ids=seg, bias=bias,
+          implementation="triton", interpret=True, config=TILES, **kw,
+          **extra)
+    out, vjp = jax.vjp(f, q, k, v, bias)
+    return (out, *vjp(do))
+
+  want = jax.jit(run)(q, k, v, do, seg, bias)
+  mesh = jax.make_mesh((2, 4), ("data", "context"),
+                       axis_types=(axis_type,) * 2)
+  put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+  spec = P("data", "context", None, None)
+  args = (put(q, spec), put(k, spec), put(v, spec), put(do, spec),
+          put(seg, P("data", "context")),
+          None if bias is None else put(bias, P()))
+  got = jax.jit(lambda *a: run(*a, context_parallel=mode))(*args)
+  for a, w in zip(got, want):
+    if w is not None:
+      np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=3e-5)
+  assert got[0].sharding.spec[1] == "context"
+
+
+def test_ring_attention_takes_a_flashmask():
+  """ring_attention (shard_map) with a FlashMask of the whole sequence in
+  natural order, blocks in zig-zag order: equals flash_attention."""
+  _need_devices()
+  from jaxflash.ring import zigzag_indices
+  from jaxflash.sharding import ring_attention
+  q, k, v, do, _ = _inputs(heads=2, kv_heads=2)
+  mask = jaxflash.FlashMask.causal_document(
+      jnp.asarray([[0] * 20 + [1] * 44, [0] * 50 + [1] * 14], jnp.int32))
+  f = lambda q, k, v: jaxflash.flash_attention(
+      q, k, v, mask=mask, implementation="triton", interpret=True,
+      config=TILES)
+  want = jax.vjp(f, q, k, v)
+  mesh = jax.make_mesh((8,), ("context",), axis_types=(AxisType.Auto,))
+  order = zigzag_indices(64, 8)
+  spec = P(None, "context")
+
+  def ring(q, k, v):
+    return ring_attention(q, k, v, axis_name="context", causal=True,
+                          mask=mask, implementation="triton",
+                          interpret=True, config=TILES)
+
+  # check_vma=False: jax 0.11.2's Pallas interpreter fails the vma check
+  # of data-dependent tile loops (tests/test_ring.py).
+  g = jax.shard_map(ring, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
+                    check_vma=False)
+  z = lambda x: x[:, order]
+  out, vjp = jax.vjp(g, z(q), z(k), z(v))
+  np.testing.assert_allclose(out, z(want[0]), atol=2e-5)
+  for a, w in zip(vjp(z(do)), want[1](do)):
+    np.testing.assert_allclose(a, z(w), atol=2e-5)

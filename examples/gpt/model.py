@@ -5,10 +5,10 @@ embeddings; causal attention restricted to each packed document by segment
 ids, optional GQA and sliding window. Every parameter and activation
 carries logical axis names (``batch``, ``length``, ``embed``, ``heads``,
 ``kv_heads``, ``kv``, ``mlp``, ``vocab``) that the trainer maps to mesh
-axes.  Given a mesh with a ``context`` axis of size > 1, attention is
-jaxflash's ring attention over it (context parallelism; the tokens must
-then be in :func:`jaxflash.ring.zigzag_indices` order, with their original
-``positions`` for the rotary embeddings).
+axes.  Where the trainer maps ``length`` to a ``context`` mesh axis, the
+activations are sharded along the sequence and ``flash_attention`` runs
+context parallelism by itself (ring or all-gather, causal balance inside;
+docs/sharding.md): the model has no code for it.
 
 Given a ``cache`` (one per layer: a :class:`jaxflash.paged.PagedKVCache`,
 or a :class:`ContiguousKVCache` for comparison), the model runs
@@ -22,15 +22,13 @@ training one.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
-from jaxflash import checks, paged, sharding
+from jaxflash import checks, paged
 from jaxflash.linen import FlashMultiHeadDotProductAttention
 
 
@@ -103,37 +101,6 @@ def jax_nn_attention(implementation: str):
     return jax.nn.dot_product_attention(
         query, key, value, mask=mask, is_causal=causal,
         local_window_size=window, implementation=implementation)
-  return attend
-
-
-def context_size(mesh) -> int:
-  """Size of ``mesh``'s ``context`` axis (1 without a mesh or the axis)."""
-  return 1 if mesh is None else dict(mesh.shape).get("context", 1)
-
-
-def ring_attention(mesh, interpret: bool):
-  """Attention with the sequence split over ``mesh``'s ``context`` axis:
-  jaxflash's ring attention inside ``shard_map``, batch split over
-  (data, fsdp) and heads over tensor as the logical rules put them.
-  Causal is zig-zag balanced, so the tokens must be in
-  ``zigzag_indices`` order."""
-  batch = tuple(a for a in ("data", "fsdp") if a in mesh.shape)
-  heads = "tensor" if "tensor" in mesh.shape else None
-  qkv, ids = P(batch, "context", heads, None), P(batch, "context")
-
-  def attend(query, key, value, *, causal, segment_ids, local_window_size,
-             q_seq_lengths, kv_seq_lengths):
-    if local_window_size is not None or q_seq_lengths is not None or \
-        kv_seq_lengths is not None:
-      raise NotImplementedError(
-          "ring attention (context parallelism) takes causal and segment"
-          " ids; got a window or sequence lengths")
-    ring = functools.partial(sharding.ring_attention, axis_name="context",
-                             causal=causal, zigzag=True, interpret=interpret)
-    return jax.shard_map(
-        lambda q, k, v, s: ring(q, k, v, segment_ids=s), mesh=mesh,
-        in_specs=(qkv, qkv, qkv, ids), out_specs=qkv, check_vma=False)(
-            query, key, value, segment_ids)
   return attend
 
 
@@ -254,7 +221,6 @@ def _dense(features, axes, name, dtype):
 
 class Block(nn.Module):
   cfg: GPTConfig
-  mesh: Any = None  # a context axis > 1 selects ring attention
 
   @nn.compact
   def __call__(self, x, segment_ids, positions=None, cache=None):
@@ -267,15 +233,6 @@ class Block(nn.Module):
     override, impl = None, None
     if cache is not None:
       override = CachedAttention(cache, **cache_options(cfg, cache))
-    elif context_size(self.mesh) > 1:
-      if cfg.attention != "jaxflash":
-        raise ValueError(
-            f"attention={cfg.attention!r}: context parallelism runs"
-            " jaxflash's ring attention (attention='jaxflash')")
-      # Ring attention runs the flash kernels (no reference fallback); on
-      # a CPU they run in interpret mode.
-      override = ring_attention(
-          self.mesh, cfg.interpret or jax.default_backend() == "cpu")
     elif cfg.attention in ("cudnn", "jax-xla"):
       override = jax_nn_attention("xla" if cfg.attention == "jax-xla"
                                   else "cudnn")
@@ -301,7 +258,6 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
   cfg: GPTConfig
-  mesh: Any = None  # a context axis > 1 selects ring attention
 
   @nn.compact
   def __call__(self, tokens, segment_ids, positions=None, cache=None):
@@ -329,12 +285,11 @@ class GPT(nn.Module):
     new_cache = []
     for i in range(cfg.layers):
       if cache is None:
-        x = block(cfg, self.mesh, name=f"block{i}")(x, segment_ids,
-                                                    positions)
+        x = block(cfg, name=f"block{i}")(x, segment_ids, positions)
       else:
         # No remat: nothing is differentiated (the parameter names are
         # the same either way).
-        x, layer = Block(cfg, self.mesh, name=f"block{i}")(
+        x, layer = Block(cfg, name=f"block{i}")(
             x, None, positions, cache[i])
         new_cache.append(layer)
     x = nn.RMSNorm(dtype=jnp.dtype(cfg.dtype), name="ln_f")(x)

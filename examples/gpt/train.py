@@ -9,9 +9,9 @@ A ``jax.sharding.Mesh`` over all devices with axes (data, fsdp, tensor,
 context); Flax logical axis rules map the model's axis names onto it, and
 the train step is one ``jit`` with input/output shardings (no manual
 collectives).  A ``context`` axis splits every row's sequence: activations
-are sharded along it and attention is jaxflash's ring attention; the step
-puts each row's tokens in zig-zag order (causal load balance) and gives
-the rotary embeddings their original positions.
+are sharded along it and ``flash_attention`` runs context parallelism by
+itself (ring or all-gather, causal load balance inside), so the step and
+the model are the same as without it.
 optax AdamW with warm-up and cosine decay, gradient clipping, gradient
 accumulation; float32 master weights, compute in the preset's dtype; orbax
 checkpoints (``--ckpt-every``, resumed automatically); validation loss and
@@ -42,8 +42,6 @@ import jax.numpy as jnp  # noqa: E402
 import model as model_lib  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-
-from jaxflash import ring  # noqa: E402
 
 AXES = ("data", "fsdp", "tensor", "context")
 RULES = (("batch", ("data", "fsdp")), ("length", "context"),
@@ -86,28 +84,26 @@ class Trainer:
   seed: int = 0  # attention dropout's keys (cfg.attn_dropout)
 
   def __post_init__(self):
-    # The training model sees the mesh (ring attention over a context
-    # axis); initialisation and sampling run the plain one (same params).
-    self.model = model_lib.GPT(self.cfg, self.mesh)
-    self.plain_model = model_lib.GPT(self.cfg)
+    self.model = model_lib.GPT(self.cfg)
     # Rows hold seq_len + 1 tokens (inputs and shifted targets): split over
-    # the batch axes only; the step splits the sequence (context axis).
+    # the batch axes only; the step splits the sequence (the context axis:
+    # the model's activations are constrained to it, and attention runs
+    # context parallelism by itself).
     self.data_sharding = jax.sharding.NamedSharding(
         self.mesh, nn.logical_to_mesh_axes(("batch", None), RULES))
-    n = model_lib.context_size(self.mesh)
-    if self.cfg.seq_len % (2 * n):
+    self.token_sharding = jax.sharding.NamedSharding(
+        self.mesh, nn.logical_to_mesh_axes(("batch", "length"), RULES))
+    n = dict(self.mesh.shape).get("context", 1)
+    if self.cfg.seq_len % n:
       raise ValueError(
-          f"seq_len={self.cfg.seq_len} must be a multiple of 2 x context"
-          f" ({2 * n}): ring attention's zig-zag order cuts each row into"
-          f" {2 * n} chunks")
-    self.order = (None if n == 1 else
-                  jnp.asarray(ring.zigzag_indices(self.cfg.seq_len, n)))
+          f"seq_len={self.cfg.seq_len} must be a multiple of context={n}"
+          " (the sequence is split evenly over it)")
 
   def abstract_state(self, batch: int):
     tok = jnp.zeros((batch, self.cfg.seq_len), jnp.int32)
 
     def init(rng):
-      params = self.plain_model.init(rng, tok, tok)["params"]
+      params = self.model.init(rng, tok, tok)["params"]
       return {"params": params, "opt": self.tx.init(params),
               "step": jnp.zeros((), jnp.int32)}
     abstract = jax.eval_shape(init, jax.random.key(0))
@@ -126,16 +122,14 @@ class Trainer:
     """Mean next-token loss; ``dropout_rng`` (training) turns on the
     model's attention dropout (``cfg.attn_dropout``)."""
     inputs, targets, seg = tokens[:, :-1], tokens[:, 1:], seg[:, :-1]
-    positions = None
-    if self.order is not None:
-      # Zig-zag order for ring attention; the mean loss over tokens does
-      # not depend on their order.
-      inputs, targets, seg = (x[:, self.order] for x in (inputs, targets,
-                                                          seg))
-      positions = jnp.broadcast_to(self.order, inputs.shape)
+    # Each row's tokens split over the context axis (if any): sharding
+    # propagation carries the split to the activations, and attention then
+    # runs context parallelism by itself.
+    inputs, targets, seg = (jax.lax.with_sharding_constraint(
+        x, self.token_sharding) for x in (inputs, targets, seg))
     with nn.logical_axis_rules(RULES):
       logits = self.model.apply(
-          {"params": params}, inputs, seg, positions,
+          {"params": params}, inputs, seg,
           rngs=None if dropout_rng is None else {"dropout": dropout_rng})
     return optax.softmax_cross_entropy_with_integer_labels(
         logits, targets).mean()
@@ -184,7 +178,7 @@ def sample(trainer, params, prompt: bytes, n: int, temperature=0.8,
   cfg = trainer.cfg
   toks = list(prompt)
   rng = np.random.default_rng(seed)
-  fwd = jax.jit(lambda p, t, s: trainer.plain_model.apply({"params": p}, t,
+  fwd = jax.jit(lambda p, t, s: trainer.model.apply({"params": p}, t,
                                                           s))
   for _ in range(n):
     ctx = toks[-cfg.seq_len:]
