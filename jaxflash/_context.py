@@ -211,6 +211,32 @@ def _varying_terms(ring: Ring, terms: MaskArrays) -> MaskArrays:
                       for x in terms))
 
 
+def _steps(ring: Ring, visit, carry, blocks, *, first: int = 0,
+           send_after=None):
+  """Runs ``visit(i, carry, blocks) -> carry`` for steps ``first .. n -
+  1`` (``first`` 0 or 1), this device's blocks visiting at step 0 and
+  passed along the ring between steps: ``n - 1`` transfers, none after
+  the last step.  Each step's transfer is issued before its kernels and
+  depends on nothing they compute, so it overlaps them (double-buffered:
+  the step's blocks and the next's are both live).  ``send_after(carry)
+  -> carry`` passes part of the carry on after each step from 1 (the
+  backward's dK/dV accumulators)."""
+  if first == 0:
+    carry = visit(0, carry, blocks)
+  if ring.n == 1:
+    return carry
+  send = send_after or (lambda c: c)
+
+  def step(i, state):
+    carry, blocks = state
+    following = _rotate(ring, blocks)
+    return send(visit(i, carry, blocks)), following
+
+  carry, blocks = lax.fori_loop(1, ring.n - 1, step,
+                                (carry, _rotate(ring, blocks)))
+  return send(visit(ring.n - 1, carry, blocks))
+
+
 def ring_forward(ring: Ring, q, k, v, terms: MaskArrays):
   """``(out, lse)`` of this device's query block; ``terms``: the block's
   mask arrays (:func:`pair_arrays`' kinds; the kv segment ids travel with
@@ -226,8 +252,9 @@ def ring_forward(ring: Ring, q, k, v, terms: MaskArrays):
   lses = list(ring.vary(*(jnp.full((B, H, x.shape[1]), -jnp.inf, jnp.float32)
                           for x in q_parts)))
 
-  def step(i, carry):
-    outs, lses, k, v, kv_seg = carry
+  def visit(i, carry, blocks):
+    outs, lses = carry
+    k, v, kv_seg = blocks
     src = lax.rem(dev - i + ring.n, ring.n)  # owner of the visiting block
     k_ids = ring.chunk_ids(src)
     k_parts, v_parts = _chunks(k, ring.parts), _chunks(v, ring.parts)
@@ -243,11 +270,10 @@ def ring_forward(ring: Ring, q, k, v, terms: MaskArrays):
         o, l_ = _merge(o, l_, po, pl_)
       new_outs.append(o)
       new_lses.append(l_)
-    k, v, kv_seg = _rotate(ring, (k, v, kv_seg))
-    return new_outs, new_lses, k, v, kv_seg
+    return new_outs, new_lses
 
-  outs, lses, *_ = lax.fori_loop(0, ring.n, step,
-                                 (outs, lses, k, v, terms.kv_segment_ids))
+  outs, lses = _steps(ring, visit, (outs, lses),
+                      (k, v, terms.kv_segment_ids))
   out = jnp.concatenate(outs, axis=1).astype(q.dtype)
   lse = jnp.concatenate(lses, axis=2)
   return out, lse
@@ -256,7 +282,12 @@ def ring_forward(ring: Ring, q, k, v, terms: MaskArrays):
 def ring_backward(ring: Ring, q, k, v, terms: MaskArrays, out, lse, dout,
                   dlse):
   """``(dq, dk, dv)`` of this device's blocks, and the gradient of its
-  dense bias rows (float32, over every key) with ``ring.bias_grad``."""
+  dense bias rows (float32, over every key) with ``ring.bias_grad``.
+
+  dK/dV of a visiting block accumulate along the ring from the device
+  after its owner (step 1) to the device before it (step n - 1), then
+  take one more hop home, where the owner adds its own (step 0) share:
+  ``n - 1`` transfers of the accumulators, as of K/V."""
   terms = _varying_terms(ring, terms)
   dev = lax.axis_index(ring.axis_name)
   split = lambda x: _chunks(x, ring.parts)
@@ -266,14 +297,15 @@ def ring_backward(ring: Ring, q, k, v, terms: MaskArrays, out, lse, dout,
   dl_parts = (jnp.split(dlse, ring.parts, axis=2) if ring.parts > 1
               else [dlse])
   q_ids = ring.chunk_ids(dev)
+  zeros_kv = lambda: ring.vary(jnp.zeros(k.shape, jnp.float32),
+                               jnp.zeros(v.shape, jnp.float32))
   dq = list(ring.vary(*(jnp.zeros(x.shape, jnp.float32) for x in q_parts)))
-  dk, dv = ring.vary(jnp.zeros(k.shape, jnp.float32),
-                     jnp.zeros(v.shape, jnp.float32))
   db = (ring.vary(jnp.zeros(terms.bias.shape, jnp.float32))[0]
         if ring.bias_grad else None)
 
-  def step(i, carry):
-    dq, k, v, kv_seg, dk, dv, db = carry
+  def visit(i, carry, blocks):
+    dq, (dk, dv), db = carry
+    k, v, kv_seg = blocks
     src = lax.rem(dev - i + ring.n, ring.n)
     k_ids = ring.chunk_ids(src)
     k_parts, v_parts = split(k), split(v)
@@ -293,15 +325,19 @@ def ring_backward(ring: Ring, q, k, v, terms: MaskArrays, out, lse, dout,
         if ring.bias_grad:
           db = _add_bias_grad(db, grads[3], a, ring.parts,
                               k_ids[b] * chunks[1])
-    dk = jnp.concatenate(dk_parts, axis=1)
-    dv = jnp.concatenate(dv_parts, axis=1)
-    # The gradients travel with their key/value block.
-    k, v, kv_seg, dk, dv = _rotate(ring, (k, v, kv_seg, dk, dv))
-    return dq, k, v, kv_seg, dk, dv, db
+    acc = (jnp.concatenate(dk_parts, axis=1),
+           jnp.concatenate(dv_parts, axis=1))
+    return dq, acc, db
 
-  dq, _, _, _, dk, dv, db = lax.fori_loop(
-      0, ring.n, step, (dq, k, v, terms.kv_segment_ids, dk, dv, db))
-  # After n rotations every block (and its gradients) is home again.
+  # Step 0 (this device's own blocks) gives its own share; the
+  # accumulators of the visiting blocks start empty at step 1.
+  blocks = (k, v, terms.kv_segment_ids)
+  dq, (dk, dv), db = visit(0, (dq, zeros_kv(), db), blocks)
+  send = lambda carry: (carry[0], _rotate(ring, carry[1]), carry[2])
+  dq, acc, db = _steps(ring, visit, (dq, zeros_kv(), db), blocks, first=1,
+                       send_after=send)
+  if ring.n > 1:
+    dk, dv = dk + acc[0], dv + acc[1]
   grads = (jnp.concatenate(dq, axis=1).astype(q.dtype), dk.astype(k.dtype),
            dv.astype(v.dtype))
   return grads + (db,) if ring.bias_grad else grads

@@ -6,6 +6,7 @@ import json
 import pathlib
 
 import jax
+import jax.extend as jex
 import jax.numpy as jnp
 import numerics
 import numpy as np
@@ -185,3 +186,61 @@ def test_ring_bench_smoke(tmp_path, monkeypatch):
     assert r["efficiency"] == pytest.approx(r["speedup"] / n)
     assert r["devices"] == n
   assert 0 <= rows[0]["max_abs_diff"] < 2 ** -4  # bf16 outputs, |out| < 4
+
+
+def _ppermutes(jaxpr) -> int:
+  """ppermute operands a jaxpr executes: loop bodies times their trip
+  counts (fori_loop with static bounds is a scan), the costlier branch of
+  a cond, nested jaxprs once."""
+  total = 0
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "ppermute":
+      total += len(eqn.invars)
+      continue
+    inner = [_ppermutes(getattr(p, "jaxpr", p))
+             for p in eqn.params.values()
+             if isinstance(p, (jex.core.Jaxpr, jex.core.ClosedJaxpr))]
+    branches = [_ppermutes(b.jaxpr) for b in eqn.params.get("branches", ())]
+    if name == "scan":
+      total += eqn.params["length"] * sum(inner)
+    elif name == "while":
+      raise AssertionError("a ring loop without a static trip count")
+    else:
+      total += sum(inner) + max(branches, default=0)
+  return total
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_ring_sends_each_block_n_minus_1_times(n):
+  """The forward passes K and V on n - 1 times (none after the last
+  step), the backward K, V and the dK/dV accumulators n - 1 times each
+  (the owner adds its own share when they come home)."""
+  from jaxflash import _context
+  from jaxflash.masks import MaskArrays
+  mesh = jax.make_mesh((n,), ("ctx",), devices=jax.devices()[:n],
+                       axis_types=(AxisType.Auto,))
+
+  def local_forward(p, q, k, v, arrays):
+    del p, arrays
+    s = jnp.einsum("bthd,bshd->bhts", q, k)
+    return jnp.einsum("bhts,bshd->bthd", s, v), s.sum(-1)
+
+  def local_backward(p, q, k, v, arrays, out, lse, dout, dlse):
+    del p, arrays, out, lse, dout, dlse
+    return q, k, v
+
+  ring = _context.Ring("ctx", n, True, True, lambda spec: None, (),
+                       local_forward, local_backward)
+  x = jnp.ones((1, 4 * n, 1, 8))
+  spec = P(None, "ctx")
+  trace = lambda f, k: jax.make_jaxpr(jax.shard_map(
+      f, mesh=mesh, in_specs=(spec,) * k, out_specs=spec,
+      check_vma=False))(*(x,) * k).jaxpr
+  fwd = trace(lambda q, k, v: _context.ring_forward(
+      ring, q, k, v, MaskArrays())[0], 3)
+  bwd = trace(lambda q, k, v, o, do: _context.ring_backward(
+      ring, q, k, v, MaskArrays(), o, q[..., 0].swapaxes(1, 2), do,
+      q[..., 0].swapaxes(1, 2))[1], 5)
+  assert _ppermutes(fwd) == 2 * (n - 1)
+  assert _ppermutes(bwd) == 4 * (n - 1)
