@@ -48,3 +48,15 @@ def test_one_device_is_refused(bench, tmp_path, capsys):
                      str(tmp_path)]) == 2
   assert "needs >= 2 devices" in capsys.readouterr().err
   assert not list(tmp_path.iterdir())
+
+
+def test_proxy_runs_device_0_alone(bench, tmp_path):
+  """--proxy 2 on one device: device 0's share of a 2-device ring with
+  local copies for transfers; the JSON says it is a proxy."""
+  import json
+  assert bench.main(["--smoke", "--proxy", "2", "--out", str(tmp_path),
+                     "--name", "p"]) == 0
+  data = json.loads((tmp_path / "p.json").read_text())
+  assert "proxy" in data["meta"] and data["meta"]["device_count"] == 2
+  assert [r["mode"] for r in data["results"]] == ["fwd", "fwd_bwd"]
+  assert all(r["error"] is None and r["ms_n"] > 0 for r in data["results"])

@@ -4,6 +4,7 @@
     python3 tools/ring_bench.py --causal both --kv-heads 4 --impl triton
     XLA_FLAGS=--xla_force_host_platform_device_count=4 \\
       python3 tools/ring_bench.py --smoke              # CPU, interpret mode
+    python3 tools/ring_bench.py --proxy 2              # one GPU: a proxy
 
 For each sequence length (batch 1, heads 16, head_dim 128, bf16 by
 default): one device runs ``jaxflash.flash_attention`` over the whole
@@ -15,6 +16,11 @@ Per row: 1-device and N-device median ms, speedup = 1-device / N-device,
 scaling efficiency = speedup / N, TFLOP/s (jaxflash.bench's convention;
 N-device figures are the aggregate), and for forward rows the max |diff|
 of the outputs.  Writes ``<out>/<name>.json``; the table prints last.
+
+``--proxy N`` (one device): the N-device column is device 0's share of an
+N-device ring run alone, with the ring's transfers replaced by local
+copies (XLA may elide them), so its "efficiency" is the bound the kernels
+and merges leave when every transfer is hidden behind them.
 """
 
 from __future__ import annotations
@@ -94,6 +100,46 @@ def ring_fns(s: Setting, causal: bool, mesh):
   return jax.jit(attend), jax.jit(fwd_bwd)
 
 
+def proxy_fns(s: Setting, causal: bool, n: int, device):
+  """(forward, forward+backward) of device 0's blocks of an ``n``-device
+  ring, on one device: the ring's loop as it runs there, each transfer a
+  local copy (what the kernels and merges cost if it is hidden)."""
+  from jaxflash import _context, backends, checks
+  from jaxflash.masks import MaskArrays
+  mesh = jax.make_mesh((1,), ("context",), axis_types=(AxisType.Auto,),
+                       devices=[device])
+  backend = backends.get(s.impl)
+  params_for = lambda spec: backends.op_params(
+      backend, mask=spec, softmax_scale=1.0 / s.head_dim ** 0.5,
+      logits_soft_cap=None, config=s.config, interpret=s.interpret,
+      deterministic=checks.resolve_deterministic(None))
+  plan = _context.Ring("context", n, causal, True, params_for, (),
+                       local_forward=ring._local_forward,
+                       local_backward=ring._local_backward)
+  spec = P(None, "context")
+
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(spec,) * 3,
+                     out_specs=spec, check_vma=False)
+  def attend(q, k, v):
+    return _context.ring_attention(plan, q, k, v, *MaskArrays())[0]
+
+  def copies(fn):
+    """``fn`` traced with the ring's transfers made local copies."""
+    def traced(*args):
+      rotate = _context._rotate
+      _context._rotate = lambda _, xs: jax.tree.map(jnp.copy, xs)
+      try:
+        return fn(*args)
+      finally:
+        _context._rotate = rotate
+    return traced
+
+  def fwd_bwd(q, k, v, do):
+    _, vjp = jax.vjp(attend, q, k, v)
+    return vjp(do)
+  return jax.jit(copies(attend)), jax.jit(copies(fwd_bwd))
+
+
 def _inputs(s: Setting, seq: int, device):
   ks = jax.random.split(jax.random.key(seq), 4)
   dt = jnp.dtype(s.dtype)
@@ -109,20 +155,28 @@ def _error(e: Exception) -> str:
   return f"{type(e).__name__}: {e}".splitlines()[0][:300]
 
 
-def run_case(s: Setting, seq: int, causal: bool, modes, devices) -> list[dict]:
-  """Rows of one (sequence length, causal): one per mode."""
-  n = len(devices)
-  mesh = jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,),
-                       devices=devices)
+def run_case(s: Setting, seq: int, causal: bool, modes, devices,
+             proxy: int = 0) -> list[dict]:
+  """Rows of one (sequence length, causal): one per mode.  ``proxy``: the
+  size of the ring whose device 0 one device stands for (0: a real ring
+  over ``devices``)."""
+  n = proxy or len(devices)
   order = (sharding.zigzag_indices(seq, n) if causal
            else np.arange(seq))
   shape = core.Shape(s.batch, seq, seq, s.heads, s.kv_heads, s.head_dim,
                      causal, s.dtype)
   one = _inputs(s, seq, devices[0])
-  split = NamedSharding(mesh, P(None, "context"))
-  ring = tuple(jax.device_put(x[:, order], split) for x in one)
   single_fwd, single_fb = single_fns(s, causal)
-  ring_fwd, ring_fb = ring_fns(s, causal, mesh)
+  if proxy:
+    # Device 0's blocks: the first 1/n of the zig-zag order.
+    ring = tuple(x[:, order[:seq // n]] for x in one)
+    ring_fwd, ring_fb = proxy_fns(s, causal, n, devices[0])
+  else:
+    mesh = jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,),
+                         devices=devices)
+    split = NamedSharding(mesh, P(None, "context"))
+    ring = tuple(jax.device_put(x[:, order], split) for x in one)
+    ring_fwd, ring_fb = ring_fns(s, causal, mesh)
   fns = {"fwd": (single_fwd, ring_fwd, 3), "fwd_bwd": (single_fb, ring_fb,
                                                        4)}
   time = functools.partial(core.time_fn, samples=s.samples,
@@ -136,7 +190,7 @@ def run_case(s: Setting, seq: int, causal: bool, modes, devices) -> list[dict]:
                ms_n=None, speedup=None, efficiency=None, tflops_1=None,
                tflops_n=None, max_abs_diff=None, error=None)
     try:
-      if mode == "fwd":
+      if mode == "fwd" and not proxy:
         # Ring output (zig-zag order) against the one-device output.
         diff = jax.jit(lambda a, b: jnp.max(jnp.abs(
             a[:, order].astype(jnp.float32) - b.astype(jnp.float32))))
@@ -221,6 +275,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="timing samples (default 5; smoke 1)")
   p.add_argument("--out", default=os.environ.get("OUT") or ".")
   p.add_argument("--name", default=None, help="file stem of the JSON")
+  p.add_argument("--proxy", type=int, default=0,
+                 help="one device standing for device 0 of an N-device"
+                      " ring, transfers replaced by copies (module doc)")
   p.add_argument("--smoke", action="store_true",
                  help="tiny CPU run with interpret-mode Triton kernels: a"
                       " test of this script, not a performance figure")
@@ -239,7 +296,11 @@ def run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
   devices = jax.devices()
   if args.devices:
     devices = devices[:args.devices]
-  n = len(devices)
+  if args.proxy:
+    if args.proxy < 2:
+      raise ValueError(f"--proxy {args.proxy}: a ring has >= 2 devices")
+    devices = devices[:1]
+  n = args.proxy or len(devices)
   if n < 2:
     raise ValueError(f"ring attention needs >= 2 devices, have {n}")
   impl = "triton" if smoke else (
@@ -254,7 +315,7 @@ def run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
   rows = []
   for seq in seqs:
     for causal in causals:
-      rows += run_case(s, seq, causal, modes, devices)
+      rows += run_case(s, seq, causal, modes, devices, args.proxy)
   dev = devices[0]
   meta = dict(jax_version=jax.__version__, device_kind=dev.device_kind,
               platform=dev.platform, device_count=n,
@@ -266,6 +327,10 @@ def run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
                           " N-device TFLOP/s is the aggregate; ring inputs"
                           " are in zig-zag order when causal (the"
                           " permutation is not timed)")
+  if args.proxy:
+    meta["proxy"] = (f"one device runs device 0's share of a {n}-device"
+                     " ring, transfers replaced by local copies: ms_n and"
+                     " efficiency bound what hidden transfers allow")
   if smoke:
     meta["note"] = ("CPU smoke run: interpret-mode kernels. NOT a"
                     " performance figure.")
