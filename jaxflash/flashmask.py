@@ -305,6 +305,34 @@ class FlashMask:
                ut_end=j[:, None, :])
 
   @classmethod
+  def document(cls, segment_ids) -> FlashMask:
+    """Bidirectional attention within each document of a packed row (the
+    block-diagonal, "blockwise" mask of FlashMask).  ``segment_ids`` as
+    for :meth:`causal_document`.  Column ``j`` is hidden from rows
+    ``[0, doc_start(j))`` and ``[doc_end(j), seq)``.  ``[batch, 1, seq]``;
+    ids ``0 0 0 1 1 2``::
+
+              keys 0 1 2 3 4 5
+        query 0    x x x . . .
+        query 1    x x x . . .
+        query 2    x x x . . .
+        query 3    . . . x x .
+        query 4    . . . x x .
+        query 5    . . . . . x
+        lt_start = 3 3 3 5 5 6     lt_end = None (6)
+        ut_end   = 0 0 0 3 3 5     ut_start = 0
+    """
+    ids = _ids_2d("segment_ids", segment_ids)
+    b, s = ids.shape
+    j = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    first = jnp.concatenate([jnp.ones_like(ids[:, :1], bool),
+                             ids[:, 1:] != ids[:, :-1]], axis=1)
+    start = lax.cummax(jnp.where(first, j, 0), axis=1)
+    return cls(lt_start=_run_end(ids)[:, None, :],
+               ut_start=jnp.zeros((b, 1, s), jnp.int32),
+               ut_end=start[:, None, :])
+
+  @classmethod
   def prefix_lm(cls, prefix_lengths, seq: int) -> FlashMask:
     """Prefix LM: bidirectional over the first ``prefix_lengths[b]``
     tokens, causal after.  Row ``i`` sees key ``j`` iff ``j < prefix`` or

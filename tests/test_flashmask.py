@@ -94,6 +94,9 @@ def test_docstring_pictures():
       (FlashMask.causal_document(np.array([[0, 0, 0, 1, 1, 2]])),
        ["x . . . . .", "x x . . . .", "x x x . . .", ". . . x . .",
         ". . . x x .", ". . . . . x"], [3, 3, 3, 5, 5, 6]),
+      (FlashMask.document(np.array([[0, 0, 0, 1, 1, 2]])),
+       ["x x x . . .", "x x x . . .", "x x x . . .", ". . . x x .",
+        ". . . x x .", ". . . . . x"], [3, 3, 3, 5, 5, 6]),
       (FlashMask.prefix_lm(np.array([3]), 5),
        ["x x x . .", "x x x . .", "x x x . .", "x x x x .", "x x x x x"],
        [5, 5, 5, 5, 5]),
@@ -158,6 +161,19 @@ def test_causal_document(seq):
       want[b, i, j] = j <= i and doc[i] == doc[j]
   _check_pattern(FlashMask.causal_document(ids), seq, want)
   jitted = jax.jit(FlashMask.causal_document)(jnp.asarray(ids))
+  np.testing.assert_array_equal(np.asarray(jitted.dense(seq))[:, 0], want)
+
+
+@pytest.mark.parametrize("seq", [13, 16])
+def test_document(seq):
+  ids = SEGMENT_IDS[:, :seq]
+  want = np.zeros((2, seq, seq), bool)
+  for b in range(2):
+    doc = _runs(list(ids[b]))
+    for i, j in itertools.product(range(seq), range(seq)):
+      want[b, i, j] = doc[i] == doc[j]
+  _check_pattern(FlashMask.document(ids), seq, want)
+  jitted = jax.jit(FlashMask.document)(jnp.asarray(ids))
   np.testing.assert_array_equal(np.asarray(jitted.dense(seq))[:, 0], want)
 
 
@@ -281,6 +297,7 @@ def test_tile_class_sound_patterns():
       (FlashMask.causal(13, 16), 13),
       (FlashMask.causal(16, 13), 16),
       (FlashMask.causal_document(SEGMENT_IDS), 16),
+      (FlashMask.document(SEGMENT_IDS), 16),
       (FlashMask.prefix_lm(np.array([5, 16], np.int32), 16), 16),
       (FlashMask.sliding_window(16, 3), 16),
       (FlashMask.shared_question(ANSWER_IDS), 16),
