@@ -655,3 +655,19 @@ def test_mla_mode_cpu_smoke(tmp_path):
     assert r["mode"] == "mla" and r["error"] is None and r["tflops"] > 0
     assert r["gbytes_per_s"] == pytest.approx(
         r["batch"] * r["seq_k"] * r["head_dim"] * 4 / (r["ms"] * 1e-3) / 1e9)
+
+
+@pytest.mark.parametrize("mask,causal,want", [
+    ("flashmask-doc:8", True, 56 / 64), ("segments:8", True, 56 / 64),
+    ("dense-segments:8", False, 56 / 64), ("flashmask-block:8", False,
+                                           56 / 64),
+    ("window:128", True, 49 / 64),        # diagonal and the one below
+    ("flashmask-prefix:4", False, 27 / 64),  # causal, 2 prefix tiles
+    ("bias", False, None)])
+def test_tiles_skipped(mask, causal, want):
+  """The fraction of 128 x 128 tiles a mask empties (1024 tokens: 8 x 8
+  tiles), as the benchmark reports it beside the speed."""
+  from jaxflash.bench import impls
+  shape = core.Shape(1, 1024, 1024, 2, 2, 64, causal, "bfloat16", mask=mask)
+  got = impls.tiles_skipped(shape, impls.mask_kwargs(shape))
+  assert got == want if want is None else got == pytest.approx(want)

@@ -249,6 +249,7 @@ def run_shape(shape: core.Shape, names, modes, *, interpret: bool,
   one, then timed together in interleaved rounds."""
   arrays = _inputs(shape)
   mask_kw = impls.mask_kwargs(shape)
+  skipped = impls.tiles_skipped(shape, mask_kw)
   ref_out = _reference_out(shape, *arrays[:3], mask_kw)
   rows, calls, errs = {}, {}, {}
   # (mode, program hash) -> the first Hopper row that built it, so that a
@@ -289,7 +290,7 @@ def run_shape(shape: core.Shape, names, modes, *, interpret: bool,
           shape, name, mode, ms=secs * 1e3, max_abs_err=err,
           peak_bytes=peak, samples_ms=[t * 1e3 for t in per_round[key]],
           same_program_as=same_as.get(key),
-          paired_with=(pair_with or {}).get(name))
+          paired_with=(pair_with or {}).get(name), tiles_skipped=skipped)
   return [rows[name, mode] for name in names for mode in modes]
 
 

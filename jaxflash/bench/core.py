@@ -94,13 +94,14 @@ def parse_mask(text: str | None) -> str | None:
       " as a dense boolean mask) or a FlashMask pattern: flashmask-doc:N"
       " (N causal documents), flashmask-prefix:N (prefix-LM, prefix of"
       " seq / N), flashmask-question:N (a shared question and N answers),"
-      " flashmask-window:L (64 global tokens and a causal window of L)")
+      " flashmask-window:L (64 global tokens and a causal window of L),"
+      " flashmask-block:N (N bidirectional documents)")
 
 
 # FlashMask patterns of the benchmark (jaxflash.bench.impls.mask_kwargs);
 # each holds its own causality, so they are meant for --causal off.
 FLASHMASK_KINDS = ("flashmask-doc", "flashmask-prefix", "flashmask-question",
-                   "flashmask-window")
+                   "flashmask-window", "flashmask-block")
 
 
 def grid(*, head_dims, seqs, causal, tokens: int, width: int, kv_ratio=1,
@@ -207,14 +208,17 @@ def program_fingerprint(jaxpr) -> str:
 
 def record(shape: Shape, impl: str, mode: str, *, ms=None, peak_bytes=None,
            max_abs_err=None, error=None, samples_ms=None,
-           same_program_as=None, paired_with=None) -> dict:
+           same_program_as=None, paired_with=None,
+           tiles_skipped=None) -> dict:
   """One result row of the JSON schema (docs/benchmarks/README.md);
   ``samples_ms``: the timed rounds' milliseconds per call, in round
   order (``ms`` is their median); ``same_program_as``: an earlier row of
   the shape and mode whose traced program this row's equals (Hopper
   variants only, :func:`program_fingerprint`); ``paired_with``: the row
   a variant's paired ratios are taken against, where not its base row
-  (``--tuned-for``: the first variant)."""
+  (``--tuned-for``: the first variant); ``tiles_skipped``: the fraction
+  of 128 x 128 tiles the shape's mask leaves empty
+  (:func:`jaxflash.bench.impls.tiles_skipped`)."""
   tflops = None
   if ms is not None and error is None:
     tflops = flops(shape, mode) / (ms * 1e-3) / 1e12
@@ -225,7 +229,7 @@ def record(shape: Shape, impl: str, mode: str, *, ms=None, peak_bytes=None,
               mask=shape.mask, mode=mode, ms=ms, tflops=tflops,
               peak_bytes=peak_bytes, max_abs_err=max_abs_err, error=error,
               samples_ms=samples_ms, same_program_as=same_program_as,
-              paired_with=paired_with)
+              paired_with=paired_with, tiles_skipped=tiles_skipped)
 
 
 def commit() -> str:

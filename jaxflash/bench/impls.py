@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxflash
+from jaxflash import flashmask
 from jaxflash._util import round_up
 from jaxflash.bench.core import Shape
 
@@ -153,6 +154,49 @@ def flashmask_dense(mask, shape: Shape, rows: int | None = None):
   return dense if rows is None else dense[:, :, -rows:]
 
 
+def tiles_skipped(shape: Shape, mask_kw: dict, block: int = 128):
+  """The fraction of ``block x block`` (query tile, key tile) pairs, over
+  the batch rows and heads, that the shape's mask (with ``causal``) hides
+  entirely, or None for no mask (or a bias).  A FlashMask's tiles are
+  classified by the kernels' own rule (:func:`jaxflash.flashmask.
+  tile_class`, from the columns' extremes); segment ids, windows and
+  dense masks are taken exactly from their dense form (segment ids as
+  the kernels' per-tile summaries see contiguous documents)."""
+  if shape.mask is None or shape.mask == "bias":
+    return None
+  t, s = shape.seq_q, shape.seq_k
+  nq, nk = -(-t // block), -(-s // block)
+  q_lo = jnp.arange(nq, dtype=jnp.int32)[:, None] * block
+  q_hi = jnp.minimum(q_lo + block, t)
+  k_lo = jnp.arange(nk, dtype=jnp.int32)[None, :] * block
+  hidden = jnp.zeros((nq, nk), bool)
+  if shape.causal:  # bottom-right: row i sees keys <= i + s - t
+    hidden = k_lo > q_hi - 1 + (s - t)
+  mask = mask_kw.get("mask")
+  if isinstance(mask, jaxflash.FlashMask):
+    bounds = mask.check(shape.batch, shape.heads, t, s).tile_bounds(block)
+    bounds = type(bounds)(*(x[:, :, None, :] for x in bounds))
+    cls = flashmask.tile_class(bounds, q_lo, q_hi)
+    return float(jnp.mean(hidden | (cls == flashmask.TILE_HIDDEN)))
+  if "local_window_size" in mask_kw:
+    left, right = mask_kw["local_window_size"]
+    k_hi = jnp.minimum(k_lo + block, s) - 1
+    # Every pair's key outside [i + off - left, i + off + right].
+    off = s - t
+    hidden = hidden | (k_hi < q_lo + off - left) | (k_lo > q_hi - 1 + off
+                                                      + right)
+    return float(jnp.mean(hidden))
+  if "segment_ids" in mask_kw:
+    ids = mask_kw["segment_ids"]
+    vis = ids[:, :, None] == ids[:, None, :]
+  else:
+    vis = mask  # dense [B|1, H|1, T, S]
+  vis = jnp.pad(vis.reshape(-1, t, s), ((0, 0), (0, nq * block - t),
+                                        (0, nk * block - s)))
+  any_vis = vis.reshape(-1, nq, block, nk, block).any(axis=(2, 4))
+  return float(jnp.mean(hidden | ~any_vis))
+
+
 def mask_kwargs(shape: Shape) -> dict:
   """flash_attention keywords for the shape's mask description."""
   if shape.mask is None:
@@ -182,6 +226,8 @@ def mask_kwargs(shape: Shape) -> dict:
     return dict(mask=fm.shared_question(rows(answers)))
   if kind == "flashmask-window":  # 64 global tokens, causal window of n
     return dict(mask=fm.global_and_window(shape.seq_q, 64, n))
+  if kind == "flashmask-block":  # N bidirectional documents
+    return dict(mask=fm.document(rows(ids)))
   if kind == "dense-segments":  # the same documents as a [B, 1, T, S] mask
     same = ids[:, None] == ids[None, :]
     return dict(mask=jnp.broadcast_to(same, (shape.batch, 1, shape.seq_q,

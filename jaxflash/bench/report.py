@@ -102,13 +102,21 @@ def table_rows(results: list[dict]) -> list[list[str]]:
     rat = ratio(r, best)
     rows.append([
         _shape(r), str(r["head_dim"]), str(r["seq_q"]),
-        "y" if r["causal"] else "n",
-        r["mask"] or "-", r["mode"], r["impl"], _fmt(r["ms"], ".3f"),
+        "y" if r["causal"] else "n", _mask(r), r["mode"], r["impl"],
+        _fmt(r["ms"], ".3f"),
         _fmt(r["tflops"], ".3g"),
         "-" if rat is None else f"{rat:.2f} vs {best[_key(r)][0]}",
         _fmt(r["peak_bytes"] and r["peak_bytes"] / 2**20, ".0f"),
         (r["error"] or "")[:60]])
   return rows
+
+
+def _mask(r: dict) -> str:
+  """The mask column: the pattern, and the fraction of tiles it empties."""
+  if not r["mask"]:
+    return "-"
+  skipped = r.get("tiles_skipped")
+  return r["mask"] + ("" if skipped is None else f" ({skipped:.0%} skip)")
 
 
 def _where(r: dict) -> str:
