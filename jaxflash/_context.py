@@ -7,8 +7,10 @@ Attention with Blockwise Transformers", arXiv 2310.01889):
     lse = logaddexp(lse_a, lse_b)
     out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 
-The backward runs the ring again; each step's dK/dV travel with the
-key/value block and come home after a full turn; dQ stays local.  It uses
+The backward runs the ring again; each visiting block's dK/dV accumulate
+along the ring and come home, where the owner adds its own share; dQ
+stays local.  Every block and accumulator moves ``n - 1`` times
+(:func:`_steps`).  It uses
 the final output and LSE, so every partial gradient is exact.
 
 The kernels of a block pair come from the caller (:class:`Ring`'s

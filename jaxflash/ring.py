@@ -11,8 +11,9 @@ arXiv 2310.01889):
     lse = logaddexp(lse_a, lse_b)
     out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 
-The backward pass runs the ring again: each step's dK/dV travel with the
-key/value block and come home after a full turn; dQ stays local.  It uses
+The backward pass runs the ring again: each visiting block's dK/dV
+accumulate along the ring and come home, where the owner adds its own
+share (``n - 1`` transfers, as of K/V); dQ stays local.  It uses
 the *final* output and LSE, so every partial gradient is exact.
 
 Causal load balance: with contiguous blocks, device ``i`` of ``n`` would do
