@@ -533,6 +533,52 @@ def columns(mask: FlashMask) -> jax.Array:
       for x, fill in zip(fields, fills)], axis=2)
 
 
+def column_tile_classes(cols: jax.Array, q_pad: int, block_q: int,
+                        block_k: int) -> jax.Array:
+  """:func:`tile_class` of every (query tile, key tile) pair of the
+  tiling ``(block_q, block_k)``: int32 ``[B|1, H|1, q_pad / block_q,
+  n_k]`` from :func:`columns`' output padded to whole key tiles."""
+  n_k = cols.shape[-1] // block_k
+  tiles = cols.reshape(*cols.shape[:3], n_k, block_k)
+  lo, hi = tiles.min(-1)[:, :, :, None, :], tiles.max(-1)[:, :, :, None, :]
+  bounds = TileBounds(lo[:, :, 0], hi[:, :, 0], lo[:, :, 1], hi[:, :, 1],
+                      lo[:, :, 2], hi[:, :, 2], lo[:, :, 3], hi[:, :, 3])
+  rows = jnp.arange(0, q_pad, block_q, dtype=jnp.int32)[:, None]
+  return tile_class(bounds, rows, rows + block_q)
+
+
+def live_ranges(cols: jax.Array, q_pad: int, held: int, streamed: int, *,
+                held_q: bool) -> jax.Array:
+  """Per held tile, the streamed tiles a kernel must visit: int32 ``[B|1,
+  H|1, 2, n_held]`` (first, one past the last tile that is not hidden;
+  ``[0, 0)`` when all are).  ``held_q``: query tiles of ``held`` rows
+  stream key tiles of ``streamed`` keys (forward, dQ); else key tiles of
+  ``held`` keys stream query tiles of ``streamed`` rows (dK/dV).
+  ``cols``: :func:`columns`' output padded to whole key tiles."""
+  if held_q:
+    cls = column_tile_classes(cols, q_pad, held, streamed)
+  else:
+    cls = jnp.swapaxes(column_tile_classes(cols, q_pad, streamed, held),
+                       2, 3)
+  n = cls.shape[-1]
+  live = cls != TILE_HIDDEN
+  idx = jnp.arange(n, dtype=jnp.int32)
+  first = jnp.min(jnp.where(live, idx, n), axis=-1)
+  last = jnp.max(jnp.where(live, idx + 1, 0), axis=-1)
+  return jnp.stack([jnp.minimum(first, last), last], axis=2)
+
+
+def pad_columns(cols: jax.Array, kv_pad: int) -> jax.Array:
+  """:func:`columns`' output padded to ``kv_pad`` keys with columns hidden
+  from every row (both ranges ``[0, BIG)``)."""
+  n = kv_pad - cols.shape[-1]
+  # (Built from scalars: an array constant cannot be closed over under
+  # custom_partitioning.)
+  fill = [jnp.full((*cols.shape[:2], 1, n), x, jnp.int32)
+          for x in (0, BIG, 0, BIG)]
+  return jnp.concatenate([cols, jnp.concatenate(fill, axis=2)], axis=3)
+
+
 def visible_from_columns(cols: jax.Array, q_len: int) -> jax.Array:
   """Bool ``[B|1, H|1, q_len, kv_len]`` of :func:`columns`' output, True
   where visible (the reference's dense form)."""

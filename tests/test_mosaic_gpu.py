@@ -46,6 +46,7 @@ RACES = plgpu.InterpretGPUParams(detect_races=True)
 # cover of the kernel lines that all runs reach while they are traced
 # (tests/kernel_coverage.py; the others are ``slow``).
 PER_COMMIT = (
+    'flashmask-prefix-2wg',
     'kv_multicast+item_overlap-d64-full',
     'item_overlap+q_double_buffer-d128-full-6tiles',
     'item_overlap+q_double_buffer-d192-q113-k17',
@@ -218,6 +219,7 @@ class Run:
   causal: bool = False
   window: tuple | None = None
   segments: dict | None = None  # SEG_CASES' documents and lengths
+  flash: str | None = None  # a FLASH_PATTERNS FlashMask
   soft_cap: float | None = None
   softmax_scale: float | None = None  # None: head_dim ** -0.5
 
@@ -267,7 +269,24 @@ def _mask_arrays(run: Run):
     if f"{side}_len" in seg:
       arrays[f"{side}_seq_lengths"] = ref_kw[f"{side}_seq_lengths"] = (
           jnp.array(seg[f"{side}_len"]))
+  if run.flash is not None:
+    b, t, s = run.shape[:3]
+    fm = FLASH_PATTERNS[run.flash](b, t).check(b, run.shape[3], t, s)
+    arrays["flash_mask"] = jaxflash.flashmask.columns(fm)
+    ref_kw["dense_mask"] = fm.dense(t)
   return masks.MaskArrays(**arrays), ref_kw
+
+
+# FlashMasks shared by the heads, ``(batch, seq) -> FlashMask``: the forms
+# the Hopper kernels take (:data:`FLASH_RUNS`).
+FLASH_PATTERNS = {
+    "prefix": lambda b, t: jaxflash.FlashMask.prefix_lm(
+        jnp.asarray([t // 3, t - 5][:b]), t),
+    "question": lambda b, t: jaxflash.FlashMask.shared_question(
+        jnp.broadcast_to(jnp.minimum(jnp.arange(t) // (t // 4), 3), (b, t))),
+    "blocks": lambda b, t: jaxflash.FlashMask.document(
+        jnp.broadcast_to(jnp.arange(t) // 70, (b, t))),
+}
 
 
 def _kernel_kwargs(run: Run) -> dict:
@@ -2125,6 +2144,43 @@ def _segment_runs():
           for name, t, s, causal, window, spec_kw, cfg in SEG_CASES]
 
 
+# FlashMask in the Hopper kernels: its columns' element mask on every
+# computed tile (as segment ids), each group's tile range narrowed to the
+# tiles it leaves.
+FLASH_RUNS = [
+    Run("flashmask-prefix-2wg", "fwd+bwd", (2, 256, 256, 4, 2, 64),
+        jnp.bfloat16, TWO_WG, seed=5, flash="prefix"),
+    Run("flashmask-question-lengths", "fwd+bwd", (2, 256, 256, 4, 2, 64),
+        jnp.bfloat16, ONE_WG, seed=6, flash="question",
+        segments=dict(kv_len=[256, 200])),
+    Run("flashmask-blocks-causal-paired", "fwd+bwd", (2, 256, 256, 4, 2, 64),
+        jnp.bfloat16, dataclasses.replace(ONE_WG, bwd_paired_dkv=True,
+                                          bwd_paired_dq=True),
+        seed=7, causal=True, flash="blocks"),
+]
+
+
+@pytest.mark.parametrize("run", _params(FLASH_RUNS))
+def test_flashmask_interpret(run):
+  _run_interpreted(run)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern,causal", [("prefix", False),
+                                            ("question", False),
+                                            ("blocks", True)])
+def test_flashmask_gpu(pattern, causal):
+  """The Hopper kernels' FlashMask at head_dim 128, the tuned default."""
+  args = numerics.random_inputs(jax.random.key(8), batch=2, q_len=1000,
+                                kv_len=1000, heads=8, kv_heads=2,
+                                head_dim=128, dtype=jnp.bfloat16)
+  fm = FLASH_PATTERNS[pattern](2, 1000)
+  fn = functools.partial(jaxflash.flash_attention, return_lse=True,
+                         causal=causal, mask=fm, implementation="mosaic_gpu")
+  numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
+                      causal=causal, dense_mask=fm.dense(1000))
+
+
 @pytest.mark.parametrize("run", _params(_segment_runs()))
 def test_segments_and_lengths_interpret(run):
   """Segment ids (packed documents, padding) and sequence lengths, which
@@ -2299,7 +2355,7 @@ def test_interpreter_refused_inside_multi_device_shard_map():
 def interpreter_runs() -> list[Run]:
   """Every interpreter run of this file's kernel tests."""
   return (_base_runs() + _variant_runs() + _segment_runs()
-          + _soft_cap_runs())
+          + _soft_cap_runs() + FLASH_RUNS)
 
 
 def run_cost(run: Run) -> float:

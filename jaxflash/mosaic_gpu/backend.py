@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxflash import flashmask
 from jaxflash import masks as masks_lib
 from jaxflash._util import (
   pad_axis,
@@ -134,7 +135,8 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
       num_kv_heads=K, q_pad=round_up(T, config.compute_wgs * config.block_q),
       kv_pad=round_up(S, config.block_kv), head_dim_padded=dp,
       logits_soft_cap=logits_soft_cap,
-      has_segments=any(x is not None for x in arrays))
+      has_segments=any(x is not None for x in arrays),
+      has_flash_mask=arrays.flash_mask is not None)
   return _Static(prob=prob, config=config, interpret=interpret, head_dim=D)
 
 
@@ -167,13 +169,39 @@ def _group_range(held_seg, held_rows: int, streamed_seg, streamed_tile: int):
       masks_lib.tile_summary(streamed_seg, streamed_tile))
 
 
+def _flash_columns(arrays: MaskArrays, prob: fwd_lib.Problem, batch: int):
+  """The FlashMask's columns for the kernels: ``[B, 4, kv_pad]`` int32
+  (shared by the heads; padding keys hidden from every row)."""
+  cols = flashmask.pad_columns(arrays.flash_mask, prob.kv_pad)[:, 0]
+  return jnp.broadcast_to(cols, (batch, *cols.shape[1:]))
+
+
+def _with_flash(segments, cols, q_pad: int, held: int, streamed: int, *,
+                held_q: bool):
+  """Segment inputs ``(q_seg, kv_seg, range)`` with a FlashMask's columns
+  appended and the range narrowed to the tiles it leaves
+  (:func:`jaxflash.flashmask.live_ranges`); unchanged without one."""
+  if cols is None:
+    return segments
+  q_seg, kv_seg, rng = segments
+  live = flashmask.live_ranges(cols[:, None], q_pad, held, streamed,
+                               held_q=held_q)[:, 0]
+  lo = jnp.maximum(rng[:, 0], live[:, 0])
+  hi = jnp.maximum(jnp.minimum(rng[:, 1], live[:, 1]), lo)
+  return q_seg, kv_seg, jnp.stack([lo, hi], axis=1), cols
+
+
 def _segments(arrays: MaskArrays, st: _Static, batch: int):
   """Forward kernel's segment inputs: ids and each query group's key-tile
-  range."""
-  cfg = st.config
-  q_seg, kv_seg = _segment_ids(arrays, st.prob, batch)
-  return q_seg, kv_seg, _group_range(q_seg, cfg.compute_wgs * cfg.block_q,
-                                     kv_seg, cfg.block_kv)
+  range (and a FlashMask's columns)."""
+  cfg, prob = st.config, st.prob
+  q_seg, kv_seg = _segment_ids(arrays, prob, batch)
+  held = cfg.compute_wgs * cfg.block_q
+  segments = (q_seg, kv_seg, _group_range(q_seg, held, kv_seg, cfg.block_kv))
+  cols = (_flash_columns(arrays, prob, batch) if prob.has_flash_mask
+          else None)
+  return _with_flash(segments, cols, prob.q_pad, held, cfg.block_kv,
+                     held_q=True)
 
 
 def _tma_rows(rows: int, unpadded: bool, padded: int) -> int:
@@ -253,9 +281,13 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
   seg_dq = seg_dkv = None
   if prob.has_segments:
     q_seg, kv_seg = _segment_ids(arrays, prob, B)
+    cols = (_flash_columns(arrays, prob, B) if prob.has_flash_mask
+            else None)
     q_group = 1 if config.bwd_paired_dq else n  # query tiles per program
-    seg_dq = (q_seg, kv_seg, _group_range(
-        q_seg, q_group * config.bwd_block_q, kv_seg, config.bwd_block_kv))
+    seg_dq = _with_flash((q_seg, kv_seg, _group_range(
+        q_seg, q_group * config.bwd_block_q, kv_seg, config.bwd_block_kv)),
+        cols, prob.q_pad, q_group * config.bwd_block_q, config.bwd_block_kv,
+        held_q=True)
     kv_group = 1 if config.bwd_paired_dkv else n  # key tiles per program
     # The dK/dV kernel's last step of dkv_block_q rows may run past q_pad
     # (bwd_dkv_block_q): its segment ids, read by plain loads, are padded
@@ -263,9 +295,10 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
     q_seg_dkv = jnp.pad(
         q_seg, ((0, 0), (0, round_up(prob.q_pad, config.dkv_block_q)
                          - prob.q_pad)), constant_values=PAD_SEGMENT_ID)
-    seg_dkv = (q_seg_dkv, kv_seg, _group_range(
+    seg_dkv = _with_flash((q_seg_dkv, kv_seg, _group_range(
         kv_seg, kv_group * config.bwd_block_kv, q_seg_dkv,
-        config.dkv_block_q))
+        config.dkv_block_q)), cols, q_seg_dkv.shape[1],
+        kv_group * config.bwd_block_kv, config.dkv_block_q, held_q=False)
   splits = head_splits(prob, config)
   done = {name: run(*tensors) for name, run in backward_passes(
       prob, config, seg_dq, seg_dkv, _interpret_params(interpret),
@@ -301,7 +334,8 @@ def backward_problem(q, k, mask: MaskSpec, softmax_scale: float,
       kv_pad=round_up(S, n * config.bwd_block_kv),
       head_dim_padded=kernel_head_dim(D),
       logits_soft_cap=logits_soft_cap,
-      has_segments=any(x is not None for x in arrays))
+      has_segments=any(x is not None for x in arrays),
+      has_flash_mask=arrays.flash_mask is not None)
 
 
 def head_splits(prob: fwd_lib.Problem, config: MosaicConfig) -> int:
@@ -440,9 +474,17 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
         "the Hopper kernels take no attention dropout yet (the Triton"
         " kernels do)")
   if arrays.has_dense:
-    raise NotImplementedError(
-        "the Hopper kernels take no dense bias or mask yet (the Triton"
-        " kernels do)")
+    others = [n for n in ("bias", "dense_mask", "alibi_slopes")
+              if getattr(arrays, n) is not None]
+    if others:
+      raise NotImplementedError(
+          f"the Hopper kernels take no {', '.join(others)} yet (the Triton"
+          " kernels do)")
+    if arrays.flash_mask.shape[1] != 1:
+      raise NotImplementedError(
+          "the Hopper kernels take a FlashMask shared by the heads (heads"
+          f" axis 1), got columns {arrays.flash_mask.shape}; the Triton"
+          " kernels take per-head ones")
   dp = kernel_head_dim(q.shape[3])
   why = config and head_dim_problem(config, dp)
   if why:

@@ -191,6 +191,7 @@ def _segment_kwargs(q_seg_ref, kv_seg_ref, b, q_start, n_q, k_start, n_k,
   """Segment ids of the tile's queries and keys, broadcast to the tile."""
   if q_seg_ref is None:
     return {}
+  kv_seg_ref = kv_seg_ref[0]  # (ids, FlashMask columns or None)
   k_axis = 1 - q_axis
   shape = (n_q, n_k) if q_axis == 0 else (n_k, n_q)
   layout = lambda axis: ROW if axis == 0 else COL
@@ -220,20 +221,28 @@ def _tile_mask(masked: bool, mask, seg_refs, b, *, q_start, n_q, k_start,
   q_idx = held if held is not None and q_axis == 0 else idx(q_start, q_axis)
   k_idx = held if held is not None and q_axis == 1 else idx(k_start,
                                                               1 - q_axis)
-  return mask.visible(q_idx, k_idx,
-                      **_segment_kwargs(*seg_refs, b, q_start, n_q, k_start,
-                                        n_k, q_axis=q_axis))
+  visible = mask.visible(q_idx, k_idx,
+                         **_segment_kwargs(*seg_refs, b, q_start, n_q,
+                                           k_start, n_k, q_axis=q_axis))
+  flash = seg_refs[1][1] if seg_refs[0] is not None else None
+  if flash is not None:
+    visible = visible & pipeline.flash_visible(
+        flash, b, q_idx, k_start, n_k, shape, key_axis=1 - q_axis)
+  return visible
 
 
 def _split_inputs(refs, prob: Problem):
   """Both backward kernels' operands: ``(q, k, v, do, lse2, delta)``, the
-  segment refs ``(q_seg, kv_seg, group_range)`` (Nones without segment
-  ids) and the remaining refs, as a list."""
+  segment refs ``(q_seg, (kv_seg, flash), group_range)`` (Nones without
+  segment ids; ``flash`` the FlashMask columns or None) and the remaining
+  refs, as a list."""
   refs = list(refs)
   tensors, refs = refs[:6], refs[6:]
-  segments = (refs[:3], refs[3:]) if prob.has_segments else ([None] * 3,
-                                                              refs)
-  return tuple(tensors), tuple(segments[0]), segments[1]
+  if not prob.has_segments:
+    return tuple(tensors), (None, None, None), refs
+  q_seg, kv_seg, group_range, *refs = refs
+  flash = refs.pop(0) if prob.has_flash_mask else None
+  return tuple(tensors), (q_seg, (kv_seg, flash), group_range), refs
 
 
 def _product_t(a_smem, b_smem, shape):

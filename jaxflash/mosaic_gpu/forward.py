@@ -266,6 +266,10 @@ class Problem:
   # seg_range [B, 2, n_groups] (the key tiles each query group can share
   # an id with; masks.overlap_range).
   has_segments: bool = False
+  # A FlashMask (shared by the heads): its columns flash [B, 4, Sp] follow
+  # the segment inputs (which it implies), seg_range then also narrowed to
+  # the tiles it leaves (jaxflash.flashmask.live_ranges).
+  has_flash_mask: bool = False
 
 
 # ---------------------------------------------------------------------------
@@ -283,6 +287,7 @@ class _Refs:
   q_seg: object  # segment ids (None without them)
   kv_seg: object
   seg_range: object
+  flash: object  # FlashMask columns (None without one)
   o: object
   lse: object
   qo_smem2: object  # Q (and with the plain epilogue O), per Q buffer
@@ -302,8 +307,11 @@ class _Refs:
 
   @classmethod
   def unpack(cls, refs, prob: Problem, cfg: MosaicConfig, cluster: int):
+    flash = None
     if prob.has_segments:
       q, k, v, q_seg, kv_seg, seg_range, *refs = refs
+      if prob.has_flash_mask:
+        flash, *refs = refs
     else:
       q, k, v, *refs = refs
       q_seg = kv_seg = seg_range = None
@@ -326,7 +334,8 @@ class _Refs:
     k_free = pipeline.ring_free(k_free, named_rings, cfg.compute_wgs, first)
     v_free = pipeline.ring_free(v_free, named_rings, cfg.compute_wgs,
                                 first + cfg.stages)
-    return cls(q, k, v, q_seg, kv_seg, seg_range, o, lse, qo_smem2, k_smem,
+    return cls(q, k, v, q_seg, kv_seg, seg_range, flash, o, lse, qo_smem2,
+               k_smem,
                v_smem, lse_smem2, k_ready, v_ready, q_ready, k_free,
                v_free, p_smem2, o_smem2, q_free,
                extra[-1] if _use_schedule(cfg) else None, exit_barrier)
@@ -586,8 +595,11 @@ class _Item:
                          optimized=False)
       seg = dict(q_seg=lax.broadcast_in_dim(q_seg, (bq, bk), [0]),
                  k_seg=lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
-    return jnp.where(self.prob.mask.visible(q_idx, k_idx, **seg), s,
-                     -jnp.inf)
+    visible = self.prob.mask.visible(q_idx, k_idx, **seg)
+    if r.flash is not None:
+      visible = visible & pipeline.flash_visible(
+          r.flash, b, q_idx, t * bk, bk, (bq, bk), key_axis=1)
+    return jnp.where(visible, s, -jnp.inf)
 
   def probs(self, s, t, m, *, masked: bool):
     """Tile ``t``'s online-softmax step from the raw ``S``: ``P`` (float32,
@@ -1449,7 +1461,9 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
   ``unpadded_kv`` any multiple of 8 up to them (the TMA copies zero-fill
   the rows past the arrays and the store of O drops them).
 
-  ``segments``: ``(q_seg, kv_seg, seg_range)`` when ``prob.has_segments``.
+  ``segments``: ``(q_seg, kv_seg, seg_range)`` when ``prob.has_segments``,
+  and the FlashMask columns ``[B, 4, Sp]`` after them with
+  ``prob.has_flash_mask``.
   """
   dtype = q.dtype
   dp = prob.head_dim_padded

@@ -137,6 +137,28 @@ def ring_free(barrier_ref, named: bool, n_consumers: int,
   return NamedBarriers(first, (n_consumers + 1) * 128)
 
 
+def flash_visible(flash_ref, b, q_idx, k_start, n_k: int, shape, *,
+                  key_axis: int):
+  """The FlashMask's element mask of one tile (arXiv 2410.01359): key
+  ``j`` is hidden from the rows ``[lt_start, lt_end)`` and ``[ut_start,
+  ut_end)`` of its column.  ``flash_ref [B, 4, Sp]`` (GMEM), the tile's
+  keys ``[k_start, k_start + n_k)`` along ``key_axis`` of ``shape``,
+  ``q_idx`` its query index (a row or column vector broadcast by
+  :func:`index_tile`, or a tile)."""
+  layout = (plgpu.Layout.WGMMA.reduce(0) if key_axis == 1
+            else plgpu.Layout.WGMMA.reduce(1))
+
+  def col(r):
+    # Straight from GMEM into the tile's key layout (a plain load).
+    c = plgpu.load(flash_ref.at[b, r, pl.ds(k_start, n_k)], layout=layout,
+                   optimized=False)
+    return lax.broadcast_in_dim(c, shape, [key_axis])
+
+  hidden = (((col(0) <= q_idx) & (q_idx < col(1)))
+            | ((col(2) <= q_idx) & (q_idx < col(3))))
+  return ~hidden
+
+
 def narrow_to_segments(u_lo, u_hi, range_ref, b, group):
   """Clip a work item's streamed tile range ``[u_lo, u_hi)`` to the tiles
   whose segment ids can match its own (``range_ref [B, 2, n_groups]``,

@@ -80,14 +80,8 @@ def _dense_inputs(arrays: MaskArrays, prob: Problem) -> dense_lib.DenseInputs:
   if arrays.dense_mask is not None:
     mask = pad(arrays.dense_mask.astype(jnp.int8), 0)
   if arrays.flash_mask is not None:
-    # Padding keys are hidden from every row: both ranges [0, BIG).
-    cols = arrays.flash_mask
-    # (Built from scalars: an array constant cannot be closed over under
-    # custom_partitioning.)
-    n = prob.kv_pad - cols.shape[3]
-    fill = [jnp.full((*cols.shape[:2], 1, n), x, jnp.int32)
-            for x in (0, flashmask.BIG, 0, flashmask.BIG)]
-    flash = jnp.concatenate([cols, jnp.concatenate(fill, axis=2)], axis=3)
+    # Padding keys are hidden from every row.
+    flash = flashmask.pad_columns(arrays.flash_mask, prob.kv_pad)
   return dense_lib.DenseInputs(bias, mask, flash, arrays.alibi_slopes)
 
 

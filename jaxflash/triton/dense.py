@@ -90,14 +90,7 @@ def flash_summary(cols, q_pad: int, block_q: int, block_k: int, *,
   """The FlashMask columns' tile classes in the dense mask's encoding
   (:func:`jaxflash.masks.dense_tile_summary`), ``[b, h, n_q, n_k]`` (or
   transposed) for the tiling ``(block_q, block_k)``."""
-  n_k = cols.shape[-1] // block_k
-  tiles = cols.reshape(*cols.shape[:3], n_k, block_k)
-  lo, hi = tiles.min(-1)[:, :, :, None, :], tiles.max(-1)[:, :, :, None, :]
-  bounds = flashmask.TileBounds(lo[:, :, 0], hi[:, :, 0], lo[:, :, 1],
-                                hi[:, :, 1], lo[:, :, 2], hi[:, :, 2],
-                                lo[:, :, 3], hi[:, :, 3])
-  rows = jnp.arange(0, q_pad, block_q, dtype=jnp.int32)[:, None]
-  cls = flashmask.tile_class(bounds, rows, rows + block_q)
+  cls = flashmask.column_tile_classes(cols, q_pad, block_q, block_k)
   cls = jnp.where(cls == flashmask.TILE_VISIBLE, masks.DENSE_FULL,
                   jnp.where(cls == flashmask.TILE_HIDDEN, masks.DENSE_HIDDEN,
                             masks.DENSE_PARTIAL)).astype(jnp.int32)
