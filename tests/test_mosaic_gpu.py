@@ -46,7 +46,6 @@ RACES = plgpu.InterpretGPUParams(detect_races=True)
 # cover of the kernel lines that all runs reach while they are traced
 # (tests/kernel_coverage.py; the others are ``slow``).
 PER_COMMIT = (
-    'flashmask-prefix-2wg',
     'kv_multicast+item_overlap-d64-full',
     'item_overlap+q_double_buffer-d128-full-6tiles',
     'item_overlap+q_double_buffer-d192-q113-k17',
@@ -68,6 +67,7 @@ PER_COMMIT = (
     'persistent_pairs+prefetch_q+q_double_buffer-d64-persistent-2wg-causal',
     'bwd_dkv_block_q_80+early_dv-d128-full-6tiles',
     'bwd_early_dv-d32-tiny-window-empty',
+    'flashmask-prefix-2wg',
     'intra_wg_overlap+prefetch_q+early_q_release-d256-causal-q300-k100',
     'prefetch_q-d192-q113-k17',
     'rescale_threshold-d64-persistent-2wg-causal',
