@@ -112,7 +112,7 @@ def test_writers(tmp_path):
       "impl", "model", "batch", "seq_q", "seq_k", "heads", "kv_heads",
       "head_dim", "causal", "dtype", "mask", "mode", "ms", "tflops",
       "peak_bytes", "max_abs_err", "error", "samples_ms", "same_program_as",
-      "paired_with"}
+      "paired_with", "tiles_skipped"}
   meta2, rows2 = report.read_json(str(path))
   assert rows2 == rows and meta2["commit"] == "abc1234"
   md = report.markdown(meta, rows)
