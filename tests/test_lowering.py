@@ -764,3 +764,34 @@ def test_dense_terms_lower_to_triton(fake_gpu):
           lowering_platforms=("cuda",)).as_text()
   for name in ("jaxflash_fwd", "jaxflash_bwd_dkv", "jaxflash_bwd_dq"):
     assert name in text
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(),
+    dict(named_barriers=True, intra_wg_overlap=True, block_kv=128,
+         consumer_registers=240, persistent=True, prefetch_q=True,
+         lean_epilogue=True),
+    dict(named_barriers=True, compute_wgs=3, block_kv=128,
+         bwd_paired_dkv=True, bwd_paired_dq=True),
+    dict(bwd_atomic_dq=True, bwd_softmax_overlap=True, bwd_early_dv=True),
+], ids=["default", "overlap-persistent", "three-wg-paired", "atomic-dq"])
+def test_mosaic_flashmask_lowers_for_cuda(cfg):
+  """A FlashMask shared by the heads in the Hopper forward, dQ and dK/dV
+  kernels: its columns' loads into the score tiles' layouts lower to
+  Mosaic GPU IR (d128, GQA, causal)."""
+  from jaxflash import mosaic_gpu
+  q, kv, _, _, mask = _mosaic_case((1024, 1024, 8, 2, 128, True, None))
+  cols = jax.ShapeDtypeStruct((2, 1, 4, 1024), jnp.int32)
+  config = mosaic_gpu.MosaicConfig(**cfg)
+
+  def loss(q, k, v, cols):
+    out, lse = mosaic_attention(q, k, v, mask=mask,
+                                arrays=MaskArrays(flash_mask=cols),
+                                softmax_scale=0.125, config=config)
+    return out.astype(jnp.float32).sum() + jnp.where(
+        jnp.isfinite(lse), lse, 0).sum()
+
+  text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, kv, kv, cols).lower(
+      lowering_platforms=("cuda",)).as_text()
+  kernels = re.findall(r"custom_call @(\w+)", text)
+  assert kernels == ["mosaic_gpu_v2"] * (3 - config.bwd_atomic_dq), kernels

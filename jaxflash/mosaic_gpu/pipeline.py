@@ -154,9 +154,10 @@ def flash_visible(flash_ref, b, q_idx, k_start, n_k: int, shape, *,
                    optimized=False)
     return lax.broadcast_in_dim(c, shape, [key_axis])
 
-  hidden = (((col(0) <= q_idx) & (q_idx < col(1)))
-            | ((col(2) <= q_idx) & (q_idx < col(3))))
-  return ~hidden
+  # Outside both ranges (written without a bool negation, which Mosaic
+  # GPU does not lower for register tiles).
+  return (((q_idx < col(0)) | (q_idx >= col(1)))
+          & ((q_idx < col(2)) | (q_idx >= col(3))))
 
 
 def narrow_to_segments(u_lo, u_hi, range_ref, b, group):
