@@ -62,10 +62,11 @@ def _mosaic_backward(q, k, v, arrays, out, lse, dout, dlse, *, mask,
                      softmax_scale, logits_soft_cap, config, interpret,
                      deterministic):
   """The Hopper backward kernels, or the Triton ones where those do not
-  serve the call (both take the same residuals)."""
-  if mosaic_gpu.serves_backward(q, k, mask=mask, config=config,
-                                interpret=interpret,
-                                deterministic=deterministic):
+  serve the call (both take the same residuals; ALiBi's backward is the
+  Triton kernels')."""
+  if arrays.alibi_slopes is None and mosaic_gpu.serves_backward(
+      q, k, mask=mask, config=config, interpret=interpret,
+      deterministic=deterministic):
     return mosaic_kernels.backward(
         q, k, v, arrays, out, lse, dout, dlse, mask=mask,
         softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,

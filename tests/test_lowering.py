@@ -795,3 +795,28 @@ def test_mosaic_flashmask_lowers_for_cuda(cfg):
       lowering_platforms=("cuda",)).as_text()
   kernels = re.findall(r"custom_call @(\w+)", text)
   assert kernels == ["mosaic_gpu_v2"] * (3 - config.bwd_atomic_dq), kernels
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(),
+    dict(named_barriers=True, intra_wg_overlap=True, block_kv=128,
+         consumer_registers=240, persistent=True, prefetch_q=True,
+         lean_epilogue=True),
+    dict(named_barriers=True, compute_wgs=3, block_kv=128),
+], ids=["default", "overlap-persistent", "three-wg"])
+def test_mosaic_alibi_forward_lowers_for_cuda(cfg):
+  """ALiBi in the Hopper forward (slopes read per item, the bias tile from
+  the index vectors) lowers to Mosaic GPU IR (d128, GQA, causal)."""
+  from jaxflash import mosaic_gpu
+  q, kv, _, _, mask = _mosaic_case((1024, 1024, 8, 2, 128, True, None))
+  slopes = jax.ShapeDtypeStruct((1, 8, 1, 2), jnp.float32)
+  config = mosaic_gpu.MosaicConfig(**cfg)
+
+  def fwd(q, k, v, slopes):
+    return mosaic_attention(q, k, v, mask=mask,
+                            arrays=MaskArrays(alibi_slopes=slopes),
+                            softmax_scale=0.125, config=config)[0]
+
+  text = jax.jit(fwd).trace(q, kv, kv, slopes).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"]

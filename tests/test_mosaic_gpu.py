@@ -65,6 +65,7 @@ PER_COMMIT = (
     'kv_multicast-d128-mqa-2wg',
     'persistent_pairs+intra_wg_overlap+lean_epilogue-d96-gqa-q200-k300',
     'persistent_pairs+prefetch_q+q_double_buffer-d64-persistent-2wg-causal',
+    'alibi-causal-2wg',
     'bwd_dkv_block_q_80+early_dv-d128-full-6tiles',
     'bwd_early_dv-d32-tiny-window-empty',
     'flashmask-prefix-2wg',
@@ -220,6 +221,7 @@ class Run:
   window: tuple | None = None
   segments: dict | None = None  # SEG_CASES' documents and lengths
   flash: str | None = None  # a FLASH_PATTERNS FlashMask
+  alibi: bool = False  # ALiBi slopes 2^-1, 2^-2, ... per head
   soft_cap: float | None = None
   softmax_scale: float | None = None  # None: head_dim ** -0.5
 
@@ -274,6 +276,14 @@ def _mask_arrays(run: Run):
     fm = FLASH_PATTERNS[run.flash](b, t).check(b, run.shape[3], t, s)
     arrays["flash_mask"] = jaxflash.flashmask.columns(fm)
     ref_kw["dense_mask"] = fm.dense(t)
+  if run.alibi:
+    _, t, s, h = run.shape[:4]
+    slopes = 2.0 ** -jnp.arange(1, h + 1, dtype=jnp.float32)
+    arrays["alibi_slopes"] = jnp.stack(
+        [slopes, jnp.zeros_like(slopes)], -1)[None, :, None, :]
+    ref_kw["bias"] = masks.alibi_bias(
+        slopes[None, :, None, None], jnp.arange(t)[:, None],
+        jnp.arange(s)[None, :], run.spec.offset)
   return masks.MaskArrays(**arrays), ref_kw
 
 
@@ -2165,6 +2175,48 @@ def test_flashmask_interpret(run):
   _run_interpreted(run)
 
 
+# ALiBi in the Hopper forward (its backward is the Triton kernels'): the
+# plain and the overlapped loops, causal and not, q_len != kv_len.
+ALIBI_RUNS = [
+    Run("alibi-causal-2wg", "fwd", (2, 200, 300, 4, 2, 64), jnp.bfloat16,
+        TWO_WG, seed=8, causal=True, alibi=True),
+    Run("alibi-overlap-full", "fwd", (2, 256, 256, 4, 4, 64), jnp.bfloat16,
+        dataclasses.replace(TWO_WG, intra_wg_overlap=True), seed=9,
+        alibi=True),
+]
+
+
+@pytest.mark.parametrize("run", _params(ALIBI_RUNS))
+def test_alibi_interpret(run):
+  _run_interpreted(run)
+
+
+def _alibi_call(interpret, t=200, s=300, d=64):
+  args = numerics.random_inputs(jax.random.key(10), batch=2, q_len=t,
+                                kv_len=s, heads=4, kv_heads=2, head_dim=d,
+                                dtype=jnp.bfloat16)
+  slopes = 2.0 ** -jnp.arange(1, 5, dtype=jnp.float32)
+  fn = functools.partial(jaxflash.flash_attention, return_lse=True,
+                         causal=True, alibi_slopes=slopes,
+                         implementation="mosaic_gpu", interpret=interpret)
+  bias = masks.alibi_bias(slopes[None, :, None, None], jnp.arange(t)[:, None],
+                          jnp.arange(s)[None, :], s - t)
+  numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
+                      causal=True, bias=bias)
+
+
+@pytest.mark.slow
+def test_alibi_gradients_through_the_triton_backward():
+  """ALiBi's forward on the Hopper kernel, its gradients from the Triton
+  backward kernels on the same residuals (interpreted)."""
+  _alibi_call(True)
+
+
+@pytest.mark.gpu
+def test_alibi_gpu():
+  _alibi_call(False, t=1000, s=1500, d=128)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("pattern,causal", [("prefix", False),
                                             ("question", False),
@@ -2355,7 +2407,7 @@ def test_interpreter_refused_inside_multi_device_shard_map():
 def interpreter_runs() -> list[Run]:
   """Every interpreter run of this file's kernel tests."""
   return (_base_runs() + _variant_runs() + _segment_runs()
-          + _soft_cap_runs() + FLASH_RUNS)
+          + _soft_cap_runs() + FLASH_RUNS + ALIBI_RUNS)
 
 
 def run_cost(run: Run) -> float:

@@ -135,9 +135,18 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
       num_kv_heads=K, q_pad=round_up(T, config.compute_wgs * config.block_q),
       kv_pad=round_up(S, config.block_kv), head_dim_padded=dp,
       logits_soft_cap=logits_soft_cap,
-      has_segments=any(x is not None for x in arrays),
-      has_flash_mask=arrays.flash_mask is not None)
+      has_segments=_has_mask_inputs(arrays),
+      has_flash_mask=arrays.flash_mask is not None,
+      has_alibi=arrays.alibi_slopes is not None)
   return _Static(prob=prob, config=config, interpret=interpret, head_dim=D)
+
+
+def _has_mask_inputs(arrays: MaskArrays) -> bool:
+  """Whether the kernels take the segment inputs: segment ids, lengths
+  (folded into them) or a FlashMask (which rides with them)."""
+  return any(getattr(arrays, f) is not None for f in (
+      "q_segment_ids", "kv_segment_ids", "q_seq_lengths", "kv_seq_lengths",
+      "flash_mask"))
 
 
 def _segment_ids(arrays: MaskArrays, prob: fwd_lib.Problem, batch: int):
@@ -224,8 +233,12 @@ def _forward(q, k, v, st: _Static, arrays: MaskArrays = NO_MASK_ARRAYS):
   gpu = not st.interpret
   kv_rows = _tma_rows(k.shape[1], st.config.unpadded_kv and gpu, prob.kv_pad)
   q_rows = _tma_rows(q.shape[1], st.config.unpadded_q and gpu, prob.q_pad)
+  alibi = None
+  if prob.has_alibi:  # [B|1, H, 1, 2] -> [B, H], in the raw logits' units
+    alibi = jnp.broadcast_to(arrays.alibi_slopes[:, :, 0, 0].astype(
+        jnp.float32) / prob.softmax_scale, (q.shape[0], prob.num_heads))
   out, lse = fwd_lib.forward(
-      pad(q, q_rows), pad(k, kv_rows), pad(v, kv_rows), segments,
+      pad(q, q_rows), pad(k, kv_rows), pad(v, kv_rows), segments, alibi,
       prob=prob, cfg=st.config, interpret=_interpret_params(st.interpret))
   T = q.shape[1]
   return out[:, :T, :, :st.head_dim], lse[:, :, :T]
@@ -334,8 +347,9 @@ def backward_problem(q, k, mask: MaskSpec, softmax_scale: float,
       kv_pad=round_up(S, n * config.bwd_block_kv),
       head_dim_padded=kernel_head_dim(D),
       logits_soft_cap=logits_soft_cap,
-      has_segments=any(x is not None for x in arrays),
-      has_flash_mask=arrays.flash_mask is not None)
+      has_segments=_has_mask_inputs(arrays),
+      has_flash_mask=arrays.flash_mask is not None,
+      has_alibi=arrays.alibi_slopes is not None)
 
 
 def head_splits(prob: fwd_lib.Problem, config: MosaicConfig) -> int:
@@ -474,13 +488,13 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
         "the Hopper kernels take no attention dropout yet (the Triton"
         " kernels do)")
   if arrays.has_dense:
-    others = [n for n in ("bias", "dense_mask", "alibi_slopes")
+    others = [n for n in ("bias", "dense_mask")
               if getattr(arrays, n) is not None]
     if others:
       raise NotImplementedError(
           f"the Hopper kernels take no {', '.join(others)} yet (the Triton"
           " kernels do)")
-    if arrays.flash_mask.shape[1] != 1:
+    if arrays.flash_mask is not None and arrays.flash_mask.shape[1] != 1:
       raise NotImplementedError(
           "the Hopper kernels take a FlashMask shared by the heads (heads"
           f" axis 1), got columns {arrays.flash_mask.shape}; the Triton"

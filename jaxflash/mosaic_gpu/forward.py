@@ -270,6 +270,9 @@ class Problem:
   # the segment inputs (which it implies), seg_range then also narrowed to
   # the tiles it leaves (jaxflash.flashmask.live_ranges).
   has_flash_mask: bool = False
+  # ALiBi: slopes [B, H] float32 (divided by softmax_scale: in the raw
+  # logits' units) after the mask inputs.
+  has_alibi: bool = False
 
 
 # ---------------------------------------------------------------------------
@@ -288,6 +291,7 @@ class _Refs:
   kv_seg: object
   seg_range: object
   flash: object  # FlashMask columns (None without one)
+  alibi: object  # ALiBi's slopes (None without them)
   o: object
   lse: object
   qo_smem2: object  # Q (and with the plain epilogue O), per Q buffer
@@ -315,6 +319,7 @@ class _Refs:
     else:
       q, k, v, *refs = refs
       q_seg = kv_seg = seg_range = None
+    alibi = refs.pop(0) if prob.has_alibi else None
     o, lse, *refs = refs
     (qo_smem2, k_smem, v_smem, lse_smem2, k_ready, v_ready,
      q_ready, k_free, v_free, *extra) = refs
@@ -334,8 +339,8 @@ class _Refs:
     k_free = pipeline.ring_free(k_free, named_rings, cfg.compute_wgs, first)
     v_free = pipeline.ring_free(v_free, named_rings, cfg.compute_wgs,
                                 first + cfg.stages)
-    return cls(q, k, v, q_seg, kv_seg, seg_range, flash, o, lse, qo_smem2,
-               k_smem,
+    return cls(q, k, v, q_seg, kv_seg, seg_range, flash, alibi, o, lse,
+               qo_smem2, k_smem,
                v_smem, lse_smem2, k_ready, v_ready, q_ready, k_free,
                v_free, p_smem2, o_smem2, q_free,
                extra[-1] if _use_schedule(cfg) else None, exit_barrier)
@@ -613,6 +618,8 @@ class _Item:
       # 608 TFLOP/s against 555 with a separate multiply (head_dim 128,
       # 4096 keys).
       scale = self.qk_scale
+      if self.r.alibi is not None:
+        s = s + self.alibi_bias(t)
     else:  # cap * tanh(x / cap) on the scaled logits (Gemma 2)
       cap = prob.logits_soft_cap
       s = jnp.tanh(s * (prob.softmax_scale / cap)) * (cap * LOG2E)
@@ -621,6 +628,17 @@ class _Item:
       s = self.apply_mask(s, t)
     return softmax_step(s, m, scale=scale,
                         threshold=self.cfg.rescale_threshold, masked=masked)
+
+  def alibi_bias(self, t):
+    """ALiBi on tile ``t`` in the raw logits' units: ``-slope * |i + offset
+    - j| / softmax_scale`` (FlashAttention-2's convention,
+    :func:`jaxflash.masks.alibi_bias`; the slope comes divided)."""
+    shape = (self.bq, self.bk)
+    q_idx = pipeline.index_tile(self.q_start + self.prob.mask.offset, shape,
+                                0)
+    k_idx = pipeline.index_tile(t * self.bk, shape, 1)
+    slope = self.r.alibi[self.b, self.h]
+    return jnp.abs(q_idx - k_idx).astype(jnp.float32) * (-slope)
 
   def probs_where_visible(self, s, t, m, full_lo, full_hi):
     """:meth:`probs` for a tile whose masking is known only at run time:
@@ -1453,8 +1471,8 @@ def _use_schedule(cfg: MosaicConfig) -> bool:
   return cfg.schedule_barrier and cfg.compute_wgs == 2
 
 
-def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
-            interpret=None):
+def forward(q, k, v, segments=None, alibi=None, *, prob: Problem,
+            cfg: MosaicConfig, interpret=None):
   """Padded ``q [B, T, H, Dp]``, ``k, v [B, S, K, Dp]`` (bf16/fp16) ->
   ``(out [B, T, H, Dp], lse [B, H, prob.q_pad] float32)``.  T and S are
   ``prob.q_pad`` and ``prob.kv_pad``, or with ``unpadded_q`` /
@@ -1463,7 +1481,8 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
 
   ``segments``: ``(q_seg, kv_seg, seg_range)`` when ``prob.has_segments``,
   and the FlashMask columns ``[B, 4, Sp]`` after them with
-  ``prob.has_flash_mask``.
+  ``prob.has_flash_mask``.  ``alibi``: ALiBi's slopes ``[B, H]`` float32
+  divided by the softmax scale, with ``prob.has_alibi``.
   """
   dtype = q.dtype
   dp = prob.head_dim_padded
@@ -1540,4 +1559,4 @@ def forward(q, k, v, segments=None, *, prob: Problem, cfg: MosaicConfig,
       interpret=interpret,
       reduction_scratch_bytes=cfg.fwd_reduction_scratch(dp),
       cluster=cluster,
-  )(q, k, v, *(segments or ()))
+  )(q, k, v, *(segments or ()), *(() if alibi is None else (alibi,)))
