@@ -10,15 +10,18 @@ Under ``jit`` with sharded inputs, :mod:`jaxflash.op` asks XLA (through
   shard the query heads and, consistently with the GQA groups, the
   key/value heads (``kv_heads`` divisible by the axis size; a single
   key/value head, MQA, is replicated);
-* sequence (context parallelism) and head_dim sharding cannot be served
-  by per-shard kernels: they raise ValueError naming the mesh axis rather
-  than gathering silently.  Context parallelism has its own entry point,
-  ring attention (docs/sharding.md).
+* sequence sharding (context parallelism): the ring or the all-gather
+  of :mod:`jaxflash._context` on each shard's blocks
+  (:func:`context_lower`, the scheme by :func:`check_context`), the
+  dense terms' query rows sharded with q and their key axis whole;
+* head_dim sharding cannot be served: ValueError naming the mesh axis
+  rather than gathering silently.
 
-No collective runs in the forward or the backward pass under these rules
-(each device computes attention for its batch rows and heads), except for
-MQA with sharded query heads, whose backward all-reduces dK/dV over the
-head axes (the one key/value head serves every shard).
+Batch and head sharding run no collective in the forward or the backward
+pass (each device computes attention for its batch rows and heads),
+except for MQA with sharded query heads, whose backward all-reduces dK/dV
+over the head axes (the one key/value head serves every shard), and a
+bias broadcast over a sharded axis, whose gradient is summed over it.
 
 The public helpers that place arrays by these rules are in
 :mod:`jaxflash.sharding`.
