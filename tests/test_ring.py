@@ -89,7 +89,9 @@ def test_ring_under_check_vma(causal, batch_axis):
     pytest.param((4,), True, False, id="4-causal-contiguous"),
     pytest.param((8,), True, True, id="8-causal-zigzag",
                  marks=pytest.mark.slow),
-    pytest.param((2, 4), True, True, id="2x4-data-context-zigzag"),
+    # (Zig-zag blocks per commit: test_context's FlashMask ring.)
+    pytest.param((2, 4), True, True, id="2x4-data-context-zigzag",
+                 marks=pytest.mark.slow),
 ])
 def test_ring_matches_reference(mesh_shape, causal, zigzag):
   if jax.device_count() < 8:
@@ -164,6 +166,7 @@ def test_ring_argument_errors():
         out_specs=P(None, "context"), check_vma=False)(q, seg)
 
 
+@pytest.mark.slow  # (the tool per commit: its --proxy test)
 def test_ring_bench_smoke(tmp_path, monkeypatch):
   """tools/ring_bench.py --smoke on the CPU devices: well-formed records."""
   if jax.device_count() < 2:
