@@ -133,7 +133,7 @@ def _data_parallel_losses(steps=3):
 
 
 @pytest.mark.parametrize("mesh", [
-    "data=8", "data=2,fsdp=2,tensor=2", "data=2,context=4",
+    "data=8", "data=2,fsdp=2,tensor=2", "data=4,context=2",
     # Every axis of the others at once: `slow`.
     pytest.param("fsdp=2,tensor=2,context=2", marks=pytest.mark.slow)])
 def test_mesh_training_matches_one_device(mesh):

@@ -767,14 +767,18 @@ def test_dense_terms_lower_to_triton(fake_gpu):
 
 
 @pytest.mark.parametrize("cfg", [
-    dict(),
-    dict(named_barriers=True, intra_wg_overlap=True, block_kv=128,
-         consumer_registers=240, persistent=True, prefetch_q=True,
-         lean_epilogue=True),
-    dict(named_barriers=True, compute_wgs=3, block_kv=128,
-         bwd_paired_dkv=True, bwd_paired_dq=True),
-    dict(bwd_atomic_dq=True, bwd_softmax_overlap=True, bwd_early_dv=True),
-], ids=["default", "overlap-persistent", "three-wg-paired", "atomic-dq"])
+    pytest.param(dict(), id="default"),
+    pytest.param(dict(named_barriers=True, intra_wg_overlap=True,
+                      block_kv=128, consumer_registers=240, persistent=True,
+                      prefetch_q=True, lean_epilogue=True),
+                 id="overlap-persistent", marks=pytest.mark.slow),
+    pytest.param(dict(named_barriers=True, compute_wgs=3, block_kv=128,
+                      bwd_paired_dkv=True, bwd_paired_dq=True),
+                 id="three-wg-paired", marks=pytest.mark.slow),
+    pytest.param(dict(bwd_atomic_dq=True, bwd_softmax_overlap=True,
+                      bwd_early_dv=True), id="atomic-dq",
+                 marks=pytest.mark.slow),
+])
 def test_mosaic_flashmask_lowers_for_cuda(cfg):
   """A FlashMask shared by the heads in the Hopper forward, dQ and dK/dV
   kernels: its columns' loads into the score tiles' layouts lower to
