@@ -56,8 +56,11 @@ class Ring:
 
   def __init__(self, axis_name, n, causal, zigzag, params_for, varying,
                local_forward=None, local_backward=None,
-               bias_grad: bool = False):
+               bias_grad: bool = False, transfer=None):
     self.axis_name, self.n, self.causal = axis_name, n, causal
+    # blocks -> the next device's blocks: ppermute around axis_name (None),
+    # or another move (tools/ring_bench.py --proxy: a local copy).
+    self.transfer = transfer
     # local_backward also returns the dense bias's gradient.
     self.bias_grad = bias_grad
     self.zigzag = zigzag and causal
@@ -193,6 +196,8 @@ def _pair_backward(ring: Ring, rel, q, k, v, arrays: MaskArrays, out, lse,
 
 def _rotate(ring: Ring, xs):
   """Sends each block to the next device of the ring."""
+  if ring.transfer is not None:
+    return ring.transfer(xs)
   perm = [(i, (i + 1) % ring.n) for i in range(ring.n)]
   return jax.tree.map(lambda x: lax.ppermute(x, ring.axis_name, perm), xs)
 

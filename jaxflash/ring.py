@@ -55,15 +55,16 @@ def zigzag_indices(seq_len: int, n: int) -> np.ndarray:
 
 
 def kernel_backend(q, *, config=None, interpret=False,
-                   dense: bool = False) -> str:
+                   per_head_mask: bool = False) -> str:
   """The kernel backend ring attention runs when none is named: the one
   ``config`` belongs to; else Mosaic GPU where it serves ``q``'s head_dim
-  and dtype (Hopper) and no FlashMask (``dense``) is given, else Triton
-  (other GPUs, and interpret mode)."""
+  and dtype (Hopper) and the FlashMask, if any, is shared by the heads
+  (not ``per_head_mask``), else Triton (other GPUs, and interpret
+  mode)."""
   cfg_owner = backends.owner(config)
   if cfg_owner is not None:
     return cfg_owner.name
-  if interpret or dense:
+  if interpret or per_head_mask:
     return "triton"
   x = jax.ShapeDtypeStruct((1, 128, 1, q.shape[-1]), q.dtype)
   try:
@@ -131,16 +132,14 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False,
 
   picked = implementation is None
   if picked:
-    implementation = kernel_backend(q, config=config, interpret=interpret,
-                                    dense=mask is not None)
+    implementation = kernel_backend(
+        q, config=config, interpret=interpret,
+        per_head_mask=terms.flash_mask is not None
+        and terms.flash_mask.shape[1] > 1)
   if implementation not in ("triton", "mosaic_gpu"):
     raise ValueError(
         f"implementation={implementation!r}: ring attention runs the kernel"
         " backends 'triton' or 'mosaic_gpu'")
-  if implementation == "mosaic_gpu" and mask is not None:
-    raise NotImplementedError(
-        "implementation='mosaic_gpu' takes no FlashMask (the Hopper kernels"
-        " serve causal, windows and segment ids); use 'triton'")
   if q.shape[1] != k.shape[1] and causal:
     raise ValueError(
         f"causal ring attention needs equal q and kv blocks, got {q.shape}"

@@ -152,28 +152,18 @@ SEGMENT_IDS = np.array([
 
 
 @pytest.mark.parametrize("seq", [13, 16])
-def test_causal_document(seq):
+@pytest.mark.parametrize("causal", [True, False],
+                         ids=["causal_document", "document"])
+def test_documents(seq, causal):
   ids = SEGMENT_IDS[:, :seq]
+  make = FlashMask.causal_document if causal else FlashMask.document
   want = np.zeros((2, seq, seq), bool)
   for b in range(2):
     doc = _runs(list(ids[b]))
     for i, j in itertools.product(range(seq), range(seq)):
-      want[b, i, j] = j <= i and doc[i] == doc[j]
-  _check_pattern(FlashMask.causal_document(ids), seq, want)
-  jitted = jax.jit(FlashMask.causal_document)(jnp.asarray(ids))
-  np.testing.assert_array_equal(np.asarray(jitted.dense(seq))[:, 0], want)
-
-
-@pytest.mark.parametrize("seq", [13, 16])
-def test_document(seq):
-  ids = SEGMENT_IDS[:, :seq]
-  want = np.zeros((2, seq, seq), bool)
-  for b in range(2):
-    doc = _runs(list(ids[b]))
-    for i, j in itertools.product(range(seq), range(seq)):
-      want[b, i, j] = doc[i] == doc[j]
-  _check_pattern(FlashMask.document(ids), seq, want)
-  jitted = jax.jit(FlashMask.document)(jnp.asarray(ids))
+      want[b, i, j] = (j <= i or not causal) and doc[i] == doc[j]
+  _check_pattern(make(ids), seq, want)
+  jitted = jax.jit(make)(jnp.asarray(ids))
   np.testing.assert_array_equal(np.asarray(jitted.dense(seq))[:, 0], want)
 
 

@@ -115,7 +115,8 @@ def proxy_fns(s: Setting, causal: bool, n: int, device):
       deterministic=checks.resolve_deterministic(None))
   plan = _context.Ring("context", n, causal, True, params_for, (),
                        local_forward=ring._local_forward,
-                       local_backward=ring._local_backward)
+                       local_backward=ring._local_backward,
+                       transfer=lambda xs: jax.tree.map(jnp.copy, xs))
   spec = P(None, "context")
 
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(spec,) * 3,
@@ -123,21 +124,10 @@ def proxy_fns(s: Setting, causal: bool, n: int, device):
   def attend(q, k, v):
     return _context.ring_attention(plan, q, k, v, *MaskArrays())[0]
 
-  def copies(fn):
-    """``fn`` traced with the ring's transfers made local copies."""
-    def traced(*args):
-      rotate = _context._rotate
-      _context._rotate = lambda _, xs: jax.tree.map(jnp.copy, xs)
-      try:
-        return fn(*args)
-      finally:
-        _context._rotate = rotate
-    return traced
-
   def fwd_bwd(q, k, v, do):
     _, vjp = jax.vjp(attend, q, k, v)
     return vjp(do)
-  return jax.jit(copies(attend)), jax.jit(copies(fwd_bwd))
+  return jax.jit(attend), jax.jit(fwd_bwd)
 
 
 def _inputs(s: Setting, seq: int, device):

@@ -178,9 +178,18 @@ def _group_range(held_seg, held_rows: int, streamed_seg, streamed_tile: int):
       masks_lib.tile_summary(streamed_seg, streamed_tile))
 
 
+def _check_flash_mask(cols) -> None:
+  if cols.shape[1] != 1:
+    raise NotImplementedError(
+        "the Hopper kernels take a FlashMask shared by the heads (heads"
+        f" axis 1), got columns {cols.shape}; the Triton kernels take"
+        " per-head ones")
+
+
 def _flash_columns(arrays: MaskArrays, prob: fwd_lib.Problem, batch: int):
   """The FlashMask's columns for the kernels: ``[B, 4, kv_pad]`` int32
   (shared by the heads; padding keys hidden from every row)."""
+  _check_flash_mask(arrays.flash_mask)
   cols = flashmask.pad_columns(arrays.flash_mask, prob.kv_pad)[:, 0]
   return jnp.broadcast_to(cols, (batch, *cols.shape[1:]))
 
@@ -494,11 +503,8 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
       raise NotImplementedError(
           f"the Hopper kernels take no {', '.join(others)} yet (the Triton"
           " kernels do)")
-    if arrays.flash_mask is not None and arrays.flash_mask.shape[1] != 1:
-      raise NotImplementedError(
-          "the Hopper kernels take a FlashMask shared by the heads (heads"
-          f" axis 1), got columns {arrays.flash_mask.shape}; the Triton"
-          " kernels take per-head ones")
+    if arrays.flash_mask is not None:
+      _check_flash_mask(arrays.flash_mask)
   dp = kernel_head_dim(q.shape[3])
   why = config and head_dim_problem(config, dp)
   if why:
