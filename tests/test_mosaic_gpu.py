@@ -1409,6 +1409,39 @@ def test_item_overlap_only_where_consumers_take_the_same_turns():
     assert not chains(dataclasses.replace(plain, **off)), off
 
 
+@pytest.mark.parametrize("batch,heads,kv_heads,q_len,programs,l2", [
+    (8, 12, 12, 2112, 132, None),  # GPT-2 small's 12 x 11 = 132 alias
+    (3, 8, 2, 640, 7, 4 * 640 * 64 * 2 * 2),  # sections of 4 KV heads' 16
+    (2, 5, 1, 384, 4, 1),  # one KV head per section; a ragged last round
+])
+def test_causal_persistent_order_is_longest_first_and_covers_every_item(
+    monkeypatch, batch, heads, kv_heads, q_len, programs, l2):
+  """The causal persistent grid's order (FlashAttention-3's LPT): every
+  work item once over the programs' rounds, each program's items longest
+  first within a section, and no program far above the mean."""
+  if l2 is not None:
+    monkeypatch.setattr(fwd_lib, "LPT_L2_BYTES", l2)
+  cfg = mosaic_gpu.MosaicConfig(block_q=64, compute_wgs=3, persistent=True)
+  prob = fwd_lib.Problem(masks.MaskSpec(q_len, q_len, causal=True), 1.0,
+                         batch, heads, kv_heads, q_len, q_len, 64)
+  sched = fwd_lib._Schedule(prob, cfg, programs, 1, None)
+  assert sched.lpt
+  units = batch * heads * sched.units_per_bh
+  seen, work = [], []
+  for sm in range(programs):
+    mine = []
+    for i in range(int(sched.rounds(sm, units))):
+      b, h, u = (int(x) for x in sched.unit_coords(sched.unit_of(sm, i)))
+      seen.append((b, h, u))
+      mine.append(sched.n_groups - u)  # key tiles of the u-th longest
+    work.append(sum(mine))
+  assert sorted(seen) == [(b, h, u) for b in range(batch)
+                          for h in range(heads)
+                          for u in range(sched.units_per_bh)]
+  mean = sum(work) / programs
+  assert max(work) <= mean + sched.n_groups, (max(work), mean)
+
+
 def test_multicast_clusters_only_where_both_ctas_stream_the_same_tiles():
   """kv_multicast pairs CTAs only on calls whose query groups all stream
   every key tile (no causal mask, window or segment ids), with an even

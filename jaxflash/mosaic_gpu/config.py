@@ -74,6 +74,9 @@ class MosaicConfig:
     persistent_pairs: with ``persistent`` on causal calls, a work unit is
       the ``p``-th longest and the ``p``-th shortest query group of one
       (batch, head), so the round robin's units take equal work.
+    causal_lpt: with ``persistent`` on causal calls without pairs, deal
+      the work items longest first in L2-sized sections of (batch, head)
+      pairs (FlashAttention-3's LPT scheduler) instead of heads fastest.
     kv_multicast: clusters of two CTAs on adjacent query groups share each
       K/V tile by TMA multicast.  Applies where every group streams the
       same key tiles (no causal mask, window or segment ids), the group
@@ -156,6 +159,7 @@ class MosaicConfig:
   named_barriers: bool = False
   prefetch_q: bool = False
   persistent_pairs: bool = False
+  causal_lpt: bool = True
   kv_multicast: bool = False
   rescale_threshold: int = 0
   deferred_row_sum: bool = False

@@ -392,7 +392,8 @@ class _Schedule:
   program runs one item (Mosaic GPU launches batch fastest, then query
   groups, then heads: :func:`forward`'s grid).  On the persistent grid
   program ``sm`` runs work units ``sm, sm + n_programs, ...``, heads
-  fastest, then query groups, then batch (:meth:`for_each_item`).  On
+  fastest, then query groups, then batch (:meth:`for_each_item`); causal
+  calls deal them longest first (:meth:`unit_coords`, :meth:`unit_of`).  On
   causal calls query groups count from the longest (:meth:`item_ranges`).
   With clusters (``kv_multicast``) the two CTAs of a program or unit take
   adjacent query groups; with ``persistent_pairs`` a unit is the ``p``-th
@@ -407,6 +408,10 @@ class _Schedule:
     self.n_groups = prob.q_pad // self.group_rows
     self.pairs = _paired(cfg, prob)
     self.units_per_bh = _units_per_bh(cfg, prob, self.n_groups)
+    # Longest-processing-time-first order on causal calls (below).
+    self.lpt = (n_programs is not None and prob.mask.causal
+                and not self.pairs and cfg.causal_lpt)
+    self.section = _lpt_section(prob)
 
   def item_ranges(self, b, group):
     """A work item's first query row and the key tiles it streams."""
@@ -439,11 +444,48 @@ class _Schedule:
   def unit_coords(self, w):
     """Work unit ``w``'s (batch, head, unit of its (batch, head)) in the
     persistent grid's order: heads fastest, then query groups, then
-    batch."""
-    h = lax.rem(w, self.prob.num_heads)
-    rest = lax.div(w, self.prob.num_heads)
-    return (lax.div(rest, self.units_per_bh), h,
-            lax.rem(rest, self.units_per_bh))
+    batch; on causal calls (:attr:`lpt`) FlashAttention-3's
+    longest-processing-time-first order instead: the (batch, head) pairs
+    cut into sections whose K/V fit in L2 (:func:`_lpt_section`), and in
+    each section query groups from the longest, the section's (batch,
+    head) pairs fastest (heads first).  Each program's items then shrink
+    together, where the first order could give a program the same group
+    in every round (GPT-2 small on 132 SMs: 12 heads x 11 groups = 132,
+    so one program ran the longest group of every batch and another the
+    shortest)."""
+    prob = self.prob
+    if not self.lpt:
+      h = lax.rem(w, prob.num_heads)
+      rest = lax.div(w, prob.num_heads)
+      return (lax.div(rest, self.units_per_bh), h,
+              lax.rem(rest, self.units_per_bh))
+    pairs_total = prob.batch * prob.num_heads
+    per_section = self.section * self.units_per_bh
+    s = lax.div(w, per_section)
+    r = w - s * per_section
+    size = jnp.minimum(self.section, pairs_total - s * self.section)
+    bh = s * self.section + lax.rem(r, size)
+    return (lax.div(bh, prob.num_heads), lax.rem(bh, prob.num_heads),
+            lax.div(r, size))
+
+  def unit_of(self, sm, i):
+    """The work unit of program ``sm``'s ``i``-th round: ``sm + i *
+    n_programs``, or with :attr:`lpt` dealt boustrophedon (odd rounds
+    from the last program), so that the program that takes a round's
+    longest unit takes the next round's shortest."""
+    n = self.n_programs
+    if not self.lpt:
+      return sm + i * n
+    return i * n + jnp.where(lax.rem(i, 2) == 0, sm, n - 1 - sm)
+
+  def rounds(self, sm, units):
+    """How many units program ``sm`` runs (:meth:`unit_of`'s order)."""
+    n = self.n_programs
+    if not self.lpt:
+      return lax.div(units - sm + n - 1, n)
+    full, rest = units // n, units % n
+    last = sm if full % 2 == 0 else n - 1 - sm
+    return full + jnp.where(last < rest, 1, 0)
 
   def for_each_item(self, run, extra=None):
     """Persistent grid: program ``sm`` takes work units ``sm, sm +
@@ -460,7 +502,7 @@ class _Schedule:
     prob, n_programs, pairs = self.prob, self.n_programs, self.pairs
     sm = lax.axis_index("sm")
     units = prob.num_heads * self.units_per_bh * prob.batch
-    n_items = lax.div(units - sm + n_programs - 1, n_programs)
+    n_items = self.rounds(sm, units)
     if pairs:
       n_items = 2 * n_items
 
@@ -469,7 +511,7 @@ class _Schedule:
 
     def body(i, carry):
       first_step, value = carry if extra is not None else (carry, None)
-      w = sm + (lax.div(i, 2) if pairs else i) * n_programs
+      w = self.unit_of(sm, lax.div(i, 2) if pairs else i)
       b, h, u = self.unit_coords(w)
       if not pairs:
         group_start, u_lo, u_hi = self.item_ranges(b, self.cluster_group(u))
@@ -1351,6 +1393,21 @@ def _cluster_size(cfg: MosaicConfig, prob: Problem, n_groups: int) -> int:
   in_step = cfg.compute_wgs == 1 or _use_schedule(cfg)
   return (2 if cfg.kv_multicast and uniform and in_step
           and n_groups % 2 == 0 else 1)
+
+
+# K/V bytes a section of the causal persistent order keeps in L2
+# (FlashAttention-3's LPT scheduler takes 32 MiB of the H100's 50).
+LPT_L2_BYTES = 32 * 1024 * 1024
+
+
+def _lpt_section(prob: Problem) -> int:
+  """(batch, head) pairs per section of the causal persistent order
+  (:meth:`_Schedule.unit_coords`): as many whole key/value heads' query
+  heads as fit :data:`LPT_L2_BYTES` of K and V (at least one)."""
+  group = prob.num_heads // prob.num_kv_heads
+  per_kv_head = 2 * prob.kv_pad * prob.head_dim_padded * 2  # K, V; bf16
+  kv_heads = max(1, LPT_L2_BYTES // per_kv_head)
+  return kv_heads * group
 
 
 def _units_per_bh(cfg: MosaicConfig, prob: Problem, n_groups: int) -> int:
