@@ -298,6 +298,51 @@ def test_tile_class_sound_patterns():
     _assert_sound(m, q_len, block_q, block_k)
 
 
+@pytest.mark.parametrize("held_q", [True, False])
+def test_live_and_visible_runs_against_brute_force(held_q):
+  """``live_ranges`` spans exactly the tiles with a visible element, and
+  every tile in ``visible_runs``'s run is visible throughout (the kernels
+  drop the element mask there), for patterns whose runs are cut by
+  partial tiles on both sides; both kernel orientations (held query
+  tiles streaming key tiles, and the reverse)."""
+  q_len = kv_len = 16
+  masks = [FlashMask.causal_document(SEGMENT_IDS),
+           FlashMask.document(SEGMENT_IDS),
+           FlashMask.prefix_lm(np.array([5, 16], np.int32), 16),
+           FlashMask.shared_question(ANSWER_IDS)]
+  runs_seen = 0
+  for m, (held, streamed) in itertools.product(masks, [(4, 4), (8, 4),
+                                                       (4, 8)]):
+    dense = np.broadcast_to(_dense_loops(m, q_len), (2, 1, q_len, kv_len))
+    cols = flashmask.columns(m)
+    live = np.asarray(flashmask.live_ranges(cols, q_len, held, streamed,
+                                            held_q=held_q))
+    full = np.asarray(flashmask.visible_runs(cols, q_len, held, streamed,
+                                             held_q=held_q))
+    n_held = (q_len if held_q else kv_len) // held
+    n_streamed = (kv_len if held_q else q_len) // streamed
+    for b, i in itertools.product(range(2), range(n_held)):
+      bb = min(b, live.shape[0] - 1)
+      tiles = []
+      for t in range(n_streamed):
+        rows = (slice(i * held, (i + 1) * held) if held_q
+                else slice(t * streamed, (t + 1) * streamed))
+        cols_ = (slice(t * streamed, (t + 1) * streamed) if held_q
+                 else slice(i * held, (i + 1) * held))
+        tiles.append(dense[b, 0, rows, cols_])
+      any_ = [t.any() for t in tiles]
+      lo, hi = live[bb, 0, :, i]
+      want = [t for t in range(n_streamed) if any_[t]]
+      assert (lo, hi) == ((want[0], want[-1] + 1) if want else (0, 0))
+      f_lo, f_hi = full[bb, 0, :, i]
+      for t in range(f_lo, min(f_hi, n_streamed)):
+        assert tiles[t].all(), (m, held, streamed, i, t)
+      if f_lo < f_hi:
+        runs_seen += 1
+        assert f_lo == min(t for t in range(n_streamed) if tiles[t].all())
+  assert runs_seen
+
+
 def test_tile_class_exact_on_causal():
   """Where the extremes decide exactly: causal with square tiles is
   HIDDEN above the diagonal, VISIBLE below, PARTIAL on it."""

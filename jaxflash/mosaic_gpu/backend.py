@@ -136,17 +136,23 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
       kv_pad=round_up(S, config.block_kv), head_dim_padded=dp,
       logits_soft_cap=logits_soft_cap,
       has_segments=_has_mask_inputs(arrays),
+      has_segment_ids=_has_segment_ids(arrays),
       has_flash_mask=arrays.flash_mask is not None,
       has_alibi=arrays.alibi_slopes is not None)
   return _Static(prob=prob, config=config, interpret=interpret, head_dim=D)
 
 
+def _has_segment_ids(arrays: MaskArrays) -> bool:
+  """Whether the call has segment ids or lengths (then every tile a
+  kernel computes takes the element mask)."""
+  return any(getattr(arrays, f) is not None for f in (
+      "q_segment_ids", "kv_segment_ids", "q_seq_lengths", "kv_seq_lengths"))
+
+
 def _has_mask_inputs(arrays: MaskArrays) -> bool:
   """Whether the kernels take the segment inputs: segment ids, lengths
   (folded into them) or a FlashMask (which rides with them)."""
-  return any(getattr(arrays, f) is not None for f in (
-      "q_segment_ids", "kv_segment_ids", "q_seq_lengths", "kv_seq_lengths",
-      "flash_mask"))
+  return _has_segment_ids(arrays) or arrays.flash_mask is not None
 
 
 def _segment_ids(arrays: MaskArrays, prob: fwd_lib.Problem, batch: int):
@@ -197,16 +203,22 @@ def _flash_columns(arrays: MaskArrays, prob: fwd_lib.Problem, batch: int):
 def _with_flash(segments, cols, q_pad: int, held: int, streamed: int, *,
                 held_q: bool):
   """Segment inputs ``(q_seg, kv_seg, range)`` with a FlashMask's columns
-  appended and the range narrowed to the tiles it leaves
-  (:func:`jaxflash.flashmask.live_ranges`); unchanged without one."""
+  appended, the range narrowed to the tiles it leaves
+  (:func:`jaxflash.flashmask.live_ranges`) and given two more rows: the
+  run of tiles it leaves fully visible (:func:`jaxflash.flashmask.
+  visible_runs`, read by :func:`pipeline.flash_full_range`); unchanged
+  without one."""
   if cols is None:
     return segments
   q_seg, kv_seg, rng = segments
   live = flashmask.live_ranges(cols[:, None], q_pad, held, streamed,
                                held_q=held_q)[:, 0]
+  full = flashmask.visible_runs(cols[:, None], q_pad, held, streamed,
+                                held_q=held_q)[:, 0]
   lo = jnp.maximum(rng[:, 0], live[:, 0])
   hi = jnp.maximum(jnp.minimum(rng[:, 1], live[:, 1]), lo)
-  return q_seg, kv_seg, jnp.stack([lo, hi], axis=1), cols
+  return q_seg, kv_seg, jnp.stack([lo, hi, full[:, 0], full[:, 1]],
+                                  axis=1), cols
 
 
 def _segments(arrays: MaskArrays, st: _Static, batch: int):
@@ -357,6 +369,7 @@ def backward_problem(q, k, mask: MaskSpec, softmax_scale: float,
       head_dim_padded=kernel_head_dim(D),
       logits_soft_cap=logits_soft_cap,
       has_segments=_has_mask_inputs(arrays),
+      has_segment_ids=_has_segment_ids(arrays),
       has_flash_mask=arrays.flash_mask is not None,
       has_alibi=arrays.alibi_slopes is not None)
 

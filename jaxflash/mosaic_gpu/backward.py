@@ -502,12 +502,15 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
         ring=(q_ring, do_ring, lse_ring, delta_ring, ready, free),
         held=(k_smem, v_smem), a_smem=a_smem, tile_mask=tile_mask,
         atomic=(ds_smem, dq_smem, dq_dst) if atomic_dq else None)
+    own, everywhere = pipeline.flash_full_range(
+        mask.q_block_range(k_start, bk, bq), range_ref, b, grp,
+        segment_ids=prob.has_segment_ids)
     dk, dv = _dkv_loop(
-        step, u_lo=u_lo, u_hi=u_hi, own=mask.q_block_range(k_start, bk, bq),
+        step, u_lo=u_lo, u_hi=u_hi, own=own,
         group_size=group_size, n_tiles=n_tiles,
         skip=pipeline.acknowledge(ready, free, stages),
         acc_shape=(bk, prob.head_dim_padded),
-        element_mask_everywhere=range_ref is not None)
+        element_mask_everywhere=everywhere)
     # dS is w.r.t. the scaled logits: d(scale * q.k)/dk = scale * q.
     dk = dk * prob.softmax_scale
     if partial2 is not None:
@@ -657,7 +660,9 @@ def _paired_dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   u_lo, u_hi = pipeline.narrow_to_segments(u_lo, u_hi, range_ref, b,
                                            lax.axis_index("kv_seq"))
   n_tiles = u_hi - u_lo
-  own = mask.q_block_range(k_start, bk, bq)
+  own, everywhere = pipeline.flash_full_range(
+      mask.q_block_range(k_start, bk, bq), range_ref, b,
+      lax.axis_index("kv_seq"), segment_ids=prob.has_segment_ids)
   acknowledge = pipeline.acknowledge(ready, free, stages)
 
   def loop(compute, acc_ref):
@@ -668,7 +673,7 @@ def _paired_dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       pipeline.tile_loop(
           u_lo, u_hi, own, first_step=g * n_tiles,
           compute=functools.partial(compute, acc=acc_ref),
-          skip=acknowledge, element_mask_everywhere=range_ref is not None)
+          skip=acknowledge, element_mask_everywhere=everywhere)
     return acc_ref[...]
 
   def a_smem(c):
@@ -782,10 +787,11 @@ def paired_dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
 
 def _query_group(prob: Problem, range_ref, group_rows: int, bk: int):
   """A dQ program's work item and warpgroup: ``(batch, query head,
-  warpgroup, first query row, (u_lo, u_hi), tiles)``: the key tiles
-  ``[u_lo, u_hi)`` its ``group_rows`` queries stream (narrowed to
-  segments), and ``tiles`` their :meth:`MaskSpec.kv_block_range` (not
-  narrowed).  Causal groups run longest first, as in the forward."""
+  warpgroup, first query row, (u_lo, u_hi), tiles, group)``: the key
+  tiles ``[u_lo, u_hi)`` its ``group_rows`` queries stream (narrowed to
+  segments), ``tiles`` their :meth:`MaskSpec.kv_block_range` (not
+  narrowed) and the group's index.  Causal groups run longest first, as
+  in the forward."""
   b = lax.axis_index("batch")
   h = lax.axis_index("heads")
   wg = lax.axis_index("wg")
@@ -796,7 +802,7 @@ def _query_group(prob: Problem, range_ref, group_rows: int, bk: int):
   tiles = prob.mask.kv_block_range(start, group_rows, bk)
   streamed = pipeline.narrow_to_segments(tiles[0], tiles[3], range_ref, b,
                                          grp)
-  return b, h, wg, start, streamed, tiles
+  return b, h, wg, start, streamed, tiles, grp
 
 
 def _key_tile_loader(srcs, rings, ready, *, b, h, prob: Problem, u_lo, bk):
@@ -868,7 +874,7 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   bq, bk = cfg.bwd_block_q, cfg.bwd_block_kv
   free = pipeline.MBarriers(free)
   mask = prob.mask
-  b, h, wg, group_start, (u_lo, u_hi), _ = _query_group(
+  b, h, wg, group_start, (u_lo, u_hi), _, grp = _query_group(
       prob, range_ref, n * bq, bk)
 
   @pl.when(wg < n)
@@ -895,14 +901,16 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
         _dq_step, prob=prob, cfg=cfg, dtype=dtype,
         ring=(k_ring, v_ring, ready, free), held=(q_smem, do_smem),
         vecs=(lse2, delta), a_smem=a_smem, tile_mask=tile_mask)
-    own = mask.kv_block_range(q_start, bq, bk)
+    own, everywhere = pipeline.flash_full_range(
+        mask.kv_block_range(q_start, bq, bk), range_ref, b, grp,
+        segment_ids=prob.has_segment_ids)
 
     def accumulate(dq_acc):  # the dQ loop over the streamed key tiles
       pipeline.tile_loop(
           u_lo, u_hi, own, first_step=0,
           compute=functools.partial(step, dq_acc=dq_acc),
           skip=pipeline.acknowledge(ready, free, stages),
-          element_mask_everywhere=range_ref is not None)
+          element_mask_everywhere=everywhere)
       return dq_acc[...]
 
     dq = pl.run_scoped(accumulate,
@@ -976,10 +984,11 @@ def _paired_dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   free = pipeline.MBarriers(free)
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
   mask = prob.mask
-  b, h, wg, q_start, (u_lo, u_hi), own = _query_group(prob, range_ref, bq,
-                                                      bk)
+  b, h, wg, q_start, (u_lo, u_hi), own, grp = _query_group(prob, range_ref,
+                                                           bq, bk)
   rows = (b, pl.ds(q_start, bq), h)
-  everywhere = range_ref is not None
+  own, everywhere = pipeline.flash_full_range(
+      own, range_ref, b, grp, segment_ids=prob.has_segment_ids)
 
   def loop(compute, acc_ref=None):
     pipeline.tile_loop(

@@ -266,6 +266,10 @@ class Problem:
   # seg_range [B, 2, n_groups] (the key tiles each query group can share
   # an id with; masks.overlap_range).
   has_segments: bool = False
+  # Segment ids or lengths among those inputs: every computed tile takes
+  # the element mask.  A FlashMask alone masks only the tiles outside the
+  # run it leaves fully visible (seg_range's rows 2 and 3).
+  has_segment_ids: bool = False
   # A FlashMask (shared by the heads): its columns flash [B, 4, Sp] follow
   # the segment inputs (which it implies), seg_range then also narrowed to
   # the tiles it leaves (jaxflash.flashmask.live_ranges).
@@ -563,6 +567,10 @@ class _Item:
     self.b, self.h, self.group_start = b, h, group_start
     self.u_lo, self.u_hi, self.first_step = u_lo, u_hi, first_step
     self.item, self.chain = item, chain
+    # Every computed tile takes the element mask (segment ids or lengths;
+    # pipeline.flash_full_range).
+    self.everywhere = (ctx.r.seg_range is not None
+                       and ctx.prob.has_segment_ids)
     self.bq, self.bk, self.stages = (self.cfg.block_q, self.cfg.block_kv,
                                      self.cfg.stages)
     self.qk_scale = self.prob.softmax_scale * LOG2E
@@ -609,7 +617,10 @@ class _Item:
       self.next_q_slot, _ = ctx.q_buffer(self.item + 1, wg)
     else:
       ping.start()  # offset the two consumers by a half step
-    own = self.prob.mask.kv_block_range(self.q_start, bq, bk)
+    own, _ = pipeline.flash_full_range(
+        self.prob.mask.kv_block_range(self.q_start, bq, bk), r.seg_range,
+        self.b, lax.div(self.group_start, cfg.compute_wgs * bq),
+        segment_ids=self.prob.has_segment_ids)
     if ctx.chained:  # the epilogue runs inside the loop's last turn
       loop = _overlapped_loop if cfg.intra_wg_overlap else _chained_loop
       return loop(self, own, (acc, m, l))
@@ -689,8 +700,7 @@ class _Item:
     loop (a ``lax.cond``).  The start value ``m = -inf`` needs no guard
     there: a visible tile's row max is finite, so ``alpha = exp2(-inf) =
     0``."""
-    if self.r.seg_range is not None:
-      # (segment ids: every computed tile takes the element mask)
+    if self.everywhere:
       return self.probs(s, t, m, masked=True)
     return lax.cond((full_lo <= t) & (t < full_hi),
                     lambda: self.probs(s, t, m, masked=False),
@@ -957,7 +967,7 @@ def _plain_loop(it: _Item, own, carry):
   return pipeline.tile_loop(
       it.u_lo, it.u_hi, own, first_step=it.first_step,
       compute=it.compute, skip=it.skip,
-      element_mask_everywhere=it.r.seg_range is not None, carry=carry)
+      element_mask_everywhere=it.everywhere, carry=carry)
 
 
 def _chained_loop(it: _Item, own, carry):
@@ -981,7 +991,7 @@ def _chained_loop(it: _Item, own, carry):
   ``S`` (zeros after the last item)."""
   u_lo, u_hi, item, chain = it.u_lo, it.u_hi, it.item, it.chain
   _, full_lo, full_hi, _ = pipeline.computed_tiles(
-      u_lo, u_hi, own, it.r.seg_range is not None)
+      u_lo, u_hi, own, it.everywhere)
   auto = (full_lo, full_hi)
   slot_of = it.slot_of
 
@@ -1069,7 +1079,7 @@ def _overlapped_loop(it: _Item, own, carry):
   u_lo, u_hi, first_step = it.u_lo, it.u_hi, it.first_step
   acc, m, l = carry
   lo, full_lo, full_hi, hi = pipeline.computed_tiles(
-      u_lo, u_hi, own, r.seg_range is not None)
+      u_lo, u_hi, own, it.everywhere)
   slot_of = it.slot_of
   run = lambda a, z, fn, c: lax.fori_loop(a, z, fn, c)
   run(u_lo, lo, lambda t, c: it.skip(first_step + t - u_lo, c), ())

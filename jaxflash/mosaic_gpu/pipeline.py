@@ -171,6 +171,22 @@ def narrow_to_segments(u_lo, u_hi, range_ref, b, group):
   return u_lo, u_hi
 
 
+def flash_full_range(own, range_ref, b, held, *, segment_ids: bool):
+  """``(own, element_mask_everywhere)`` for :func:`tile_loop`: ``own``
+  unchanged without segment inputs; with segment ids or lengths every
+  computed tile takes the element mask; with a FlashMask alone
+  (``range_ref [B, 4, n_held]``, rows 2 and 3 the run of streamed tiles
+  it leaves fully visible to held tile ``held``) the fully visible range
+  narrows to that run, the other tiles taking the element mask."""
+  if range_ref is None:
+    return own, False
+  if segment_ids:
+    return own, True
+  lo, full_lo, full_hi, hi = own
+  return (lo, jnp.maximum(full_lo, range_ref[b, 2, held]),
+          jnp.minimum(full_hi, range_ref[b, 3, held]), hi), False
+
+
 def split_registers(is_producer: bool, n_consumers: int,
                     consumer_registers: int | None = None) -> None:
   """With two or three consumers, move registers from the producer (which
