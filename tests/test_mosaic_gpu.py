@@ -296,6 +296,10 @@ FLASH_PATTERNS = {
         jnp.broadcast_to(jnp.minimum(jnp.arange(t) // (t // 4), 3), (b, t))),
     "blocks": lambda b, t: jaxflash.FlashMask.document(
         jnp.broadcast_to(jnp.arange(t) // 70, (b, t))),
+    # Documents longer than the tiles: runs of fully visible tiles between
+    # partial ones at the document edges and the diagonal.
+    "documents": lambda b, t: jaxflash.FlashMask.document(
+        jnp.broadcast_to(jnp.arange(t) // 300, (b, t))),
 }
 
 
@@ -1320,12 +1324,13 @@ def test_gpu_h100_three_consumers(causal, q_len, kv_len, chains):
     dict(prefetch_q=True),
     dict(prefetch_q=True, q_double_buffer=True),
 ], ids=["prefetch-q", "double-q"])
-@pytest.mark.parametrize("kv_len", [1024, 4096])
+@pytest.mark.parametrize("kv_len", [1024, 2048, 4096])
 def test_gpu_long_persistent_causal_items(kv_len, options):
   """The next item's Q loaded ahead (one buffer, and two used by
   alternate items) on head_dim 64's persistent causal grid, the H200's
-  default up to 4096 keys: 24 heads at 1024 keys and 6 at 4096 make 288
-  and 264 items of 192 queries (three consumers) over 132 SMs,
+  default up to 4096 keys: 24 heads at 1024 keys, 12 at 2048 and 6 at
+  4096 make 288, 264 and 264 items of 192 queries (three consumers,
+  dealt longest first) over 132 SMs,
   so every program runs two or three items of unequal length (along the
   causal diagonal) and every Q buffer is refilled; GQA, gradients too.
   (8 heads at 4096 keys ran out of memory in the reference beside three
@@ -2187,8 +2192,9 @@ def _segment_runs():
           for name, t, s, causal, window, spec_kw, cfg in SEG_CASES]
 
 
-# FlashMask in the Hopper kernels: its columns' element mask on every
-# computed tile (as segment ids), each group's tile range narrowed to the
+# FlashMask in the Hopper kernels: its columns' element mask on the
+# computed tiles outside the run it leaves fully visible (on every one
+# with lengths, as segment ids), each group's tile range narrowed to the
 # tiles it leaves.
 FLASH_RUNS = [
     Run("flashmask-prefix-2wg", "fwd+bwd", (2, 256, 256, 4, 2, 64),
@@ -2253,7 +2259,8 @@ def test_alibi_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("pattern,causal", [("prefix", False),
                                             ("question", False),
-                                            ("blocks", True)])
+                                            ("blocks", True),
+                                            ("documents", True)])
 def test_flashmask_gpu(pattern, causal):
   """The Hopper kernels' FlashMask at head_dim 128, the tuned default."""
   args = numerics.random_inputs(jax.random.key(8), batch=2, q_len=1000,
