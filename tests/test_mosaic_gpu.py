@@ -1447,6 +1447,27 @@ def test_causal_persistent_order_is_longest_first_and_covers_every_item(
   assert max(work) <= mean + sched.n_groups, (max(work), mean)
 
 
+def test_causal_order_rule():
+  """The H200 entry (the H100 runs it) keeps the heads-first order up to
+  1024 causal keys and deals longest first beyond; a config that asks
+  for heads-first still gets LPT where heads-first would alias (12 heads
+  x 11 groups on 132 programs), not where it is near balanced."""
+  entry = lambda kv: mosaic_gpu.default_config("NVIDIA H200", 64,
+                                               causal=True, kv_len=kv)
+  assert not entry(1024).causal_lpt and entry(1025).causal_lpt
+  heads_first = dataclasses.replace(entry(1024), causal_lpt=False)
+
+  def lpt(batch, heads, q_len):
+    prob = fwd_lib.Problem(masks.MaskSpec(q_len, q_len, causal=True), 1.0,
+                           batch, heads, heads, q_len, q_len, 64)
+    return fwd_lib._Schedule(prob, heads_first, 132, 1, None).lpt
+
+  assert lpt(8, 12, 2112)  # GPT-2 small: 1.83x the mean
+  assert lpt(16, 11, 1152)  # 11 heads x 6 groups = 66: 1.71x
+  assert not lpt(16, 32, 1152)  # 1.11x
+  assert not lpt(8, 16, 1152)  # GPT-2 medium: 1.28x
+
+
 def test_multicast_clusters_only_where_both_ctas_stream_the_same_tiles():
   """kv_multicast pairs CTAs only on calls whose query groups all stream
   every key tile (no causal mask, window or segment ids), with an even
@@ -1843,7 +1864,7 @@ def test_default_config_rules():
     assert dflt(64, causal=True, kv_len=kv).persistent
   assert dflt(64, causal=True, kv_len=2048) == dataclasses.replace(
       dflt(64, causal=True, kv_len=1000), compute_wgs=3, prefetch_q=False,
-      q_double_buffer=False)
+      q_double_buffer=False, causal_lpt=True)
   assert dflt(64, kv_len=2048) == dataclasses.replace(
       dflt(64, kv_len=1100), compute_wgs=3)
   assert dflt(64, kv_len=1100).compute_wgs == 3

@@ -76,7 +76,9 @@ class MosaicConfig:
       (batch, head), so the round robin's units take equal work.
     causal_lpt: with ``persistent`` on causal calls without pairs, deal
       the work items longest first in L2-sized sections of (batch, head)
-      pairs (FlashAttention-3's LPT scheduler) instead of heads fastest.
+      pairs (FlashAttention-3's LPT scheduler) instead of heads fastest;
+      also taken where heads-first would load one program far above the
+      mean (``forward.MAX_HEADS_FIRST_IMBALANCE``).
     kv_multicast: clusters of two CTAs on adjacent query groups share each
       K/V tile by TMA multicast.  Applies where every group streams the
       same key tiles (no causal mask, window or segment ids), the group

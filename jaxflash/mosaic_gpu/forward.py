@@ -412,9 +412,14 @@ class _Schedule:
     self.n_groups = prob.q_pad // self.group_rows
     self.pairs = _paired(cfg, prob)
     self.units_per_bh = _units_per_bh(cfg, prob, self.n_groups)
-    # Longest-processing-time-first order on causal calls (below).
+    # Longest-processing-time-first order on causal calls (below): where
+    # the config asks, or where the heads-first order would load one
+    # program far above the mean (_heads_first_imbalance).
     self.lpt = (n_programs is not None and prob.mask.causal
-                and not self.pairs and cfg.causal_lpt)
+                and not self.pairs
+                and (cfg.causal_lpt or _heads_first_imbalance(
+                    prob.batch * prob.num_heads, prob.num_heads,
+                    self.units_per_bh, n_programs) > MAX_HEADS_FIRST_IMBALANCE))
     self.section = _lpt_section(prob)
 
   def item_ranges(self, b, group):
@@ -503,7 +508,7 @@ class _Schedule:
     ones included).  With ``extra`` (not with pairs) ``run`` also takes
     ``extra=`` (its value from the item before, ``extra`` for the first)
     and ``n_items=``, and returns the next value."""
-    prob, n_programs, pairs = self.prob, self.n_programs, self.pairs
+    prob, pairs = self.prob, self.pairs
     sm = lax.axis_index("sm")
     units = prob.num_heads * self.units_per_bh * prob.batch
     n_items = self.rounds(sm, units)
@@ -1408,6 +1413,27 @@ def _cluster_size(cfg: MosaicConfig, prob: Problem, n_groups: int) -> int:
 # K/V bytes a section of the causal persistent order keeps in L2
 # (FlashAttention-3's LPT scheduler takes 32 MiB of the H100's 50).
 LPT_L2_BYTES = 32 * 1024 * 1024
+
+
+# Above this ratio of the busiest program's causal work to the mean the
+# heads-first order gives way to the LPT order whatever the config says
+# (1.83 for GPT-2 small's 12 heads x 11 groups on 132 programs, which ran
+# 1.47x slower than LPT on the H100; 1.11-1.28 where the two measured
+# level or heads-first ahead:
+# docs/benchmarks/h100-2026-12-07-cb6ac25-causal-order.md).
+MAX_HEADS_FIRST_IMBALANCE = 1.5
+
+
+def _heads_first_imbalance(pairs: int, heads: int, units: int,
+                           n_programs: int) -> float:
+  """The busiest program's share of causal work over the mean in the
+  heads-first persistent order (unit ``w`` to program ``w % n_programs``,
+  its query group ``(w // heads) % units`` counted from the longest, a
+  group's work taken as its key tiles: ``units - group``)."""
+  w = np.arange(pairs * units)
+  cost = units - (w // heads) % units
+  per_program = np.bincount(w % min(n_programs, w.size), weights=cost)
+  return float(per_program.max() / per_program.mean())
 
 
 def _lpt_section(prob: Problem) -> int:
