@@ -74,20 +74,22 @@ def check_context(p, present, seq: tuple[str, ...], q_shape, k_shape) -> str:
 
   Both serve self-attention (equal query and key lengths, the last query
   with the last key) with causal or no positional mask, segment ids,
-  GQA/MQA, a soft cap, dropout, a dense bias (with its gradient) or mask
-  and FlashMask (each block pair is given its global positions,
-  :func:`jaxflash._context.pair_arrays`); the all-gather also serves
-  local windows, sequence lengths and ALiBi, whose static offsets the
-  ring's dynamic block pairs cannot carry."""
+  sequence lengths (the ring folds them into segment ids,
+  :func:`jaxflash._context.fold_lengths`), GQA/MQA, a soft cap, dropout, a
+  dense bias (with its gradient) or mask and FlashMask (each block pair is
+  given its global positions, :func:`jaxflash._context.pair_arrays`); the
+  all-gather also serves local windows and ALiBi, whose static offsets
+  the ring's dynamic block pairs cannot carry."""
   m = p.mask
   window = m.window_left is not None or m.window_right is not None
   alibi = present[MaskArrays._fields.index("alibi_slopes")]
   mode = _context.choose(p.context_parallel, q_shape[2], k_shape[2],
                          window or alibi)
-  served = {"q_segment_ids", "kv_segment_ids", "dropout_seeds", "bias",
-            "dense_mask", "flash_mask"}
+  served = {"q_segment_ids", "kv_segment_ids", "q_seq_lengths",
+            "kv_seq_lengths", "dropout_seeds", "bias", "dense_mask",
+            "flash_mask"}
   if mode == "allgather":
-    served |= {"q_seq_lengths", "kv_seq_lengths", "alibi_slopes"}
+    served |= {"alibi_slopes"}
   unserved = [f for f, on in zip(MaskArrays._fields, present)
               if on and f not in served]
   if window and mode == "ring":
@@ -98,8 +100,8 @@ def check_context(p, present, seq: tuple[str, ...], q_shape, k_shape) -> str:
     raise ValueError(
         f"q's sequence axis is sharded over mesh axis {seq}: context"
         f" parallelism ({mode}) serves causal or full self-attention with"
-        " segment ids, dropout, dense bias or mask and FlashMask (the"
-        " all-gather also windows, lengths and ALiBi), not"
+        " segment ids, lengths, dropout, dense bias or mask and FlashMask"
+        " (the all-gather also windows and ALiBi), not"
         f" {', '.join(unserved)}. Replicate the sequence axis, or call"
         " jaxflash.sharding.ring_attention in shard_map (docs/sharding.md)")
   return mode
@@ -306,6 +308,10 @@ def context_lower(mode: str, seq, n: int, local_fn, p, present, *,
       return _cast_bias_grad(_context.allgather_backward(
           ag, *operands[:3], terms, *operands[3:7]), terms)
     return _context.allgather_forward(ag, *operands[:3], terms)
+  # Lengths on the ring: folded into this block's segment ids at its
+  # global positions, as the kernels fold them on one device.
+  terms = _context.fold_lengths(terms, axis, operands[0].shape[1],
+                                operands[1].shape[1])
   z = lambda x, ax=1: (_context.to_zigzag(x, axis, n, ax) if balance
                        else x)
   unz = lambda x, ax=1: (_context.from_zigzag(x, axis, n, ax) if balance

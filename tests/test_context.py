@@ -182,6 +182,9 @@ def _dense_terms(kind: str, seq: int = 32, heads: int = 2):
                                                   seq))
   if kind == "dropout":
     return dict(dropout_rate=0.25, dropout_rng=jax.random.key(7))
+  if kind == "lengths":  # padded rows and keys, across the blocks
+    return dict(q_seq_lengths=jnp.asarray([seq - 3, seq // 2 - 5]),
+                kv_seq_lengths=jnp.asarray([seq - 7, seq // 2 + 3]))
   raise ValueError(kind)
 
 
@@ -208,13 +211,19 @@ DENSE_CASES = [
                  marks=pytest.mark.slow),
     pytest.param("ring", AxisType.Auto, False, ("mask",),
                  id="ring-Auto-mask", marks=pytest.mark.slow),
+    pytest.param("ring", AxisType.Explicit, False, ("lengths",),
+                 id="ring-Explicit-lengths"),
+    pytest.param("ring", AxisType.Auto, True, ("lengths", "dropout"),
+                 id="ring-Auto-causal-lengths-dropout",
+                 marks=pytest.mark.slow),
 ]
 
 
 @pytest.mark.parametrize("mode,axis_type,causal,terms", DENSE_CASES)
 def test_global_position_terms(mode, axis_type, causal, terms):
   """Dropout, a dense bias (and its gradient, rows sharded or broadcast)
-  or mask, and FlashMask under both schemes: each block pair gets its
+  or mask, FlashMask and lengths (the ring folds them into segment ids at
+  the block's global positions) under both schemes: each block pair gets its
   global rows and keys, so the sharded call equals the one-device one
   (same dropout mask included) on a (2, 2) batch x sequence mesh (the
   ring's loop over more devices: test_sequence_sharded_runs_the_ring)."""
