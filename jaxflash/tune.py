@@ -40,7 +40,8 @@ def candidate_configs(base: MosaicConfig, *, head_dim: int, causal: bool,
                       group_size: int, mode: str) -> list[MosaicConfig]:
   """``base`` and the one-field changes of it worth timing: the plain or
   persistent grid, two or three consumers, key tiles of 64, 128 and 176
-  rows, the causal longest-with-shortest pairing; for the backward
+  rows, the causal longest-with-shortest pairing and the other causal
+  order (longest first or heads fastest); for the backward
   (``mode="fwd_bwd"``) its query tile and, with GQA/MQA, whole groups per
   dK/dV program.  Changes the config refuses (or that do not fit this
   head_dim) are left out."""
@@ -54,6 +55,9 @@ def candidate_configs(base: MosaicConfig, *, head_dim: int, causal: bool,
               if bk != base.block_kv]
   if causal and not base.persistent_pairs:
     changes.append(dict(persistent=True, persistent_pairs=True))
+    # The other order of the causal persistent grid (longest first or
+    # heads fastest).
+    changes.append(dict(persistent=True, causal_lpt=not base.causal_lpt))
   if mode == "fwd_bwd":
     changes += [dict(bwd_block_q=bq) for bq in (64, 128)
                 if bq != base.bwd_block_q]

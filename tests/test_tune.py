@@ -104,6 +104,7 @@ def test_candidates_are_valid_and_distinct():
   assert got[0] == base and len(set(got)) == len(got) > 5
   assert any(c.bwd_head_splits == 1 for c in got)
   assert any(c.persistent != base.persistent for c in got)
+  assert any(c.persistent and c.causal_lpt != base.causal_lpt for c in got)
   fwd = candidate_configs(base, head_dim=128, causal=True, group_size=8,
                           mode="fwd")
   assert all(c.bwd_head_splits is None for c in fwd)
