@@ -53,11 +53,13 @@ def candidate_configs(base: MosaicConfig, *, head_dim: int, causal: bool,
                           schedule_barrier=wgs == 2))
   changes += [dict(block_kv=bk) for bk in (64, 128, 176)
               if bk != base.block_kv]
-  if causal and not base.persistent_pairs:
-    changes.append(dict(persistent=True, persistent_pairs=True))
-    # The other order of the causal persistent grid (longest first or
-    # heads fastest).
-    changes.append(dict(persistent=True, causal_lpt=not base.causal_lpt))
+  if causal:
+    if not base.persistent_pairs:
+      changes.append(dict(persistent=True, persistent_pairs=True))
+    # The other order of the causal persistent grid without pairs
+    # (longest first or heads fastest).
+    changes.append(dict(persistent=True, persistent_pairs=False,
+                        causal_lpt=not base.causal_lpt))
   if mode == "fwd_bwd":
     changes += [dict(bwd_block_q=bq) for bq in (64, 128)
                 if bq != base.bwd_block_q]
