@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -197,6 +198,95 @@ def paged_attention(q, k_pages, v_pages, page_indices, kv_lengths, *,
   return (out, lse) if return_lse else out
 
 
+# e4m3's largest finite value: an FP8 latent block's scale maps its
+# largest magnitude there.
+E4M3_MAX = 448.0
+
+
+class FP8Latent(NamedTuple):
+  """A latent cache in FlashMLA's FP8 format (656 bytes a token at
+  DeepSeek's widths): the latent columns in e4m3 with one float32 scale
+  per token and block of columns, the rotary columns unquantized.  A
+  pytree: index, update and shard it field by field.
+
+  Attributes:
+    latent: ``[num_pages, page_size, v_head_dim]`` ``float8_e4m3fn``.
+    scales: ``[num_pages, page_size, v_head_dim // block]`` float32:
+      column block ``i`` (``block`` columns) of a token is ``latent *
+      scales[..., i]``.
+    rope: ``[num_pages, page_size, head_dim - v_head_dim]`` in the
+      queries' dtype.
+  """
+
+  latent: jax.Array
+  scales: jax.Array
+  rope: jax.Array
+
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    """The cache as ``[..., head_dim]`` of ``dtype`` (latent, then
+    rotary columns)."""
+    n = self.scales.shape[-1]
+    lat = self.latent.astype(jnp.float32).reshape(
+        *self.latent.shape[:-1], n, -1) * self.scales[..., None]
+    return jnp.concatenate(
+        [lat.reshape(self.latent.shape), self.rope.astype(jnp.float32)],
+        axis=-1).astype(dtype)
+
+
+def quantize_latent(x, *, v_head_dim: int = 512,
+                    block: int = 128) -> FP8Latent:
+  """``x [..., head_dim]`` (latent vectors, e.g. a cache's pages or new
+  tokens) in :class:`FP8Latent`'s format: each token's first
+  ``v_head_dim`` columns in blocks of ``block``, each block scaled so that
+  its largest magnitude is e4m3's largest (scale 1 for an all-zero
+  block), the rest kept in ``x``'s dtype (FlashMLA: 512 columns in blocks
+  of 128, 64 rotary columns in bf16)."""
+  if getattr(x, "ndim", 0) < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"x must be a floating array [..., head_dim], got"
+                     f" {getattr(x, 'dtype', type(x))}"
+                     f" {getattr(x, 'shape', '')}")
+  D = x.shape[-1]
+  if not isinstance(v_head_dim, int) or not 0 < v_head_dim < D:
+    raise ValueError(f"v_head_dim={v_head_dim!r} must be an int in (0,"
+                     f" head_dim={D})")
+  if not isinstance(block, int) or block < 1 or v_head_dim % block:
+    raise ValueError(f"block={block!r} must be a positive int dividing"
+                     f" v_head_dim={v_head_dim}")
+  lat = x[..., :v_head_dim].astype(jnp.float32).reshape(
+      *x.shape[:-1], v_head_dim // block, block)
+  amax = jnp.max(jnp.abs(lat), axis=-1)
+  scales = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+  latent = (lat / scales[..., None]).astype(jnp.float8_e4m3fn)
+  return FP8Latent(latent.reshape(*x.shape[:-1], v_head_dim), scales,
+                   x[..., v_head_dim:])
+
+
+def _check_fp8_latent(cache: FP8Latent, q, v_head_dim: int) -> int:
+  """The FP8 latent cache checked against ``q``: its head_dim."""
+  lat, sc, rope = cache
+  for name, x in (("latent", lat), ("scales", sc), ("rope", rope)):
+    if getattr(x, "ndim", None) != 3:
+      raise ValueError(f"FP8Latent.{name} must be [num_pages, page_size,"
+                       f" .], got shape {getattr(x, 'shape', x)}")
+  if lat.dtype != jnp.float8_e4m3fn or sc.dtype != jnp.float32:
+    raise ValueError(f"FP8Latent takes float8_e4m3fn latent columns and"
+                     f" float32 scales, got {lat.dtype} and {sc.dtype}")
+  if (sc.shape[:2] != lat.shape[:2] or rope.shape[:2] != lat.shape[:2]
+      or sc.shape[2] < 1 or lat.shape[2] % sc.shape[2]):
+    raise ValueError(
+        f"FP8Latent fields {lat.shape}, {sc.shape}, {rope.shape} must share"
+        " [num_pages, page_size] and the scales' blocks divide the latent"
+        " columns")
+  if lat.shape[2] != v_head_dim:
+    raise ValueError(f"v_head_dim={v_head_dim} must be the FP8 latent's"
+                     f" width {lat.shape[2]}")
+  if q.dtype not in (jnp.bfloat16, jnp.float16) or rope.dtype != q.dtype:
+    raise ValueError(f"an FP8 latent cache is read with bfloat16 or"
+                     f" float16 queries in the rotary columns' dtype, got q"
+                     f" {q.dtype} and rope {rope.dtype}")
+  return lat.shape[2] + rope.shape[2]
+
+
 def mla_attention(q, kv_pages, page_indices, kv_lengths, *,
                   v_head_dim: int = 512, softmax_scale: float | None = None,
                   return_lse: bool = False,
@@ -214,7 +304,8 @@ def mla_attention(q, kv_pages, page_indices, kv_lengths, *,
     q: ``[batch, q_len, heads, head_dim]`` (DeepSeek: head_dim 576, the
       512 latent and 64 rotary columns).
     kv_pages: ``[num_pages, page_size, head_dim]``, one latent vector per
-      token.
+      token, or an :class:`FP8Latent` (FlashMLA's FP8 format, from
+      :func:`quantize_latent`), dequantized in the kernel.
     page_indices, kv_lengths: as :func:`paged_attention`'s.
     v_head_dim: the value width (DeepSeek: 512).
     softmax_scale: default ``1 / sqrt(head_dim)``; DeepSeek-V2/V3 use ``1 /
@@ -234,18 +325,28 @@ def mla_attention(q, kv_pages, page_indices, kv_lengths, *,
   if getattr(q, "ndim", None) != 4:
     raise ValueError("q must be [batch, q_len, heads, head_dim], got shape"
                      f" {getattr(q, 'shape', q)}")
-  if getattr(kv_pages, "ndim", None) != 3:
-    raise ValueError("kv_pages must be [num_pages, page_size, head_dim],"
-                     f" got shape {getattr(kv_pages, 'shape', kv_pages)}")
   B, T, H, D = q.shape
-  if kv_pages.shape[2] != D or kv_pages.dtype != q.dtype:
-    raise ValueError(f"q {q.shape} {q.dtype} and kv_pages {kv_pages.shape}"
-                     f" {kv_pages.dtype} must share head_dim and dtype")
+  fp8_latent = isinstance(kv_pages, FP8Latent)
+  if fp8_latent:
+    if _check_fp8_latent(kv_pages, q, v_head_dim) != D:
+      raise ValueError(f"q's head_dim {D} must be the FP8 latent's"
+                       f" {kv_pages.latent.shape[2]} + rotary"
+                       f" {kv_pages.rope.shape[2]} columns")
+    page = kv_pages.latent.shape[1]
+  else:
+    if getattr(kv_pages, "ndim", None) != 3:
+      raise ValueError("kv_pages must be [num_pages, page_size, head_dim]"
+                       " or an FP8Latent, got shape"
+                       f" {getattr(kv_pages, 'shape', kv_pages)}")
+    if kv_pages.shape[2] != D or kv_pages.dtype != q.dtype:
+      raise ValueError(f"q {q.shape} {q.dtype} and kv_pages"
+                       f" {kv_pages.shape} {kv_pages.dtype} must share"
+                       " head_dim and dtype")
+    page = kv_pages.shape[1]
   if not isinstance(v_head_dim, int) or not 0 < v_head_dim < D:
     raise ValueError(f"v_head_dim={v_head_dim!r} must be an int in (0,"
                      f" head_dim={D})")
-  page_indices, kv_lengths = _check_table(page_indices, kv_lengths,
-                                          kv_pages.shape[1])
+  page_indices, kv_lengths = _check_table(page_indices, kv_lengths, page)
   if page_indices.shape[0] != B:
     raise ValueError(f"page_indices has {page_indices.shape[0]} rows for"
                      f" batch {B}")
@@ -254,17 +355,35 @@ def mla_attention(q, kv_pages, page_indices, kv_lengths, *,
   scale = checks.static_positive(
       "softmax_scale", 1.0 / math.sqrt(D) if softmax_scale is None
       else softmax_scale)
-  pages = kv_pages[:, :, None, :]  # one key/value head
-  if _kernel_serves(implementation, config, interpret,
-                    lambda: decode.check_mla(q, pages, v_head_dim)):
+  if fp8_latent:  # one key/value head
+    pages = kv_pages.latent[:, :, None, :]
+    extra = dict(latent_scales=kv_pages.scales,
+                 rope_pages=kv_pages.rope[:, :, None, :])
+    shape = jax.ShapeDtypeStruct((*pages.shape[:3], D), q.dtype)
+    block = v_head_dim // kv_pages.scales.shape[2]
+  else:
+    pages, extra, shape, block = kv_pages[:, :, None, :], {}, None, 0
+
+  def check():
+    decode.check_mla(q, shape or pages, v_head_dim)
+    if block and (block < 16 or block & (block - 1)):
+      raise NotImplementedError(
+          f"the Triton paged kernel takes FP8 latent blocks that are"
+          f" powers of two from 16 columns, got {block}")
+
+  if _kernel_serves(implementation, config, interpret, check, fp8_latent):
     out, lse = decode.paged_forward(
         q, pages, None, page_indices, kv_lengths, softmax_scale=scale,
         logits_soft_cap=None, window_left=None, config=config,
-        interpret=interpret, sm_count=sm_count(), v_head_dim=v_head_dim)
+        interpret=interpret, sm_count=sm_count(), v_head_dim=v_head_dim,
+        **extra)
   else:
+    if fp8_latent:
+      pages = kv_pages.dequantize()[:, :, None, :]
     out, lse = reference.paged_attention(
         q, pages, pages[..., :v_head_dim], page_indices, kv_lengths,
         softmax_scale=scale)
+    out = out.astype(q.dtype)
   return (out, lse) if return_lse else out
 
 

@@ -11,6 +11,7 @@ import jaxflash
 from jaxflash import _timing
 from jaxflash.bench import __main__ as bench_main
 from jaxflash.bench import core, impls, report
+from jaxflash.bench import decode as decode_bench
 
 
 def test_flops_match_anchor_convention():
@@ -640,6 +641,12 @@ def test_decode_fp8_cache_row():
   assert fp8["gbytes_per_s"] == pytest.approx(
       shape.kv_bytes / 2 / (fp8["ms"] * 1e-3) / 1e9)
   assert bench_main.main(["--mode", "decode", "--dtype", "fp8"]) == 2
+
+
+def test_mla_fp8_bytes_read():
+  """FlashMLA's FP8 latent reads 656 bytes a token at DeepSeek's widths
+  (512 e4m3, 4 float32 scales, 64 bf16), of the 2304 of a bf16 K and V."""
+  assert decode_bench.mla_fp8_bytes_read(576) == 656 / 2304
 
 
 @pytest.mark.slow  # 8 s; the MLA kernel is tested per commit (test_paged)

@@ -693,6 +693,36 @@ def test_paged_fp8_cache_lowers_to_triton(fake_gpu):
 
 
 @pytest.mark.parametrize("fake_gpu", ["H100"], indirect=True)
+@pytest.mark.parametrize("fp8_latent", [False, True], ids=["bf16", "fp8"])
+def test_mla_lowers_to_triton(fake_gpu, fp8_latent):
+  """Latent attention at DeepSeek's widths (576 / 512, pages of 64) lowers
+  to Triton IR for an H100: the latent block read once for both
+  products, and FlashMLA's FP8 latent (four 128-column blocks
+  dequantized by their tokens' scales, the rotary columns apart)."""
+  from jaxflash.triton import decode
+  q = jax.ShapeDtypeStruct((2, 1, 128, 576), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((2, 13), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  if fp8_latent:
+    pages = (jax.ShapeDtypeStruct((40, 64, 1, 512), jnp.float8_e4m3fn),
+             jax.ShapeDtypeStruct((40, 64, 4), jnp.float32),
+             jax.ShapeDtypeStruct((40, 64, 1, 64), jnp.bfloat16))
+  else:
+    pages = (jax.ShapeDtypeStruct((40, 64, 1, 576), jnp.bfloat16),)
+
+  def run(q, table, lengths, k, *fp8):
+    extra = (dict(latent_scales=fp8[0], rope_pages=fp8[1]) if fp8 else {})
+    return decode.paged_forward(
+        q, k, None, table, lengths, softmax_scale=192 ** -0.5,
+        logits_soft_cap=None, window_left=None, config=None,
+        interpret=False, v_head_dim=512, **extra)
+
+  text = jax.jit(run).trace(q, table, lengths, *pages).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "jaxflash_paged_decode" in text
+
+
+@pytest.mark.parametrize("fake_gpu", ["H100"], indirect=True)
 def test_dropout_lowers_to_triton(fake_gpu):
   """Attention dropout's hash (uint32 multiplies, xors, shifts) in the
   forward and both backward kernels lowers to Triton IR."""
@@ -711,28 +741,6 @@ def test_dropout_lowers_to_triton(fake_gpu):
       lowering_platforms=("cuda",)).as_text()
   for name in ("jaxflash_fwd", "jaxflash_bwd_dkv", "jaxflash_bwd_dq"):
     assert name in text
-
-
-@pytest.mark.parametrize("fake_gpu", ["H100"], indirect=True)
-def test_mla_lowers_to_triton(fake_gpu):
-  """Multi-head latent attention at DeepSeek's shapes (128 heads,
-  576 = 512 latent + 64 rotary columns, pages of 64) lowers to Triton IR:
-  the two column blocks of one cache, 32-row tiles."""
-  from jaxflash.triton import decode
-  q = jax.ShapeDtypeStruct((2, 1, 128, 576), jnp.bfloat16)
-  pages = jax.ShapeDtypeStruct((40, 64, 1, 576), jnp.bfloat16)
-  table = jax.ShapeDtypeStruct((2, 20), jnp.int32)
-  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
-
-  def run(q, pages, table, lengths):
-    return decode.paged_forward(
-        q, pages, None, table, lengths, softmax_scale=192 ** -0.5,
-        logits_soft_cap=None, window_left=None, config=None,
-        interpret=False, v_head_dim=512)
-
-  text = jax.jit(run).trace(q, pages, table, lengths).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert "jaxflash_paged_decode" in text
 
 
 @pytest.mark.parametrize("fake_gpu", ["H100"], indirect=True)

@@ -189,6 +189,60 @@ def test_mla_attention(q_len, heads, head_dim, v_head_dim):
     paged.mla_attention(q, pages, table, lengths, v_head_dim=head_dim)
 
 
+@pytest.mark.parametrize("q_len,block", [(1, 16), (2, 32)])
+def test_mla_fp8_latent(q_len, block):
+  """FlashMLA's FP8 latent format: the kernel dequantizes each block of
+  latent columns by its token's scale and reads the rotary columns as
+  they are; against the reference of the same dequantized cache (numerics
+  rule), and the XLA path; close to the unquantized cache; the
+  quantizer's blocks and the format's errors."""
+  q, kp, _, table, lengths = _cache(
+      12, batch=4, q_len=q_len, heads=16, kv_heads=1, head_dim=80,
+      page=16, pages_per_seq=4, lengths=[0, 1, 32, 63], dtype=jnp.float32)
+  q, pages = q.astype(jnp.bfloat16), kp[:, :, 0].astype(jnp.bfloat16)
+  cache = paged.quantize_latent(pages, v_head_dim=64, block=block)
+  assert cache.latent.dtype == jnp.float8_e4m3fn
+  assert cache.scales.shape == (*pages.shape[:2], 64 // block)
+  assert cache.rope.dtype == jnp.bfloat16 and cache.rope.shape[2] == 16
+  # Each block's largest magnitude lands on e4m3's largest.
+  lat = np.abs(np.asarray(cache.latent, np.float32)).reshape(
+      *pages.shape[:2], -1, block)
+  np.testing.assert_array_equal(lat.max(-1)[lat.max(-1) > 0], 448.0)
+  deq = cache.dequantize()
+  # e4m3's relative step, or below its subnormals (2^-9 of a scale).
+  np.testing.assert_allclose(deq, np.asarray(pages, np.float32),
+                             rtol=2 ** -4, atol=1e-4)
+  kw = dict(v_head_dim=64, softmax_scale=192 ** -0.5, return_lse=True)
+  got = paged.mla_attention(q, cache, table, lengths, **kw,
+                            implementation="triton", interpret=True)
+  kd = cache.dequantize(jnp.bfloat16)[:, :, None]
+  args = (q, kd, kd[..., :64], table, lengths)
+  _check(got, args, softmax_scale=192 ** -0.5)
+  xla = paged.mla_attention(q, cache, table, lengths, **kw,
+                            implementation="xla")
+  _check(xla, args, softmax_scale=192 ** -0.5)
+  plain = paged.mla_attention(q, pages, table, lengths, **kw,
+                              implementation="xla")
+  err = np.abs(np.asarray(got[0], np.float32)
+               - np.asarray(plain[0], np.float32))
+  assert err.max() <= 0.1 * np.abs(np.asarray(plain[0], np.float32)).max()
+  with pytest.raises(ValueError, match="v_head_dim=32 must be the FP8"):
+    paged.mla_attention(q, cache, table, lengths, v_head_dim=32)
+  with pytest.raises(ValueError, match="bfloat16 or float16 queries"):
+    paged.mla_attention(q.astype(jnp.float32), cache, table, lengths,
+                        v_head_dim=64)
+  with pytest.raises(ValueError, match="float8_e4m3fn latent"):
+    paged.mla_attention(q, cache._replace(latent=pages[..., :64]), table,
+                        lengths, v_head_dim=64)
+  with pytest.raises(ValueError, match="block=48"):
+    paged.quantize_latent(pages, v_head_dim=64, block=48)
+  with pytest.raises(NotImplementedError, match="blocks that are powers"):
+    paged.mla_attention(q, paged.quantize_latent(pages, v_head_dim=64,
+                                                 block=8),
+                        table, lengths, v_head_dim=64,
+                        implementation="triton", interpret=True)
+
+
 def test_reference_matches_dense_attention():
   """The paged reference against dense attention over each sequence's
   keys in order (causal, bottom-right)."""
@@ -447,17 +501,24 @@ def test_gpu_fp8_cache(page):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads,q_len", [(128, 1), (16, 2)])
-def test_gpu_mla(heads, q_len):
+@pytest.mark.parametrize("heads,q_len,fp8_latent", [
+    (128, 1, False), (16, 2, False), (128, 1, True)])
+def test_gpu_mla(heads, q_len, fp8_latent):
   """The compiled latent-attention kernel at DeepSeek's widths (576 / 512,
-  pages of 64, lengths up to 4096), by the numerics rule."""
+  pages of 64, lengths up to 4096), by the numerics rule; and over
+  FlashMLA's FP8 latent (against the reference of the dequantized
+  cache)."""
   q, kp, _, table, lengths = _cache(
       14, batch=3, q_len=q_len, heads=heads, kv_heads=1, head_dim=576,
       page=64, pages_per_seq=64, lengths=[4096, 1000, 1],
       dtype=jnp.float32)
   q, kp = q.astype(jnp.bfloat16), kp.astype(jnp.bfloat16)
+  cache = kp[:, :, 0]
+  if fp8_latent:
+    cache = paged.quantize_latent(cache)
+    kp = cache.dequantize(jnp.bfloat16)[:, :, None]
   got = jax.jit(lambda q, p, t, n: paged.mla_attention(
       q, p, t, n, softmax_scale=192 ** -0.5, return_lse=True,
-      implementation="triton"))(q, kp[:, :, 0], table, lengths)
+      implementation="triton"))(q, cache, table, lengths)
   _check(got, (q, kp, kp[..., :512], table, lengths),
          softmax_scale=192 ** -0.5)

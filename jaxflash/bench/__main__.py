@@ -457,7 +457,7 @@ def _decode_main(args, on_gpu: bool) -> int:
     print("No GPU here; for a smoke test on this CPU run: python -m"
           " jaxflash.bench --mode decode --cpu-smoke")
     return 0
-  names = (_impl_names(args, decode.MLA_IMPLS, tuple(decode.MLA_IMPLS))
+  names = (_impl_names(args, decode.MLA_IMPLS, decode.MLA_CPU_IMPLS)
            if mla else _impl_names(args, decode.IMPLS, decode.CPU_IMPLS))
   if names is None:
     return 2

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxflash
-from jaxflash import reference
+from jaxflash import paged, reference
 from jaxflash.bench import core
 
 MODE = "decode"
@@ -147,11 +147,13 @@ def mla_v_head_dim(head_dim: int) -> int:
   return 1 << (head_dim - 1).bit_length() - 1
 
 
-def _mla(implementation: str):
+def _mla(implementation: str, fp8_latent: bool = False):
   def make(shape: DecodeShape, interpret: bool):
     if shape.kv_heads != 1:
       raise NotImplementedError("latent attention has one cache vector per"
                                 " token (kv_heads 1)")
+    if fp8_latent and jnp.dtype(shape.dtype).itemsize != 2:
+      raise NotImplementedError("an FP8 latent is read by bf16/fp16 queries")
 
     def attend(q, pages, table, lengths):
       return jaxflash.mla_attention(
@@ -159,7 +161,7 @@ def _mla(implementation: str):
           v_head_dim=mla_v_head_dim(shape.head_dim),
           softmax_scale=MLA_SCALE, implementation=implementation,
           interpret=interpret)
-    return attend, "mla"
+    return attend, "mla-fp8" if fp8_latent else "mla"
   return make
 
 
@@ -213,12 +215,24 @@ CPU_IMPLS = ("jaxflash-paged", "jaxflash-paged-xla", "xla")
 MLA_IMPLS: dict[str, Callable] = {
     "jaxflash-mla": _mla("triton"),
     "jaxflash-mla-xla": _mla("xla"),
+    "jaxflash-mla-fp8": _mla("triton", fp8_latent=True),
 }
+MLA_CPU_IMPLS = ("jaxflash-mla", "jaxflash-mla-xla")  # (float32 smoke)
 
 
 # Bytes of K and V an implementation reads per element of the shape's
-# dtype: the FP8 cache one byte where the others read two.
+# dtype: the FP8 cache one byte where the others read two; latent
+# attention reads its one cache once (FlashMLA's FP8 latent:
+# :func:`mla_fp8_bytes_read`).
 BYTES_READ = {"jaxflash-paged-fp8": 0.5, **{n: 0.5 for n in MLA_IMPLS}}
+
+
+def mla_fp8_bytes_read(head_dim: int) -> float:
+  """The FP8 latent's bytes per token over a 2-byte K and V's: one byte
+  per latent column, a float32 scale per 128, two per rotary column
+  (656 of 2304 at DeepSeek's 576)."""
+  dv = mla_v_head_dim(head_dim)
+  return (dv + 4 * (dv // 128) + 2 * (head_dim - dv)) / (4 * head_dim)
 
 
 def record(shape: DecodeShape, impl: str, *, ms=None, max_abs_err=None,
@@ -230,8 +244,9 @@ def record(shape: DecodeShape, impl: str, *, ms=None, max_abs_err=None,
   gbs = tflops = None
   mla = impl in MLA_IMPLS  # one latent cache, read once (BYTES_READ)
   if ms is not None and error is None:
-    gbs = (shape.kv_bytes * BYTES_READ.get(impl, 1.0)
-           / (ms * 1e-3) / 1e9)
+    read = (mla_fp8_bytes_read(shape.head_dim)
+            if impl == "jaxflash-mla-fp8" else BYTES_READ.get(impl, 1.0))
+    gbs = shape.kv_bytes * read / (ms * 1e-3) / 1e9
     if mla:  # FlashMLA's count: 2 B T H S (head_dim + v_head_dim)
       flops = (2 * shape.batch * shape.q_len * shape.heads * shape.kv_len
                * (shape.head_dim + mla_v_head_dim(shape.head_dim)))
@@ -263,14 +278,18 @@ def run_shape(shape: DecodeShape, names, *, interpret: bool, samples: int,
     try:
       attend, layout = {**IMPLS, **MLA_IMPLS}[name](shape, interpret)
       expect = want
-      if layout == "mla":
+      if layout in ("mla", "mla-fp8"):
         # The cache's one vector per token is the key, its first columns
-        # the value.
+        # the value (FP8: checked against the dequantized cache).
         dv = mla_v_head_dim(shape.head_dim)
-        args = (q, k_pages[:, :, 0], table, lengths)
+        cache = pages = k_pages[:, :, 0]
+        if layout == "mla-fp8":
+          cache = paged.quantize_latent(pages, v_head_dim=dv)
+          pages = cache.dequantize(q.dtype)
+        args = (q, cache, table, lengths)
         expect = np.asarray(reference.paged_attention(
-            q[:1], k_pages, k_pages[..., :dv], table[:1], lengths[:1],
-            softmax_scale=MLA_SCALE)[0], np.float32)
+            q[:1], pages[:, :, None], pages[:, :, None, :dv], table[:1],
+            lengths[:1], softmax_scale=MLA_SCALE)[0], np.float32)
       elif layout == "fp8":
         # Checked against the reference of the dequantized pages.
         (k8, ks), (v8, vs) = (jaxflash.quantize_fp8(x, axis=2)

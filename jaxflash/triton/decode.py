@@ -136,13 +136,20 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, *refs,
             q_len: int, group: int, row_tiles: int, page: int,
             per_step: int, scale: float,
             soft_cap: float | None, causal: bool, window_left: int | None,
-            window_right: int | None, fp8: bool, mla: bool):
-  v_scale = qr = None
+            window_right: int | None, fp8: bool, mla: bool,
+            latent_block: int = 0):
+  v_scale = qr = latent_scales = None
   if mla:
     # Multi-head latent attention (DeepSeek-V2's absorbed form): k_ref
     # holds the latent columns, which are also the values, v_ref the
     # rotary columns of the same cache; the scores add both products.
     qr, refs = refs[0][...], refs[1:]
+  if latent_block:
+    # FlashMLA's FP8 latent: e4m3 columns with one float32 scale per
+    # token and latent_block columns, dequantized per block in q's dtype
+    # (the columns in blocks throughout: the scores sum the blocks'
+    # products, the output is accumulated per block).
+    latent_scales, refs = refs[0], refs[1:]
   if fp8:
     # An FP8 cache: pages widened to q's dtype (exact: every e4m3 and
     # e5m2 number is a bfloat16 and a float16 one), this head's k_scale
@@ -187,6 +194,19 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, *refs,
   hi = jnp.minimum(lo + per, end_page)
   q = q_ref[...]
   last_entry = idx_ref.shape[0] - 1
+  # The value columns in blocks (one block without an FP8 latent).
+  width = o_ref.shape[-1]
+  block = latent_block or width
+  cols = [pl.ds(c, block) for c in range(0, width, block)]
+  q_parts = [q_ref[:, c] for c in cols] if latent_block else [q]
+
+  def page_keys(slot):
+    """The page's keys in column blocks (also MLA's values)."""
+    if not latent_block:
+      return [k_ref[slot].astype(q.dtype)]
+    return [(k_ref[slot, :, c].astype(jnp.float32)
+             * latent_scales[slot, :, pl.ds(i, 1)]).astype(q.dtype)
+            for i, c in enumerate(cols)]
 
   def body(step, carry):
     acc, m_prev, l_prev = carry
@@ -198,8 +218,10 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, *refs,
       p = lo + step * per_step + j
       live = p < hi
       slot = jnp.where(live, idx_ref[jnp.minimum(p, last_entry)], 0)
-      k = k_ref[slot].astype(q.dtype)
-      s = dot(q, k, trans_b=True)
+      k = page_keys(slot)
+      s = dot(q_parts[0], k[0], trans_b=True)
+      for q_part, k_part in zip(q_parts[1:], k[1:]):
+        s = s + dot(q_part, k_part, trans_b=True)
       if mla:
         s = s + dot(qr, v_ref[slot], trans_b=True)
       s = s * scale
@@ -215,7 +237,7 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, *refs,
       if window_left is not None:
         keep = keep & (key[None, :] >= pos[:, None] - window_left)
       logits.append(jnp.where(keep, s, -jnp.inf))
-      values.append(k if mla else v_ref[slot].astype(q.dtype))
+      values.append(k if mla else [v_ref[slot].astype(q.dtype)])
     m_next = m_prev
     for s in logits:
       m_next = jnp.maximum(m_next, jnp.max(s, axis=1))
@@ -223,15 +245,16 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, *refs,
     # rather than exp2(-inf - -inf) = NaN.
     m_use = jnp.where(m_next == -jnp.inf, 0.0, m_next)
     alpha = jnp.exp2(m_prev - m_use)
-    acc = acc * alpha[:, None]
+    acc = [a * alpha[:, None] for a in acc]
     l_next = l_prev * alpha
     for s, v in zip(logits, values):
       prob = jnp.exp2(s - m_use[:, None])
-      acc = acc + dot(prob.astype(v.dtype), v)
+      acc = [a + dot(prob.astype(v_part.dtype), v_part)
+             for a, v_part in zip(acc, v)]
       l_next = l_next + jnp.sum(prob, axis=1)
     return acc, m_next, l_next
 
-  carry = (jnp.zeros(o_ref.shape, jnp.float32),
+  carry = ([jnp.zeros((rows, block), jnp.float32) for _ in cols],
            jnp.full((rows,), -jnp.inf, jnp.float32),
            jnp.zeros((rows,), jnp.float32))
   steps = lax.div(jnp.maximum(hi - lo, 0) + per_step - 1, per_step)
@@ -239,8 +262,11 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, *refs,
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
   if v_scale is not None:
-    acc = acc * v_scale
-  o_ref[...] = acc / l_safe[:, None]
+    acc = [a * v_scale for a in acc]
+  if not latent_block:
+    o_ref[...] = acc[0] / l_safe[:, None]
+  for c, a in zip(cols if latent_block else [], acc):
+    o_ref[:, c] = a / l_safe[:, None]
   lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
 
 
@@ -266,7 +292,8 @@ def paged_forward(q, k_pages, v_pages, page_indices, kv_lengths, *,
                   window_left: int | None, config: PagedConfig | None,
                   interpret: bool, sm_count: int = 132, q_start=None,
                   causal: bool = True, window_right: int | None = None,
-                  kv_scales=None, v_head_dim: int | None = None):
+                  kv_scales=None, v_head_dim: int | None = None,
+                  latent_scales=None, rope_pages=None):
   """``(out [B, T, H, D], lse [B, H, T] float32)`` of queries ``q [B, T,
   H, D]`` over the paged cache (see :mod:`jaxflash.reference`'s
   ``paged_attention`` for the semantics).
@@ -281,7 +308,11 @@ def paged_forward(q, k_pages, v_pages, page_indices, kv_lengths, *,
 
   ``v_pages`` None: multi-head latent attention, the values the first
   ``v_head_dim`` columns of ``k_pages`` (:func:`check_mla`); the output is
-  ``[B, T, H, v_head_dim]``."""
+  ``[B, T, H, v_head_dim]``.  With ``latent_scales [N, P, n]`` float32 the
+  latent is FP8: ``k_pages [N, P, 1, v_head_dim]`` holds the e4m3 latent
+  columns (column block ``i`` of ``v_head_dim / n`` times
+  ``latent_scales[..., i]``) and ``rope_pages [N, P, 1, D - v_head_dim]``
+  the rotary ones."""
   config = config or PagedConfig()
   B, T, H, D = q.shape
   _, page, K, _ = k_pages.shape
@@ -315,7 +346,9 @@ def paged_forward(q, k_pages, v_pages, page_indices, kv_lengths, *,
       per_step=per_step,
       scale=float(softmax_scale), soft_cap=logits_soft_cap, causal=causal,
       window_left=window_left, window_right=window_right,
-      fp8=kv_scales is not None, mla=mla)
+      fp8=kv_scales is not None, mla=mla,
+      latent_block=(0 if latent_scales is None
+                    else Dv // latent_scales.shape[-1]))
   q_specs, q_args = [], []
   if mla:
     # The latent columns [0, Dv) and the rotary ones [Dv, D) of the same
@@ -323,12 +356,19 @@ def paged_forward(q, k_pages, v_pages, page_indices, kv_lengths, *,
     # the rotary width).
     Dr = D - Dv
     qt, qr = qt[..., :Dv], qt[..., Dv:]
-    v_pages = k_pages
+    if rope_pages is None:
+      v_pages, rope_block = k_pages, Dv // Dr
+    else:  # (FP8 latent: the rotary columns are their own array)
+      v_pages, rope_block = rope_pages, 0
     v_spec = pl.BlockSpec((k_pages.shape[0], page, None, Dr),
-                          lambda b, i, s: (0, 0, i // R, Dv // Dr))
+                          lambda b, i, s: (0, 0, i // R, rope_block))
     q_specs = [pl.BlockSpec((None, None, tile, Dr),
                             lambda b, i, s: (b, i // R, i % R, 0))]
     q_args = [qr]
+    if latent_scales is not None:
+      q_specs.append(pl.BlockSpec(latent_scales.shape,
+                                  lambda b, i, s: (0, 0, 0)))
+      q_args.append(latent_scales)
   else:
     v_spec = pl.BlockSpec((v_pages.shape[0], page, None, D),
                           lambda b, i, s: (0, 0, i // R, 0))
