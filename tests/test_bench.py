@@ -643,6 +643,17 @@ def test_decode_fp8_cache_row():
   assert bench_main.main(["--mode", "decode", "--dtype", "fp8"]) == 2
 
 
+def test_cudnn_paged_needs_a_gpu_and_one_query():
+  """The cuDNN paged entry is a GPU row of q_len 1 (refused, with the
+  reason, in the interpreter and for longer chunks)."""
+  shape = decode_bench.DecodeShape(2, 1, 64, 8, 2, 64, 16)
+  with pytest.raises(NotImplementedError, match="GPU only"):
+    decode_bench.IMPLS["cudnn-paged"](shape, True)
+  with pytest.raises(NotImplementedError, match="q_len 1 only"):
+    decode_bench.IMPLS["cudnn-paged"](
+        decode_bench.DecodeShape(2, 4, 64, 8, 2, 64, 16), False)
+
+
 def test_mla_fp8_bytes_read():
   """FlashMLA's FP8 latent reads 656 bytes a token at DeepSeek's widths
   (512 e4m3, 4 float32 scales, 64 bf16), of the 2304 of a bf16 K and V."""

@@ -182,6 +182,30 @@ def _jax_nn(implementation: str):
   return make
 
 
+def _cudnn_paged(shape: DecodeShape, interpret: bool):
+  """cuDNN's paged entry point (private in jax 0.11.2:
+  ``jax._src.cudnn.fused_attention_stablehlo.paged_attention``), over the
+  same pages and table: it needs a pool of exactly batch x pages per
+  sequence blocks (the grid's; no shared pages) and its table as ``[B, 1,
+  M, 1]``; a padding mask by the lengths (q_len 1: the one query sees
+  every valid key)."""
+  if interpret:
+    raise NotImplementedError("cuDNN runs on a GPU only")
+  if shape.q_len != 1:
+    raise NotImplementedError("cuDNN's causal mask is top-left aligned:"
+                              " q_len 1 only")
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
+
+  def attend(q, k_pages, v_pages, table, lengths):
+    B = q.shape[0]
+    pages = table.reshape(B, 1, -1, 1)
+    return cudnn_fa.paged_attention(
+        q, k_pages, v_pages, jnp.ones((B,), jnp.int32), lengths, pages,
+        pages, scale=shape.head_dim ** -0.5,
+        mask_type=cudnn_fa.MaskType.PADDING, qkv_layout="BTNH")
+  return attend, False
+
+
 def _pallas_paged(shape: DecodeShape, interpret: bool):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -210,6 +234,7 @@ IMPLS: dict[str, Callable] = {
     "cudnn": _jax_nn("cudnn"),
     "xla": _jax_nn("xla"),
     "jax-pallas-paged": _pallas_paged,
+    "cudnn-paged": _cudnn_paged,
 }
 CPU_IMPLS = ("jaxflash-paged", "jaxflash-paged-xla", "xla")
 MLA_IMPLS: dict[str, Callable] = {
