@@ -396,8 +396,9 @@ class _Schedule:
   program runs one item (Mosaic GPU launches batch fastest, then query
   groups, then heads: :func:`forward`'s grid).  On the persistent grid
   program ``sm`` runs work units ``sm, sm + n_programs, ...``, heads
-  fastest, then query groups, then batch (:meth:`for_each_item`); causal
-  calls deal them longest first (:meth:`unit_coords`, :meth:`unit_of`).  On
+  fastest, then query groups, then batch (:meth:`for_each_item`), or on
+  causal calls longest first (:attr:`lpt`: :meth:`unit_coords`,
+  :meth:`unit_of`).  On
   causal calls query groups count from the longest (:meth:`item_ranges`).
   With clusters (``kv_multicast``) the two CTAs of a program or unit take
   adjacent query groups; with ``persistent_pairs`` a unit is the ``p``-th
