@@ -215,8 +215,10 @@ def _with_flash(segments, cols, q_pad: int, held: int, streamed: int, *,
                                held_q=held_q)[:, 0]
   full = flashmask.visible_runs(cols[:, None], q_pad, held, streamed,
                                 held_q=held_q)[:, 0]
-  lo = jnp.maximum(rng[:, 0], live[:, 0])
-  hi = jnp.maximum(jnp.minimum(rng[:, 1], live[:, 1]), lo)
+  lo, hi = live[:, 0], live[:, 1]
+  if rng is not None:  # (None: no segment ids, whose range it narrows)
+    lo = jnp.maximum(rng[:, 0], lo)
+    hi = jnp.maximum(jnp.minimum(rng[:, 1], hi), lo)
   return q_seg, kv_seg, jnp.stack([lo, hi, full[:, 0], full[:, 1]],
                                   axis=1), cols
 
@@ -227,7 +229,11 @@ def _segments(arrays: MaskArrays, st: _Static, batch: int):
   cfg, prob = st.config, st.prob
   q_seg, kv_seg = _segment_ids(arrays, prob, batch)
   held = cfg.compute_wgs * cfg.block_q
-  segments = (q_seg, kv_seg, _group_range(q_seg, held, kv_seg, cfg.block_kv))
+  # (A FlashMask alone: its own live ranges, not the ids' overlap, which
+  # would take a dozen more XLA ops to say "every tile".)
+  segments = (q_seg, kv_seg,
+              _group_range(q_seg, held, kv_seg, cfg.block_kv)
+              if prob.has_segment_ids else None)
   cols = (_flash_columns(arrays, prob, batch) if prob.has_flash_mask
           else None)
   return _with_flash(segments, cols, prob.q_pad, held, cfg.block_kv,
@@ -317,9 +323,11 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
     q_seg, kv_seg = _segment_ids(arrays, prob, B)
     cols = (_flash_columns(arrays, prob, B) if prob.has_flash_mask
             else None)
+    ids = prob.has_segment_ids  # (else the FlashMask's own ranges)
     q_group = 1 if config.bwd_paired_dq else n  # query tiles per program
     seg_dq = _with_flash((q_seg, kv_seg, _group_range(
-        q_seg, q_group * config.bwd_block_q, kv_seg, config.bwd_block_kv)),
+        q_seg, q_group * config.bwd_block_q, kv_seg, config.bwd_block_kv)
+        if ids else None),
         cols, prob.q_pad, q_group * config.bwd_block_q, config.bwd_block_kv,
         held_q=True)
     kv_group = 1 if config.bwd_paired_dkv else n  # key tiles per program
@@ -331,7 +339,7 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
                          - prob.q_pad)), constant_values=PAD_SEGMENT_ID)
     seg_dkv = _with_flash((q_seg_dkv, kv_seg, _group_range(
         kv_seg, kv_group * config.bwd_block_kv, q_seg_dkv,
-        config.dkv_block_q)), cols, q_seg_dkv.shape[1],
+        config.dkv_block_q) if ids else None), cols, q_seg_dkv.shape[1],
         kv_group * config.bwd_block_kv, config.dkv_block_q, held_q=False)
   splits = head_splits(prob, config)
   done = {name: run(*tensors) for name, run in backward_passes(
