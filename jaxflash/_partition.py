@@ -36,7 +36,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxflash import _context
+from jaxflash import _context, flashmask
 from jaxflash.masks import MaskArrays
 
 _DROPOUT_SEEDS = MaskArrays._fields.index("dropout_seeds")
@@ -75,11 +75,13 @@ def check_context(p, present, seq: tuple[str, ...], q_shape, k_shape) -> str:
   Both serve self-attention (equal query and key lengths, the last query
   with the last key) with causal or no positional mask, segment ids,
   sequence lengths (the ring folds them into segment ids,
-  :func:`jaxflash._context.fold_lengths`), GQA/MQA, a soft cap, dropout, a
-  dense bias (with its gradient) or mask and FlashMask (each block pair is
-  given its global positions, :func:`jaxflash._context.pair_arrays`); the
-  all-gather also serves local windows and ALiBi, whose static offsets
-  the ring's dynamic block pairs cannot carry."""
+  :func:`jaxflash._context.fold_lengths`), local windows (the ring carries
+  them as FlashMask columns, not beside a FlashMask), GQA/MQA, a soft cap,
+  dropout, a dense bias (with its gradient) or mask and FlashMask (each
+  block pair is given its global positions,
+  :func:`jaxflash._context.pair_arrays`); the all-gather also serves
+  ALiBi, whose static offsets the ring's dynamic block pairs cannot
+  carry."""
   m = p.mask
   window = m.window_left is not None or m.window_right is not None
   alibi = present[MaskArrays._fields.index("alibi_slopes")]
@@ -92,16 +94,18 @@ def check_context(p, present, seq: tuple[str, ...], q_shape, k_shape) -> str:
     served |= {"alibi_slopes"}
   unserved = [f for f, on in zip(MaskArrays._fields, present)
               if on and f not in served]
-  if window and mode == "ring":
-    unserved.append("local_window_size")
+  if window and mode == "ring" and present[
+      MaskArrays._fields.index("flash_mask")]:
+    unserved.append("local_window_size with a FlashMask")
   if q_shape[1] != k_shape[1] or m.offset != 0:
     unserved.append(f"q_len={q_shape[1]} != kv_len={k_shape[1]}")
   if unserved:
     raise ValueError(
         f"q's sequence axis is sharded over mesh axis {seq}: context"
         f" parallelism ({mode}) serves causal or full self-attention with"
-        " segment ids, lengths, dropout, dense bias or mask and FlashMask"
-        " (the all-gather also windows and ALiBi), not"
+        " segment ids, lengths, windows, dropout, dense bias or mask and"
+        " FlashMask (the ring a window only without a FlashMask; the"
+        " all-gather also ALiBi), not"
         f" {', '.join(unserved)}. Replicate the sequence axis, or call"
         " jaxflash.sharding.ring_attention in shard_map (docs/sharding.md)")
   return mode
@@ -309,9 +313,16 @@ def context_lower(mode: str, seq, n: int, local_fn, p, present, *,
           ag, *operands[:3], terms, *operands[3:7]), terms)
     return _context.allgather_forward(ag, *operands[:3], terms)
   # Lengths on the ring: folded into this block's segment ids at its
-  # global positions, as the kernels fold them on one device.
+  # global positions, as the kernels fold them on one device.  A window:
+  # as FlashMask columns over the global sequence, which each block pair
+  # reads at its own rows and keys (its MaskSpec has no window: the
+  # pair's offset is known only at run time).
   terms = _context.fold_lengths(terms, axis, operands[0].shape[1],
                                 operands[1].shape[1])
+  m = p.mask
+  if m.window_left is not None or m.window_right is not None:
+    terms = terms._replace(flash_mask=flashmask.window_columns(
+        n * operands[1].shape[1], m.window_left, m.window_right))
   z = lambda x, ax=1: (_context.to_zigzag(x, axis, n, ax) if balance
                        else x)
   unz = lambda x, ax=1: (_context.from_zigzag(x, axis, n, ax) if balance

@@ -533,6 +533,21 @@ def columns(mask: FlashMask) -> jax.Array:
       for x, fill in zip(fields, fills)], axis=2)
 
 
+def window_columns(seq: int, left: int | None,
+                   right: int | None) -> jax.Array:
+  """:func:`columns` of a local window over ``seq`` positions (query ``i``
+  at key ``i``): key ``j`` hidden from the rows past ``j + left`` and
+  those before ``j - right`` (a side None: unbounded).  ``[1, 1, 4,
+  seq]``: how context parallelism's ring carries a window, whose offset
+  between two blocks is known only at run time."""
+  j = jnp.arange(seq, dtype=jnp.int32)[None, None, :]
+  big = jnp.full_like(j, BIG)
+  lt_start = big if left is None else j + _i32(left) + 1
+  ut_end = jnp.zeros_like(j) if right is None else jnp.maximum(
+      j - _i32(right), 0)
+  return jnp.stack([lt_start, big, jnp.zeros_like(j), ut_end], axis=2)
+
+
 def column_tile_classes(cols: jax.Array, q_pad: int, block_q: int,
                         block_k: int) -> jax.Array:
   """:func:`tile_class` of every (query tile, key tile) pair of the

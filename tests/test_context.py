@@ -125,6 +125,22 @@ def test_allgather_mode(axis_type, kw):
   assert "reduce-scatter" in hlo
 
 
+@pytest.mark.slow  # (per commit: test_global_position_terms' window)
+@pytest.mark.parametrize("causal,window,axis_type", [
+    (True, (9, 0), AxisType.Auto), (False, (9, 5), AxisType.Explicit),
+], ids=["causal-Auto", "two-sided-Explicit"])
+def test_ring_carries_a_window(causal, window, axis_type):
+  """A local window on the ring (context_parallel="ring"; the rule sends
+  windows to the all-gather): carried as FlashMask columns over the
+  global sequence, which each block pair reads at its own offset, so the
+  sharded call equals the one-device one (a ring of 4 in zig-zag
+  order)."""
+  _need_devices()
+  hlo = _check((2, 4), ("data", "context"), P("data", "context"), causal,
+               axis_type, "ring", local_window_size=window)
+  assert "collective-permute" in hlo and "all-gather" not in hlo
+
+
 def test_the_rule():
   from jaxflash import _context
   assert _context.choose(None, 32, 8, False) == "allgather"  # GQA 4:1
@@ -143,8 +159,9 @@ def test_what_the_ring_cannot_serve_is_named():
       mesh, P(None, "context", *(None,) * (x.ndim - 2))))
   with pytest.raises(Exception, match=r"sequence axis is sharded over mesh"
                      r" axis \('context',\): context parallelism \(ring\)"
-                     r" .* not local_window_size"):
-    _run(True, local_window_size=8, context_parallel="ring")(
+                     r" .* not local_window_size with a FlashMask"):
+    _run(True, local_window_size=8, context_parallel="ring",
+         mask=jaxflash.FlashMask.prefix_lm(jnp.asarray([12, 21]), 64))(
         put(q), put(k), put(v), put(do), put(seg))
 
 
@@ -182,6 +199,8 @@ def _dense_terms(kind: str, seq: int = 32, heads: int = 2):
                                                   seq))
   if kind == "dropout":
     return dict(dropout_rate=0.25, dropout_rng=jax.random.key(7))
+  if kind == "window":  # on the ring: FlashMask columns
+    return dict(local_window_size=(5, 3))
   if kind == "lengths":  # padded rows and keys, across the blocks
     return dict(q_seq_lengths=jnp.asarray([seq - 3, seq // 2 - 5]),
                 kv_seq_lengths=jnp.asarray([seq - 7, seq // 2 + 3]))
@@ -213,6 +232,8 @@ DENSE_CASES = [
                  id="ring-Auto-mask", marks=pytest.mark.slow),
     pytest.param("ring", AxisType.Explicit, False, ("lengths",),
                  id="ring-Explicit-lengths"),
+    pytest.param("ring", AxisType.Auto, False, ("window",),
+                 id="ring-Auto-window"),
     pytest.param("ring", AxisType.Auto, True, ("lengths", "dropout"),
                  id="ring-Auto-causal-lengths-dropout",
                  marks=pytest.mark.slow),
@@ -222,8 +243,9 @@ DENSE_CASES = [
 @pytest.mark.parametrize("mode,axis_type,causal,terms", DENSE_CASES)
 def test_global_position_terms(mode, axis_type, causal, terms):
   """Dropout, a dense bias (and its gradient, rows sharded or broadcast)
-  or mask, FlashMask and lengths (the ring folds them into segment ids at
-  the block's global positions) under both schemes: each block pair gets its
+  or mask, FlashMask, lengths (the ring folds them into segment ids at
+  the block's global positions) and a window (the ring: as FlashMask
+  columns) under both schemes: each block pair gets its
   global rows and keys, so the sharded call equals the one-device one
   (same dropout mask included) on a (2, 2) batch x sequence mesh (the
   ring's loop over more devices: test_sequence_sharded_runs_the_ring)."""

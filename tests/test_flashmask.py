@@ -343,6 +343,21 @@ def test_live_and_visible_runs_against_brute_force(held_q):
   assert runs_seen
 
 
+@pytest.mark.parametrize("left,right", [(3, 0), (2, 5), (None, 4),
+                                        (6, None)])
+def test_window_columns_match_the_window(left, right):
+  """The ring's window as FlashMask columns hides what MaskSpec's window
+  hides (query i at key i)."""
+  from jaxflash.masks import MaskSpec
+  seq = 13
+  cols = np.asarray(flashmask.window_columns(seq, left, right))
+  i = np.arange(seq)[:, None]
+  lts, lte, uts, ute = (cols[0, 0, r][None, :] for r in range(4))
+  visible = ~(((lts <= i) & (i < lte)) | ((uts <= i) & (i < ute)))
+  want = MaskSpec(seq, seq, False, 0, left, right).dense()
+  np.testing.assert_array_equal(visible, np.asarray(want))
+
+
 def test_tile_class_exact_on_causal():
   """Where the extremes decide exactly: causal with square tiles is
   HIDDEN above the diagonal, VISIBLE below, PARTIAL on it."""
