@@ -402,7 +402,7 @@ def append(k_pages, v_pages, page_indices, kv_lengths, k_new, v_new):
   table, lengths32 = _check_cache(k_pages, v_pages, page_indices,
                                   kv_lengths)
   _, page, K, D = k_pages.shape
-  B, M = page_indices.shape
+  B = page_indices.shape[0]
   for name, x in (("k_new", k_new), ("v_new", v_new)):
     if getattr(x, "ndim", None) != 4 or x.shape[0] != B or x.shape[2:] != (
         K, D):
@@ -412,6 +412,24 @@ def append(k_pages, v_pages, page_indices, kv_lengths, k_new, v_new):
     raise ValueError(f"k_new {k_new.shape} and v_new {v_new.shape} must"
                      " match")
   n = k_new.shape[1]
+  phys, rows = _slots(table, lengths32, kv_lengths, n, page,
+                      k_pages.shape[0])
+
+  def put(pages, new):
+    return pages.at[phys, rows].set(
+        new.reshape(B * n, K, D).astype(pages.dtype), mode="drop")
+
+  return (put(k_pages, k_new), put(v_pages, v_new),
+          kv_lengths + jnp.asarray(n, kv_lengths.dtype))
+
+
+def _slots(table, lengths32, kv_lengths, n: int, page: int,
+           num_pages: int):
+  """Where ``n`` new tokens per sequence go: ``(page, row)`` index
+  vectors ``[batch * n]``; a token without a page gets the index past
+  the pages (dropped by ``mode="drop"``), a ValueError where the table
+  and lengths are concrete."""
+  M = table.shape[1]
   lengths = _concrete(kv_lengths)
   if lengths is not None and lengths.size and lengths.max() + n > M * page:
     raise ValueError(
@@ -420,30 +438,62 @@ def append(k_pages, v_pages, page_indices, kv_lengths, k_new, v_new):
   pos = lengths32[:, None] + jnp.arange(n, dtype=jnp.int32)
   logical = pos // page
   inside = logical < M
-  phys = jnp.take_along_axis(table,
-                             jnp.minimum(logical, M - 1), axis=1)
-  num_pages = k_pages.shape[0]
+  phys = jnp.take_along_axis(table, jnp.minimum(logical, M - 1), axis=1)
   valid = inside & (phys >= 0) & (phys < num_pages)
-  table = _concrete(phys)
-  if table is not None and lengths is not None and not np.all(
+  concrete = _concrete(phys)
+  if concrete is not None and lengths is not None and not np.all(
       np.asarray(valid)):
     b, t = np.argwhere(~np.asarray(valid))[0]
     raise ValueError(
         f"no page for token {t} of sequence {b} (position"
         f" {int(lengths[b]) + t}): page_indices[{b},"
-        f" {(int(lengths[b]) + t) // page}] = {int(table[b, t])} is not one"
-        f" of the {num_pages} pages")
+        f" {(int(lengths[b]) + t) // page}] = {int(concrete[b, t])} is not"
+        f" one of the {num_pages} pages")
   # Tokens without a page go to an index past the pages: dropped (a
   # negative index would wrap to the last page).
   phys = jnp.where(valid, phys, num_pages)
-  rows = pos % page
+  return phys.reshape(-1), (pos % page).reshape(-1)
 
-  def put(pages, new):
-    return pages.at[phys.reshape(-1), rows.reshape(-1)].set(
-        new.reshape(B * n, K, D).astype(pages.dtype), mode="drop")
 
-  return (put(k_pages, k_new), put(v_pages, v_new),
-          kv_lengths + jnp.asarray(n, kv_lengths.dtype))
+def append_latent(kv_pages, page_indices, kv_lengths, new):
+  """Writes new latent vectors into a latent cache (:func:`mla_attention`'s
+  ``kv_pages``): ``(kv_pages, kv_lengths + n)``.
+
+  ``new [batch, n, head_dim]``: token ``t`` of sequence ``b`` lands at
+  position ``kv_lengths[b] + t``, as :func:`append` places them.  An
+  :class:`FP8Latent` cache takes them quantized in its own blocks
+  (:func:`quantize_latent`).  Functional; in place under ``jit`` with the
+  cache donated.
+  """
+  fp8_latent = isinstance(kv_pages, FP8Latent)
+  pages = kv_pages.latent if fp8_latent else kv_pages
+  if getattr(pages, "ndim", None) != 3:
+    raise ValueError("kv_pages must be [num_pages, page_size, head_dim] or"
+                     " an FP8Latent, got shape"
+                     f" {getattr(pages, 'shape', pages)}")
+  num_pages, page = pages.shape[:2]
+  D = (pages.shape[2] + kv_pages.rope.shape[2] if fp8_latent
+       else pages.shape[2])
+  table, lengths32 = _check_table(page_indices, kv_lengths, page)
+  B = table.shape[0]
+  if getattr(new, "ndim", None) != 3 or new.shape[0] != B or (
+      new.shape[2] != D):
+    raise ValueError(f"new must be [batch={B}, n, head_dim={D}], got"
+                     f" {getattr(new, 'shape', new)}")
+  n = new.shape[1]
+  phys, rows = _slots(table, lengths32, kv_lengths, n, page, num_pages)
+
+  def put(field, value):
+    return field.at[phys, rows].set(
+        value.reshape(B * n, -1).astype(field.dtype), mode="drop")
+
+  lengths = kv_lengths + jnp.asarray(n, kv_lengths.dtype)
+  if not fp8_latent:
+    return put(kv_pages, new), lengths
+  width = pages.shape[2]
+  quantized = quantize_latent(
+      new, v_head_dim=width, block=width // kv_pages.scales.shape[2])
+  return FP8Latent(*(put(f, x) for f, x in zip(kv_pages, quantized))), lengths
 
 
 class PageAllocator:

@@ -2,6 +2,8 @@
 kernel in the Pallas interpreter, and XLA) against the dense reference,
 the cache update, and the argument checks."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -367,6 +369,42 @@ def test_append_then_attend():
     paged.append(kp, vp, table, lengths, big, big)
   kp3, _, _ = jax.jit(paged.append)(kp, vp, table, lengths, big, big)
   assert np.isfinite(np.asarray(kp3)).all()
+
+
+def test_append_latent_then_attend():
+  """New latent vectors land in their pages, in a bf16 cache and
+  quantized in an FP8 one (the same as quantizing the whole cache after
+  writing them); latent attention after the append equals the reference
+  over the written cache; a token without a page is refused."""
+  q, kp, _, table, lengths = _cache(
+      11, batch=2, q_len=1, heads=16, kv_heads=1, head_dim=80, page=16,
+      pages_per_seq=3, lengths=[5, 16], dtype=jnp.float32)
+  q, pages = q.astype(jnp.bfloat16), kp[:, :, 0].astype(jnp.bfloat16)
+  table = jnp.asarray(np.asarray(table) % pages.shape[0])
+  new = jax.random.normal(jax.random.key(4), (2, 3, 80), jnp.bfloat16)
+  bf16, len2 = paged.append_latent(pages, table, lengths, new)
+  np.testing.assert_array_equal(len2, [8, 19])
+  for b, t in itertools.product(range(2), range(3)):
+    pos = int(lengths[b]) + t
+    np.testing.assert_array_equal(bf16[int(table[b, pos // 16]), pos % 16],
+                                  new[b, t])
+  cache = paged.quantize_latent(pages, v_head_dim=64, block=32)
+  fp8, len3 = jax.jit(paged.append_latent)(cache, table, lengths, new)
+  np.testing.assert_array_equal(len3, len2)
+  for got, want in zip(fp8, paged.quantize_latent(bf16, v_head_dim=64,
+                                                  block=32)):
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(want, np.float32))
+  kw = dict(v_head_dim=64, interpret=True)
+  out = paged.mla_attention(q, fp8, table, len3, **kw)
+  deq = fp8.dequantize(jnp.bfloat16)[:, :, None]
+  want, _ = reference.paged_attention(q, deq, deq[..., :64], table, len3)
+  np.testing.assert_allclose(np.asarray(out, np.float32),
+                             np.asarray(want, np.float32), atol=2e-2)
+  with pytest.raises(ValueError, match="new must be"):
+    paged.append_latent(pages, table, lengths, new[..., :64])
+  with pytest.raises(ValueError, match="capacity 48"):
+    paged.append_latent(pages, table, lengths, jnp.zeros((2, 40, 80)))
 
 
 def test_bad_arguments():
