@@ -133,20 +133,25 @@ def pair_arrays(terms: MaskArrays, *, part: int, parts: int, q_start,
   ``parts`` in this device's block, at global row ``q_start``) and the
   ``k_len`` keys from global key ``k_start`` (``kv_seg`` their segment
   ids).  FlashMask's columns hide global rows, so the pair's rows are
-  ``q_start`` lower; dropout hashes global rows and keys."""
+  ``q_start`` lower; dropout hashes global rows and keys; ALiBi's
+  distance takes the pair's offset ``q_start - k_start`` as its shift."""
   fm = terms.flash_mask
   if fm is not None:
     fm = _keys(fm, k_start, k_len) - jnp.int32(q_start)
   seeds = terms.dropout_seeds
   if seeds is not None:
     seeds = seeds.at[:, 2].add(q_start).at[:, 3].add(k_start)
+  alibi = terms.alibi_slopes
+  if alibi is not None:
+    alibi = alibi.at[..., 1].add(
+        jnp.asarray(q_start - k_start, jnp.int32).astype(jnp.float32))
   q_seg = terms.q_segment_ids
   return terms._replace(
       q_segment_ids=None if q_seg is None else _chunks(q_seg, parts)[part],
       kv_segment_ids=kv_seg,
       bias=_keys(_rows(terms.bias, part, parts), k_start, k_len),
       dense_mask=_keys(_rows(terms.dense_mask, part, parts), k_start, k_len),
-      flash_mask=fm, dropout_seeds=seeds)
+      flash_mask=fm, dropout_seeds=seeds, alibi_slopes=alibi)
 
 
 def _add_bias_grad(buf, g, part: int, parts: int, k_start):

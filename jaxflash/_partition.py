@@ -77,11 +77,10 @@ def check_context(p, present, seq: tuple[str, ...], q_shape, k_shape) -> str:
   sequence lengths (the ring folds them into segment ids,
   :func:`jaxflash._context.fold_lengths`), local windows (the ring carries
   them as FlashMask columns, not beside a FlashMask), GQA/MQA, a soft cap,
-  dropout, a dense bias (with its gradient) or mask and FlashMask (each
+  dropout, a dense bias (with its gradient) or mask, FlashMask (each
   block pair is given its global positions,
-  :func:`jaxflash._context.pair_arrays`); the all-gather also serves
-  ALiBi, whose static offsets the ring's dynamic block pairs cannot
-  carry."""
+  :func:`jaxflash._context.pair_arrays`) and ALiBi (the pair's offset as
+  the distance's shift)."""
   m = p.mask
   window = m.window_left is not None or m.window_right is not None
   alibi = present[MaskArrays._fields.index("alibi_slopes")]
@@ -89,9 +88,7 @@ def check_context(p, present, seq: tuple[str, ...], q_shape, k_shape) -> str:
                          window or alibi)
   served = {"q_segment_ids", "kv_segment_ids", "q_seq_lengths",
             "kv_seq_lengths", "dropout_seeds", "bias", "dense_mask",
-            "flash_mask"}
-  if mode == "allgather":
-    served |= {"alibi_slopes"}
+            "flash_mask", "alibi_slopes"}
   unserved = [f for f, on in zip(MaskArrays._fields, present)
               if on and f not in served]
   if window and mode == "ring" and present[
@@ -103,9 +100,9 @@ def check_context(p, present, seq: tuple[str, ...], q_shape, k_shape) -> str:
     raise ValueError(
         f"q's sequence axis is sharded over mesh axis {seq}: context"
         f" parallelism ({mode}) serves causal or full self-attention with"
-        " segment ids, lengths, windows, dropout, dense bias or mask and"
-        " FlashMask (the ring a window only without a FlashMask; the"
-        " all-gather also ALiBi), not"
+        " segment ids, lengths, windows, ALiBi, dropout, dense bias or"
+        " mask and FlashMask (the ring a window only without a FlashMask),"
+        " not"
         f" {', '.join(unserved)}. Replicate the sequence axis, or call"
         " jaxflash.sharding.ring_attention in shard_map (docs/sharding.md)")
   return mode

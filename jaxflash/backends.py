@@ -227,7 +227,8 @@ def attention(backend: Backend | str, q, k, v, *, mask: MaskSpec,
       slopes = arrays.alibi_slopes[:, :, :, :1]  # [B|1, H, 1, 1]
       alibi = masks.alibi_bias(
           slopes, jnp.arange(q.shape[1])[:, None],
-          jnp.arange(k.shape[1])[None, :], mask.offset)
+          jnp.arange(k.shape[1])[None, :], mask.offset,
+          arrays.alibi_slopes[:, :, :, 1:])
       bias = alibi if bias is None else bias + alibi
     if arrays.flash_mask is not None:
       cols = flashmask.visible_from_columns(arrays.flash_mask, q.shape[1])

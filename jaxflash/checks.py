@@ -301,8 +301,9 @@ def dense_array(name: str, x, full: tuple[int, int, int, int],
 
 def alibi_slopes(x, batch: int, heads: int):
   """ALiBi slopes ``[heads]`` or ``[batch, heads]`` (floating) as the
-  kernels take them: float32 ``[B|1, H, 1, 2]`` (slope, unused); None
-  stays None."""
+  kernels take them: float32 ``[B|1, H, 1, 2]`` (slope, position shift:
+  0 here; context parallelism's block pairs set it,
+  :func:`jaxflash.masks.alibi_bias`); None stays None."""
   if x is None:
     return None
   x = x if isinstance(x, jax.Array) else jnp.asarray(x)

@@ -92,12 +92,15 @@ class MaskArrays(NamedTuple):
             or self.flash_mask is not None or self.alibi_slopes is not None)
 
 
-def alibi_bias(slope, q_idx, k_idx, offset: int):
+def alibi_bias(slope, q_idx, k_idx, offset: int, shift=None):
   """ALiBi (Press et al., arXiv 2108.12409) as FlashAttention-2 applies
   it: ``-slope * |i + offset - j|`` added to the scaled logits, ``i +
   offset`` the query's aligned key position (the bias is ``slope * (j -
-  i')`` on the keys a causal mask keeps)."""
-  return -slope * jnp.abs(q_idx + offset - k_idx).astype(jnp.float32)
+  i')`` on the keys a causal mask keeps).  ``shift`` (float, an integer
+  value): added to ``i + offset - j`` at run time (context parallelism's
+  block pairs: the pair's global row offset less its key offset)."""
+  d = (q_idx + offset - k_idx).astype(jnp.float32)
+  return -slope * jnp.abs(d if shift is None else d + shift)
 
 
 # Attention dropout's keep mask, as FlashAttention-1/2 make it: a pure

@@ -199,6 +199,8 @@ def _dense_terms(kind: str, seq: int = 32, heads: int = 2):
                                                   seq))
   if kind == "dropout":
     return dict(dropout_rate=0.25, dropout_rng=jax.random.key(7))
+  if kind == "alibi":  # on the ring: the pair's offset as its shift
+    return dict(alibi_slopes=jnp.asarray([0.5, 0.125][:heads]))
   if kind == "window":  # on the ring: FlashMask columns
     return dict(local_window_size=(5, 3))
   if kind == "lengths":  # padded rows and keys, across the blocks
@@ -234,6 +236,10 @@ DENSE_CASES = [
                  id="ring-Explicit-lengths"),
     pytest.param("ring", AxisType.Auto, False, ("window",),
                  id="ring-Auto-window"),
+    pytest.param("ring", AxisType.Auto, False, ("alibi",),
+                 id="ring-Auto-alibi"),
+    pytest.param("ring", AxisType.Explicit, True, ("alibi",),
+                 id="ring-Explicit-causal-alibi", marks=pytest.mark.slow),
     pytest.param("ring", AxisType.Auto, True, ("lengths", "dropout"),
                  id="ring-Auto-causal-lengths-dropout",
                  marks=pytest.mark.slow),
@@ -244,8 +250,8 @@ DENSE_CASES = [
 def test_global_position_terms(mode, axis_type, causal, terms):
   """Dropout, a dense bias (and its gradient, rows sharded or broadcast)
   or mask, FlashMask, lengths (the ring folds them into segment ids at
-  the block's global positions) and a window (the ring: as FlashMask
-  columns) under both schemes: each block pair gets its
+  the block's global positions), a window (the ring: as FlashMask
+  columns) and ALiBi (the ring: the pair's offset) under both schemes: each block pair gets its
   global rows and keys, so the sharded call equals the one-device one
   (same dropout mask included) on a (2, 2) batch x sequence mesh (the
   ring's loop over more devices: test_sequence_sharded_runs_the_ring)."""

@@ -261,9 +261,15 @@ def _forward(q, k, v, st: _Static, arrays: MaskArrays = NO_MASK_ARRAYS):
   kv_rows = _tma_rows(k.shape[1], st.config.unpadded_kv and gpu, prob.kv_pad)
   q_rows = _tma_rows(q.shape[1], st.config.unpadded_q and gpu, prob.q_pad)
   alibi = None
-  if prob.has_alibi:  # [B|1, H, 1, 2] -> [B, H], in the raw logits' units
-    alibi = jnp.broadcast_to(arrays.alibi_slopes[:, :, 0, 0].astype(
-        jnp.float32) / prob.softmax_scale, (q.shape[0], prob.num_heads))
+  if prob.has_alibi:
+    # [B|1, H, 1, 2] -> [B, H, 2]: the slope in the raw logits' units,
+    # the position shift as it is.
+    # (Built from scalars: an array constant cannot be closed over under
+    # custom_partitioning.)
+    slopes = arrays.alibi_slopes[:, :, 0, :].astype(jnp.float32)
+    alibi = jnp.broadcast_to(
+        jnp.stack([slopes[..., 0] / prob.softmax_scale, slopes[..., 1]],
+                  axis=-1), (q.shape[0], prob.num_heads, 2))
   out, lse = fwd_lib.forward(
       pad(q, q_rows), pad(k, kv_rows), pad(v, kv_rows), segments, alibi,
       prob=prob, cfg=st.config, interpret=_interpret_params(st.interpret))

@@ -274,8 +274,8 @@ class Problem:
   # the segment inputs (which it implies), seg_range then also narrowed to
   # the tiles it leaves (jaxflash.flashmask.live_ranges).
   has_flash_mask: bool = False
-  # ALiBi: slopes [B, H] float32 (divided by softmax_scale: in the raw
-  # logits' units) after the mask inputs.
+  # ALiBi: [B, H, 2] float32 (slopes divided by softmax_scale: in the raw
+  # logits' units; position shifts) after the mask inputs.
   has_alibi: bool = False
 
 
@@ -696,8 +696,9 @@ class _Item:
     q_idx = pipeline.index_tile(self.q_start + self.prob.mask.offset, shape,
                                 0)
     k_idx = pipeline.index_tile(t * self.bk, shape, 1)
-    slope = self.r.alibi[self.b, self.h]
-    return jnp.abs(q_idx - k_idx).astype(jnp.float32) * (-slope)
+    slope = self.r.alibi[self.b, self.h, 0]
+    shift = self.r.alibi[self.b, self.h, 1]  # (a block pair's offset)
+    return jnp.abs((q_idx - k_idx).astype(jnp.float32) + shift) * (-slope)
 
   def probs_where_visible(self, s, t, m, full_lo, full_hi):
     """:meth:`probs` for a tile whose masking is known only at run time:
@@ -1575,8 +1576,9 @@ def forward(q, k, v, segments=None, alibi=None, *, prob: Problem,
 
   ``segments``: ``(q_seg, kv_seg, seg_range)`` when ``prob.has_segments``,
   and the FlashMask columns ``[B, 4, Sp]`` after them with
-  ``prob.has_flash_mask``.  ``alibi``: ALiBi's slopes ``[B, H]`` float32
-  divided by the softmax scale, with ``prob.has_alibi``.
+  ``prob.has_flash_mask``.  ``alibi``: ALiBi's ``[B, H, 2]`` float32
+  (the slopes divided by the softmax scale, the position shifts of
+  :func:`jaxflash.masks.alibi_bias`), with ``prob.has_alibi``.
   """
   dtype = q.dtype
   dp = prob.head_dim_padded

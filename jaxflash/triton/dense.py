@@ -204,9 +204,10 @@ def add_bias(s2, refs: DenseRefs, prob: Problem, *, held_q: bool, t,
               block=block)
     s2 = s2 + b.astype(jnp.float32) * LOG2E
   if refs.alibi is not None:
-    slope = refs.alibi[0] if held_q else refs.alibi[g, 0]
-    s2 = s2 + masks.alibi_bias(slope, q_idx, k_idx,
-                               prob.mask.offset) * LOG2E
+    slope, shift = ((refs.alibi[0], refs.alibi[1]) if held_q
+                    else (refs.alibi[g, 0], refs.alibi[g, 1]))
+    s2 = s2 + masks.alibi_bias(slope, q_idx, k_idx, prob.mask.offset,
+                               shift) * LOG2E
   return s2
 
 
