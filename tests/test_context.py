@@ -251,8 +251,9 @@ def test_global_position_terms(mode, axis_type, causal, terms):
   """Dropout, a dense bias (and its gradient, rows sharded or broadcast)
   or mask, FlashMask, lengths (the ring folds them into segment ids at
   the block's global positions), a window (the ring: as FlashMask
-  columns) and ALiBi (the ring: the pair's offset) under both schemes: each block pair gets its
-  global rows and keys, so the sharded call equals the one-device one
+  columns) and ALiBi (the ring: the pair's offset) under both schemes:
+  each block pair gets its global rows and keys, so the sharded call
+  equals the one-device one
   (same dropout mask included) on a (2, 2) batch x sequence mesh (the
   ring's loop over more devices: test_sequence_sharded_runs_the_ring)."""
   _need_devices()
