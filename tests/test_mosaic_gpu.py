@@ -69,6 +69,7 @@ PER_COMMIT = (
     'bwd_dkv_block_q_80+early_dv-d128-full-6tiles',
     'bwd_early_dv-d32-tiny-window-empty',
     'flashmask-prefix-2wg',
+    'flashmask-question-lengths',
     'intra_wg_overlap+prefetch_q+early_q_release-d256-causal-q300-k100',
     'prefetch_q-d192-q113-k17',
     'rescale_threshold-d64-persistent-2wg-causal',
