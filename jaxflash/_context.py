@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxflash.masks import PAD_SEGMENT_ID, MaskArrays, MaskSpec
+from jaxflash import masks
+from jaxflash.masks import MaskArrays, MaskSpec
 
 
 def _merge(out_a, lse_a, out_b, lse_b):
@@ -459,27 +460,19 @@ def fold_lengths(terms: MaskArrays, axis, q_block: int,
   """Sequence lengths folded into segment ids for this device's blocks
   (natural order: block ``i`` of the sequence axis ``axis`` holds
   positions ``[i * block, (i + 1) * block)``): a position at or past its
-  row's length takes :data:`jaxflash.masks.PAD_SEGMENT_ID`, which the
-  kernels mask as they mask lengths on one device; without segment ids
-  every other position takes id 0.  Unchanged without lengths."""
+  row's length takes :data:`jaxflash.masks.PAD_SEGMENT_ID`
+  (:func:`jaxflash.masks.fold_lengths`, as the kernels fold them on one
+  device).  Unchanged without lengths."""
   q_len, kv_len = terms.q_seq_lengths, terms.kv_seq_lengths
   if q_len is None and kv_len is None:
     return terms
   i = lax.axis_index(axis)
-
-  def fold(seg, lengths, block, like):
-    pos = i * block + jnp.arange(block, dtype=jnp.int32)[None, :]
-    ids = (jnp.zeros((like.shape[0], block), jnp.int32) if seg is None
-           else seg.astype(jnp.int32))
-    if lengths is None:
-      return ids
-    return jnp.where(pos < lengths.astype(jnp.int32)[:, None], ids,
-                     PAD_SEGMENT_ID)
-
-  like = q_len if q_len is not None else kv_len
+  batch = (q_len if q_len is not None else kv_len).shape[0]
   return terms._replace(
-      q_segment_ids=fold(terms.q_segment_ids, q_len, q_block, like),
-      kv_segment_ids=fold(terms.kv_segment_ids, kv_len, kv_block, like),
+      q_segment_ids=masks.fold_lengths(terms.q_segment_ids, q_len, batch,
+                                       q_block, i * q_block),
+      kv_segment_ids=masks.fold_lengths(terms.kv_segment_ids, kv_len, batch,
+                                        kv_block, i * kv_block),
       q_seq_lengths=None, kv_seq_lengths=None)
 
 

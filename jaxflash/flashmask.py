@@ -562,45 +562,32 @@ def column_tile_classes(cols: jax.Array, q_pad: int, block_q: int,
   return tile_class(bounds, rows, rows + block_q)
 
 
-def _held_classes(cols, q_pad: int, held: int, streamed: int, held_q: bool):
-  """:func:`column_tile_classes` with the held tiles on axis 2."""
-  if held_q:
-    return column_tile_classes(cols, q_pad, held, streamed)
-  return jnp.swapaxes(column_tile_classes(cols, q_pad, streamed, held), 2, 3)
-
-
-def visible_runs(cols: jax.Array, q_pad: int, held: int, streamed: int, *,
-                 held_q: bool) -> jax.Array:
-  """Per held tile, the first run of streamed tiles that the mask leaves
-  visible throughout: int32 ``[B|1, H|1, 2, n_held]`` (first, one past
-  the last; empty where none is).  A kernel runs them without the element
-  mask (FlashMask's unmasked blocks, arXiv 2410.01359 §4.2) and masks
-  the others it visits; arguments as :func:`live_ranges`."""
-  cls = _held_classes(cols, q_pad, held, streamed, held_q)
-  n = cls.shape[-1]
-  full = cls == TILE_VISIBLE
-  idx = jnp.arange(n, dtype=jnp.int32)
-  first = jnp.min(jnp.where(full, idx, n), axis=-1)
-  end = jnp.min(jnp.where(~full & (idx >= first[..., None]), idx, n),
-                axis=-1)
-  return jnp.stack([first, end], axis=2)
-
-
-def live_ranges(cols: jax.Array, q_pad: int, held: int, streamed: int, *,
+def tile_ranges(cols: jax.Array, q_pad: int, held: int, streamed: int, *,
                 held_q: bool) -> jax.Array:
-  """Per held tile, the streamed tiles a kernel must visit: int32 ``[B|1,
-  H|1, 2, n_held]`` (first, one past the last tile that is not hidden;
-  ``[0, 0)`` when all are).  ``held_q``: query tiles of ``held`` rows
-  stream key tiles of ``streamed`` keys (forward, dQ); else key tiles of
-  ``held`` keys stream query tiles of ``streamed`` rows (dK/dV).
-  ``cols``: :func:`columns`' output padded to whole key tiles."""
-  cls = _held_classes(cols, q_pad, held, streamed, held_q)
+  """Per held tile, the streamed tiles a kernel visits and those it runs
+  without the element mask: int32 ``[B|1, H|1, 4, n_held]``, rows ``(first,
+  end)`` of the tiles that are not hidden (``[0, 0)`` when all are) and
+  ``(first, end)`` of the first run of tiles visible throughout (empty
+  where none is; FlashMask's unmasked blocks, arXiv 2410.01359 §4.2).
+  ``held_q``: query tiles of ``held`` rows stream key tiles of
+  ``streamed`` keys (forward, dQ); else key tiles of ``held`` keys stream
+  query tiles of ``streamed`` rows (dK/dV).  ``cols``: :func:`columns`'
+  output padded to whole key tiles."""
+  if held_q:
+    cls = column_tile_classes(cols, q_pad, held, streamed)
+  else:
+    cls = jnp.swapaxes(column_tile_classes(cols, q_pad, streamed, held),
+                       2, 3)
   n = cls.shape[-1]
-  live = cls != TILE_HIDDEN
   idx = jnp.arange(n, dtype=jnp.int32)
+  live = cls != TILE_HIDDEN
   first = jnp.min(jnp.where(live, idx, n), axis=-1)
   last = jnp.max(jnp.where(live, idx + 1, 0), axis=-1)
-  return jnp.stack([jnp.minimum(first, last), last], axis=2)
+  full = cls == TILE_VISIBLE
+  run = jnp.min(jnp.where(full, idx, n), axis=-1)
+  run_end = jnp.min(jnp.where(~full & (idx >= run[..., None]), idx, n),
+                    axis=-1)
+  return jnp.stack([jnp.minimum(first, last), last, run, run_end], axis=2)
 
 
 def pad_columns(cols: jax.Array, kv_pad: int) -> jax.Array:

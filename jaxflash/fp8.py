@@ -55,13 +55,17 @@ def quantize_fp8(x, *, axis: int | None = None, dtype=jnp.float8_e4m3fn):
       raise ValueError(f"axis={axis!r} is not an axis of shape {x.shape}")
     axis %= x.ndim
   others = tuple(a for a in range(x.ndim) if a != axis)
-  amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=others)
+  return amax_quantize(x, others, dtype)
+
+
+def amax_quantize(x, axes: tuple[int, ...], dtype=jnp.float8_e4m3fn):
+  """``(x_fp8, scale)``: ``x`` scaled by the amax over ``axes`` so that
+  the largest magnitude of each slice is ``dtype``'s largest (an all-zero
+  slice: scale 1); ``scale`` float32 with ``axes`` removed."""
+  x32 = jnp.asarray(x).astype(jnp.float32)
+  amax = jnp.max(jnp.abs(x32), axis=axes, keepdims=True)
   scale = jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
-  shape = [1] * x.ndim
-  if axis is not None:
-    shape[axis] = x.shape[axis]
-  q = (x.astype(jnp.float32) / scale.reshape(shape)).astype(dtype)
-  return q, scale.astype(jnp.float32)
+  return (x32 / scale).astype(dtype), jnp.squeeze(scale, axes)
 
 
 def _hadamard(n: int) -> np.ndarray:

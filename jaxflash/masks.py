@@ -92,6 +92,21 @@ class MaskArrays(NamedTuple):
             or self.flash_mask is not None or self.alibi_slopes is not None)
 
 
+def fold_lengths(seg, lengths, batch: int, n: int, start=0) -> jax.Array:
+  """Segment ids ``[batch, n]`` int32 of positions ``start .. start + n -
+  1`` with the sequence lengths folded in: a position at or past its
+  row's length takes :data:`PAD_SEGMENT_ID` (attends nowhere, seen by
+  none), as the kernels take lengths.  ``seg`` ``[batch, n]`` or None
+  (every position id 0), ``lengths`` ``[batch]`` or None."""
+  ids = (jnp.zeros((batch, n), jnp.int32) if seg is None
+         else seg.astype(jnp.int32))
+  if lengths is None:
+    return ids
+  pos = start + jnp.arange(n, dtype=jnp.int32)[None, :]
+  return jnp.where(pos < lengths.astype(jnp.int32)[:, None], ids,
+                   PAD_SEGMENT_ID)
+
+
 def alibi_bias(slope, q_idx, k_idx, offset: int, shift=None):
   """ALiBi (Press et al., arXiv 2108.12409) as FlashAttention-2 applies
   it: ``-slope * |i + offset - j|`` added to the scaled logits, ``i +

@@ -198,11 +198,6 @@ def paged_attention(q, k_pages, v_pages, page_indices, kv_lengths, *,
   return (out, lse) if return_lse else out
 
 
-# e4m3's largest finite value: an FP8 latent block's scale maps its
-# largest magnitude there.
-E4M3_MAX = 448.0
-
-
 class FP8Latent(NamedTuple):
   """A latent cache in FlashMLA's FP8 format (656 bytes a token at
   DeepSeek's widths): the latent columns in e4m3 with one float32 scale
@@ -252,12 +247,9 @@ def quantize_latent(x, *, v_head_dim: int = 512,
   if not isinstance(block, int) or block < 1 or v_head_dim % block:
     raise ValueError(f"block={block!r} must be a positive int dividing"
                      f" v_head_dim={v_head_dim}")
-  lat = x[..., :v_head_dim].astype(jnp.float32).reshape(
-      *x.shape[:-1], v_head_dim // block, block)
-  amax = jnp.max(jnp.abs(lat), axis=-1)
-  scales = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-  latent = (lat / scales[..., None]).astype(jnp.float8_e4m3fn)
-  return FP8Latent(latent.reshape(*x.shape[:-1], v_head_dim), scales,
+  lat, scales = fp8.amax_quantize(x[..., :v_head_dim].reshape(
+      *x.shape[:-1], v_head_dim // block, block), (x.ndim,))
+  return FP8Latent(lat.reshape(*x.shape[:-1], v_head_dim), scales,
                    x[..., v_head_dim:])
 
 
@@ -359,18 +351,10 @@ def mla_attention(q, kv_pages, page_indices, kv_lengths, *,
     pages = kv_pages.latent[:, :, None, :]
     extra = dict(latent_scales=kv_pages.scales,
                  rope_pages=kv_pages.rope[:, :, None, :])
-    shape = jax.ShapeDtypeStruct((*pages.shape[:3], D), q.dtype)
     block = v_head_dim // kv_pages.scales.shape[2]
   else:
-    pages, extra, shape, block = kv_pages[:, :, None, :], {}, None, 0
-
-  def check():
-    decode.check_mla(q, shape or pages, v_head_dim)
-    if block and (block < 16 or block & (block - 1)):
-      raise NotImplementedError(
-          f"the Triton paged kernel takes FP8 latent blocks that are"
-          f" powers of two from 16 columns, got {block}")
-
+    pages, extra, block = kv_pages[:, :, None, :], {}, 0
+  check = lambda: decode.check_mla(q, page, v_head_dim, latent_block=block)
   if _kernel_serves(implementation, config, interpret, check, fp8_latent):
     out, lse = decode.paged_forward(
         q, pages, None, page_indices, kv_lengths, softmax_scale=scale,
@@ -412,15 +396,18 @@ def append(k_pages, v_pages, page_indices, kv_lengths, k_new, v_new):
     raise ValueError(f"k_new {k_new.shape} and v_new {v_new.shape} must"
                      " match")
   n = k_new.shape[1]
-  phys, rows = _slots(table, lengths32, kv_lengths, n, page,
-                      k_pages.shape[0])
-
-  def put(pages, new):
-    return pages.at[phys, rows].set(
-        new.reshape(B * n, K, D).astype(pages.dtype), mode="drop")
-
-  return (put(k_pages, k_new), put(v_pages, v_new),
+  slots = _slots(table, lengths32, kv_lengths, n, page, k_pages.shape[0])
+  return (_put(k_pages, slots, k_new), _put(v_pages, slots, v_new),
           kv_lengths + jnp.asarray(n, kv_lengths.dtype))
+
+
+def _put(pages, slots, new):
+  """``new [batch, n, ...]`` written at :func:`_slots`' ``(page, row)``
+  slots of ``pages`` (tokens without a page dropped)."""
+  phys, rows = slots
+  return pages.at[phys, rows].set(
+      new.reshape(phys.shape[0], *pages.shape[2:]).astype(pages.dtype),
+      mode="drop")
 
 
 def _slots(table, lengths32, kv_lengths, n: int, page: int,
@@ -481,19 +468,15 @@ def append_latent(kv_pages, page_indices, kv_lengths, new):
     raise ValueError(f"new must be [batch={B}, n, head_dim={D}], got"
                      f" {getattr(new, 'shape', new)}")
   n = new.shape[1]
-  phys, rows = _slots(table, lengths32, kv_lengths, n, page, num_pages)
-
-  def put(field, value):
-    return field.at[phys, rows].set(
-        value.reshape(B * n, -1).astype(field.dtype), mode="drop")
-
+  slots = _slots(table, lengths32, kv_lengths, n, page, num_pages)
   lengths = kv_lengths + jnp.asarray(n, kv_lengths.dtype)
   if not fp8_latent:
-    return put(kv_pages, new), lengths
+    return _put(kv_pages, slots, new), lengths
   width = pages.shape[2]
   quantized = quantize_latent(
       new, v_head_dim=width, block=width // kv_pages.scales.shape[2])
-  return FP8Latent(*(put(f, x) for f, x in zip(kv_pages, quantized))), lengths
+  return FP8Latent(*(_put(f, slots, x)
+                     for f, x in zip(kv_pages, quantized))), lengths
 
 
 class PageAllocator:

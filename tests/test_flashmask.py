@@ -299,9 +299,9 @@ def test_tile_class_sound_patterns():
 
 
 @pytest.mark.parametrize("held_q", [True, False])
-def test_live_and_visible_runs_against_brute_force(held_q):
-  """``live_ranges`` spans exactly the tiles with a visible element, and
-  every tile in ``visible_runs``'s run is visible throughout (the kernels
+def test_tile_ranges_against_brute_force(held_q):
+  """``tile_ranges``' live range spans exactly the tiles with a visible
+  element, and every tile in its run is visible throughout (the kernels
   drop the element mask there), for patterns whose runs are cut by
   partial tiles on both sides; both kernel orientations (held query
   tiles streaming key tiles, and the reverse)."""
@@ -315,10 +315,9 @@ def test_live_and_visible_runs_against_brute_force(held_q):
                                                        (4, 8)]):
     dense = np.broadcast_to(_dense_loops(m, q_len), (2, 1, q_len, kv_len))
     cols = flashmask.columns(m)
-    live = np.asarray(flashmask.live_ranges(cols, q_len, held, streamed,
-                                            held_q=held_q))
-    full = np.asarray(flashmask.visible_runs(cols, q_len, held, streamed,
-                                             held_q=held_q))
+    ranges = np.asarray(flashmask.tile_ranges(cols, q_len, held, streamed,
+                                              held_q=held_q))
+    live, full = ranges[:, :, :2], ranges[:, :, 2:]
     n_held = (q_len if held_q else kv_len) // held
     n_streamed = (kv_len if held_q else q_len) // streamed
     for b, i in itertools.product(range(2), range(n_held)):

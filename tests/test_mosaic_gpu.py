@@ -1387,7 +1387,7 @@ def test_item_overlap_only_where_consumers_take_the_same_turns():
     prob = fwd_lib.Problem(mask=spec, softmax_scale=0.1, batch=1,
                            num_heads=2, num_kv_heads=2, q_pad=q_pad,
                            kv_pad=2048, head_dim_padded=128,
-                           has_segments=segments)
+                           has_segment_ids=segments)
     return fwd_lib._chains_items(cfg, prob)
 
   assert chains()
@@ -1482,7 +1482,7 @@ def test_multicast_clusters_only_where_both_ctas_stream_the_same_tiles():
     prob = fwd_lib.Problem(mask=spec, softmax_scale=0.1, batch=1,
                            num_heads=2, num_kv_heads=2, q_pad=2048,
                            kv_pad=2048, head_dim_padded=128,
-                           has_segments=segments)
+                           has_segment_ids=segments)
     return fwd_lib._cluster_size(cfg, prob, n_groups)
 
   assert size() == 2

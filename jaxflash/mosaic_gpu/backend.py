@@ -135,24 +135,18 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
       num_kv_heads=K, q_pad=round_up(T, config.compute_wgs * config.block_q),
       kv_pad=round_up(S, config.block_kv), head_dim_padded=dp,
       logits_soft_cap=logits_soft_cap,
-      has_segments=_has_mask_inputs(arrays),
-      has_segment_ids=_has_segment_ids(arrays),
-      has_flash_mask=arrays.flash_mask is not None,
-      has_alibi=arrays.alibi_slopes is not None)
+      **_mask_flags(arrays))
   return _Static(prob=prob, config=config, interpret=interpret, head_dim=D)
 
 
-def _has_segment_ids(arrays: MaskArrays) -> bool:
-  """Whether the call has segment ids or lengths (then every tile a
-  kernel computes takes the element mask)."""
-  return any(getattr(arrays, f) is not None for f in (
-      "q_segment_ids", "kv_segment_ids", "q_seq_lengths", "kv_seq_lengths"))
-
-
-def _has_mask_inputs(arrays: MaskArrays) -> bool:
-  """Whether the kernels take the segment inputs: segment ids, lengths
-  (folded into them) or a FlashMask (which rides with them)."""
-  return _has_segment_ids(arrays) or arrays.flash_mask is not None
+def _mask_flags(arrays: MaskArrays) -> dict:
+  """The :class:`forward.Problem` flags of the call's mask inputs."""
+  return dict(
+      has_segment_ids=any(getattr(arrays, f) is not None for f in (
+          "q_segment_ids", "kv_segment_ids", "q_seq_lengths",
+          "kv_seq_lengths")),
+      has_flash_mask=arrays.flash_mask is not None,
+      has_alibi=arrays.alibi_slopes is not None)
 
 
 def _segment_ids(arrays: MaskArrays, prob: fwd_lib.Problem, batch: int):
@@ -161,13 +155,8 @@ def _segment_ids(arrays: MaskArrays, prob: fwd_lib.Problem, batch: int):
   tiles: ``(q_seg [B, q_pad], kv_seg [B, kv_pad])`` int32."""
 
   def ids(seg, lengths, full, padded):
-    pos = jnp.arange(full, dtype=jnp.int32)[None, :]
-    out = (jnp.zeros((batch, full), jnp.int32) if seg is None
-           else seg.astype(jnp.int32))
-    if lengths is not None:
-      out = jnp.where(pos < lengths.astype(jnp.int32)[:, None], out,
-                      PAD_SEGMENT_ID)
-    return jnp.pad(out, ((0, 0), (0, padded - full)),
+    return jnp.pad(masks_lib.fold_lengths(seg, lengths, batch, full),
+                   ((0, 0), (0, padded - full)),
                    constant_values=PAD_SEGMENT_ID)
 
   return (ids(arrays.q_segment_ids, arrays.q_seq_lengths, prob.mask.q_len,
@@ -203,24 +192,21 @@ def _flash_columns(arrays: MaskArrays, prob: fwd_lib.Problem, batch: int):
 def _with_flash(segments, cols, q_pad: int, held: int, streamed: int, *,
                 held_q: bool):
   """Segment inputs ``(q_seg, kv_seg, range)`` with a FlashMask's columns
-  appended, the range narrowed to the tiles it leaves
-  (:func:`jaxflash.flashmask.live_ranges`) and given two more rows: the
-  run of tiles it leaves fully visible (:func:`jaxflash.flashmask.
-  visible_runs`, read by :func:`pipeline.flash_full_range`); unchanged
-  without one."""
+  appended and its :func:`jaxflash.flashmask.tile_ranges` as the range
+  (the tiles it leaves, narrowed to the ids' range where there are ids;
+  rows 2 and 3 the run it leaves fully visible, read by
+  :func:`pipeline.flash_full_range`); unchanged without one."""
   if cols is None:
     return segments
   q_seg, kv_seg, rng = segments
-  live = flashmask.live_ranges(cols[:, None], q_pad, held, streamed,
-                               held_q=held_q)[:, 0]
-  full = flashmask.visible_runs(cols[:, None], q_pad, held, streamed,
-                                held_q=held_q)[:, 0]
-  lo, hi = live[:, 0], live[:, 1]
+  ranges = flashmask.tile_ranges(cols[:, None], q_pad, held, streamed,
+                                 held_q=held_q)[:, 0]
   if rng is not None:  # (None: no segment ids, whose range it narrows)
-    lo = jnp.maximum(rng[:, 0], lo)
-    hi = jnp.maximum(jnp.minimum(rng[:, 1], hi), lo)
-  return q_seg, kv_seg, jnp.stack([lo, hi, full[:, 0], full[:, 1]],
-                                  axis=1), cols
+    lo = jnp.maximum(rng[:, 0], ranges[:, 0])
+    hi = jnp.maximum(jnp.minimum(rng[:, 1], ranges[:, 1]), lo)
+    ranges = jnp.concatenate([lo[:, None], hi[:, None], ranges[:, 2:]],
+                             axis=1)
+  return q_seg, kv_seg, ranges, cols
 
 
 def _segments(arrays: MaskArrays, st: _Static, batch: int):
@@ -382,10 +368,7 @@ def backward_problem(q, k, mask: MaskSpec, softmax_scale: float,
       kv_pad=round_up(S, n * config.bwd_block_kv),
       head_dim_padded=kernel_head_dim(D),
       logits_soft_cap=logits_soft_cap,
-      has_segments=_has_mask_inputs(arrays),
-      has_segment_ids=_has_segment_ids(arrays),
-      has_flash_mask=arrays.flash_mask is not None,
-      has_alibi=arrays.alibi_slopes is not None)
+      **_mask_flags(arrays))
 
 
 def head_splits(prob: fwd_lib.Problem, config: MosaicConfig) -> int:

@@ -261,22 +261,23 @@ class Problem:
   kv_pad: int
   head_dim_padded: int
   logits_soft_cap: float | None = None
-  # Segment ids (also carrying sequence lengths: padding positions are
-  # PAD_SEGMENT_ID) as extra GMEM inputs q_seg [B, Tp], kv_seg [B, Sp] and
-  # seg_range [B, 2, n_groups] (the key tiles each query group can share
-  # an id with; masks.overlap_range).
-  has_segments: bool = False
-  # Segment ids or lengths among those inputs: every computed tile takes
-  # the element mask.  A FlashMask alone masks only the tiles outside the
-  # run it leaves fully visible (seg_range's rows 2 and 3).
+  # Segment ids or lengths (folded into the ids: padding positions are
+  # PAD_SEGMENT_ID): every computed tile takes the element mask.
   has_segment_ids: bool = False
   # A FlashMask (shared by the heads): its columns flash [B, 4, Sp] follow
-  # the segment inputs (which it implies), seg_range then also narrowed to
-  # the tiles it leaves (jaxflash.flashmask.live_ranges).
+  # the segment inputs; it masks only the tiles outside the run it leaves
+  # fully visible (seg_range's rows 2 and 3).
   has_flash_mask: bool = False
   # ALiBi: [B, H, 2] float32 (slopes divided by softmax_scale: in the raw
   # logits' units; position shifts) after the mask inputs.
   has_alibi: bool = False
+
+  @property
+  def has_segments(self) -> bool:
+    """The segment inputs ride along (ids or a FlashMask): q_seg [B, Tp],
+    kv_seg [B, Sp] and seg_range [B, 2 | 4, n_groups] (the key tiles each
+    query group visits: masks.overlap_range, flashmask.tile_ranges)."""
+    return self.has_segment_ids or self.has_flash_mask
 
 
 # ---------------------------------------------------------------------------
@@ -421,7 +422,7 @@ class _Schedule:
                 and (cfg.causal_lpt or _heads_first_imbalance(
                     prob.batch * prob.num_heads, prob.num_heads,
                     self.units_per_bh, n_programs) > MAX_HEADS_FIRST_IMBALANCE))
-    self.section = _lpt_section(prob)
+    self.section = _lpt_section(prob) if self.lpt else None
 
   def item_ranges(self, b, group):
     """A work item's first query row and the key tiles it streams."""
@@ -573,10 +574,6 @@ class _Item:
     self.b, self.h, self.group_start = b, h, group_start
     self.u_lo, self.u_hi, self.first_step = u_lo, u_hi, first_step
     self.item, self.chain = item, chain
-    # Every computed tile takes the element mask (segment ids or lengths;
-    # pipeline.flash_full_range).
-    self.everywhere = (ctx.r.seg_range is not None
-                       and ctx.prob.has_segment_ids)
     self.bq, self.bk, self.stages = (self.cfg.block_q, self.cfg.block_kv,
                                      self.cfg.stages)
     self.qk_scale = self.prob.softmax_scale * LOG2E
@@ -623,7 +620,9 @@ class _Item:
       self.next_q_slot, _ = ctx.q_buffer(self.item + 1, wg)
     else:
       ping.start()  # offset the two consumers by a half step
-    own, _ = pipeline.flash_full_range(
+    # everywhere: every computed tile takes the element mask (segment
+    # ids or lengths), read by the loops.
+    own, self.everywhere = pipeline.flash_full_range(
         self.prob.mask.kv_block_range(self.q_start, bq, bk), r.seg_range,
         self.b, lax.div(self.group_start, cfg.compute_wgs * bq),
         segment_ids=self.prob.has_segment_ids)

@@ -111,12 +111,14 @@ def check_supported(q, k_pages, config: PagedConfig | None) -> None:
                               " float16 queries")
 
 
-def check_mla(q, pages, v_head_dim: int) -> None:
+def check_mla(q, page: int, v_head_dim: int, *,
+              latent_block: int = 0) -> None:
   """NotImplementedError where the kernel cannot serve multi-head latent
   attention: it reads the latent columns ``[0, v_head_dim)`` and the
   rotary ones as two blocks, each a power of two from 16 wide, the second
-  dividing the first."""
-  page, d = pages.shape[1], pages.shape[3]
+  dividing the first; an FP8 latent's scale blocks (``latent_block``
+  columns) powers of two from 16 too."""
+  d = q.shape[3]
   rope = d - v_head_dim
   if (v_head_dim & (v_head_dim - 1) or rope & (rope - 1) or rope < 16
       or v_head_dim % rope):
@@ -130,6 +132,11 @@ def check_mla(q, pages, v_head_dim: int) -> None:
         f" from 16, got page_size={page}")
   if q.dtype not in (jnp.float16, jnp.bfloat16, jnp.float32):
     raise NotImplementedError(f"dtype {q.dtype} is not served")
+  if latent_block and (latent_block < 16
+                       or latent_block & (latent_block - 1)):
+    raise NotImplementedError(
+        f"the Triton paged kernel takes FP8 latent blocks that are powers"
+        f" of two from 16 columns, got {latent_block}")
 
 
 def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, *refs,
@@ -265,8 +272,9 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, *refs,
     acc = [a * v_scale for a in acc]
   if not latent_block:
     o_ref[...] = acc[0] / l_safe[:, None]
-  for c, a in zip(cols if latent_block else [], acc):
-    o_ref[:, c] = a / l_safe[:, None]
+  else:
+    for c, a in zip(cols, acc):
+      o_ref[:, c] = a / l_safe[:, None]
   lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
 
 
