@@ -153,9 +153,12 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, *refs,
     qr, refs = refs[0][...], refs[1:]
   if latent_block:
     # FlashMLA's FP8 latent: e4m3 columns with one float32 scale per
-    # token and latent_block columns, dequantized per block in q's dtype
-    # (the columns in blocks throughout: the scores sum the blocks'
-    # products, the output is accumulated per block).
+    # token and latent_block columns.  The columns go in blocks
+    # throughout, each widened to q's dtype as it is (exact: every e4m3
+    # number is a bfloat16 and a float16 one), its scales applied to the
+    # small [rows, keys] tiles instead of the [keys, columns] page: block
+    # i's scores are (q_i . k_i) * scale_i per key, its output sums
+    # (p * scale_i) @ k_i.  No dequantized page is built in registers.
     latent_scales, refs = refs[0], refs[1:]
   if fp8:
     # An FP8 cache: pages widened to q's dtype (exact: every e4m3 and
@@ -208,12 +211,15 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, *refs,
   q_parts = [q_ref[:, c] for c in cols] if latent_block else [q]
 
   def page_keys(slot):
-    """The page's keys in column blocks (also MLA's values)."""
+    """The page's keys in column blocks (also MLA's values) and each
+    block's scales per key ([page] float32; None: no FP8 latent)."""
     if not latent_block:
-      return [k_ref[slot].astype(q.dtype)]
-    return [(k_ref[slot, :, c].astype(jnp.float32)
-             * latent_scales[slot, :, pl.ds(i, 1)]).astype(q.dtype)
-            for i, c in enumerate(cols)]
+      return [k_ref[slot].astype(q.dtype)], [None]
+    return ([k_ref[slot, :, c].astype(q.dtype) for c in cols],
+            [latent_scales[slot, :, i] for i in range(len(cols))])
+
+  def scaled(x, col_scale):
+    return x if col_scale is None else x * col_scale[None, :]
 
   def body(step, carry):
     acc, m_prev, l_prev = carry
@@ -225,10 +231,10 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, *refs,
       p = lo + step * per_step + j
       live = p < hi
       slot = jnp.where(live, idx_ref[jnp.minimum(p, last_entry)], 0)
-      k = page_keys(slot)
-      s = dot(q_parts[0], k[0], trans_b=True)
-      for q_part, k_part in zip(q_parts[1:], k[1:]):
-        s = s + dot(q_part, k_part, trans_b=True)
+      k, k_scales = page_keys(slot)
+      s = scaled(dot(q_parts[0], k[0], trans_b=True), k_scales[0])
+      for q_part, k_part, k_scale in zip(q_parts[1:], k[1:], k_scales[1:]):
+        s = s + scaled(dot(q_part, k_part, trans_b=True), k_scale)
       if mla:
         s = s + dot(qr, v_ref[slot], trans_b=True)
       s = s * scale
@@ -244,7 +250,8 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, *refs,
       if window_left is not None:
         keep = keep & (key[None, :] >= pos[:, None] - window_left)
       logits.append(jnp.where(keep, s, -jnp.inf))
-      values.append(k if mla else [v_ref[slot].astype(q.dtype)])
+      values.append((k, k_scales) if mla
+                    else ([v_ref[slot].astype(q.dtype)], [None]))
     m_next = m_prev
     for s in logits:
       m_next = jnp.maximum(m_next, jnp.max(s, axis=1))
@@ -254,10 +261,10 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, *refs,
     alpha = jnp.exp2(m_prev - m_use)
     acc = [a * alpha[:, None] for a in acc]
     l_next = l_prev * alpha
-    for s, v in zip(logits, values):
+    for s, (v, v_scales) in zip(logits, values):
       prob = jnp.exp2(s - m_use[:, None])
-      acc = [a + dot(prob.astype(v_part.dtype), v_part)
-             for a, v_part in zip(acc, v)]
+      acc = [a + dot(scaled(prob, v_scale).astype(v_part.dtype), v_part)
+             for a, v_part, v_scale in zip(acc, v, v_scales)]
       l_next = l_next + jnp.sum(prob, axis=1)
     return acc, m_next, l_next
 
