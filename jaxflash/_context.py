@@ -417,10 +417,11 @@ class AllGather:
     self.balance = balance
 
   def spec(self, start: int, t: int, s: int) -> MaskSpec:
-    """The mask of ``t`` queries starting at global row ``start`` of the
-    self-attention over ``s`` keys."""
+    """The mask of ``t`` queries starting at global row ``start`` over
+    all ``s`` keys: the call's alignment moved by ``start`` (global row
+    ``r`` sits at key ``r + mask.offset``)."""
     m = self.mask
-    return MaskSpec(t, s, causal=m.causal, offset=start,
+    return MaskSpec(t, s, causal=m.causal, offset=m.offset + start,
                     window_left=m.window_left, window_right=m.window_right)
 
   def pieces(self, dev: int, t: int) -> list[tuple[int, int]]:
@@ -564,9 +565,10 @@ def choose(mode: str | None, heads: int, kv_heads: int,
   not overlapped, and runs one kernel per device; the ring moves the same
   bytes in n - 1 steps overlapped with the kernels but runs n kernels and
   merges.  Where K/V are at most a quarter of Q's size (GQA 4:1 or more,
-  Llama 3's case) the gather is the smaller cost; a local window or ALiBi
-  (``global_positions``: terms the ring's block pairs cannot place) also
-  takes the gather.  Otherwise the ring."""
+  Llama 3's case) the gather is the smaller cost; a local window, ALiBi
+  or queries and keys of different lengths or alignment
+  (``global_positions``: what the ring serves less well or not at all)
+  also take the gather.  Otherwise the ring."""
   if mode is not None:
     return mode
   if global_positions or heads >= 4 * kv_heads:

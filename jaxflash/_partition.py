@@ -67,25 +67,30 @@ def seq_axes(q_spec) -> tuple[str, ...]:
   return axes_of(_spec4(q_spec)[1])
 
 
-def check_context(p, present, seq: tuple[str, ...], q_shape, k_shape) -> str:
-  """The context-parallel scheme for a call sharded over ``seq`` on its
-  sequence axis (:func:`jaxflash._context.choose`, or the call's
-  ``context_parallel``); ValueError where it cannot serve the call.
+def check_context(p, present, seq: tuple[str, ...], q_shape, k_shape,
+                  n: int) -> str:
+  """The context-parallel scheme for a call sharded over ``seq`` (``n``
+  devices) on its sequence axis (:func:`jaxflash._context.choose`, or the
+  call's ``context_parallel``); ValueError where it cannot serve the call.
 
-  Both serve self-attention (equal query and key lengths, the last query
-  with the last key) with causal or no positional mask, segment ids,
+  Both serve causal or no positional mask with segment ids,
   sequence lengths (the ring folds them into segment ids,
   :func:`jaxflash._context.fold_lengths`), local windows (the ring carries
   them as FlashMask columns, not beside a FlashMask), GQA/MQA, a soft cap,
   dropout, a dense bias (with its gradient) or mask, FlashMask (each
   block pair is given its global positions,
   :func:`jaxflash._context.pair_arrays`) and ALiBi (the pair's offset as
-  the distance's shift)."""
+  the distance's shift).  The ring serves self-attention (equal query and
+  key lengths, query ``i`` aligned with key ``i``); the all-gather also
+  queries and keys of different lengths (cross-attention, a prefix
+  before the queries) at any alignment, each device's query pieces
+  placed at their global rows."""
   m = p.mask
   window = m.window_left is not None or m.window_right is not None
   alibi = present[MaskArrays._fields.index("alibi_slopes")]
+  unaligned = q_shape[1] != k_shape[1] or m.offset != 0
   mode = _context.choose(p.context_parallel, q_shape[2], k_shape[2],
-                         window or alibi)
+                         window or alibi or unaligned)
   served = {"q_segment_ids", "kv_segment_ids", "q_seq_lengths",
             "kv_seq_lengths", "dropout_seeds", "bias", "dense_mask",
             "flash_mask", "alibi_slopes"}
@@ -94,17 +99,24 @@ def check_context(p, present, seq: tuple[str, ...], q_shape, k_shape) -> str:
   if window and mode == "ring" and present[
       MaskArrays._fields.index("flash_mask")]:
     unserved.append("local_window_size with a FlashMask")
-  if q_shape[1] != k_shape[1] or m.offset != 0:
-    unserved.append(f"q_len={q_shape[1]} != kv_len={k_shape[1]}")
+  if unaligned and mode == "ring":
+    unserved.append(f"q_len={q_shape[1]}, kv_len={k_shape[1]} with query"
+                    f" 0 aligned to key {m.offset} (the ring: self-attention"
+                    " only; context_parallel='allgather' serves it)")
   if unserved:
     raise ValueError(
         f"q's sequence axis is sharded over mesh axis {seq}: context"
-        f" parallelism ({mode}) serves causal or full self-attention with"
+        f" parallelism ({mode}) serves causal or full attention with"
         " segment ids, lengths, windows, ALiBi, dropout, dense bias or"
-        " mask and FlashMask (the ring a window only without a FlashMask),"
-        " not"
+        " mask and FlashMask (the ring self-attention only, a window only"
+        " without a FlashMask), not"
         f" {', '.join(unserved)}. Replicate the sequence axis, or call"
         " jaxflash.sharding.ring_attention in shard_map (docs/sharding.md)")
+  for name, length in (("q_len", q_shape[1]), ("kv_len", k_shape[1])):
+    if length % n:
+      raise ValueError(
+          f"{name}={length} is not divisible by the {n} devices of mesh"
+          f" axis {seq} that shard the sequence")
   return mode
 
 
@@ -161,7 +173,8 @@ def _plan_from_args(mesh, arg_shapes, p=None, present=None):
   seq = seq_axes(spec)
   mode = None
   if seq and p is not None:
-    mode = check_context(p, present, seq, q.shape, k.shape)
+    mode = check_context(p, present, seq, q.shape, k.shape,
+                         axes_size(mesh, seq))
   return (*plan(mesh, spec, q.shape, k.shape, allow_seq=p is not None),
           seq, mode)
 

@@ -142,12 +142,13 @@ def flash_attention(
     context_parallel: with q, k, v sharded on the sequence axis under
       ``jit``: ``"ring"`` (ring attention: key/value blocks passed around
       the sequence's mesh axes, overlapped with the kernels),
-      ``"allgather"`` (K/V gathered once) or None (GQA of 4:1 or more,
-      windows and ALiBi take the all-gather, the rest the ring;
-      docs/sharding.md).
+      ``"allgather"`` (K/V gathered once; also q_len != kv_len) or None
+      (GQA of 4:1 or more, windows, ALiBi and q_len != kv_len take the
+      all-gather, the rest the ring; docs/sharding.md).
     The bias and ALiBi do not combine with ``logits_soft_cap``; the Triton
-    kernels and ``"xla"`` serve ``bias``, ``mask`` and ``alibi_slopes``
-    (not the Hopper kernels yet).
+    kernels and ``"xla"`` serve ``bias`` and ``mask`` (not the Hopper
+    kernels yet); ``alibi_slopes`` runs on every backend (on a Hopper GPU
+    the Hopper forward with the Triton backward).
 
   Returns:
     ``out`` shaped and typed like ``q``, or ``(out, lse)`` with

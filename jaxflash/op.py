@@ -348,7 +348,8 @@ def attention(q, k, v, arrays: MaskArrays, params: OpParams):
   # types; inside shard_map the partitioning layer is inlined).
   spec = jax.typeof(q).sharding.spec
   seq = partition.seq_axes(spec)
-  mode = (partition.check_context(params, present, seq, q.shape, k.shape)
+  mode = (partition.check_context(params, present, seq, q.shape, k.shape,
+                                  partition.axes_size(mesh, seq))
           if seq else None)
   b, h, kv = (partition.spec_entry(a) for a in partition.plan(
       mesh, spec, q.shape, k.shape, allow_seq=True))

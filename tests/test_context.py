@@ -125,6 +125,84 @@ def test_allgather_mode(axis_type, kw):
   assert "reduce-scatter" in hlo
 
 
+def _cross_inputs(q_len=32, kv_len=64):
+  ks = jax.random.split(jax.random.key(1), 4)
+  q = jax.random.normal(ks[0], (2, q_len, 4, 16))
+  k = jax.random.normal(ks[1], (2, kv_len, 2, 16))
+  v = jax.random.normal(ks[2], (2, kv_len, 2, 16))
+  do = jax.random.normal(ks[3], q.shape)
+  seg = (jnp.asarray([[0] * 10 + [1] * (q_len - 10), [0] * q_len]),
+         jnp.asarray([[0] * 30 + [1] * (kv_len - 30), [0] * kv_len]))
+  return q, k, v, do, seg
+
+
+@pytest.mark.parametrize("entry,causal,axis_type", [
+    ("flash_attention", True, AxisType.Explicit),
+    pytest.param("dot_product_attention", True, AxisType.Auto,
+                 marks=pytest.mark.slow),
+    pytest.param("flash_attention", False, AxisType.Auto,
+                 marks=pytest.mark.slow)],
+    ids=["bottom-right-Explicit", "top-left-Auto", "full-Auto"])
+def test_queries_and_keys_of_different_lengths(entry, causal, axis_type):
+  """32 queries over 64 keys (a prefix before the queries, or
+  cross-attention), both sequence-sharded over 4 devices: the rule takes
+  the all-gather, each device's query pieces at their global rows under
+  the call's alignment (flash_attention: bottom-right;
+  dot_product_attention: top-left), segment ids of both lengths; equal to
+  the one-device call, forward and gradients."""
+  _need_devices()
+  q, k, v, do, (qs, ks) = _cross_inputs()
+
+  def attend(q, k, v):
+    if entry == "flash_attention":
+      return jaxflash.flash_attention(
+          q, k, v, causal=causal, segment_ids=(qs, ks),
+          implementation="triton", interpret=True, config=TILES)
+    return jaxflash.dot_product_attention(
+        q, k, v, is_causal=causal, query_seq_lengths=jnp.asarray([32, 20]),
+        key_value_seq_lengths=jnp.asarray([64, 41]),
+        implementation="triton", interpret=True, config=TILES)
+
+  def run(q, k, v, do):
+    out, vjp = jax.vjp(attend, q, k, v)
+    return (out, *vjp(do))
+
+  want = jax.jit(run)(q, k, v, do)
+  mesh = jax.make_mesh((2, 4), ("data", "context"),
+                       axis_types=(axis_type,) * 2)
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data",
+                                                          "context")))
+  args = tuple(put(x) for x in (q, k, v, do))
+  got = jax.jit(run)(*args)
+  for a, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=2e-5)
+  assert got[0].sharding.spec[1] == "context"
+  hlo = jax.jit(run).lower(*args).compile().as_text()
+  assert "all-gather" in hlo
+
+
+def test_the_ring_refuses_queries_and_keys_of_different_lengths():
+  _need_devices()
+  mesh = jax.make_mesh((8,), ("context",), axis_types=(AxisType.Explicit,))
+  q, k, v, _, _ = _cross_inputs()
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, P(None,
+                                                          "context")))
+  attend = lambda ctx, q, k, v: jaxflash.flash_attention(
+      q, k, v, causal=True, implementation="triton", interpret=True,
+      config=TILES, context_parallel=ctx)
+  with pytest.raises(ValueError, match=r"q_len=32, kv_len=64 with query 0"
+                     r" aligned to key 32 \(the ring: self-attention"):
+    jax.jit(functools.partial(attend, "ring"))(put(q), put(k), put(v))
+  q12 = jax.device_put(jnp.zeros((2, 12, 4, 16)), NamedSharding(
+      jax.make_mesh((4, 2), ("context", "x"),
+                    axis_types=(AxisType.Explicit,) * 2),
+      P(None, "context")))
+  with pytest.raises(ValueError, match=r"kv_len=66 is not divisible by the"
+                     r" 4 devices"):
+    jax.jit(functools.partial(attend, None))(
+        q12, jnp.zeros((2, 66, 2, 16)), jnp.zeros((2, 66, 2, 16)))
+
+
 @pytest.mark.slow  # (per commit: test_global_position_terms' window)
 @pytest.mark.parametrize("causal,window,axis_type", [
     (True, (9, 0), AxisType.Auto), (False, (9, 5), AxisType.Explicit),
