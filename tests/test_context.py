@@ -96,7 +96,8 @@ def test_sequence_sharded_runs_the_ring(mesh_shape, names, spec, causal,
 
 
 @pytest.mark.parametrize("axis_type,kw", [
-    (AxisType.Auto, {}),
+    # (per commit: test_queries_and_keys_of_different_lengths)
+    pytest.param(AxisType.Auto, {}, marks=pytest.mark.slow),
     pytest.param(AxisType.Explicit, dict(local_window_size=(9, 0)),
                  marks=pytest.mark.slow),
     pytest.param(AxisType.Explicit, {}, marks=pytest.mark.slow),
@@ -179,6 +180,7 @@ def test_queries_and_keys_of_different_lengths(entry, causal, axis_type):
   assert got[0].sharding.spec[1] == "context"
   hlo = jax.jit(run).lower(*args).compile().as_text()
   assert "all-gather" in hlo
+  assert "reduce-scatter" in hlo
 
 
 def test_the_ring_refuses_queries_and_keys_of_different_lengths():

@@ -133,8 +133,10 @@ def _data_parallel_losses(steps=3):
 
 
 @pytest.mark.parametrize("mesh", [
-    "data=8", "data=2,fsdp=2,tensor=2", "data=4,context=2",
-    # Every axis of the others at once: `slow`.
+    "data=2,fsdp=2,tensor=2", "data=4,context=2",
+    # Data parallelism alone (also in the two above) and every axis of the
+    # others at once: `slow`.
+    pytest.param("data=8", marks=pytest.mark.slow),
     pytest.param("fsdp=2,tensor=2,context=2", marks=pytest.mark.slow)])
 def test_mesh_training_matches_one_device(mesh):
   """Data, FSDP, tensor and context (flash_attention's own context
@@ -212,6 +214,7 @@ def test_two_processes_match_one(tmp_path):
                              [h["loss"] for h in one], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_pmap_script_runs():
   import train_pmap
   if jax.local_device_count() < 2:

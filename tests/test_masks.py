@@ -110,19 +110,29 @@ def test_invalid_lengths():
     MaskSpec(0, 4)
 
 
-@settings(max_examples=400)
-@given(q_len=st.integers(1, 200), kv_len=st.integers(1, 200),
-       causal=st.booleans(),
-       left=st.one_of(st.none(), st.integers(0, 80)),
-       right=st.one_of(st.none(), st.integers(0, 80)),
-       offset=st.one_of(st.none(), st.integers(-100, 100)),
-       q_valid=st.one_of(st.none(), st.integers(0, 200)),
-       kv_valid=st.one_of(st.none(), st.integers(0, 200)),
-       bq=st.sampled_from([16, 32, 64]), bk=st.sampled_from([16, 32, 64]))
-def test_tile_ranges_cover_exactly(q_len, kv_len, causal, left, right,
-                                   offset, q_valid, kv_valid, bq, bk):
+# The brute-force checks below draw a quarter of their examples per commit
+# and all of them in the slow tier (make test-all).
+TIERS = [100, pytest.param(400, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("examples", TIERS)
+def test_tile_ranges_cover_exactly(examples):
   """Visited tiles hold every visible pair; 'full' tiles hold only visible
   pairs (so skipping their mask is exact).  Brute force over all pairs."""
+  settings(max_examples=examples)(given(
+      q_len=st.integers(1, 200), kv_len=st.integers(1, 200),
+      causal=st.booleans(),
+      left=st.one_of(st.none(), st.integers(0, 80)),
+      right=st.one_of(st.none(), st.integers(0, 80)),
+      offset=st.one_of(st.none(), st.integers(-100, 100)),
+      q_valid=st.one_of(st.none(), st.integers(0, 200)),
+      kv_valid=st.one_of(st.none(), st.integers(0, 200)),
+      bq=st.sampled_from([16, 32, 64]),
+      bk=st.sampled_from([16, 32, 64]))(_tile_ranges_cover_exactly))()
+
+
+def _tile_ranges_cover_exactly(q_len, kv_len, causal, left, right, offset,
+                               q_valid, kv_valid, bq, bk):
   spec = MaskSpec(q_len, kv_len, causal, offset, left, right)
   valid = {}
   if q_valid is not None:
@@ -158,12 +168,18 @@ def test_tile_ranges_cover_exactly(q_len, kv_len, causal, left, right,
         assert tile.all(), (j, t)
 
 
-@settings(max_examples=200)
-@given(data=st.data(), block=st.sampled_from([4, 8]),
-       n_rows=st.integers(1, 6), n_cols=st.integers(1, 6))
-def test_segment_summaries(data, block, n_rows, n_cols):
+@pytest.mark.parametrize("examples", [
+    50, pytest.param(200, marks=pytest.mark.slow)])
+def test_segment_summaries(examples):
   """overlap_range / tiles_overlap / tiles_segment_full against brute force
   on random (also non-contiguous, padded) segment ids."""
+  settings(max_examples=examples)(given(
+      data=st.data(), block=st.sampled_from([4, 8]),
+      n_rows=st.integers(1, 6),
+      n_cols=st.integers(1, 6))(_segment_summaries))()
+
+
+def _segment_summaries(data, block, n_rows, n_cols):
   ids = st.integers(-1, 3)
   rows = np.array(data.draw(st.lists(ids, min_size=n_rows * block,
                                      max_size=n_rows * block)))[None]
