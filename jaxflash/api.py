@@ -145,10 +145,10 @@ def flash_attention(
       ``"allgather"`` (K/V gathered once; also q_len != kv_len) or None
       (GQA of 4:1 or more, windows, ALiBi and q_len != kv_len take the
       all-gather, the rest the ring; docs/sharding.md).
-    The bias and ALiBi do not combine with ``logits_soft_cap``; the Triton
-    kernels and ``"xla"`` serve ``bias`` and ``mask`` (not the Hopper
-    kernels yet); ``alibi_slopes`` runs on every backend (on a Hopper GPU
-    the Hopper forward with the Triton backward).
+    The bias and ALiBi do not combine with ``logits_soft_cap``; every
+    backend serves ``bias`` and ``alibi_slopes`` (on a Hopper GPU the
+    Hopper forward with the Triton backward; docs/backends.md), the
+    Triton kernels and ``"xla"`` a dense ``mask``.
 
   Returns:
     ``out`` shaped and typed like ``q``, or ``(out, lse)`` with

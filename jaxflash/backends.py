@@ -60,10 +60,21 @@ class Backend:
 
 def _mosaic_backward(q, k, v, arrays, out, lse, dout, dlse, *, mask,
                      softmax_scale, logits_soft_cap, config, interpret,
-                     deterministic):
+                     deterministic, bias_grad=False):
   """The Hopper backward kernels, or the Triton ones where those do not
-  serve the call (both take the same residuals; ALiBi's backward is the
-  Triton kernels')."""
+  serve the call (both take the same residuals; the backward of ALiBi
+  and of a dense bias, with its gradient, is the Triton kernels')."""
+  if arrays.bias is not None:
+    # The bias as the Hopper forward read it (in q's dtype), so that the
+    # recomputed probabilities match its log-sum-exp; dbias in the
+    # bias's own dtype.
+    bias = arrays.bias
+    grads = triton_kernels.backward(
+        q, k, v, arrays._replace(bias=bias.astype(q.dtype)), out, lse, dout,
+        dlse, mask=mask, softmax_scale=softmax_scale,
+        logits_soft_cap=logits_soft_cap, config=None,
+        interpret=bool(interpret), bias_grad=bias_grad)
+    return (*grads[:3], *(g.astype(bias.dtype) for g in grads[3:]))
   if arrays.alibi_slopes is None and mosaic_gpu.serves_backward(
       q, k, mask=mask, config=config, interpret=interpret,
       deterministic=deterministic):

@@ -228,9 +228,12 @@ def test_dense_errors():
     with pytest.raises(err, match=match):
       jaxflash.flash_attention(q, q, q, implementation="triton",
                                interpret=True, **kw)
-  with pytest.raises(NotImplementedError, match="take no bias"):
-    b = q.astype(jnp.bfloat16)
-    jaxflash.flash_attention(b, b, b, bias=jnp.zeros((1, 1, 16, 16)),
+  b = q.astype(jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="take no dense mask"):
+    jaxflash.flash_attention(b, b, b, mask=jnp.ones((1, 1, 16, 16), bool),
+                             implementation="mosaic_gpu", interpret=True)
+  with pytest.raises(NotImplementedError, match="its query axis must be"):
+    jaxflash.flash_attention(b, b, b, bias=jnp.zeros((1, 1, 1, 16)),
                              implementation="mosaic_gpu", interpret=True)
 
 
@@ -238,7 +241,7 @@ def test_dense_errors():
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_dense(causal):
   """The compiled Triton kernels (default dispatch: the Hopper kernels
-  decline dense arrays) with a bias per head and a mask per row at 2 x
+  decline the dense mask) with a bias per head and a mask per row at 2 x
   1024 tokens, 8:2 heads, head_dim 128, bf16: the numerics rule, and the
   bias's gradient against the reference's."""
   q, k, v, do, dlse = random_inputs(jax.random.key(3), batch=2, q_len=1024,

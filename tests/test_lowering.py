@@ -8,6 +8,7 @@ construct the lowering rejects fails CI rather than the GPU run.
 """
 
 import functools
+import importlib.resources
 import itertools
 import re
 
@@ -832,3 +833,67 @@ def test_mosaic_alibi_forward_lowers_for_cuda(cfg):
   text = jax.jit(fwd).trace(q, kv, kv, slopes).lower(
       lowering_platforms=("cuda",)).as_text()
   assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"]
+
+
+@pytest.mark.parametrize("shape,cfg", [
+    ((1024, 1024, 8, 2, 128, True, None), dict()),
+    ((1024, 1024, 8, 2, 128, False, None),
+     dict(named_barriers=True, intra_wg_overlap=True, block_kv=64,
+          consumer_registers=240, persistent=True, prefetch_q=True,
+          lean_epilogue=True, kv_multicast=True)),
+    ((512, 700, 4, 4, 64, True, None),
+     dict(block_kv=128, item_overlap=True, persistent=True)),
+    ((512, 512, 4, 2, 192, False, None), dict(block_q=64, block_kv=64)),
+], ids=["d128-default", "d128-overlap-persistent", "d64-item-overlap",
+        "d192"])
+def test_mosaic_bias_forward_lowers_for_cuda(shape, cfg):
+  """A dense bias in the Hopper forward (its tiles by TMA beside V, read
+  in the wgmma layout of S) lowers to Mosaic GPU IR, and the shared-memory
+  count with its ring agrees with the compiler's."""
+  from jaxflash import mosaic_gpu
+  q, kv, _, _, mask = _mosaic_case(shape)
+  bias = jax.ShapeDtypeStruct((2, shape[2], shape[0], shape[1]),
+                              jnp.bfloat16)
+  config = mosaic_gpu.MosaicConfig(**cfg)
+
+  def fwd(q, k, v, bias):
+    return mosaic_attention(q, k, v, mask=mask,
+                            arrays=MaskArrays(bias=bias),
+                            softmax_scale=0.125, config=config)[0]
+
+  text = jax.jit(fwd).trace(q, kv, kv, bias).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"]
+
+
+def test_bias_ring_fits_the_tuned_configs():
+  """Every tuned forward config up to MAX_BIAS_HEAD_DIM fits the bias's
+  ring as it is or after with_bias_ring's steps; a config given by the
+  caller that does not fit is refused, as is head_dim 256."""
+  import json
+
+  from jaxflash import mosaic_gpu
+  from jaxflash.mosaic_gpu import backend
+  from jaxflash.mosaic_gpu import config as cfg_lib
+  tuning = json.loads(importlib.resources.files("jaxflash.mosaic_gpu")
+                      .joinpath("tuning.json").read_text())
+  for kind in (*tuning["devices"], *tuning["aliases"]):
+    for dp in (64, 80, 96, 128, 192):
+      for causal in (False, True):
+        for kv_len in (1024, 8192):
+          tuned = cfg_lib.default_config(kind, dp, causal=causal,
+                                         kv_len=kv_len)
+          fitted = cfg_lib.with_bias_ring(tuned, dp)
+          assert fitted is not None, (kind, dp, causal, kv_len)
+          assert fitted.smem_bytes(dp, bias=True) <= cfg_lib.SMEM_LIMIT
+  q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+  arrays = MaskArrays(bias=jnp.zeros((1, 2, 256, 256)))
+  big = mosaic_gpu.MosaicConfig(block_kv=128, stages=3)
+  with pytest.raises(NotImplementedError, match="dense bias's ring needs"):
+    backend.check_supported(q, q, q, arrays=arrays, logits_soft_cap=None,
+                            config=big, interpret=True)
+  q256 = jnp.zeros((1, 256, 2, 256), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="at head_dim 256"):
+    backend.check_supported(q256, q256, q256, arrays=arrays,
+                            logits_soft_cap=None, config=None,
+                            interpret=True)

@@ -66,6 +66,7 @@ PER_COMMIT = (
     'persistent_pairs+intra_wg_overlap+lean_epilogue-d96-gqa-q200-k300',
     'persistent_pairs+prefetch_q+q_double_buffer-d64-persistent-2wg-causal',
     'alibi-causal-2wg',
+    'bias-causal-2wg',
     'bwd_dkv_block_q_80+early_dv-d128-full-6tiles',
     'bwd_early_dv-d32-tiny-window-empty',
     'flashmask-prefix-2wg',
@@ -223,6 +224,7 @@ class Run:
   segments: dict | None = None  # SEG_CASES' documents and lengths
   flash: str | None = None  # a FLASH_PATTERNS FlashMask
   alibi: bool = False  # ALiBi slopes 2^-1, 2^-2, ... per head
+  bias: str | None = None  # a dense bias per "head" or per "batch" row
   soft_cap: float | None = None
   softmax_scale: float | None = None  # None: head_dim ** -0.5
 
@@ -285,7 +287,21 @@ def _mask_arrays(run: Run):
     ref_kw["bias"] = masks.alibi_bias(
         slopes[None, :, None, None], jnp.arange(t)[:, None],
         jnp.arange(s)[None, :], run.spec.offset)
+  if run.bias is not None:
+    arrays["bias"] = ref_kw["bias"] = _dense_bias(run)
   return masks.MaskArrays(**arrays), ref_kw
+
+
+def _dense_bias(run: Run):
+  """A float32 bias ``[1, H, T, S]`` ("head") or ``[B, 1, T, S]``
+  ("batch") of normal values, with -inf on a few keys of every row and
+  on all of query row 3 (a row that sees nothing: output 0, LSE -inf)."""
+  b, t, s, h = run.shape[:4]
+  shape = (1, h, t, s) if run.bias == "head" else (b, 1, t, s)
+  bias = 2.0 * jax.random.normal(jax.random.key(run.seed + 40), shape)
+  hidden = jax.random.bernoulli(jax.random.key(run.seed + 41), 0.05, shape)
+  bias = jnp.where(hidden, -jnp.inf, bias)
+  return bias.at[:, :, 3].set(-jnp.inf)
 
 
 # FlashMasks shared by the heads, ``(batch, seq) -> FlashMask``: the forms
@@ -2252,6 +2268,63 @@ def test_alibi_interpret(run):
   _run_interpreted(run)
 
 
+# A dense bias in the Hopper forward (its backward, with dbias, is the
+# Triton kernels'): its tiles streamed beside K in the plain, overlapped
+# and persistent loops, per head and per batch row, with -inf entries.
+BIAS_RUNS = [
+    Run("bias-causal-2wg", "fwd", (2, 200, 300, 4, 2, 64), jnp.bfloat16,
+        TWO_WG, seed=11, causal=True, bias="head"),
+    Run("bias-overlap-persistent", "fwd", (2, 256, 256, 4, 4, 64),
+        jnp.bfloat16, dataclasses.replace(PERSISTENT_2WG,
+                                          intra_wg_overlap=True),
+        seed=12, bias="batch"),
+    Run("bias-grads-1wg", "fwd+bwd", (2, 130, 100, 2, 1, 32), jnp.bfloat16,
+        ONE_WG, seed=13, causal=True, bias="head"),
+]
+
+
+@pytest.mark.parametrize("run", _params(BIAS_RUNS))
+def test_bias_interpret(run):
+  _run_interpreted(run)
+
+
+def _bias_call(interpret, t=200, s=300, d=64):
+  """flash_attention with a per-head bias (with -inf entries) on the
+  Hopper forward and the Triton backward: out and dq, dk, dv by the
+  numerics rule, dbias against the XLA path's."""
+  args = numerics.random_inputs(jax.random.key(14), batch=2, q_len=t,
+                                kv_len=s, heads=4, kv_heads=2, head_dim=d,
+                                dtype=jnp.bfloat16)
+  bias = _dense_bias(Run("b", "fwd", (2, t, s, 4, 2, d), jnp.bfloat16,
+                         ONE_WG, seed=15, bias="head"))
+  attend = lambda impl, q, k, v, bias: jaxflash.flash_attention(
+      q, k, v, causal=True, bias=bias, return_lse=True,
+      implementation=impl, interpret=interpret and impl != "xla")
+  fn = lambda q, k, v: attend("mosaic_gpu", q, k, v, bias)
+  numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
+                      causal=True, bias=bias)
+  q, k, v, do, _ = args
+
+  def dbias(impl):
+    out, vjp = jax.vjp(lambda b: attend(impl, q, k, v, b)[0], bias)
+    return vjp(do.astype(out.dtype))[0]
+  got, want = dbias("mosaic_gpu"), dbias("xla")
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want),
+                             atol=2e-2 * float(np.abs(want).max()))
+
+
+@pytest.mark.slow
+def test_bias_gradients_through_the_triton_backward():
+  """The dense bias's forward on the Hopper kernel, dq, dk, dv and dbias
+  from the Triton backward kernels on the same residuals (interpreted)."""
+  _bias_call(True)
+
+
+@pytest.mark.gpu
+def test_bias_gpu():
+  _bias_call(False, t=1000, s=1500, d=128)
+
+
 def _alibi_call(interpret, t=200, s=300, d=64):
   args = numerics.random_inputs(jax.random.key(10), batch=2, q_len=t,
                                 kv_len=s, heads=4, kv_heads=2, head_dim=d,
@@ -2469,7 +2542,7 @@ def test_interpreter_refused_inside_multi_device_shard_map():
 def interpreter_runs() -> list[Run]:
   """Every interpreter run of this file's kernel tests."""
   return (_base_runs() + _variant_runs() + _segment_runs()
-          + _soft_cap_runs() + FLASH_RUNS + ALIBI_RUNS)
+          + _soft_cap_runs() + FLASH_RUNS + ALIBI_RUNS + BIAS_RUNS)
 
 
 def run_cost(run: Run) -> float:

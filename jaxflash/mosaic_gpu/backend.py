@@ -43,11 +43,13 @@ from jaxflash.mosaic_gpu import forward as fwd_lib
 from jaxflash.mosaic_gpu.config import (
   INTERPRET_CONFIG,
   MAX_BWD_HEAD_DIM,
+  SMEM_LIMIT,
   MosaicConfig,
   default_config,
   dkv_head_splits,
   head_dim_problem,
   kernel_head_dim,
+  with_bias_ring,
 )
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -129,7 +131,16 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
   B, T, H, D = q.shape
   S, K = k.shape[1], k.shape[2]
   dp = kernel_head_dim(D)
+  given = config
   config = _resolve_config(config, interpret, dp, mask, q=q, k=k)
+  if arrays.bias is not None:
+    # The bias's ring beside the K/V ring: the tuned config where both
+    # fit, else one that gives up what with_bias_ring lists (a config the
+    # caller gave is refused instead, by check_supported).
+    fitted = with_bias_ring(config, dp)
+    if fitted is None or (given is not None and fitted != config):
+      raise NotImplementedError(_bias_ring_problem(config, dp))
+    config = fitted
   prob = fwd_lib.Problem(
       mask=mask, softmax_scale=float(softmax_scale), batch=B, num_heads=H,
       num_kv_heads=K, q_pad=round_up(T, config.compute_wgs * config.block_q),
@@ -139,6 +150,18 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
   return _Static(prob=prob, config=config, interpret=interpret, head_dim=D)
 
 
+# The widest padded head_dim whose tuned forward configs leave room for a
+# dense bias's ring (with_bias_ring; at 256 the K/V ring alone takes 226
+# KiB of 227).
+MAX_BIAS_HEAD_DIM = 192
+
+
+def _bias_ring_problem(config: MosaicConfig, dp: int) -> str:
+  return (f"{config} with a dense bias's ring needs"
+          f" {config.smem_bytes(dp, bias=True)} bytes of shared memory at"
+          f" head_dim {dp} (limit {SMEM_LIMIT})")
+
+
 def _mask_flags(arrays: MaskArrays) -> dict:
   """The :class:`forward.Problem` flags of the call's mask inputs."""
   return dict(
@@ -146,7 +169,10 @@ def _mask_flags(arrays: MaskArrays) -> dict:
           "q_segment_ids", "kv_segment_ids", "q_seq_lengths",
           "kv_seq_lengths")),
       has_flash_mask=arrays.flash_mask is not None,
-      has_alibi=arrays.alibi_slopes is not None)
+      has_alibi=arrays.alibi_slopes is not None,
+      has_bias=arrays.bias is not None,
+      bias_batched=arrays.bias is not None and arrays.bias.shape[0] > 1,
+      bias_per_head=arrays.bias is not None and arrays.bias.shape[1] > 1)
 
 
 def _segment_ids(arrays: MaskArrays, prob: fwd_lib.Problem, batch: int):
@@ -256,9 +282,19 @@ def _forward(q, k, v, st: _Static, arrays: MaskArrays = NO_MASK_ARRAYS):
     alibi = jnp.broadcast_to(
         jnp.stack([slopes[..., 0] / prob.softmax_scale, slopes[..., 1]],
                   axis=-1), (q.shape[0], prob.num_heads, 2))
+  bias = None
+  if prob.has_bias:
+    # In q's dtype (the ring's), its rows and keys padded as Q's and K's
+    # (a copy only where the lengths are not whole tiles).  A query axis
+    # of 1 (q_len 1; check_supported refuses other broadcast rows) is
+    # that row.
+    bias = arrays.bias.astype(q.dtype)
+    bias = jnp.pad(bias, ((0, 0), (0, 0), (0, q_rows - bias.shape[2]),
+                          (0, kv_rows - bias.shape[3])))
   out, lse = fwd_lib.forward(
       pad(q, q_rows), pad(k, kv_rows), pad(v, kv_rows), segments, alibi,
-      prob=prob, cfg=st.config, interpret=_interpret_params(st.interpret))
+      bias, prob=prob, cfg=st.config,
+      interpret=_interpret_params(st.interpret))
   T = q.shape[1]
   return out[:, :T, :, :st.head_dim], lse[:, :, :T]
 
@@ -507,12 +543,24 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
         "the Hopper kernels take no attention dropout yet (the Triton"
         " kernels do)")
   if arrays.has_dense:
-    others = [n for n in ("bias", "dense_mask")
-              if getattr(arrays, n) is not None]
-    if others:
+    if arrays.dense_mask is not None:
       raise NotImplementedError(
-          f"the Hopper kernels take no {', '.join(others)} yet (the Triton"
-          " kernels do)")
+          "the Hopper kernels take no dense mask yet (the Triton kernels"
+          " do)")
+    if (arrays.bias is not None and arrays.bias.shape[2] != q.shape[1]):
+      raise NotImplementedError(
+          f"the Hopper forward streams a bias tile per key tile: its query"
+          f" axis must be whole, got bias {arrays.bias.shape} for q_len"
+          f" {q.shape[1]} (the Triton kernels broadcast it)")
+    dp = kernel_head_dim(q.shape[3])
+    if arrays.bias is not None and dp > MAX_BIAS_HEAD_DIM:
+      raise NotImplementedError(
+          f"the Hopper forward has no shared memory for a dense bias's ring"
+          f" beside its K/V ring at head_dim {dp} (up to"
+          f" {MAX_BIAS_HEAD_DIM}; the Triton kernels serve it)")
+    if (arrays.bias is not None and config is not None
+        and with_bias_ring(config, dp) != config):
+      raise NotImplementedError(_bias_ring_problem(config, dp))
     if arrays.flash_mask is not None:
       _check_flash_mask(arrays.flash_mask)
   dp = kernel_head_dim(q.shape[3])

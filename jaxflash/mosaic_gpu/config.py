@@ -292,7 +292,8 @@ class MosaicConfig:
     chunks = head_dim_padded // width
     return width, chunks, min(2, chunks)
 
-  def _fwd_buffers(self, head_dim_padded: int, itemsize: int) -> list[int]:
+  def _fwd_buffers(self, head_dim_padded: int, itemsize: int,
+                   bias: bool = False) -> list[int]:
     qo = self.compute_wgs * self.block_q * head_dim_padded * itemsize
     if self.prefetches_q and self.q_double_buffer:
       qo *= 2
@@ -305,26 +306,33 @@ class MosaicConfig:
       width, _, slots = self.out_chunks(head_dim_padded)
       buffers.append(self.compute_wgs * slots * self.block_q * width
                      * itemsize)
+    if bias:  # the dense bias's ring: one tile per K/V slot
+      buffers.append(self.stages * self.compute_wgs * self.block_q
+                     * self.block_kv * itemsize)
     return buffers
 
   def fwd_reduction_scratch(self, head_dim_padded: int,
-                            itemsize: int = 2) -> int | None:
+                            itemsize: int = 2,
+                            bias: bool = False) -> int | None:
     """``CompilerParams.reduction_scratch_bytes`` of the forward: None
     (Pallas' 2 KiB) where the buffers fit beside it, else 0.  The forward
     needs none (its reductions run along wgmma rows, within a warp; the
     lowering fails if one needed scratch), so configs just over the limit
     (``prefetch_q`` at head_dim 256, block_kv 192 at 128) drop it.
-    ``prefetch_q`` always runs without it (as measured)."""
-    buffers = self._fwd_buffers(head_dim_padded, itemsize)
+    ``prefetch_q`` always runs without it (as measured).  ``bias``: with
+    a dense bias's ring."""
+    buffers = self._fwd_buffers(head_dim_padded, itemsize, bias)
     with_scratch = sum(buffers) + _reserved(len(buffers))
     if self.prefetches_q or with_scratch > SMEM_LIMIT:
       return 0
     return None
 
-  def smem_bytes(self, head_dim_padded: int, itemsize: int = 2) -> int:
-    """Shared memory the forward kernel allocates."""
-    buffers = self._fwd_buffers(head_dim_padded, itemsize)
-    if self.fwd_reduction_scratch(head_dim_padded, itemsize) == 0:
+  def smem_bytes(self, head_dim_padded: int, itemsize: int = 2,
+                 bias: bool = False) -> int:
+    """Shared memory the forward kernel allocates (``bias``: with a dense
+    bias's ring)."""
+    buffers = self._fwd_buffers(head_dim_padded, itemsize, bias)
+    if self.fwd_reduction_scratch(head_dim_padded, itemsize, bias) == 0:
       # Exact: Pallas rounds each buffer up to 1 KiB; the barriers take
       # well under 1 KiB (checked against the compiler in test_lowering).
       return sum(-(-b // 1024) * 1024 for b in buffers) + 1024
@@ -508,6 +516,29 @@ def parse_variants(text: str) -> dict[str, dict]:
                        " with a new NAME")
     out[name] = parse_overrides(fields)
   return out
+
+
+# What a call with a dense bias gives up, in this order, until the bias's
+# ring fits beside the forward's buffers (each step kept from then on).
+_BIAS_RING_STEPS = (dict(q_double_buffer=False), dict(block_kv=64),
+                    dict(stages=2), dict(p_in_smem=False))
+
+
+def with_bias_ring(config: "MosaicConfig",
+                   head_dim_padded: int) -> "MosaicConfig | None":
+  """The forward config of a call with a dense bias: ``config`` where its
+  buffers and the bias's ring (one tile per K/V slot) fit the shared
+  memory, else ``config`` with the first steps of
+  :data:`_BIAS_RING_STEPS` that make them fit; None where none does."""
+  fits = lambda c: c.smem_bytes(head_dim_padded, bias=True) <= SMEM_LIMIT
+  for step in ({},) + _BIAS_RING_STEPS:
+    try:
+      config = dataclasses.replace(config, **step)
+    except ValueError:  # a field another needs (q_double_buffer)
+      continue
+    if fits(config):
+      return config
+  return None
 
 
 def needed_smem_bytes(config: "MosaicConfig", head_dim_padded: int) -> int:

@@ -271,6 +271,12 @@ class Problem:
   # ALiBi: [B, H, 2] float32 (slopes divided by softmax_scale: in the raw
   # logits' units; position shifts) after the mask inputs.
   has_alibi: bool = False
+  # A dense bias [B | 1, H | 1, Tp, Sp] in the inputs' dtype (after ALiBi),
+  # its tiles streamed beside K (bias_batched / bias_per_head: whether
+  # its batch / head axis is full rather than shared).
+  has_bias: bool = False
+  bias_batched: bool = False
+  bias_per_head: bool = False
 
   @property
   def has_segments(self) -> bool:
@@ -297,6 +303,7 @@ class _Refs:
   seg_range: object
   flash: object  # FlashMask columns (None without one)
   alibi: object  # ALiBi's slopes (None without them)
+  bias: object  # the dense bias (None without one)
   o: object
   lse: object
   qo_smem2: object  # Q (and with the plain epilogue O), per Q buffer
@@ -308,6 +315,8 @@ class _Refs:
   q_ready: object  # per Q buffer
   k_free: object  # "slot consumed" (pipeline.MBarriers or NamedBarriers)
   v_free: object
+  bias_smem: object  # the dense bias's ring (one tile per K/V slot,
+  bias_ready: object  # filled with V and freed with it: v_free)
   p_smem2: object  # P staged for P V (p_in_smem)
   o_smem2: object  # the output's own slots (MosaicConfig.out_slots)
   q_free: object  # "done with Q" (prefetch_q)
@@ -325,9 +334,13 @@ class _Refs:
       q, k, v, *refs = refs
       q_seg = kv_seg = seg_range = None
     alibi = refs.pop(0) if prob.has_alibi else None
+    bias = refs.pop(0) if prob.has_bias else None
     o, lse, *refs = refs
     (qo_smem2, k_smem, v_smem, lse_smem2, k_ready, v_ready,
      q_ready, k_free, v_free, *extra) = refs
+    bias_smem = bias_ready = None
+    if prob.has_bias:
+      bias_smem, bias_ready, *extra = extra
     p_smem2 = extra.pop(0) if cfg.p_in_smem else None
     o_smem2 = extra.pop(0) if cfg.out_slots else None
     q_free = extra.pop(0) if cfg.prefetches_q else None
@@ -344,10 +357,11 @@ class _Refs:
     k_free = pipeline.ring_free(k_free, named_rings, cfg.compute_wgs, first)
     v_free = pipeline.ring_free(v_free, named_rings, cfg.compute_wgs,
                                 first + cfg.stages)
-    return cls(q, k, v, q_seg, kv_seg, seg_range, flash, alibi, o, lse,
-               qo_smem2, k_smem,
+    return cls(q, k, v, q_seg, kv_seg, seg_range, flash, alibi, bias, o,
+               lse, qo_smem2, k_smem,
                v_smem, lse_smem2, k_ready, v_ready, q_ready, k_free,
-               v_free, p_smem2, o_smem2, q_free,
+               v_free, bias_smem, bias_ready, p_smem2, o_smem2,
+               q_free,
                extra[-1] if _use_schedule(cfg) else None, exit_barrier)
 
 
@@ -626,6 +640,9 @@ class _Item:
         self.prob.mask.kv_block_range(self.q_start, bq, bk), r.seg_range,
         self.b, lax.div(self.group_start, cfg.compute_wgs * bq),
         segment_ids=self.prob.has_segment_ids)
+    # A bias may hold -inf (a mask given as a bias) in any tile: every
+    # computed tile takes the softmax's guard for rows with nothing seen.
+    self.everywhere = self.everywhere or r.bias is not None
     if ctx.chained:  # the epilogue runs inside the loop's last turn
       loop = _overlapped_loop if cfg.intra_wg_overlap else _chained_loop
       return loop(self, own, (acc, m, l))
@@ -678,6 +695,8 @@ class _Item:
       scale = self.qk_scale
       if self.r.alibi is not None:
         s = s + self.alibi_bias(t)
+      if self.r.bias is not None:
+        s = s + self.bias_tile(t)
     else:  # cap * tanh(x / cap) on the scaled logits (Gemma 2)
       cap = prob.logits_soft_cap
       s = jnp.tanh(s * (prob.softmax_scale / cap)) * (cap * LOG2E)
@@ -698,6 +717,17 @@ class _Item:
     slope = self.r.alibi[self.b, self.h, 0]
     shift = self.r.alibi[self.b, self.h, 1]  # (a block pair's offset)
     return jnp.abs((q_idx - k_idx).astype(jnp.float32) + shift) * (-slope)
+
+  def bias_tile(self, t):
+    """Tile ``t``'s dense bias for this consumer's rows in the raw logits'
+    units (divided by ``softmax_scale``, as ALiBi's slopes), float32 in
+    the wgmma layout (its slot is freed with V's, after this tile's P V)."""
+    r, slot = self.r, self.slot_of(t)
+    plgpu.barrier_wait(r.bias_ready.at[slot])
+    tile = plgpu.load(r.bias_smem.at[slot, pl.ds(self.ctx.wg * self.bq,
+                                                 self.bq)],
+                      layout=plgpu.Layout.WGMMA)
+    return tile.astype(jnp.float32) * (1.0 / self.prob.softmax_scale)
 
   def probs_where_visible(self, s, t, m, full_lo, full_hi):
     """:meth:`probs` for a tile whose masking is known only at run time:
@@ -827,6 +857,8 @@ class _Item:
     slot = lax.rem(step, self.stages)
     plgpu.barrier_wait(r.k_ready.at[slot])
     r.k_free.arrive(slot)
+    if r.bias is not None:  # (its phase observed; freed with V)
+      plgpu.barrier_wait(r.bias_ready.at[slot])
     ping.issued()
     plgpu.barrier_wait(r.v_ready.at[slot])
     r.v_free.arrive(slot)
@@ -1230,13 +1262,25 @@ def _produce(ctx: _Ctx, b, h, u_lo, n_steps, first_step, group_start=None,
         ref.at[src], smem.at[slot], ready.at[slot],
         collective_axes="cluster" if ctx.cluster > 1 else None)
 
-  def load(step, slot):  # K and V together
-    src = rows(step)
-    copy(r.k, r.k_smem, r.k_ready, src, slot)
-    copy(r.v, r.v_smem, r.v_ready, src, slot)
+  def load_bias(step, slot):
+    # The item's rows (both consumers') of key tile u_lo + step.
+    plgpu.copy_gmem_to_smem(
+        r.bias.at[b if prob.bias_batched else 0,
+                  h if prob.bias_per_head else 0,
+                  pl.ds(group_start, cfg.compute_wgs * bq),
+                  pl.ds((u_lo + step) * bk, bk)],
+        r.bias_smem.at[slot], r.bias_ready.at[slot])
 
   load_k = lambda step, slot: copy(r.k, r.k_smem, r.k_ready, rows(step), slot)
-  load_v = lambda step, slot: copy(r.v, r.v_smem, r.v_ready, rows(step), slot)
+
+  def load_v(step, slot):  # (with a bias, its tile beside V)
+    copy(r.v, r.v_smem, r.v_ready, rows(step), slot)
+    if r.bias is not None:
+      load_bias(step, slot)
+
+  def load(step, slot):  # K and V together
+    load_k(step, slot)
+    load_v(step, slot)
 
   if cfg.intra_wg_overlap:
     # K and V of a slot refilled apart, each once its own consumers
@@ -1339,7 +1383,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       elif ctx.prefetch:  # the last item's "done with Q"
         pl.when(n_items > 0)(lambda: plgpu.barrier_wait(r.q_free))
     else:
-      _produce(ctx, b, h, u_lo, n_steps, 0)
+      _produce(ctx, b, h, u_lo, n_steps, 0, group_start)
     if r.exit_barrier is not None:
       # Neither CTA of a cluster exits before the other's producer has
       # drained its ring.  A guard, not a necessity: each drain already
@@ -1394,7 +1438,8 @@ def _cluster_size(cfg: MosaicConfig, prob: Problem, n_groups: int) -> int:
   """CTAs per cluster: 2 with :attr:`MosaicConfig.kv_multicast` where
   both query groups of a cluster stream the same key tiles (no causal
   mask, window or segment ids: every group's key range is the whole
-  sequence) and the groups pair up; 1 otherwise.
+  sequence; no dense bias, whose tiles are each group's own) and the
+  groups pair up; 1 otherwise.
 
   Also 1 with two or three consumers and no ping-pong schedule.  A
   cluster barrier takes one arrival per warpgroup, from its first warp
@@ -1405,7 +1450,8 @@ def _cluster_size(cfg: MosaicConfig, prob: Problem, n_groups: int) -> int:
   step passes a two-warpgroup barrier; one consumer never skips."""
   mask = prob.mask
   uniform = (not mask.causal and mask.window_left is None
-             and mask.window_right is None and not prob.has_segments)
+             and mask.window_right is None and not prob.has_segments
+             and not prob.has_bias)
   in_step = cfg.compute_wgs == 1 or _use_schedule(cfg)
   return (2 if cfg.kv_multicast and uniform and in_step
           and n_groups % 2 == 0 else 1)
@@ -1565,8 +1611,8 @@ def _use_schedule(cfg: MosaicConfig) -> bool:
   return cfg.schedule_barrier and cfg.compute_wgs == 2
 
 
-def forward(q, k, v, segments=None, alibi=None, *, prob: Problem,
-            cfg: MosaicConfig, interpret=None):
+def forward(q, k, v, segments=None, alibi=None, bias=None, *,
+            prob: Problem, cfg: MosaicConfig, interpret=None):
   """Padded ``q [B, T, H, Dp]``, ``k, v [B, S, K, Dp]`` (bf16/fp16) ->
   ``(out [B, T, H, Dp], lse [B, H, prob.q_pad] float32)``.  T and S are
   ``prob.q_pad`` and ``prob.kv_pad``, or with ``unpadded_q`` /
@@ -1578,6 +1624,8 @@ def forward(q, k, v, segments=None, alibi=None, *, prob: Problem,
   ``prob.has_flash_mask``.  ``alibi``: ALiBi's ``[B, H, 2]`` float32
   (the slopes divided by the softmax scale, the position shifts of
   :func:`jaxflash.masks.alibi_bias`), with ``prob.has_alibi``.
+  ``bias``: the dense bias ``[B | 1, H | 1, Tp, Sp]`` in q's dtype, with
+  ``prob.has_bias``.
   """
   dtype = q.dtype
   dp = prob.head_dim_padded
@@ -1609,6 +1657,16 @@ def forward(q, k, v, segments=None, alibi=None, *, prob: Problem,
       free_barrier(num_arrivals=cfg.compute_wgs,
                    num_barriers=cfg.stages),              # v_free
   ]
+  if prob.has_bias:
+    # The bias tiles of both consumers' rows, a ring beside the K/V slots
+    # (tokamax's layout), read back in the wgmma layout of S.  A slot's
+    # tile is read in the softmax, before its P V, so V's release frees
+    # it too: no barrier of its own for that.
+    scratch += [
+        plgpu.SMEM((cfg.stages, cfg.compute_wgs * bq, bk), dtype,
+                   **pipeline.tiled_over(bk)),
+        plgpu.Barrier(num_barriers=cfg.stages),           # bias_ready
+    ]
   if cfg.p_in_smem:
     # P, V's partner in P V: wgmma takes both in one swizzle.
     scratch.append(plgpu.SMEM((cfg.compute_wgs, bq, bk), dtype,
@@ -1652,6 +1710,8 @@ def forward(q, k, v, segments=None, alibi=None, *, prob: Problem,
       kernel, out_type=out_type, scratch=scratch, grid=grid,
       grid_names=grid_names, consumers=cfg.compute_wgs,
       interpret=interpret,
-      reduction_scratch_bytes=cfg.fwd_reduction_scratch(dp),
+      reduction_scratch_bytes=cfg.fwd_reduction_scratch(
+          dp, bias=prob.has_bias),
       cluster=cluster,
-  )(q, k, v, *(segments or ()), *(() if alibi is None else (alibi,)))
+  )(q, k, v, *(segments or ()), *(() if alibi is None else (alibi,)),
+    *(() if bias is None else (bias,)))
