@@ -844,16 +844,17 @@ def test_mosaic_alibi_forward_lowers_for_cuda(cfg):
     ((512, 700, 4, 4, 64, True, None),
      dict(block_kv=128, item_overlap=True, persistent=True)),
     ((512, 512, 4, 2, 192, False, None), dict(block_q=64, block_kv=64)),
+    ((512, 700, 4, 2, 256, True, None), dict(intra_wg_overlap=True)),
 ], ids=["d128-default", "d128-overlap-persistent", "d64-item-overlap",
-        "d192"])
+        "d192", "d256-key-row"])
 def test_mosaic_bias_forward_lowers_for_cuda(shape, cfg):
   """A dense bias in the Hopper forward (its tiles by TMA beside V, read
-  in the wgmma layout of S) lowers to Mosaic GPU IR, and the shared-memory
-  count with its ring agrees with the compiler's."""
+  in the wgmma layout of S; at head_dim 256 one row of keys for every
+  query, read from GMEM) lowers to Mosaic GPU IR."""
   from jaxflash import mosaic_gpu
   q, kv, _, _, mask = _mosaic_case(shape)
-  bias = jax.ShapeDtypeStruct((2, shape[2], shape[0], shape[1]),
-                              jnp.bfloat16)
+  rows = 1 if shape[4] == 256 else shape[0]
+  bias = jax.ShapeDtypeStruct((2, shape[2], rows, shape[1]), jnp.bfloat16)
   config = mosaic_gpu.MosaicConfig(**cfg)
 
   def fwd(q, k, v, bias):

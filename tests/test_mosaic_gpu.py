@@ -67,6 +67,7 @@ PER_COMMIT = (
     'persistent_pairs+prefetch_q+q_double_buffer-d64-persistent-2wg-causal',
     'alibi-causal-2wg',
     'bias-causal-2wg',
+    'bias-row-overlap',
     'bwd_dkv_block_q_80+early_dv-d128-full-6tiles',
     'bwd_early_dv-d32-tiny-window-empty',
     'flashmask-prefix-2wg',
@@ -224,7 +225,8 @@ class Run:
   segments: dict | None = None  # SEG_CASES' documents and lengths
   flash: str | None = None  # a FLASH_PATTERNS FlashMask
   alibi: bool = False  # ALiBi slopes 2^-1, 2^-2, ... per head
-  bias: str | None = None  # a dense bias per "head" or per "batch" row
+  bias: str | None = None  # a dense bias per "head", per "batch" row, or
+  # one "row" of keys per batch row (a key padding bias)
   soft_cap: float | None = None
   softmax_scale: float | None = None  # None: head_dim ** -0.5
 
@@ -293,15 +295,17 @@ def _mask_arrays(run: Run):
 
 
 def _dense_bias(run: Run):
-  """A float32 bias ``[1, H, T, S]`` ("head") or ``[B, 1, T, S]``
-  ("batch") of normal values, with -inf on a few keys of every row and
-  on all of query row 3 (a row that sees nothing: output 0, LSE -inf)."""
+  """A float32 bias ``[1, H, T, S]`` ("head"), ``[B, 1, T, S]``
+  ("batch") or ``[B, 1, 1, S]`` ("row") of normal values, with -inf on a
+  few keys of every row; but for "row", on all of query row 3 too (a row
+  that sees nothing: output 0, LSE -inf)."""
   b, t, s, h = run.shape[:4]
-  shape = (1, h, t, s) if run.bias == "head" else (b, 1, t, s)
+  shape = {"head": (1, h, t, s), "batch": (b, 1, t, s),
+           "row": (b, 1, 1, s)}[run.bias]
   bias = 2.0 * jax.random.normal(jax.random.key(run.seed + 40), shape)
   hidden = jax.random.bernoulli(jax.random.key(run.seed + 41), 0.05, shape)
   bias = jnp.where(hidden, -jnp.inf, bias)
-  return bias.at[:, :, 3].set(-jnp.inf)
+  return bias if run.bias == "row" else bias.at[:, :, 3].set(-jnp.inf)
 
 
 # FlashMasks shared by the heads, ``(batch, seq) -> FlashMask``: the forms
@@ -2269,8 +2273,9 @@ def test_alibi_interpret(run):
 
 
 # A dense bias in the Hopper forward (its backward, with dbias, is the
-# Triton kernels'): its tiles streamed beside K in the plain, overlapped
-# and persistent loops, per head and per batch row, with -inf entries.
+# Triton kernels'): its tiles streamed beside V in the plain, overlapped
+# and persistent loops, per head and per batch row, or one row of keys
+# read from GMEM, with -inf entries.
 BIAS_RUNS = [
     Run("bias-causal-2wg", "fwd", (2, 200, 300, 4, 2, 64), jnp.bfloat16,
         TWO_WG, seed=11, causal=True, bias="head"),
@@ -2280,6 +2285,9 @@ BIAS_RUNS = [
         seed=12, bias="batch"),
     Run("bias-grads-1wg", "fwd+bwd", (2, 130, 100, 2, 1, 32), jnp.bfloat16,
         ONE_WG, seed=13, causal=True, bias="head"),
+    Run("bias-row-overlap", "fwd", (2, 200, 300, 4, 2, 128), jnp.bfloat16,
+        dataclasses.replace(TWO_WG, intra_wg_overlap=True), seed=16,
+        bias="row"),
 ]
 
 

@@ -133,7 +133,7 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
   dp = kernel_head_dim(D)
   given = config
   config = _resolve_config(config, interpret, dp, mask, q=q, k=k)
-  if arrays.bias is not None:
+  if arrays.bias is not None and _bias_rows(arrays, T):
     # The bias's ring beside the K/V ring: the tuned config where both
     # fit, else one that gives up what with_bias_ring lists (a config the
     # caller gave is refused instead, by check_supported).
@@ -146,7 +146,7 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
       num_kv_heads=K, q_pad=round_up(T, config.compute_wgs * config.block_q),
       kv_pad=round_up(S, config.block_kv), head_dim_padded=dp,
       logits_soft_cap=logits_soft_cap,
-      **_mask_flags(arrays))
+      **_mask_flags(arrays), bias_rows=_bias_rows(arrays, T))
   return _Static(prob=prob, config=config, interpret=interpret, head_dim=D)
 
 
@@ -154,6 +154,12 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
 # dense bias's ring (with_bias_ring; at 256 the K/V ring alone takes 226
 # KiB of 227).
 MAX_BIAS_HEAD_DIM = 192
+
+
+def _bias_rows(arrays: MaskArrays, q_len: int) -> bool:
+  """Whether the bias has rows of its own (its ring), not one row shared
+  by every query (read per key tile from GMEM)."""
+  return arrays.bias is not None and arrays.bias.shape[2] == q_len > 1
 
 
 def _bias_ring_problem(config: MosaicConfig, dp: int) -> str:
@@ -283,14 +289,19 @@ def _forward(q, k, v, st: _Static, arrays: MaskArrays = NO_MASK_ARRAYS):
         jnp.stack([slopes[..., 0] / prob.softmax_scale, slopes[..., 1]],
                   axis=-1), (q.shape[0], prob.num_heads, 2))
   bias = None
-  if prob.has_bias:
+  if prob.bias_ring:
     # In q's dtype (the ring's), its rows and keys padded as Q's and K's
-    # (a copy only where the lengths are not whole tiles).  A query axis
-    # of 1 (q_len 1; check_supported refuses other broadcast rows) is
-    # that row.
+    # (a copy only where the lengths are not whole tiles).
     bias = arrays.bias.astype(q.dtype)
     bias = jnp.pad(bias, ((0, 0), (0, 0), (0, q_rows - bias.shape[2]),
                           (0, kv_rows - bias.shape[3])))
+  elif prob.has_bias:
+    # One row for every query, rounded to q's dtype as the ring's tiles
+    # (and the backward's bias) are, read as float32 per key tile; the
+    # keys padded to whole tiles (the last tile's loads stay inside).
+    bias = arrays.bias.astype(q.dtype).astype(jnp.float32)
+    bias = jnp.pad(bias, ((0, 0), (0, 0), (0, 0),
+                          (0, prob.kv_pad - bias.shape[3])))
   out, lse = fwd_lib.forward(
       pad(q, q_rows), pad(k, kv_rows), pad(v, kv_rows), segments, alibi,
       bias, prob=prob, cfg=st.config,
@@ -547,19 +558,14 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
       raise NotImplementedError(
           "the Hopper kernels take no dense mask yet (the Triton kernels"
           " do)")
-    if (arrays.bias is not None and arrays.bias.shape[2] != q.shape[1]):
-      raise NotImplementedError(
-          f"the Hopper forward streams a bias tile per key tile: its query"
-          f" axis must be whole, got bias {arrays.bias.shape} for q_len"
-          f" {q.shape[1]} (the Triton kernels broadcast it)")
     dp = kernel_head_dim(q.shape[3])
-    if arrays.bias is not None and dp > MAX_BIAS_HEAD_DIM:
+    ring = _bias_rows(arrays, q.shape[1])
+    if ring and dp > MAX_BIAS_HEAD_DIM:
       raise NotImplementedError(
           f"the Hopper forward has no shared memory for a dense bias's ring"
           f" beside its K/V ring at head_dim {dp} (up to"
           f" {MAX_BIAS_HEAD_DIM}; the Triton kernels serve it)")
-    if (arrays.bias is not None and config is not None
-        and with_bias_ring(config, dp) != config):
+    if ring and config is not None and with_bias_ring(config, dp) != config:
       raise NotImplementedError(_bias_ring_problem(config, dp))
     if arrays.flash_mask is not None:
       _check_flash_mask(arrays.flash_mask)

@@ -272,11 +272,19 @@ class Problem:
   # logits' units; position shifts) after the mask inputs.
   has_alibi: bool = False
   # A dense bias [B | 1, H | 1, Tp, Sp] in the inputs' dtype (after ALiBi),
-  # its tiles streamed beside K (bias_batched / bias_per_head: whether
-  # its batch / head axis is full rather than shared).
+  # its tiles streamed in a ring beside V (bias_batched / bias_per_head:
+  # whether its batch / head axis is full rather than shared), or with
+  # bias_rows False one float32 row [B | 1, H | 1, 1, Sp] for every query
+  # (a key padding bias), read from GMEM per key tile.
   has_bias: bool = False
   bias_batched: bool = False
   bias_per_head: bool = False
+  bias_rows: bool = True
+
+  @property
+  def bias_ring(self) -> bool:
+    """The bias's tiles go through shared memory (:attr:`bias_rows`)."""
+    return self.has_bias and self.bias_rows
 
   @property
   def has_segments(self) -> bool:
@@ -339,7 +347,7 @@ class _Refs:
     (qo_smem2, k_smem, v_smem, lse_smem2, k_ready, v_ready,
      q_ready, k_free, v_free, *extra) = refs
     bias_smem = bias_ready = None
-    if prob.has_bias:
+    if prob.bias_ring:
       bias_smem, bias_ready, *extra = extra
     p_smem2 = extra.pop(0) if cfg.p_in_smem else None
     o_smem2 = extra.pop(0) if cfg.out_slots else None
@@ -722,12 +730,22 @@ class _Item:
     """Tile ``t``'s dense bias for this consumer's rows in the raw logits'
     units (divided by ``softmax_scale``, as ALiBi's slopes), float32 in
     the wgmma layout (its slot is freed with V's, after this tile's P V)."""
-    r, slot = self.r, self.slot_of(t)
+    r, prob, inv_scale = self.r, self.prob, 1.0 / self.prob.softmax_scale
+    if not prob.bias_rows:
+      # One row for every query: straight from GMEM into the key layout
+      # of S (as the key segment ids), broadcast over the rows.
+      row = plgpu.load(
+          r.bias.at[self.b if prob.bias_batched else 0,
+                    self.h if prob.bias_per_head else 0, 0,
+                    pl.ds(t * self.bk, self.bk)],
+          layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+      return lax.broadcast_in_dim(row * inv_scale, (self.bq, self.bk), [1])
+    slot = self.slot_of(t)
     plgpu.barrier_wait(r.bias_ready.at[slot])
     tile = plgpu.load(r.bias_smem.at[slot, pl.ds(self.ctx.wg * self.bq,
                                                  self.bq)],
                       layout=plgpu.Layout.WGMMA)
-    return tile.astype(jnp.float32) * (1.0 / self.prob.softmax_scale)
+    return tile.astype(jnp.float32) * inv_scale
 
   def probs_where_visible(self, s, t, m, full_lo, full_hi):
     """:meth:`probs` for a tile whose masking is known only at run time:
@@ -857,7 +875,7 @@ class _Item:
     slot = lax.rem(step, self.stages)
     plgpu.barrier_wait(r.k_ready.at[slot])
     r.k_free.arrive(slot)
-    if r.bias is not None:  # (its phase observed; freed with V)
+    if r.bias_smem is not None:  # (its phase observed; freed with V)
       plgpu.barrier_wait(r.bias_ready.at[slot])
     ping.issued()
     plgpu.barrier_wait(r.v_ready.at[slot])
@@ -1275,7 +1293,7 @@ def _produce(ctx: _Ctx, b, h, u_lo, n_steps, first_step, group_start=None,
 
   def load_v(step, slot):  # (with a bias, its tile beside V)
     copy(r.v, r.v_smem, r.v_ready, rows(step), slot)
-    if r.bias is not None:
+    if r.bias_smem is not None:
       load_bias(step, slot)
 
   def load(step, slot):  # K and V together
@@ -1624,8 +1642,9 @@ def forward(q, k, v, segments=None, alibi=None, bias=None, *,
   ``prob.has_flash_mask``.  ``alibi``: ALiBi's ``[B, H, 2]`` float32
   (the slopes divided by the softmax scale, the position shifts of
   :func:`jaxflash.masks.alibi_bias`), with ``prob.has_alibi``.
-  ``bias``: the dense bias ``[B | 1, H | 1, Tp, Sp]`` in q's dtype, with
-  ``prob.has_bias``.
+  ``bias``: the dense bias ``[B | 1, H | 1, Tp, Sp]`` in q's dtype (or
+  one float32 row ``[B | 1, H | 1, 1, Sp]``: ``prob.bias_rows`` False),
+  with ``prob.has_bias``.
   """
   dtype = q.dtype
   dp = prob.head_dim_padded
@@ -1657,7 +1676,7 @@ def forward(q, k, v, segments=None, alibi=None, bias=None, *,
       free_barrier(num_arrivals=cfg.compute_wgs,
                    num_barriers=cfg.stages),              # v_free
   ]
-  if prob.has_bias:
+  if prob.bias_ring:
     # The bias tiles of both consumers' rows, a ring beside the K/V slots
     # (tokamax's layout), read back in the wgmma layout of S.  A slot's
     # tile is read in the softmax, before its P V, so V's release frees
@@ -1711,7 +1730,7 @@ def forward(q, k, v, segments=None, alibi=None, bias=None, *,
       grid_names=grid_names, consumers=cfg.compute_wgs,
       interpret=interpret,
       reduction_scratch_bytes=cfg.fwd_reduction_scratch(
-          dp, bias=prob.has_bias),
+          dp, bias=prob.bias_ring),
       cluster=cluster,
   )(q, k, v, *(segments or ()), *(() if alibi is None else (alibi,)),
     *(() if bias is None else (bias,)))
