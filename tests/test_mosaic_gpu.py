@@ -2288,6 +2288,9 @@ BIAS_RUNS = [
     Run("bias-row-overlap", "fwd", (2, 200, 300, 4, 2, 128), jnp.bfloat16,
         dataclasses.replace(TWO_WG, intra_wg_overlap=True), seed=16,
         bias="row"),
+    Run("bias-packed-flashmask", "fwd", (2, 256, 256, 4, 2, 64),
+        jnp.bfloat16, TWO_WG, seed=17, causal=True, bias="batch",
+        segments=dict(docs=3, pad=10, kv_len=[256, 200]), flash="prefix"),
 ]
 
 
