@@ -60,20 +60,24 @@ class Backend:
 
 def _mosaic_backward(q, k, v, arrays, out, lse, dout, dlse, *, mask,
                      softmax_scale, logits_soft_cap, config, interpret,
-                     deterministic, bias_grad=False):
+                     deterministic, bias_grad=False, dropout_rate=0.0,
+                     dropout_shared=False):
   """The Hopper backward kernels, or the Triton ones where those do not
-  serve the call (both take the same residuals; the backward of ALiBi
-  and of a dense bias, with its gradient, is the Triton kernels')."""
-  if arrays.bias is not None:
+  serve the call (both take the same residuals; the backward of ALiBi,
+  of a dense bias, with its gradient, and of attention dropout, whose
+  keep mask it regenerates, is the Triton kernels')."""
+  if arrays.bias is not None or dropout_rate:
     # The bias as the Hopper forward read it (in q's dtype), so that the
     # recomputed probabilities match its log-sum-exp; dbias in the
     # bias's own dtype.
     bias = arrays.bias
+    if bias is not None:
+      arrays = arrays._replace(bias=bias.astype(q.dtype))
     grads = triton_kernels.backward(
-        q, k, v, arrays._replace(bias=bias.astype(q.dtype)), out, lse, dout,
-        dlse, mask=mask, softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap, config=None,
-        interpret=bool(interpret), bias_grad=bias_grad)
+        q, k, v, arrays, out, lse, dout, dlse, mask=mask,
+        softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
+        config=None, interpret=bool(interpret), bias_grad=bias_grad,
+        dropout_rate=dropout_rate, dropout_shared=dropout_shared)
     return (*grads[:3], *(g.astype(bias.dtype) for g in grads[3:]))
   if arrays.alibi_slopes is None and mosaic_gpu.serves_backward(
       q, k, mask=mask, config=config, interpret=interpret,

@@ -138,6 +138,18 @@ def _fmix32(x):
   return x ^ (x >> 16)
 
 
+def _u32(x):
+  return lax.bitcast_convert_type(_i32(x), jnp.uint32)
+
+
+def dropout_head_key(seed, head):
+  """The hash of a batch row's int32 ``seed`` and a query ``head`` that
+  :func:`dropout_keep` starts every pair of that head from, as int32
+  bits (:func:`dropout_keep_from_key` takes it)."""
+  key = _fmix32(_u32(seed) ^ _fmix32(_u32(head) * jnp.uint32(_H1)))
+  return lax.bitcast_convert_type(key, jnp.int32)
+
+
 def dropout_keep(seed, head, rows, cols, rate: float):
   """Which probabilities attention dropout keeps: a bool array shaped
   like ``rows + cols`` (broadcast).  ``seed`` the batch row's int32 seed,
@@ -145,8 +157,16 @@ def dropout_keep(seed, head, rows, cols, rate: float):
   ``cols`` int32 query and key positions.  A pair is kept with
   probability ``1 - rate`` (to 2^-24): the hash's top 24 bits against
   ``rate * 2^24``."""
-  u32 = lambda x: lax.bitcast_convert_type(_i32(x), jnp.uint32)
-  head_key = _fmix32(u32(seed) ^ _fmix32(u32(head) * jnp.uint32(_H1)))
+  return dropout_keep_from_key(dropout_head_key(seed, head), rows, cols,
+                               rate)
+
+
+def dropout_keep_from_key(head_key, rows, cols, rate: float):
+  """:func:`dropout_keep` from the head's :func:`dropout_head_key` (the
+  Hopper kernel takes the keys from a table, its per-tile work all in
+  tiles: ``head_key`` may be a tile like ``rows``)."""
+  u32 = _u32
+  head_key = u32(head_key)
   row_key = _fmix32(head_key ^ (u32(rows) * jnp.uint32(_H2)))
   row_key2 = _fmix32(row_key ^ (u32(rows) * jnp.uint32(_H4)))
   bits = _fmix32(_fmix32(row_key ^ (u32(cols) * jnp.uint32(_H3)))

@@ -69,7 +69,7 @@ def max_abs_diff(a, b) -> float:
 # reference.attention's keywords that are arrays (traced); the others are
 # static, part of the key of the jitted reference's compile cache.
 _ARRAY_KWARGS = ("segment_ids", "q_seq_lengths", "kv_seq_lengths", "bias",
-                 "dense_mask")
+                 "dense_mask", "dropout_seeds")
 
 
 @functools.partial(jax.jit, static_argnames=("static",))

@@ -867,6 +867,33 @@ def test_mosaic_bias_forward_lowers_for_cuda(shape, cfg):
   assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"]
 
 
+@pytest.mark.parametrize("cfg", [
+    dict(),
+    dict(named_barriers=True, intra_wg_overlap=True, block_kv=128,
+         consumer_registers=240, persistent=True, prefetch_q=True,
+         lean_epilogue=True),
+    dict(named_barriers=True, compute_wgs=3, block_kv=128),
+], ids=["default", "overlap-persistent", "three-wg"])
+def test_mosaic_dropout_forward_lowers_for_cuda(cfg):
+  """Attention dropout in the Hopper forward (the keep mask's uint32 hash
+  on the tile's positions, P scaled before P V) lowers to Mosaic GPU IR
+  (d128, GQA, causal)."""
+  from jaxflash import mosaic_gpu
+  from jaxflash.mosaic_gpu import backend
+  q, kv, _, _, mask = _mosaic_case((1024, 1024, 8, 2, 128, True, None))
+  seeds = jax.ShapeDtypeStruct((2, 4), jnp.int32)
+  config = mosaic_gpu.MosaicConfig(**cfg)
+
+  def fwd(q, k, v, seeds):
+    return backend.forward(q, k, v, MaskArrays(dropout_seeds=seeds),
+                           mask=mask, softmax_scale=0.125, config=config,
+                           dropout_rate=0.1)[0]
+
+  text = jax.jit(fwd).trace(q, kv, kv, seeds).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"]
+
+
 def test_bias_ring_fits_the_tuned_configs():
   """Every tuned forward config up to MAX_BIAS_HEAD_DIM fits the bias's
   ring as it is or after with_bias_ring's steps; a config given by the

@@ -68,6 +68,7 @@ PER_COMMIT = (
     'alibi-causal-2wg',
     'bias-causal-2wg',
     'bias-row-overlap',
+    'dropout-overlap-shared',
     'bwd_dkv_block_q_80+early_dv-d128-full-6tiles',
     'bwd_early_dv-d32-tiny-window-empty',
     'flashmask-prefix-2wg',
@@ -227,6 +228,8 @@ class Run:
   alibi: bool = False  # ALiBi slopes 2^-1, 2^-2, ... per head
   bias: str | None = None  # a dense bias per "head", per "batch" row, or
   # one "row" of keys per batch row (a key padding bias)
+  dropout: float = 0.0  # attention dropout's rate (seeds per batch row)
+  dropout_shared: bool = False  # one keep mask for every head
   soft_cap: float | None = None
   softmax_scale: float | None = None  # None: head_dim ** -0.5
 
@@ -291,6 +294,14 @@ def _mask_arrays(run: Run):
         jnp.arange(s)[None, :], run.spec.offset)
   if run.bias is not None:
     arrays["bias"] = ref_kw["bias"] = _dense_bias(run)
+  if run.dropout:
+    # (seed, first head, first row, first key) per batch row: a shard's
+    # offsets, as a context-parallel piece passes them.
+    seeds = jnp.asarray([[7, 0, 0, 0], [-3, 1, 5, 9]][:run.shape[0]],
+                        jnp.int32)
+    arrays["dropout_seeds"] = ref_kw["dropout_seeds"] = seeds
+    ref_kw.update(dropout_rate=run.dropout,
+                  dropout_shared=run.dropout_shared)
   return masks.MaskArrays(**arrays), ref_kw
 
 
@@ -325,9 +336,12 @@ FLASH_PATTERNS = {
 
 
 def _kernel_kwargs(run: Run) -> dict:
-  return dict(mask=run.spec, softmax_scale=run.scale,
-              logits_soft_cap=run.soft_cap, config=run.config,
-              interpret=RACES)
+  kw = dict(mask=run.spec, softmax_scale=run.scale,
+            logits_soft_cap=run.soft_cap, config=run.config,
+            interpret=RACES)
+  if run.dropout:
+    kw.update(dropout_rate=run.dropout, dropout_shared=run.dropout_shared)
+  return kw
 
 
 def _forward_kernel(run: Run, arrays):
@@ -339,8 +353,11 @@ def _forward_kernel(run: Run, arrays):
 def _backward_kernels(run: Run, arrays):
   """``(q, k, v, out, lse, do, dlse) -> (dq, dk, dv)``: the backward
   kernels alone."""
+  kw = _kernel_kwargs(run)
+  for name in ("dropout_rate", "dropout_shared"):  # (the Triton backward's)
+    kw.pop(name, None)
   return lambda q, k, v, out, lse, do, dlse: mosaic_kernels.backward(
-      q, k, v, arrays, out, lse, do, dlse, **_kernel_kwargs(run))
+      q, k, v, arrays, out, lse, do, dlse, **kw)
 
 
 def _run_interpreted(run: Run):
@@ -2299,6 +2316,23 @@ def test_bias_interpret(run):
   _run_interpreted(run)
 
 
+# Attention dropout in the Hopper forward (the keep mask hashed per tile,
+# the Triton backward regenerating it): the plain and overlapped loops,
+# per head and shared, the seeds' row and head offsets.
+DROPOUT_RUNS = [
+    Run("dropout-causal-2wg", "fwd+bwd", (2, 200, 300, 4, 2, 64),
+        jnp.bfloat16, TWO_WG, seed=18, causal=True, dropout=0.25),
+    Run("dropout-overlap-shared", "fwd", (2, 256, 256, 4, 4, 64),
+        jnp.bfloat16, dataclasses.replace(TWO_WG, intra_wg_overlap=True),
+        seed=19, dropout=0.5, dropout_shared=True),
+]
+
+
+@pytest.mark.parametrize("run", _params(DROPOUT_RUNS))
+def test_dropout_interpret(run):
+  _run_interpreted(run)
+
+
 def _bias_call(interpret, t=200, s=300, d=64):
   """flash_attention with a per-head bias (with -inf entries) on the
   Hopper forward and the Triton backward: out and dq, dk, dv by the
@@ -2553,7 +2587,8 @@ def test_interpreter_refused_inside_multi_device_shard_map():
 def interpreter_runs() -> list[Run]:
   """Every interpreter run of this file's kernel tests."""
   return (_base_runs() + _variant_runs() + _segment_runs()
-          + _soft_cap_runs() + FLASH_RUNS + ALIBI_RUNS + BIAS_RUNS)
+          + _soft_cap_runs() + FLASH_RUNS + ALIBI_RUNS + BIAS_RUNS
+          + DROPOUT_RUNS)
 
 
 def run_cost(run: Run) -> float:

@@ -127,7 +127,8 @@ def check_deterministic(config: MosaicConfig | None,
 def _plan(q, k, mask: MaskSpec, softmax_scale: float,
           config: MosaicConfig | None, interpret,
           logits_soft_cap: float | None = None,
-          arrays: MaskArrays = NO_MASK_ARRAYS) -> _Static:
+          arrays: MaskArrays = NO_MASK_ARRAYS, dropout_rate: float = 0.0,
+          dropout_shared: bool = False) -> _Static:
   B, T, H, D = q.shape
   S, K = k.shape[1], k.shape[2]
   dp = kernel_head_dim(D)
@@ -146,7 +147,8 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
       num_kv_heads=K, q_pad=round_up(T, config.compute_wgs * config.block_q),
       kv_pad=round_up(S, config.block_kv), head_dim_padded=dp,
       logits_soft_cap=logits_soft_cap,
-      **_mask_flags(arrays), bias_rows=_bias_rows(arrays, T))
+      **_mask_flags(arrays), bias_rows=_bias_rows(arrays, T),
+      dropout_rate=float(dropout_rate), dropout_shared=dropout_shared)
   return _Static(prob=prob, config=config, interpret=interpret, head_dim=D)
 
 
@@ -154,6 +156,18 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
 # dense bias's ring (with_bias_ring; at 256 the K/V ring alone takes 226
 # KiB of 227).
 MAX_BIAS_HEAD_DIM = 192
+
+
+def _dropout_table(arrays: MaskArrays, prob: fwd_lib.Problem):
+  """The forward's dropout input ``[B, H + 2]`` int32 from
+  ``dropout_seeds [B, 4]`` (seed, first head, first row, first key):
+  each head's :func:`jaxflash.masks.dropout_head_key` (head 0's for a
+  shared mask), then the first row and key."""
+  seeds = arrays.dropout_seeds.astype(jnp.int32)
+  heads = jnp.arange(prob.num_heads, dtype=jnp.int32)[None, :]
+  heads = 0 * heads if prob.dropout_shared else heads + seeds[:, 1:2]
+  keys = masks_lib.dropout_head_key(seeds[:, :1], heads)
+  return jnp.concatenate([keys, seeds[:, 2:4]], axis=1)
 
 
 def _bias_rows(arrays: MaskArrays, q_len: int) -> bool:
@@ -304,7 +318,8 @@ def _forward(q, k, v, st: _Static, arrays: MaskArrays = NO_MASK_ARRAYS):
                           (0, prob.kv_pad - bias.shape[3])))
   out, lse = fwd_lib.forward(
       pad(q, q_rows), pad(k, kv_rows), pad(v, kv_rows), segments, alibi,
-      bias, prob=prob, cfg=st.config,
+      bias, _dropout_table(arrays, prob) if prob.dropout_rate else None,
+      prob=prob, cfg=st.config,
       interpret=_interpret_params(st.interpret))
   T = q.shape[1]
   return out[:, :T, :, :st.head_dim], lse[:, :, :T]
@@ -312,10 +327,12 @@ def _forward(q, k, v, st: _Static, arrays: MaskArrays = NO_MASK_ARRAYS):
 
 def forward(q, k, v, arrays: MaskArrays, *, mask: MaskSpec,
             softmax_scale: float, logits_soft_cap=None,
-            config: MosaicConfig | None = None, interpret=False):
-  """The Hopper forward kernel on (local) arrays: ``(out, lse)``."""
+            config: MosaicConfig | None = None, interpret=False,
+            dropout_rate: float = 0.0, dropout_shared: bool = False):
+  """The Hopper forward kernel on (local) arrays: ``(out, lse)``; with
+  ``dropout_rate`` attention dropout from ``arrays.dropout_seeds``."""
   st = _plan(q, k, mask, softmax_scale, config, interpret, logits_soft_cap,
-             arrays)
+             arrays, dropout_rate, dropout_shared)
   if interpret:
     _check_interpreter_threads(st.config)
   return _forward(q, k, v, st, arrays)
@@ -549,10 +566,6 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
   if q.dtype not in SUPPORTED_DTYPES:
     raise NotImplementedError(
         f"mosaic_gpu backend supports bfloat16 and float16, got {q.dtype}")
-  if arrays.dropout_seeds is not None:
-    raise NotImplementedError(
-        "the Hopper kernels take no attention dropout yet (the Triton"
-        " kernels do)")
   if arrays.has_dense:
     if arrays.dense_mask is not None:
       raise NotImplementedError(

@@ -54,7 +54,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, nvvm, scf, vector
 
 from jaxflash._util import out_struct, sm_count
-from jaxflash.masks import MaskSpec
+from jaxflash.masks import MaskSpec, dropout_keep_from_key
 from jaxflash.mosaic_gpu import pipeline
 from jaxflash.mosaic_gpu.config import MosaicConfig
 
@@ -281,6 +281,13 @@ class Problem:
   bias_per_head: bool = False
   bias_rows: bool = True
 
+  # Attention dropout (rate > 0): [B, H + 2] int32 after the bias, each
+  # head's masks.dropout_head_key, then the first row and first key of
+  # this call among the whole attention's; shared: one keep mask for
+  # every head (the table's keys all head 0's).
+  dropout_rate: float = 0.0
+  dropout_shared: bool = False
+
   @property
   def bias_ring(self) -> bool:
     """The bias's tiles go through shared memory (:attr:`bias_rows`)."""
@@ -312,6 +319,7 @@ class _Refs:
   flash: object  # FlashMask columns (None without one)
   alibi: object  # ALiBi's slopes (None without them)
   bias: object  # the dense bias (None without one)
+  dropout: object  # dropout_seeds (None without dropout)
   o: object
   lse: object
   qo_smem2: object  # Q (and with the plain epilogue O), per Q buffer
@@ -343,6 +351,7 @@ class _Refs:
       q_seg = kv_seg = seg_range = None
     alibi = refs.pop(0) if prob.has_alibi else None
     bias = refs.pop(0) if prob.has_bias else None
+    dropout = refs.pop(0) if prob.dropout_rate else None
     o, lse, *refs = refs
     (qo_smem2, k_smem, v_smem, lse_smem2, k_ready, v_ready,
      q_ready, k_free, v_free, *extra) = refs
@@ -365,8 +374,8 @@ class _Refs:
     k_free = pipeline.ring_free(k_free, named_rings, cfg.compute_wgs, first)
     v_free = pipeline.ring_free(v_free, named_rings, cfg.compute_wgs,
                                 first + cfg.stages)
-    return cls(q, k, v, q_seg, kv_seg, seg_range, flash, alibi, bias, o,
-               lse, qo_smem2, k_smem,
+    return cls(q, k, v, q_seg, kv_seg, seg_range, flash, alibi, bias,
+               dropout, o, lse, qo_smem2, k_smem,
                v_smem, lse_smem2, k_ready, v_ready, q_ready, k_free,
                v_free, bias_smem, bias_ready, p_smem2, o_smem2,
                q_free,
@@ -747,6 +756,27 @@ class _Item:
                       layout=plgpu.Layout.WGMMA)
     return tile.astype(jnp.float32) * inv_scale
 
+  def dropped(self, p, t):
+    """Tile ``t``'s ``P`` as ``P V`` takes it: under attention dropout
+    (FlashAttention-2's) the kept probabilities scaled by ``1 / (1 -
+    rate)`` and the others 0, the row sums left whole; the keep mask is
+    :func:`jaxflash.masks.dropout_keep`'s hash, which the Triton backward
+    regenerates."""
+    prob, r = self.prob, self.r
+    if not prob.dropout_rate:
+      return p
+    heads = prob.num_heads
+    row0, col0 = r.dropout[self.b, heads], r.dropout[self.b, heads + 1]
+    shape = (self.bq, self.bk)
+    # The head's key as a tile (the hash's uint32 casts lower for tiles).
+    key = plgpu.layout_cast(jnp.full(shape, r.dropout[self.b, self.h]),
+                            plgpu.Layout.WGMMA)
+    keep = dropout_keep_from_key(
+        key, pipeline.index_tile(self.q_start + row0, shape, 0),
+        pipeline.index_tile(t * self.bk + col0, shape, 1),
+        prob.dropout_rate)
+    return jnp.where(keep, p * (1.0 / (1.0 - prob.dropout_rate)), 0.0)
+
   def probs_where_visible(self, s, t, m, full_lo, full_hi):
     """:meth:`probs` for a tile whose masking is known only at run time:
     without the element mask where ``t`` lies in the fully visible
@@ -839,7 +869,7 @@ class _Item:
     else:
       p, m_next, alpha = self.probs(s, t, m, masked=masked)
     l = l * alpha
-    p16 = p.astype(self.ctx.dtype)
+    p16 = self.dropped(p, t).astype(self.ctx.dtype)
     if in_place:  # (the interpretable form rescales after the barrier)
       acc = self.rescale(acc, alpha)
     # As JAX's attention_mgpu: at head_dim <= 128, finishing the row sum
@@ -1152,7 +1182,7 @@ def _overlapped_loop(it: _Item, own, carry):
       s0 = it.scores(slot_of(lo))
     p, m1, alpha = it.probs(s0, lo, m, masked=True)
     l1 = l * alpha + it.rsum(p)
-    return it.stash(p), m1, l1
+    return it.stash(it.dropped(p, lo)), m1, l1
 
   def nothing(_):
     if r.p_smem2 is not None:
@@ -1254,7 +1284,7 @@ def _overlapped_step(it: _Item, zeros_s, t, carry, *, masked: bool):
   # those same registers (the compiler sees P_{t-1} dead once the wgmma
   # is issued).  ptxas then serialises the wgmmas (its C7513 note).
   acc = it.rescale(o, alpha)
-  return acc, m, l, it.stash(p)
+  return acc, m, l, it.stash(it.dropped(p, t))
 
 
 # ---------------------------------------------------------------------------
@@ -1629,8 +1659,9 @@ def _use_schedule(cfg: MosaicConfig) -> bool:
   return cfg.schedule_barrier and cfg.compute_wgs == 2
 
 
-def forward(q, k, v, segments=None, alibi=None, bias=None, *,
-            prob: Problem, cfg: MosaicConfig, interpret=None):
+def forward(q, k, v, segments=None, alibi=None, bias=None,
+            dropout_seeds=None, *, prob: Problem, cfg: MosaicConfig,
+            interpret=None):
   """Padded ``q [B, T, H, Dp]``, ``k, v [B, S, K, Dp]`` (bf16/fp16) ->
   ``(out [B, T, H, Dp], lse [B, H, prob.q_pad] float32)``.  T and S are
   ``prob.q_pad`` and ``prob.kv_pad``, or with ``unpadded_q`` /
@@ -1644,7 +1675,8 @@ def forward(q, k, v, segments=None, alibi=None, bias=None, *,
   :func:`jaxflash.masks.alibi_bias`), with ``prob.has_alibi``.
   ``bias``: the dense bias ``[B | 1, H | 1, Tp, Sp]`` in q's dtype (or
   one float32 row ``[B | 1, H | 1, 1, Sp]``: ``prob.bias_rows`` False),
-  with ``prob.has_bias``.
+  with ``prob.has_bias``.  ``dropout_seeds``: ``[B, H + 2]`` int32, with
+  ``prob.dropout_rate`` (:attr:`Problem.dropout_rate`).
   """
   dtype = q.dtype
   dp = prob.head_dim_padded
@@ -1732,5 +1764,5 @@ def forward(q, k, v, segments=None, alibi=None, bias=None, *,
       reduction_scratch_bytes=cfg.fwd_reduction_scratch(
           dp, bias=prob.bias_ring),
       cluster=cluster,
-  )(q, k, v, *(segments or ()), *(() if alibi is None else (alibi,)),
-    *(() if bias is None else (bias,)))
+  )(q, k, v, *(segments or ()),
+    *(x for x in (alibi, bias, dropout_seeds) if x is not None))
