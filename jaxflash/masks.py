@@ -162,14 +162,24 @@ def dropout_keep(seed, head, rows, cols, rate: float):
 
 
 def dropout_keep_from_key(head_key, rows, cols, rate: float):
-  """:func:`dropout_keep` from the head's :func:`dropout_head_key` (the
-  Hopper kernel takes the keys from a table, its per-tile work all in
-  tiles: ``head_key`` may be a tile like ``rows``)."""
-  u32 = _u32
-  head_key = u32(head_key)
-  row_key = _fmix32(head_key ^ (u32(rows) * jnp.uint32(_H2)))
-  row_key2 = _fmix32(row_key ^ (u32(rows) * jnp.uint32(_H4)))
-  bits = _fmix32(_fmix32(row_key ^ (u32(cols) * jnp.uint32(_H3)))
+  """:func:`dropout_keep` from the head's :func:`dropout_head_key`."""
+  return dropout_keep_from_rows(*dropout_row_keys(head_key, rows), cols,
+                                rate)
+
+
+def dropout_row_keys(head_key, rows):
+  """The two uint32 keys of query rows ``rows`` (int32) that
+  :func:`dropout_keep_from_rows` combines with each key position: computed
+  once per row (the Hopper kernel hashes them on a row vector, the pairs
+  on the tile)."""
+  row_key = _fmix32(_u32(head_key) ^ (_u32(rows) * jnp.uint32(_H2)))
+  return row_key, _fmix32(row_key ^ (_u32(rows) * jnp.uint32(_H4)))
+
+
+def dropout_keep_from_rows(row_key, row_key2, cols, rate: float):
+  """The keep mask from :func:`dropout_row_keys` and int32 key positions
+  ``cols`` (broadcast against the keys)."""
+  bits = _fmix32(_fmix32(row_key ^ (_u32(cols) * jnp.uint32(_H3)))
                  ^ row_key2)
   top = lax.bitcast_convert_type(bits >> 8, jnp.int32)
   return top >= int(round(rate * (1 << 24)))

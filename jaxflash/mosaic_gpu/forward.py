@@ -54,7 +54,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, nvvm, scf, vector
 
 from jaxflash._util import out_struct, sm_count
-from jaxflash.masks import MaskSpec, dropout_keep_from_key
+from jaxflash.masks import MaskSpec, dropout_keep_from_rows, dropout_row_keys
 from jaxflash.mosaic_gpu import pipeline
 from jaxflash.mosaic_gpu.config import MosaicConfig
 
@@ -767,14 +767,19 @@ class _Item:
       return p
     heads = prob.num_heads
     row0, col0 = r.dropout[self.b, heads], r.dropout[self.b, heads + 1]
-    shape = (self.bq, self.bk)
-    # The head's key as a tile (the hash's uint32 casts lower for tiles).
-    key = plgpu.layout_cast(jnp.full(shape, r.dropout[self.b, self.h]),
-                            plgpu.Layout.WGMMA)
-    keep = dropout_keep_from_key(
-        key, pipeline.index_tile(self.q_start + row0, shape, 0),
-        pipeline.index_tile(t * self.bk + col0, shape, 1),
-        prob.dropout_rate)
+    shape, row = (self.bq, self.bk), plgpu.Layout.WGMMA.reduce(1)
+    # The rows' keys hashed on the row vector (the head's key as one: the
+    # hash's uint32 casts lower for arrays, not scalars), the pairs on
+    # the tile.
+    key = plgpu.layout_cast(jnp.full((self.bq,), r.dropout[self.b, self.h]),
+                            row)
+    rows = self.q_start + row0 + plgpu.broadcasted_iota(
+        jnp.int32, (self.bq,), 0, layout=row)
+    bcast = lambda x: lax.broadcast_in_dim(x, shape, [0])
+    row_key, row_key2 = dropout_row_keys(key, rows)
+    keep = dropout_keep_from_rows(
+        bcast(row_key), bcast(row_key2),
+        pipeline.index_tile(t * self.bk + col0, shape, 1), prob.dropout_rate)
     return jnp.where(keep, p * (1.0 / (1.0 - prob.dropout_rate)), 0.0)
 
   def probs_where_visible(self, s, t, m, full_lo, full_hi):
