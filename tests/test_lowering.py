@@ -837,13 +837,16 @@ def test_mosaic_alibi_forward_lowers_for_cuda(cfg):
 
 @pytest.mark.parametrize("shape,cfg", [
     ((1024, 1024, 8, 2, 128, True, None), dict()),
-    ((1024, 1024, 8, 2, 128, False, None),
-     dict(named_barriers=True, intra_wg_overlap=True, block_kv=64,
-          consumer_registers=240, persistent=True, prefetch_q=True,
-          lean_epilogue=True, kv_multicast=True)),
-    ((512, 700, 4, 4, 64, True, None),
-     dict(block_kv=128, item_overlap=True, persistent=True)),
-    ((512, 512, 4, 2, 192, False, None), dict(block_q=64, block_kv=64)),
+    pytest.param((1024, 1024, 8, 2, 128, False, None),
+                 dict(named_barriers=True, intra_wg_overlap=True,
+                      block_kv=64, consumer_registers=240, persistent=True,
+                      prefetch_q=True, lean_epilogue=True,
+                      kv_multicast=True), marks=pytest.mark.slow),
+    pytest.param((512, 700, 4, 4, 64, True, None),
+                 dict(block_kv=128, item_overlap=True, persistent=True),
+                 marks=pytest.mark.slow),
+    pytest.param((512, 512, 4, 2, 192, False, None),
+                 dict(block_q=64, block_kv=64), marks=pytest.mark.slow),
     ((512, 700, 4, 2, 256, True, None), dict(intra_wg_overlap=True)),
 ], ids=["d128-default", "d128-overlap-persistent", "d64-item-overlap",
         "d192", "d256-key-row"])
@@ -869,10 +872,12 @@ def test_mosaic_bias_forward_lowers_for_cuda(shape, cfg):
 
 @pytest.mark.parametrize("cfg", [
     dict(),
-    dict(named_barriers=True, intra_wg_overlap=True, block_kv=128,
-         consumer_registers=240, persistent=True, prefetch_q=True,
-         lean_epilogue=True),
-    dict(named_barriers=True, compute_wgs=3, block_kv=128),
+    pytest.param(dict(named_barriers=True, intra_wg_overlap=True,
+                      block_kv=128, consumer_registers=240, persistent=True,
+                      prefetch_q=True, lean_epilogue=True),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(named_barriers=True, compute_wgs=3, block_kv=128),
+                 marks=pytest.mark.slow),
 ], ids=["default", "overlap-persistent", "three-wg"])
 def test_mosaic_dropout_forward_lowers_for_cuda(cfg):
   """Attention dropout in the Hopper forward (the keep mask's uint32 hash
