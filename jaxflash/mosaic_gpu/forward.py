@@ -30,7 +30,10 @@ Where things are, in the order of this module: the online softmax
 operands (:class:`_Refs`); the schedule of work items, plain grid,
 persistent grid and its pairs (:class:`_Schedule`); one work item on a
 consumer (:class:`_Item`: the scores, the element mask in
-:meth:`_Item.apply_mask`, ``P V``, the epilogue); the main loops over
+:meth:`_Item.apply_mask`, the additive terms ALiBi
+(:meth:`_Item.alibi_bias`) and the dense bias (:meth:`_Item.bias_tile`,
+its tiles in a ring beside V's that the producer fills), attention
+dropout (:meth:`_Item.dropped`), ``P V``, the epilogue); the main loops over
 an item's key tiles (:func:`_plain_loop`, :func:`_overlapped_loop`,
 :func:`_chained_loop`); the producer (:func:`_produce`); the kernel
 (:func:`_kernel`); the launch (:func:`forward`).
