@@ -58,8 +58,9 @@ def test_parse_causal_and_mask():
     core.parse_causal("maybe")
   assert core.parse_mask("none") is None
   assert core.parse_mask("segments:8") == "segments:8"
+  assert core.parse_mask("dropout:10") == "dropout:10"
   for bad in ("segments", "window:x", "blocks:2", "window:0",
-              "flashmask-doc", "biases"):
+              "flashmask-doc", "biases", "dropout:0", "dropout:100"):
     with pytest.raises(ValueError, match="must be none, segments:N"):
       core.parse_mask(bad)
   # The dense and FlashMask kinds: what each gives flash_attention.
@@ -421,6 +422,25 @@ def test_cpu_smoke_end_to_end(tmp_path, capsys, monkeypatch):
   assert "segment ids" in by[("xla", "fwd", 64)]["error"]
   assert (tmp_path / "s.md").exists() and (tmp_path / "s.png").exists()
   assert bench_main.main(["--impls", "nope", "--cpu-smoke"]) == 2
+
+
+@pytest.mark.slow
+def test_dropout_cpu_smoke(tmp_path, monkeypatch):
+  """--mask dropout:P: jaxflash's rows pass the output check against the
+  reference dropping the same probabilities in the checked slice (its
+  rows' first position in the seeds); the peers sit it out, by name."""
+  if jax.default_backend() == "gpu":
+    pytest.skip("CPU path")
+  monkeypatch.setattr(bench_main, "SPOT_ROWS", 16)
+  rc = bench_main.main(["--cpu-smoke", "--out", str(tmp_path), "--name", "d",
+                        "--mask", "dropout:20", "--causal", "on",
+                        "--samples", "1"])
+  assert rc == 0
+  _, rows = report.read_json(str(tmp_path / "d.json"))
+  by = {(r["impl"], r["mode"]): r for r in rows if r["seq_q"] == 64}
+  for mode in ("fwd", "fwd_bwd"):
+    assert by[("jaxflash-triton", mode)]["error"] is None, mode
+  assert "no attention dropout" in by[("xla", "fwd")]["error"]
 
 
 def test_sample_seconds_reaches_the_timer(tmp_path, monkeypatch):

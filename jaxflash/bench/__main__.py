@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import reference
+from jaxflash import checks, reference
 from jaxflash.bench import core, decode, impls, report
 from jaxflash.flashmask import FlashMask
 
@@ -150,6 +150,13 @@ def _reference_out(shape, q, k, v, mask_kw):
     kw["segment_ids"] = (seg[:, -SPOT_ROWS:], seg)
   if "local_window_size" in mask_kw:
     kw["window"] = mask_kw["local_window_size"]
+  if "dropout_rate" in mask_kw:
+    # The spot's keep mask: batch row 0's seed, its rows' first position.
+    rate, seeds = checks.dropout(mask_kw["dropout_rate"],
+                                 mask_kw["dropout_rng"], False, shape.batch)
+    first_row = max(shape.seq_q - SPOT_ROWS, 0)
+    kw.update(dropout_rate=rate, dropout_seeds=seeds[:1].at[:, 2].set(
+        first_row))
   heads = min(2, shape.kv_heads) * (shape.heads // shape.kv_heads)
   for name, ref_name in (("bias", "bias"), ("mask", "dense_mask")):
     if name in mask_kw:  # the spot slice (_spot) of the dense array

@@ -87,6 +87,8 @@ def parse_mask(text: str | None) -> str | None:
                         + FLASHMASK_KINDS
                         and arg.isdigit() and int(arg) >= 1):
     return text
+  if kind == "dropout" and arg.isdigit() and 1 <= int(arg) <= 99:
+    return text
   raise ValueError(
       f"mask={text!r} must be none, segments:N (N documents per row),"
       " window:L (sliding window of L keys, causal), bias (a dense bias per"
@@ -95,7 +97,8 @@ def parse_mask(text: str | None) -> str | None:
       " (N causal documents), flashmask-prefix:N (prefix-LM, prefix of"
       " seq / N), flashmask-question:N (a shared question and N answers),"
       " flashmask-window:L (64 global tokens and a causal window of L),"
-      " flashmask-block:N (N bidirectional documents)")
+      " flashmask-block:N (N bidirectional documents), or dropout:P"
+      " (attention dropout of P percent, 1-99)")
 
 
 # FlashMask patterns of the benchmark (jaxflash.bench.impls.mask_kwargs);

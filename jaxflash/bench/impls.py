@@ -30,9 +30,19 @@ def _jaxflash(backend: str):
   return make
 
 
+def _no_dropout(name: str, mask_kw: dict) -> None:
+  """Peers' dropout draws other keep masks than jaxflash's hash: no common
+  reference to check them against, so they sit those rows out."""
+  if "dropout_rate" in mask_kw:
+    raise NotImplementedError(
+        f"{name}: no attention dropout with jaxflash's keep mask (its own,"
+        " if any, drops other probabilities: nothing to check it against)")
+
+
 def _jax_nn(implementation: str):
   def make(shape: Shape, mask_kw: dict, interpret: bool) -> Callable:
     del interpret
+    _no_dropout("jax.nn.dot_product_attention", mask_kw)
     if "segment_ids" in mask_kw:
       raise NotImplementedError(
           "jax.nn.dot_product_attention takes no segment ids (a dense mask"
@@ -52,6 +62,7 @@ def _pallas_mha(shape: Shape, mask_kw: dict, interpret: bool) -> Callable:
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     from jax.experimental.pallas.ops.gpu import attention as mha_lib
+  _no_dropout("JAX's Pallas mha", mask_kw)
   if shape.kv_heads != shape.heads:
     raise NotImplementedError("JAX's Pallas mha has no GQA/MQA")
   if "local_window_size" in mask_kw:
@@ -75,6 +86,7 @@ def _tokamax(implementation: str):
       import tokamax
     except ImportError as e:
       raise NotImplementedError(f"tokamax is not importable: {e}") from e
+    _no_dropout("tokamax", mask_kw)
     if "segment_ids" in mask_kw:
       raise NotImplementedError(
           "tokamax takes segments only as a dense N x N mask")
@@ -162,7 +174,8 @@ def tiles_skipped(shape: Shape, mask_kw: dict, block: int = 128):
   tile_class`, from the columns' extremes); segment ids, windows and
   dense masks are taken exactly from their dense form (segment ids as
   the kernels' per-tile summaries see contiguous documents)."""
-  if shape.mask is None or shape.mask == "bias":
+  if shape.mask is None or shape.mask == "bias" or shape.mask.startswith(
+      "dropout"):
     return None
   t, s = shape.seq_q, shape.seq_k
   nq, nk = -(-t // block), -(-s // block)
@@ -209,6 +222,8 @@ def mask_kwargs(shape: Shape) -> dict:
   n = int(arg)
   if kind == "window":
     return dict(local_window_size=(n, 0 if shape.causal else n))
+  if kind == "dropout":  # n percent; the key fixed, so each run drops alike
+    return dict(dropout_rate=n / 100, dropout_rng=jax.random.key(11))
   # segments:N - N equal documents per row (the last one takes the rest).
   doc = max(1, shape.seq_q // n)
   ids = jnp.minimum(jnp.arange(shape.seq_q, dtype=jnp.int32) // doc, n - 1)
