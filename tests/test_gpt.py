@@ -156,6 +156,7 @@ def test_mesh_training_matches_one_device(mesh):
                                rtol=1e-3)
 
 
+@pytest.mark.slow
 def test_checkpoint_resume_continues_the_curve(tmp_path):
   args = ["--steps", "4", "--batch", "8", "--seq-len", "64",
           "--limit-bytes", "200000", "--eval-every", "0",
@@ -179,6 +180,7 @@ def _free_port():
     return s.getsockname()[1]
 
 
+@pytest.mark.slow  # (two processes: the longest CPU test)
 def test_two_processes_match_one(tmp_path):
   """Two processes of 4 CPU devices each (gloo, local coordinator) train
   the same losses as one process of 8 devices."""

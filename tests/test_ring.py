@@ -56,7 +56,8 @@ def _global_ring(mesh, axis, *, causal, zigzag, seg_ids, batch_axis=None,
 @pytest.mark.parametrize("causal,batch_axis", [
     pytest.param(False, None, id="full", marks=pytest.mark.slow),
     pytest.param(True, None, id="causal", marks=pytest.mark.slow),
-    pytest.param(True, "data", id="causal-batch-on-data")])
+    pytest.param(True, "data", id="causal-batch-on-data",
+                 marks=pytest.mark.slow)])
 def test_ring_under_check_vma(causal, batch_axis):
   """shard_map's default check_vma=True: the ring's zeros (skipped pairs,
   initial accumulators) are typed as varying over the blocks' axes (the

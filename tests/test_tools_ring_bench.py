@@ -50,6 +50,7 @@ def test_one_device_is_refused(bench, tmp_path, capsys):
   assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_proxy_runs_device_0_alone(bench, tmp_path):
   """--proxy 2 on one device: device 0's share of a 2-device ring with
   local copies for transfers; the JSON says it is a proxy."""
