@@ -133,9 +133,10 @@ def _data_parallel_losses(steps=3):
 
 
 @pytest.mark.parametrize("mesh", [
-    "data=2,fsdp=2,tensor=2", "data=4,context=2",
-    # Data parallelism alone (also in the two above) and every axis of the
-    # others at once: `slow`.
+    "data=2,fsdp=2,tensor=2",
+    # Data parallelism alone (also above), the context axis (its attention
+    # per commit in test_context.py) and every axis at once: `slow`.
+    pytest.param("data=4,context=2", marks=pytest.mark.slow),
     pytest.param("data=8", marks=pytest.mark.slow),
     pytest.param("fsdp=2,tensor=2,context=2", marks=pytest.mark.slow)])
 def test_mesh_training_matches_one_device(mesh):
