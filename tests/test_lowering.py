@@ -810,27 +810,42 @@ def test_mosaic_flashmask_lowers_for_cuda(cfg):
   assert kernels == ["mosaic_gpu_v2"] * (3 - config.bwd_atomic_dq), kernels
 
 
-@pytest.mark.parametrize("cfg", [
-    dict(),
-    dict(named_barriers=True, intra_wg_overlap=True, block_kv=128,
-         consumer_registers=240, persistent=True, prefetch_q=True,
-         lean_epilogue=True),
-    dict(named_barriers=True, compute_wgs=3, block_kv=128),
-], ids=["default", "overlap-persistent", "three-wg"])
-def test_mosaic_alibi_forward_lowers_for_cuda(cfg):
-  """ALiBi in the Hopper forward (slopes read per item, the bias tile from
-  the index vectors) lowers to Mosaic GPU IR (d128, GQA, causal)."""
+_TERM_CONFIGS = [
+    ("default", dict()),
+    ("overlap-persistent",
+     dict(named_barriers=True, intra_wg_overlap=True, block_kv=128,
+          consumer_registers=240, persistent=True, prefetch_q=True,
+          lean_epilogue=True)),
+    ("three-wg", dict(named_barriers=True, compute_wgs=3, block_kv=128)),
+]
+
+
+@pytest.mark.parametrize("term,cfg", [
+    pytest.param(term, cfg, id=f"{term}-{name}", marks=(
+        [pytest.mark.slow] if term == "dropout" and name != "default"
+        else []))
+    for term in ("alibi", "dropout") for name, cfg in _TERM_CONFIGS])
+def test_mosaic_forward_terms_lower_for_cuda(term, cfg):
+  """ALiBi (slopes read per item, the bias tile from the index vectors)
+  and attention dropout (the keep mask's uint32 hash on the tile's
+  positions, P scaled before P V) in the Hopper forward lower to Mosaic
+  GPU IR (d128, GQA, causal)."""
   from jaxflash import mosaic_gpu
   q, kv, _, _, mask = _mosaic_case((1024, 1024, 8, 2, 128, True, None))
-  slopes = jax.ShapeDtypeStruct((1, 8, 1, 2), jnp.float32)
+  if term == "alibi":
+    extra = jax.ShapeDtypeStruct((1, 8, 1, 2), jnp.float32)
+    arrays, kw = lambda x: MaskArrays(alibi_slopes=x), {}
+  else:
+    extra = jax.ShapeDtypeStruct((2, 4), jnp.int32)
+    arrays, kw = lambda x: MaskArrays(dropout_seeds=x), dict(
+        dropout_rate=0.1)
   config = mosaic_gpu.MosaicConfig(**cfg)
 
-  def fwd(q, k, v, slopes):
-    return mosaic_attention(q, k, v, mask=mask,
-                            arrays=MaskArrays(alibi_slopes=slopes),
-                            softmax_scale=0.125, config=config)[0]
+  def fwd(q, k, v, x):
+    return mosaic_attention(q, k, v, mask=mask, arrays=arrays(x),
+                            softmax_scale=0.125, config=config, **kw)[0]
 
-  text = jax.jit(fwd).trace(q, kv, kv, slopes).lower(
+  text = jax.jit(fwd).trace(q, kv, kv, extra).lower(
       lowering_platforms=("cuda",)).as_text()
   assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"]
 
@@ -866,35 +881,6 @@ def test_mosaic_bias_forward_lowers_for_cuda(shape, cfg):
                             softmax_scale=0.125, config=config)[0]
 
   text = jax.jit(fwd).trace(q, kv, kv, bias).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"]
-
-
-@pytest.mark.parametrize("cfg", [
-    dict(),
-    pytest.param(dict(named_barriers=True, intra_wg_overlap=True,
-                      block_kv=128, consumer_registers=240, persistent=True,
-                      prefetch_q=True, lean_epilogue=True),
-                 marks=pytest.mark.slow),
-    pytest.param(dict(named_barriers=True, compute_wgs=3, block_kv=128),
-                 marks=pytest.mark.slow),
-], ids=["default", "overlap-persistent", "three-wg"])
-def test_mosaic_dropout_forward_lowers_for_cuda(cfg):
-  """Attention dropout in the Hopper forward (the keep mask's uint32 hash
-  on the tile's positions, P scaled before P V) lowers to Mosaic GPU IR
-  (d128, GQA, causal)."""
-  from jaxflash import mosaic_gpu
-  from jaxflash.mosaic_gpu import backend
-  q, kv, _, _, mask = _mosaic_case((1024, 1024, 8, 2, 128, True, None))
-  seeds = jax.ShapeDtypeStruct((2, 4), jnp.int32)
-  config = mosaic_gpu.MosaicConfig(**cfg)
-
-  def fwd(q, k, v, seeds):
-    return backend.forward(q, k, v, MaskArrays(dropout_seeds=seeds),
-                           mask=mask, softmax_scale=0.125, config=config,
-                           dropout_rate=0.1)[0]
-
-  text = jax.jit(fwd).trace(q, kv, kv, seeds).lower(
       lowering_platforms=("cuda",)).as_text()
   assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"]
 
