@@ -26,12 +26,17 @@ import numpy as np
 
 from jaxflash import backends, checks
 from jaxflash.masks import MaskArrays, MaskSpec
+from jaxflash.mosaic_gpu import backend as mosaic_kernels
+from jaxflash.mosaic_gpu.config import MosaicConfig
 from jaxflash.triton import backend as triton_kernels
+from jaxflash.triton.config import TritonConfig
 
 FP8_DTYPES = checks.FP8_KV_DTYPES
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
               jnp.dtype(jnp.float32))
-IMPLEMENTATIONS = ("triton", "xla")
+# The config each backend takes (the XLA reference none).
+_CONFIG_TYPES = {"mosaic_gpu": MosaicConfig, "triton": TritonConfig,
+                 "xla": type(None)}
 
 
 def quantize_fp8(x, *, axis: int | None = None, dtype=jnp.float8_e4m3fn):
@@ -135,34 +140,34 @@ def check_scales(q, k, *, q_scale, k_scale, v_scale, out_dtype, names=None):
           jnp.dtype(out_dtype))
 
 
-def _backend(implementation, q, k, interpret: bool) -> str:
+def _backend(implementation, q, k, arrays: MaskArrays, out_dtype, config,
+             interpret: bool) -> str:
   """The FP8 forward's backend: the first of ``implementation`` (a name or
-  a sequence tried in order; None: the Triton kernel, then XLA) that
-  serves the call; NotImplementedError with every reason when none
-  does."""
-  if implementation is None:
-    names, named = ["triton", "xla"], False
-  else:
-    names = ([implementation] if isinstance(implementation, str)
-             else list(implementation))
-    named = True
+  a sequence tried in order; None: the backend that owns ``config``, else
+  the Hopper kernel, the Triton kernel, then XLA, as the 16-bit calls
+  order them) that serves the call; NotImplementedError with every
+  reason when none does."""
+  names = [b.name for b in backends.candidates(implementation, config,
+                                               interpret)[0]]
+  named = implementation is not None or config is not None
   reasons = []
   for name in names:
-    if name not in backends.IMPLEMENTATIONS:
-      raise ValueError(f"implementation={name!r} is not one of"
-                       f" {backends.IMPLEMENTATIONS}")
-    if name == "xla":
-      return "xla"
-    if name == "mosaic_gpu":
-      reasons.append("mosaic_gpu: FP8 inputs are not served by the Hopper"
-                     " kernels yet; implementation='triton' runs them on"
-                     " sm89+ GPUs")
-      continue
     try:
-      triton_kernels.check_supported_fp8(q, k, interpret=interpret)
-      return "triton"
+      if config is not None and not isinstance(config, _CONFIG_TYPES[name]):
+        raise NotImplementedError(
+            f"config of type {type(config).__name__} is not for this"
+            " backend")
+      if name == "xla":
+        return "xla"
+      if name == "mosaic_gpu":
+        mosaic_kernels.check_supported_fp8(
+            q, k, arrays=arrays, out_dtype=out_dtype, config=config,
+            interpret=interpret)
+      else:
+        triton_kernels.check_supported_fp8(q, k, interpret=interpret)
+      return name
     except NotImplementedError as e:
-      reasons.append(f"triton: {e}")
+      reasons.append(f"{name}: {e}")
   raise NotImplementedError(
       ("no requested backend" if named else "no backend")
       + " can serve this FP8 call: " + "; ".join(reasons))
@@ -173,12 +178,9 @@ def attention(q, k, v, *, q_scale, k_scale, v_scale, out_dtype,
               logits_soft_cap, implementation, config, interpret: bool):
   """``(out, lse)`` of FP8 ``q, k, v`` (checked by the caller) with their
   float32 scales ``[heads]``, ``[kv_heads]``, ``[kv_heads]``."""
-  backend = _backend(implementation, q, k, interpret)
+  backend = _backend(implementation, q, k, arrays, out_dtype, config,
+                     interpret)
   G = q.shape[2] // k.shape[2]
-  if config is not None and not isinstance(config,
-                                           triton_kernels.TritonConfig):
-    raise ValueError(f"FP8 calls take a TritonConfig or None, got"
-                     f" {type(config).__name__}")
 
   @jax.custom_vjp
   def run(q, k, v, qs, ks, vs):
@@ -193,7 +195,9 @@ def attention(q, k, v, *, q_scale, k_scale, v_scale, out_dtype,
       return out.astype(out_dtype), lse
     kv = jnp.repeat(jnp.arange(k.shape[2]), G)  # query head -> kv head
     dequant = jnp.stack([qs * ks[kv], vs[kv]], axis=1)
-    return triton_kernels.forward_fp8(
+    kernels = (mosaic_kernels if backend == "mosaic_gpu"
+               else triton_kernels)
+    return kernels.forward_fp8(
         q, k, v, arrays, mask=mask, softmax_scale=softmax_scale,
         logits_soft_cap=logits_soft_cap, dequant=dequant,
         out_dtype=out_dtype, config=config, interpret=interpret)

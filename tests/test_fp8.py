@@ -104,9 +104,7 @@ def test_fp8_kernel_matches_dequantized_reference(kw, quant):
   fin = np.isfinite(np.asarray(ref_lse))
   np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin],
                              atol=1e-4)
-  err = np.abs(np.asarray(out, np.float32) - np.asarray(ref, np.float32))
-  assert err.max() <= 0.05 * np.abs(np.asarray(ref, np.float32)).max()
-  assert _rmse(out, ref) <= 0.01
+  _check_against_dequantized(out, ref)
 
 
 def test_fp8_accuracy_against_float64():
@@ -178,17 +176,56 @@ def test_fp8_forward_only_and_errors():
                                    implementation="xla")
 
 
+def _check_against_dequantized(out, ref):
+  err = np.abs(np.asarray(out, np.float32) - np.asarray(ref, np.float32))
+  assert err.max() <= 0.05 * np.abs(np.asarray(ref, np.float32)).max()
+  assert _rmse(out, ref) <= 0.01
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["mosaic_gpu", "triton"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_gpu_fp8_forward(causal):
-  """The compiled Triton FP8 forward (default dispatch) against the
-  dequantized reference: 2 x 2048 tokens, 16:4 heads, head_dim 128."""
+def test_gpu_fp8_forward(impl, causal):
+  """The compiled FP8 forwards (the Hopper kernel, the Triton kernel)
+  against the dequantized reference: 2 x 2048 tokens, 16:4 heads,
+  head_dim 128."""
   (qf, kf, vf), scales = _quantized(*_qkv(11, q_len=2048, kv_len=2048,
                                          heads=16, kv_heads=4,
                                          head_dim=128))
   run = lambda impl: jax.jit(lambda q, k, v: jaxflash.flash_attention(
       q, k, v, causal=causal, implementation=impl, **scales))(qf, kf, vf)
-  out, ref = run(None), run("xla")
-  err = np.abs(np.asarray(out, np.float32) - np.asarray(ref, np.float32))
-  assert err.max() <= 0.05 * np.abs(np.asarray(ref, np.float32)).max()
-  assert _rmse(out, ref) <= 0.01
+  _check_against_dequantized(run(impl), run("xla"))
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_dispatch_takes_the_hopper_kernel():
+  """On a Hopper GPU the default dispatch runs FP8 calls on the Hopper
+  kernel (a Mosaic GPU custom call, no Triton one)."""
+  (qf, kf, vf), scales = _quantized(*_qkv(12, q_len=256, kv_len=256))
+  text = jax.jit(lambda q, k, v: jaxflash.flash_attention(
+      q, k, v, causal=True, **scales)).lower(qf, kf, vf).as_text()
+  assert "mosaic_gpu" in text and "triton" not in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,kv_dtype,kw", [
+    (64, E4M3, dict(segment_ids=True, kv_seq_lengths=(1000, 613))),
+    (256, E5M2, dict(local_window_size=(300, 0), logits_soft_cap=30.0)),
+    (96, E4M3, dict(causal=True)),
+], ids=["d64-segments-lengths", "d256-e5m2-window-cap", "d96-causal"])
+def test_gpu_fp8_hopper_forms(head_dim, kv_dtype, kw):
+  """The Hopper FP8 forward's other forms on the GPU: segment ids and
+  lengths, e5m2 keys and values with a window and the soft cap, the
+  head_dim 96 (padded to 96: an 8-bit wgmma's K step is 32)."""
+  (qf, kf, vf), scales = _quantized(
+      *_qkv(13, q_len=1000, kv_len=1000, heads=8, kv_heads=2,
+            head_dim=head_dim), kv_dtype=kv_dtype)
+  kw = dict(kw)
+  if kw.pop("segment_ids", False):
+    ids = jnp.broadcast_to(jnp.arange(1000) // 300, (2, 1000))
+    kw["segment_ids"] = ids
+  if "kv_seq_lengths" in kw:
+    kw["kv_seq_lengths"] = jnp.asarray(kw["kv_seq_lengths"])
+  run = lambda impl: jax.jit(lambda q, k, v: jaxflash.flash_attention(
+      q, k, v, implementation=impl, **scales, **kw))(qf, kf, vf)
+  _check_against_dequantized(run("mosaic_gpu"), run("xla"))

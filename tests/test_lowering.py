@@ -916,3 +916,31 @@ def test_bias_ring_fits_the_tuned_configs():
     backend.check_supported(q256, q256, q256, arrays=arrays,
                             logits_soft_cap=None, config=None,
                             interpret=True)
+
+
+@pytest.mark.parametrize("head_dim,causal,cfg", [
+    (128, True, None),
+    (64, False, None),
+    (256, True, dict(intra_wg_overlap=True, persistent=True,
+                     prefetch_q=True)),
+], ids=["d128-causal-tuned", "d64-tuned", "d256-overlap-prefetch"])
+def test_mosaic_fp8_forward_lowers_for_cuda(head_dim, causal, cfg):
+  """The Hopper FP8 forward (e4m3 Q K^T, V^T's tiles K-major, P in e4m3
+  through shared memory, O accumulated in the wgmma registers: the GPU
+  form the interpreter does not run) lowers to Mosaic GPU IR."""
+  from jaxflash import mosaic_gpu
+  from jaxflash.mosaic_gpu import backend as mosaic_backend
+  q = jax.ShapeDtypeStruct((2, 1024, 8, head_dim), jnp.float8_e4m3fn)
+  kv = jax.ShapeDtypeStruct((2, 1000, 2, head_dim), jnp.float8_e4m3fn)
+  dequant = jax.ShapeDtypeStruct((8, 2), jnp.float32)
+  config = None if cfg is None else mosaic_gpu.MosaicConfig(**cfg)
+
+  def run(q, k, v, dequant):
+    return mosaic_backend.forward_fp8(
+        q, k, v, MaskArrays(), mask=MaskSpec(1024, 1000, causal),
+        softmax_scale=head_dim ** -0.5, logits_soft_cap=None,
+        dequant=dequant, out_dtype=jnp.bfloat16, config=config)
+
+  text = jax.jit(run).trace(q, kv, kv, dequant).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"]

@@ -49,42 +49,42 @@ PER_COMMIT = (
     'kv_multicast+item_overlap-d64-full',
     'item_overlap+q_double_buffer-d128-full-6tiles',
     'item_overlap+q_double_buffer-d192-q113-k17',
-    'persistent_pairs+intra_wg_overlap+prefetch_q-d256-causal-q300-k100',
+    'intra_wg_overlap+prefetch_q-d256-causal-q300-k100',
     'packed-lengths-paired-dq',
     'bwd_paired_dq-d96-gqa-q200-k300',
     'softmax-overlap-d256-paired-dkv',
+    'fp8-persistent-segments',
+    'bias-packed-flashmask',
     'bwd_paired_dkv-d64-full',
     'bwd_paired_dkv-d96-gqa-q200-k300',
     'kv_multicast-d192-q113-k17',
+    'persistent_pairs-d256-causal-q300-k100',
     'three_wgs+item_overlap_plain+q_double_buffer-d64-gqa-q330-k300',
     'item_overlap_plain_one_wg-d128-full-6tiles',
-    'd256-causal-q300-k100',
     'item_overlap_plain-d192-q113-k17',
     'bwd_paired_dq-d256-split-dkv-gqa',
-    'packed-causal-2wg-overlap',
-    'kv_multicast-d128-mqa-2wg',
-    'persistent_pairs+intra_wg_overlap+lean_epilogue-d96-gqa-q200-k300',
-    'persistent_pairs+prefetch_q+q_double_buffer-d64-persistent-2wg-causal',
-    'alibi-causal-2wg',
-    'bias-causal-2wg',
+    'fp8-causal-2wg',
+    'intra_wg_overlap+prefetch_q-d64-persistent-2wg-causal',
     'bias-row-overlap',
     'dropout-overlap-shared',
-    'bwd_dkv_block_q_80+early_dv-d128-full-6tiles',
-    'bwd_early_dv-d32-tiny-window-empty',
-    'flashmask-prefix-2wg',
-    'flashmask-question-lengths',
-    'intra_wg_overlap+prefetch_q+early_q_release-d256-causal-q300-k100',
-    'prefetch_q-d192-q113-k17',
-    'rescale_threshold-d64-persistent-2wg-causal',
-    'paired-dkv-d64',
-    'prefetch_q-d96-gqa-q200-k300',
-    'rescale_threshold-d96-gqa-q200-k300',
+    'alibi-causal-2wg',
+    'persistent_pairs+intra_wg_overlap+lean_epilogue-d64-persistent-2wg-causal',
+    'persistent_pairs+intra_wg_overlap+lean_epilogue-d96-gqa-q200-k300',
     'rescale_threshold+intra_wg_overlap-d256-causal-q300-k100',
+    'bwd_dkv_block_q_80+early_dv-d128-full-6tiles',
+    'kv_multicast+persistent-d128-mqa-2wg',
+    'bwd_early_dv-d32-tiny-window-empty',
+    'fp8-e5m2-overlap-cap',
+    'prefetch_q-d192-q113-k17',
+    'paired-dkv-d64',
     'paired-dkv-d256',
-    'lean_epilogue-d64-full',
+    'rescale_threshold-d64-causal-2wg',
+    'rescale_threshold-d96-gqa-q200-k300',
+    'flashmask-prefix-2wg',
     'lean_epilogue-d192-q113-k17',
     'lean_epilogue-d256-causal-q300-k100',
-    'persistent_pairs-d256-causal-q300-k100',
+    'intra_wg_overlap+prefetch_q+early_q_release-d256-causal-q300-k100',
+    'packed-causal-persistent',
     'bwd_head_splits=1-d96-gqa-q200-k300',
     'bwd_dkv_block_q_80-d64-causal-2wg',
     'bwd_dkv_block_q_80-d128-window',
@@ -232,6 +232,9 @@ class Run:
   dropout_shared: bool = False  # one keep mask for every head
   soft_cap: float | None = None
   softmax_scale: float | None = None  # None: head_dim ** -0.5
+  # FP8 (the forward only): q in e4m3 (``dtype``), k and v in this format,
+  # quantized per head from the run's normal inputs.
+  fp8_kv: Any = None
 
   @property
   def scale(self) -> float:
@@ -344,8 +347,15 @@ def _kernel_kwargs(run: Run) -> dict:
   return kw
 
 
-def _forward_kernel(run: Run, arrays):
-  """``(q, k, v) -> (out, lse)``: the forward kernel alone."""
+def _forward_kernel(run: Run, arrays, dequant=None):
+  """``(q, k, v) -> (out, lse)``: the forward kernel alone (FP8 runs: with
+  the ``[H, 2]`` table ``dequant``, ones where not given)."""
+  if run.fp8_kv is not None:
+    kw = _kernel_kwargs(run)
+    if dequant is None:
+      dequant = jnp.ones((run.shape[3], 2), jnp.float32)
+    return lambda q, k, v: mosaic_kernels.forward_fp8(
+        q, k, v, arrays, dequant=dequant, out_dtype=jnp.bfloat16, **kw)
   return lambda q, k, v: mosaic_kernels.forward(q, k, v, arrays,
                                                 **_kernel_kwargs(run))
 
@@ -360,7 +370,40 @@ def _backward_kernels(run: Run, arrays):
       q, k, v, arrays, out, lse, do, dlse, **kw)
 
 
+def _run_fp8(run: Run):
+  """An FP8 run: the forward kernel on per-head quantized normal inputs
+  against exact attention of the dequantized values (jaxflash.fp8's XLA
+  path).  They differ by the kernel's rounding of P to e4m3 for P V (a
+  few percent of an output at most); the LSE comes from the float32
+  logits, as the reference's."""
+  b, t, s, h, kh, d = run.shape
+  ks = jax.random.split(jax.random.key(run.seed), 3)
+  q, k, v = (jax.random.normal(key, shape, jnp.float32) for key, shape in
+             zip(ks, [(b, t, h, d), (b, s, kh, d), (b, s, kh, d)]))
+  (q8, qs), (k8, kscale), (v8, vs) = (
+      jaxflash.quantize_fp8(x, axis=2, dtype=dt)
+      for x, dt in ((q, run.dtype), (k, run.fp8_kv), (v, run.fp8_kv)))
+  arrays, _ = _mask_arrays(run)
+  g = jnp.repeat(jnp.arange(kh), h // kh)
+  dequant = jnp.stack([qs * kscale[g], vs[g]], axis=1)
+  out, lse = jax.jit(_forward_kernel(run, arrays, dequant))(q8, k8, v8)
+  deq = lambda x, sc: x.astype(jnp.float32) * sc[None, None, :, None]
+  ref, ref_lse = backends.attention(
+      "xla", deq(q8, qs), deq(k8, kscale), deq(v8, vs), mask=run.spec,
+      arrays=arrays, softmax_scale=run.scale, logits_soft_cap=run.soft_cap)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+  fin = np.isfinite(np.asarray(ref_lse))
+  np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin],
+                             atol=1e-4)
+  err = np.abs(np.asarray(out, np.float32) - np.asarray(ref, np.float32))
+  assert err.max() <= 0.05 * np.abs(np.asarray(ref)).max(), err.max()
+  assert float(np.sqrt(np.mean(err.astype(np.float64) ** 2))) <= 0.01
+
+
 def _run_interpreted(run: Run):
+  if run.fp8_kv is not None:
+    return _run_fp8(run)
   b, t, s, h, kh, d = run.shape
   args = numerics.random_inputs(
       jax.random.key(run.seed), batch=b, q_len=t, kv_len=s, heads=h,
@@ -2333,6 +2376,29 @@ def test_dropout_interpret(run):
   _run_interpreted(run)
 
 
+# FP8 (FlashAttention-3's low-precision forward): e4m3 Q K^T, V^T's tiles
+# K-major, P rounded to e4m3 in shared memory, the dequantization scales
+# folded into the softmax scale and the epilogue; the plain and
+# overlapped loops, GQA, e5m2 keys and values, the soft cap and masks.
+FP8_RUNS = [
+    Run("fp8-causal-2wg", "fwd", (2, 200, 300, 4, 2, 64),
+        jnp.float8_e4m3fn, TWO_WG, seed=21, causal=True,
+        fp8_kv=jnp.float8_e4m3fn),
+    Run("fp8-e5m2-overlap-cap", "fwd", (2, 256, 200, 4, 4, 128),
+        jnp.float8_e4m3fn, dataclasses.replace(TWO_WG, intra_wg_overlap=True),
+        seed=22, window=(100, 20), soft_cap=20.0, fp8_kv=jnp.float8_e5m2),
+    Run("fp8-persistent-segments", "fwd", (2, 256, 256, 4, 1, 96),
+        jnp.float8_e4m3fn, PERSISTENT_2WG, seed=23, causal=True,
+        segments=dict(docs=3, pad=10, kv_len=[256, 200]),
+        fp8_kv=jnp.float8_e4m3fn),
+]
+
+
+@pytest.mark.parametrize("run", _params(FP8_RUNS))
+def test_fp8_interpret(run):
+  _run_interpreted(run)
+
+
 def _bias_call(interpret, t=200, s=300, d=64):
   """flash_attention with a per-head bias (with -inf entries) on the
   Hopper forward and the Triton backward: out and dq, dk, dv by the
@@ -2588,7 +2654,7 @@ def interpreter_runs() -> list[Run]:
   """Every interpreter run of this file's kernel tests."""
   return (_base_runs() + _variant_runs() + _segment_runs()
           + _soft_cap_runs() + FLASH_RUNS + ALIBI_RUNS + BIAS_RUNS
-          + DROPOUT_RUNS)
+          + DROPOUT_RUNS + FP8_RUNS)
 
 
 def run_cost(run: Run) -> float:
@@ -2614,7 +2680,7 @@ def traced_parts(runs=None):
   for run in runs or interpreter_runs():
     b, t, s, h, kh, d = run.shape
     q = jax.ShapeDtypeStruct((b, t, h, d), run.dtype)
-    kv = jax.ShapeDtypeStruct((b, s, kh, d), run.dtype)
+    kv = jax.ShapeDtypeStruct((b, s, kh, d), run.fp8_kv or run.dtype)
     lse = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
     arrays, _ = _mask_arrays(run)
     parts = {}

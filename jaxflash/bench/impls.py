@@ -58,6 +58,31 @@ def _jax_nn(implementation: str):
   return make
 
 
+def _cudnn_fp8(shape: Shape, mask_kw: dict, interpret: bool) -> Callable:
+  """cuDNN's FP8 attention (jax's private
+  ``fused_attention_stablehlo.dot_product_attention(..., use_fp8=True)``,
+  per-tensor scales, here all 1 as the benchmark's FP8 inputs are exact):
+  causal or no mask, forward, output in e4m3."""
+  del interpret
+  if mask_kw:
+    raise NotImplementedError(
+        f"cuDNN's FP8 attention takes a causal mask or none, not"
+        f" {sorted(mask_kw)}")
+  if shape.jnp_dtype.itemsize != 1:
+    raise NotImplementedError("cudnn-fp8 takes the --dtype fp8 rows")
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn  # noqa: PLC0415
+  one = jnp.ones((1, 1, 1, 1), jnp.float32)
+  params = dict.fromkeys(cudnn.fp8_params_keys, one)
+  mask_type = cudnn.MaskType.CAUSAL if shape.causal else cudnn.MaskType.NO_MASK
+
+  def attend(q, k, v):
+    out, _, _ = cudnn.dot_product_attention(
+        q, k, v, fp8_params=params, scale=shape.head_dim ** -0.5,
+        mask_type=mask_type, use_fp8=True)
+    return out
+  return attend
+
+
 def _pallas_mha(shape: Shape, mask_kw: dict, interpret: bool) -> Callable:
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -106,6 +131,7 @@ IMPLS: dict[str, Callable] = {
     "jaxflash-triton": _jaxflash("triton"),
     "jaxflash-xla": _jaxflash("xla"),
     "cudnn": _jax_nn("cudnn"),
+    "cudnn-fp8": _cudnn_fp8,
     "xla": _jax_nn("xla"),
     "jax-pallas-mha": _pallas_mha,
     "tokamax-mosaic": _tokamax("mosaic"),

@@ -47,12 +47,18 @@ from jaxflash.mosaic_gpu.config import (
   MosaicConfig,
   default_config,
   dkv_head_splits,
+  fp8_head_dim,
   head_dim_problem,
   kernel_head_dim,
   with_bias_ring,
+  with_fp8,
 )
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+# The FP8 forward (q float8_e4m3fn; k, v e4m3 or e5m2: wgmma mixes the two
+# formats) writes 16-bit outputs (its output slots' layout).
+FP8_KV_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+FP8_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 LOG2E = 1.4426950408889634
 NO_MASK_ARRAYS = MaskArrays()
 # Rows of the tiling Mosaic GPU applies to both ends of a swizzled TMA copy
@@ -338,6 +344,44 @@ def forward(q, k, v, arrays: MaskArrays, *, mask: MaskSpec,
   return _forward(q, k, v, st, arrays)
 
 
+def forward_fp8(q, k, v, arrays: MaskArrays, *, mask: MaskSpec,
+                softmax_scale: float, logits_soft_cap, dequant, out_dtype,
+                config: MosaicConfig | None = None, interpret=False):
+  """The Hopper forward on FP8 ``q, k, v`` (checked by
+  :func:`check_supported_fp8`) with ``dequant [H, 2]`` float32 (``q_scale
+  * k_scale`` and ``v_scale`` per query head): ``(out [B, T, H, D] in
+  out_dtype, lse)``.  V goes to the kernel transposed, ``[B, K, Dp, S]``
+  (wgmma takes 8-bit operands K-major only): one pass over V's bytes
+  before the kernel."""
+  B, T, H, D = q.shape
+  S = k.shape[1]
+  dp = fp8_head_dim(D)
+  config = with_fp8(_resolve_config(config, interpret, dp, mask))
+  if interpret:
+    _check_interpreter_threads(config)
+  prob = fwd_lib.Problem(
+      mask=mask, softmax_scale=float(softmax_scale), batch=B, num_heads=H,
+      num_kv_heads=k.shape[2],
+      q_pad=round_up(T, config.compute_wgs * config.block_q),
+      kv_pad=round_up(S, config.block_kv), head_dim_padded=dp,
+      logits_soft_cap=logits_soft_cap, **_mask_flags(arrays), fp8=True,
+      out_dtype=jnp.dtype(out_dtype))
+  st = _Static(prob=prob, config=config, interpret=interpret, head_dim=D)
+  segments = (_segments(arrays, st, B) if prob.has_segments else None)
+  gpu = not interpret
+  kv_rows = _tma_rows(S, config.unpadded_kv and gpu, prob.kv_pad)
+  q_rows = _tma_rows(T, config.unpadded_q and gpu, prob.q_pad)
+  pad = lambda x, n: pad_axis(pad_axis(x, 1, n), 3, dp)
+  # V^T whole tiles long (its rows' stride must be a multiple of 16 bytes
+  # for TMA, and its copy is made anyway).
+  vt = pad(v, prob.kv_pad).transpose(0, 2, 3, 1)
+  out, lse = fwd_lib.forward(
+      pad(q, q_rows), pad(k, kv_rows), vt, segments,
+      dequant=dequant.astype(jnp.float32), prob=prob, cfg=config,
+      interpret=_interpret_params(interpret))
+  return out[:, :T, :, :D], lse[:, :, :T]
+
+
 def _serves_backward(dp: int, config: MosaicConfig) -> bool:
   """Whether the Hopper backward kernels serve padded head_dim ``dp`` with
   ``config``: above MAX_BWD_HEAD_DIM the two float32 accumulators (dK,
@@ -557,6 +601,46 @@ _GPU_ONLY = (
     ("unpadded_q", "clamps slices past the end of Q and O (TMA zero-fills"
      " and clips them)"),
 )
+
+
+def check_supported_fp8(q, k, *, arrays: MaskArrays, out_dtype, config,
+                        interpret) -> None:
+  """Raises NotImplementedError when the Hopper FP8 forward cannot serve
+  the call (its masks are those of the 16-bit kernel without the dense
+  terms)."""
+  if jnp.dtype(k.dtype) not in FP8_KV_DTYPES:
+    raise NotImplementedError(
+        f"the Hopper FP8 forward takes float8_e4m3fn or float8_e5m2 keys"
+        f" and values, got {k.dtype}")
+  if jnp.dtype(out_dtype) not in FP8_OUT_DTYPES:
+    raise NotImplementedError(
+        f"the Hopper FP8 forward writes bfloat16 or float16, not"
+        f" out_dtype={jnp.dtype(out_dtype).name} (the Triton FP8 kernel"
+        " writes float32)")
+  if arrays.has_dense or arrays.dropout_seeds is not None:
+    raise NotImplementedError(
+        "the Hopper FP8 forward takes no dense bias or mask, FlashMask,"
+        " ALiBi or dropout (causal, windows, segment ids, lengths and the"
+        " soft cap it takes)")
+  if q.shape[3] > 256:
+    raise NotImplementedError(
+        f"the Hopper FP8 forward serves head_dim up to 256, got"
+        f" {q.shape[3]}")
+  dp = fp8_head_dim(q.shape[3])
+  if config is not None:
+    why = head_dim_problem(with_fp8(config), dp)
+    if why:
+      raise NotImplementedError(why)
+  if interpret:
+    for name, why in _GPU_ONLY:
+      if config is not None and getattr(config, name):
+        raise NotImplementedError(
+            f"{name}=True needs a GPU: the Mosaic GPU interpreter {why}")
+    _check_interpreter_threads(with_fp8(config or INTERPRET_CONFIG))
+    return
+  require_cuda("mosaic_gpu", "an sm90 GPU (compute capability 9.x, Hopper)",
+               lambda cc: cc.startswith("9"),
+               "pass interpret=True to run it in the Mosaic GPU interpreter")
 
 
 def check_supported(q, k, v, *, arrays: MaskArrays,

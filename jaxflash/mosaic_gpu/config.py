@@ -386,15 +386,17 @@ class MosaicConfig:
     return max(dkv + _reserved(dkv_buffers), dq + _reserved(dq_buffers))
 
 
-def swizzle_columns(columns: int) -> int:
-  """16-bit columns of the widest shared-memory swizzle (128, 64 or 32
-  bytes) that divides ``columns`` (a multiple of 16): 64, 32 or 16.  A
-  wgmma operand's swizzle must divide its contraction (Mosaic GPU: "K
-  must be a multiple of 64" at 128 bytes) and its tiling its columns."""
-  for cols in (64, 32, 16):
-    if columns % cols == 0:
-      return cols
-  raise ValueError(f"{columns} columns are not a multiple of 16")
+def swizzle_columns(columns: int, itemsize: int = 2) -> int:
+  """Columns (of ``itemsize``-byte elements) of the widest shared-memory
+  swizzle (128, 64 or 32 bytes) that divides ``columns``: for 16-bit
+  elements 64, 32 or 16, for FP8 128, 64 or 32.  A wgmma operand's
+  swizzle must divide its contraction (Mosaic GPU: "K must be a multiple
+  of 64" at 128 bytes) and its tiling its columns."""
+  for swizzle in (128, 64, 32):
+    if columns % (swizzle // itemsize) == 0:
+      return swizzle // itemsize
+  raise ValueError(f"{columns} columns of {itemsize}-byte elements are not"
+                   f" a multiple of {32 // itemsize}")
 
 
 def kernel_head_dim(head_dim: int) -> int:
@@ -539,6 +541,25 @@ def with_bias_ring(config: "MosaicConfig",
     if fits(config):
       return config
   return None
+
+
+def with_fp8(config: "MosaicConfig") -> "MosaicConfig":
+  """The forward config of an FP8 call: ``config`` with ``P`` staged in
+  shared memory (an 8-bit wgmma A operand in registers would need the
+  8-bit register layout, a shuffle of the float32 accumulator's) and the
+  output leaving through slots of its own (Q's buffer holds 8-bit
+  values, the output 16-bit ones): ``lean_epilogue`` where the config has
+  no such slots.  Its buffers take at most the 16-bit form's memory."""
+  config = dataclasses.replace(config, p_in_smem=True)
+  if not config.out_slots:
+    config = dataclasses.replace(config, lean_epilogue=True)
+  return config
+
+
+def fp8_head_dim(head_dim: int) -> int:
+  """The Hopper FP8 forward's head_dim: ``head_dim`` rounded up to 32 (an
+  8-bit wgmma's K step, and the narrowest swizzle's 32 bytes)."""
+  return -(-head_dim // 32) * 32
 
 
 def needed_smem_bytes(config: "MosaicConfig", head_dim_padded: int) -> int:

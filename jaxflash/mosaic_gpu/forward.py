@@ -291,6 +291,15 @@ class Problem:
   dropout_rate: float = 0.0
   dropout_shared: bool = False
 
+  # FP8 (FlashAttention-3's low-precision forward, arXiv 2407.08608 §3.3):
+  # q and k in float8_e4m3fn, V transposed to [B, K, Dp, Sp] (Mosaic GPU's
+  # wgmma takes 8-bit operands K-major only, and P V contracts over the
+  # keys), P rounded to e4m3 for P V through shared memory; the
+  # dequantization table [H, 2] float32 (q_scale * k_scale and v_scale of
+  # each query head) comes last; the output in ``out_dtype``.
+  fp8: bool = False
+  out_dtype: object = None
+
   @property
   def bias_ring(self) -> bool:
     """The bias's tiles go through shared memory (:attr:`bias_rows`)."""
@@ -323,6 +332,7 @@ class _Refs:
   alibi: object  # ALiBi's slopes (None without them)
   bias: object  # the dense bias (None without one)
   dropout: object  # dropout_seeds (None without dropout)
+  dequant: object  # FP8's dequantization table (None without FP8)
   o: object
   lse: object
   qo_smem2: object  # Q (and with the plain epilogue O), per Q buffer
@@ -355,6 +365,7 @@ class _Refs:
     alibi = refs.pop(0) if prob.has_alibi else None
     bias = refs.pop(0) if prob.has_bias else None
     dropout = refs.pop(0) if prob.dropout_rate else None
+    dequant = refs.pop(0) if prob.fp8 else None
     o, lse, *refs = refs
     (qo_smem2, k_smem, v_smem, lse_smem2, k_ready, v_ready,
      q_ready, k_free, v_free, *extra) = refs
@@ -378,7 +389,7 @@ class _Refs:
     v_free = pipeline.ring_free(v_free, named_rings, cfg.compute_wgs,
                                 first + cfg.stages)
     return cls(q, k, v, q_seg, kv_seg, seg_range, flash, alibi, bias,
-               dropout, o, lse, qo_smem2, k_smem,
+               dropout, dequant, o, lse, qo_smem2, k_smem,
                v_smem, lse_smem2, k_ready, v_ready, q_ready, k_free,
                v_free, bias_smem, bias_ready, p_smem2, o_smem2,
                q_free,
@@ -394,6 +405,9 @@ class _Ctx:
                in_place: bool, refs: _Refs, wg, ping, persistent: bool,
                cluster: int):
     self.prob, self.cfg, self.dtype, self.in_place = prob, cfg, dtype, in_place
+    # P V's operands: P rounded to V's format (FP8: e4m3), and the output.
+    self.p_dtype = jnp.float8_e4m3fn if prob.fp8 else dtype
+    self.out_dtype = prob.out_dtype if prob.fp8 else dtype
     self.r, self.wg, self.ping = refs, wg, ping
     self.persistent, self.cluster = persistent, cluster
     # prefetch_q: the producer loads each item's Q once both consumers
@@ -611,6 +625,14 @@ class _Item:
     self.bq, self.bk, self.stages = (self.cfg.block_q, self.cfg.block_kv,
                                      self.cfg.stages)
     self.qk_scale = self.prob.softmax_scale * LOG2E
+    # FP8: the logits of the quantized q, k times q_scale * k_scale are
+    # the real ones, so that product joins the softmax scale (a run-time
+    # scalar per head); v_scale joins 1 / l in the epilogue.
+    self.qk_dequant = self.v_dequant = None
+    if self.prob.fp8:
+      self.qk_dequant = ctx.r.dequant[h, 0]
+      self.v_dequant = ctx.r.dequant[h, 1]
+      self.qk_scale = self.qk_dequant * self.qk_scale
     in_place = ctx.in_place
     self.rescale = functools.partial(
         rescale_rows,
@@ -719,7 +741,10 @@ class _Item:
         s = s + self.bias_tile(t)
     else:  # cap * tanh(x / cap) on the scaled logits (Gemma 2)
       cap = prob.logits_soft_cap
-      s = jnp.tanh(s * (prob.softmax_scale / cap)) * (cap * LOG2E)
+      scaled = prob.softmax_scale / cap
+      if self.qk_dequant is not None:
+        scaled = self.qk_dequant * scaled
+      s = jnp.tanh(s * scaled) * (cap * LOG2E)
       scale = None
     if masked:
       s = self.apply_mask(s, t)
@@ -830,7 +855,7 @@ class _Item:
     placeholder, as FlashAttention-3 stores ``P`` after its
     ``warpgroup_wait<0>`` when its ``P V`` reads shared memory (its
     head_dim 64 form)."""
-    p16 = p.astype(self.ctx.dtype)
+    p16 = p.astype(self.ctx.p_dtype)
     if self.r.p_smem2 is None:
       return p16
     self.r.p_smem2.at[self.ctx.wg][...] = p16
@@ -842,13 +867,19 @@ class _Item:
     return carried if self.r.p_smem2 is None else self.r.p_smem2.at[
         self.ctx.wg]
 
+  def v_operand(self, slot):
+    """Tile ``slot``'s V as ``P V``'s B operand: ``[block_kv, Dp]``, with
+    FP8 the transposed view of its ``[Dp, block_kv]`` tile (K-major)."""
+    v = self.r.v_smem.at[slot]
+    return v.T if self.prob.fp8 else v
+
   def add_pv(self, acc, p16, slot, p_src=None):
     """``O += P V`` with tile ``slot``'s V (waits for the wgmma).
     ``p_src``: ``P`` already in place (then ``p16`` is not used)."""
     p_src = self.p_operand(p16) if p_src is None else p_src
 
     def issue(acc_ref):
-      plgpu.wgmma(acc_ref, p_src, self.r.v_smem.at[slot])
+      plgpu.wgmma(acc_ref, p_src, self.v_operand(slot))
 
     if self.ctx.in_place:
       # O += P V accumulated in the wgmma registers themselves
@@ -877,7 +908,7 @@ class _Item:
     else:
       p, m_next, alpha = self.probs(s, t, m, masked=masked)
     l = l * alpha
-    p16 = self.dropped(p, t).astype(self.ctx.dtype)
+    p16 = self.dropped(p, t).astype(self.ctx.p_dtype)
     if in_place:  # (the interpretable form rescales after the barrier)
       acc = self.rescale(acc, alpha)
     # As JAX's attention_mgpu: at head_dim <= 128, finishing the row sum
@@ -886,7 +917,11 @@ class _Item:
     early_sum = self.prob.head_dim_padded <= 128
     if early_sum:
       l = l + self.rsum(p)
-      acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
+      if self.prob.fp8:  # (Mosaic GPU pins no 8-bit register vectors)
+        acc, l, m_next = lax.optimization_barrier((acc, l, m_next))
+      else:
+        acc, l, m_next, p16 = lax.optimization_barrier(
+            (acc, l, m_next, p16))
     ping.softmax_done()
     plgpu.barrier_wait(self.r.v_ready.at[slot])
     ping.before_pv()  # tensor cores free
@@ -949,7 +984,7 @@ class _Item:
       # while Q lands (ptxas then fences the second wgmma after the
       # waits: its C7519 note); with two, Q landed an item ago and both
       # are issued back to back.
-      last_pv = lambda: plgpu.wgmma(o_acc, p_src, r.v_smem.at[slot])
+      last_pv = lambda: plgpu.wgmma(o_acc, p_src, self.v_operand(slot))
       if not double_q:
         last_pv()
       plgpu.barrier_wait(r.q_ready.at[self.next_q_slot])
@@ -996,7 +1031,10 @@ class _Item:
     l = finish_row_sum(l, deferred=self.deferred_sum)
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
-    if cfg.lean_epilogue:
+    if self.v_dequant is not None:  # FP8: v_scale / l per row
+      acc = acc * lax.broadcast_in_dim(self.v_dequant / l_safe, acc.shape,
+                                       [0])
+    elif cfg.lean_epilogue:
       # One reciprocal per row (2 per thread) and a multiply per
       # element, as tokamax, against a divide per element (128 per
       # thread at head_dim 256); both round within an ulp of float32,
@@ -1004,7 +1042,7 @@ class _Item:
       acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
     else:
       acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-    out = acc.astype(self.ctx.dtype)
+    out = acc.astype(self.ctx.out_dtype)
     # Natural-log LSE, -inf for rows that see no key (traced where it
     # is stored).
     lse = lambda: jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
@@ -1195,7 +1233,7 @@ def _overlapped_loop(it: _Item, own, carry):
   def nothing(_):
     if r.p_smem2 is not None:
       return jnp.int32(0), m, l
-    return (plgpu.layout_cast(jnp.full((it.bq, it.bk), 0.0, ctx.dtype),
+    return (plgpu.layout_cast(jnp.full((it.bq, it.bk), 0.0, ctx.p_dtype),
                               wgmma_layout), m, l)
 
   p16, m, l = lax.cond(lo < hi, first, nothing, None)
@@ -1255,7 +1293,7 @@ def _overlapped_step(it: _Item, zeros_s, t, carry, *, masked: bool):
   def issue(s_acc, o_acc):
     ping.turn_start()
     plgpu.wgmma(s_acc, it.qo_smem, r.k_smem.at[slot].T)  # S_t
-    plgpu.wgmma(o_acc, it.stashed(p_prev), r.v_smem.at[prev])  # P V
+    plgpu.wgmma(o_acc, it.stashed(p_prev), it.v_operand(prev))  # P V
     ping.issued()  # the other consumer's turn
 
   def softmax(s_t, m, l):
@@ -1330,7 +1368,11 @@ def _produce(ctx: _Ctx, b, h, u_lo, n_steps, first_step, group_start=None,
   load_k = lambda step, slot: copy(r.k, r.k_smem, r.k_ready, rows(step), slot)
 
   def load_v(step, slot):  # (with a bias, its tile beside V)
-    copy(r.v, r.v_smem, r.v_ready, rows(step), slot)
+    if prob.fp8:  # V^T's columns of key tile u_lo + step
+      src = (b, kv_head, slice(None), pl.ds((u_lo + step) * bk, bk))
+    else:
+      src = rows(step)
+    copy(r.v, r.v_smem, r.v_ready, src, slot)
     if r.bias_smem is not None:
       load_bias(step, slot)
 
@@ -1668,8 +1710,8 @@ def _use_schedule(cfg: MosaicConfig) -> bool:
 
 
 def forward(q, k, v, segments=None, alibi=None, bias=None,
-            dropout_seeds=None, *, prob: Problem, cfg: MosaicConfig,
-            interpret=None):
+            dropout_seeds=None, dequant=None, *, prob: Problem,
+            cfg: MosaicConfig, interpret=None):
   """Padded ``q [B, T, H, Dp]``, ``k, v [B, S, K, Dp]`` (bf16/fp16) ->
   ``(out [B, T, H, Dp], lse [B, H, prob.q_pad] float32)``.  T and S are
   ``prob.q_pad`` and ``prob.kv_pad``, or with ``unpadded_q`` /
@@ -1684,14 +1726,34 @@ def forward(q, k, v, segments=None, alibi=None, bias=None,
   ``bias``: the dense bias ``[B | 1, H | 1, Tp, Sp]`` in q's dtype (or
   one float32 row ``[B | 1, H | 1, 1, Sp]``: ``prob.bias_rows`` False),
   with ``prob.has_bias``.  ``dropout_seeds``: ``[B, H + 2]`` int32, with
-  ``prob.dropout_rate`` (:attr:`Problem.dropout_rate`).
+  ``prob.dropout_rate`` (:attr:`Problem.dropout_rate`).  ``dequant``:
+  with ``prob.fp8`` (q, k float8_e4m3fn, ``v`` transposed ``[B, K, Dp,
+  S]``), the ``[H, 2]`` float32 dequantization table.
   """
   dtype = q.dtype
+  itemsize = jnp.dtype(dtype).itemsize
+  out_dtype = prob.out_dtype if prob.fp8 else dtype
   dp = prob.head_dim_padded
   bq, bk = cfg.block_q, cfg.block_kv
   # Q K^T contracts over the head_dim: the widest swizzle that divides it
-  # (128 bytes at multiples of 64, narrower at the forward's own 80, 96).
-  tiled = pipeline.tiled_over(dp)
+  # (128 bytes at multiples of 64 (FP8: 128), narrower at the forward's
+  # own 80, 96).
+  tiled = pipeline.tiled_over(dp, itemsize)
+  if prob.fp8:
+    # V^T's tiles [Dp, block_kv] and P [block_q, block_kv] in e4m3: P V
+    # contracts over the keys, both K-major, in one swizzle.
+    pv_tiled = pipeline.tiled_over(bk, 1)
+    v_smem = plgpu.SMEM((cfg.stages, dp, bk), v.dtype, **pv_tiled)
+    p_smem = plgpu.SMEM((cfg.compute_wgs, bq, bk), jnp.float8_e4m3fn,
+                        **pv_tiled)
+  else:
+    # V: P V contracts over its bk rows, and its tiling runs along the
+    # head_dim: a swizzle that divides both (narrower where bk or the
+    # head_dim is not a multiple of 64).  P, V's partner in P V: wgmma
+    # takes both in one swizzle.
+    pv_tiled = pipeline.tiled_over(math.gcd(bk, dp))
+    v_smem = plgpu.SMEM((cfg.stages, bk, dp), dtype, **pv_tiled)
+    p_smem = plgpu.SMEM((cfg.compute_wgs, bq, bk), dtype, **pv_tiled)
   n_groups = prob.q_pad // (cfg.compute_wgs * bq)
   cluster = _cluster_size(cfg, prob, n_groups)
   # kv_multicast: a slot is free once the consumers of both CTAs of the
@@ -1701,12 +1763,8 @@ def forward(q, k, v, segments=None, alibi=None, bias=None,
   q_bufs = 2 if _double_q(cfg, prob) else 1
   scratch = [
       plgpu.SMEM((q_bufs * cfg.compute_wgs, bq, dp), dtype, **tiled),
-      plgpu.SMEM((cfg.stages, bk, dp), dtype, **tiled),
-      # V: P V contracts over its bk rows, and its tiling runs along the
-      # head_dim: a swizzle that divides both (narrower where bk or the
-      # head_dim is not a multiple of 64).
-      plgpu.SMEM((cfg.stages, bk, dp), dtype,
-                 **pipeline.tiled_over(math.gcd(bk, dp))),
+      plgpu.SMEM((cfg.stages, bk, dp), k.dtype, **tiled),
+      v_smem,
       plgpu.SMEM((cfg.compute_wgs, bq), jnp.float32),
       plgpu.Barrier(num_barriers=cfg.stages),             # k_ready (TMA)
       plgpu.Barrier(num_barriers=cfg.stages),             # v_ready (TMA)
@@ -1727,13 +1785,11 @@ def forward(q, k, v, segments=None, alibi=None, bias=None,
         plgpu.Barrier(num_barriers=cfg.stages),           # bias_ready
     ]
   if cfg.p_in_smem:
-    # P, V's partner in P V: wgmma takes both in one swizzle.
-    scratch.append(plgpu.SMEM((cfg.compute_wgs, bq, bk), dtype,
-                              **pipeline.tiled_over(math.gcd(bk, dp))))
+    scratch.append(p_smem)
   if cfg.out_slots:
     width, _, slots = cfg.out_chunks(dp)
-    scratch.append(plgpu.SMEM((cfg.compute_wgs, slots, bq, width), dtype,
-                              **pipeline.tiled_over(width)))  # O
+    scratch.append(plgpu.SMEM((cfg.compute_wgs, slots, bq, width),
+                              out_dtype, **pipeline.tiled_over(width)))  # O
   if cfg.prefetches_q:
     # q_free (one barrier per Q buffer; a single one is a scalar barrier)
     scratch.append(plgpu.Barrier(num_arrivals=cfg.compute_wgs,
@@ -1743,7 +1799,7 @@ def forward(q, k, v, segments=None, alibi=None, bias=None,
     scratch.append(plgpu.Barrier(num_arrivals=cfg.compute_wgs))
   if cluster > 1:  # the producers' rendezvous before the cluster exits
     scratch.append(plgpu.ClusterBarrier(collective_axes=("cluster",)))
-  out_type = [out_struct(q.shape, dtype, q, k, v),
+  out_type = [out_struct(q.shape, out_dtype, q, k, v),
               out_struct((prob.batch, prob.num_heads, prob.q_pad),
                          jnp.float32, q, k, v)]
   n_programs = None
@@ -1773,4 +1829,4 @@ def forward(q, k, v, segments=None, alibi=None, bias=None,
           dp, bias=prob.bias_ring),
       cluster=cluster,
   )(q, k, v, *(segments or ()),
-    *(x for x in (alibi, bias, dropout_seeds) if x is not None))
+    *(x for x in (alibi, bias, dropout_seeds, dequant) if x is not None))

@@ -29,17 +29,17 @@ from jaxflash.mosaic_gpu.config import (
 )
 
 
-def tiled_over(contraction: int) -> dict:
+def tiled_over(contraction: int, itemsize: int = 2) -> dict:
   """The shared-memory layout of a wgmma operand whose contraction runs
   along its major dimension, ``contraction`` long (V in ``P V``, and
   ``P`` staged in shared memory): the widest swizzle whose width in
-  16-bit elements divides it.  Mosaic GPU's wgmma needs the contraction
-  to be a multiple of that width (``K must be a multiple of 64, got:
-  80`` at the 128-byte swizzle), so FlashAttention-3's 80- and 176-key
-  tiles take the 32-byte swizzle (16 elements)."""
-  cols = swizzle_columns(contraction)
+  ``itemsize``-byte elements divides it.  Mosaic GPU's wgmma needs the
+  contraction to be a multiple of that width (``K must be a multiple of
+  64, got: 80`` at the 128-byte swizzle), so FlashAttention-3's 80- and
+  176-key tiles take the 32-byte swizzle (16 elements)."""
+  cols = swizzle_columns(contraction, itemsize)
   return dict(transforms=(plgpu.TilingTransform((8, cols)),
-                          plgpu.SwizzleTransform(2 * cols)))
+                          plgpu.SwizzleTransform(itemsize * cols)))
 
 
 def launch(body, *, out_type, scratch, grid, grid_names, consumers: int,
