@@ -109,10 +109,11 @@ def flash_attention(
       on ``q * q_scale`` etc.; float32 scalars, or per head (``[heads]``
       for ``q``, ``[kv_heads]`` for ``k`` and ``v``); None is 1
       (:func:`jaxflash.quantize_fp8` makes them).  FP8 calls are forward
-      only (a gradient raises NotImplementedError) and run the Triton
-      kernel (sm89+, or the interpreter) or ``"xla"``.
+      only (a gradient raises NotImplementedError) and run the Hopper
+      kernel (sm90; e4m3 or e5m2 keys and values), the Triton kernel
+      (sm89+; e4m3) or ``"xla"``.
     out_dtype: the FP8 call's output dtype: bfloat16 (default), float16
-      or float32.
+      or float32 (the Triton kernel's).
     dropout_rate: attention dropout (FlashAttention-1/2's, in the
       kernels): each probability is dropped with this probability and the
       kept ones scaled by ``1 / (1 - rate)``; the keep mask is a hash of
