@@ -373,11 +373,8 @@ def forward_fp8(q, k, v, arrays: MaskArrays, *, mask: MaskSpec,
   q_rows = _tma_rows(T, config.unpadded_q and gpu, prob.q_pad)
   pad = lambda x, n: pad_axis(pad_axis(x, 1, n), 3, dp)
   # V^T whole tiles long (its rows' stride must be a multiple of 16 bytes
-  # for TMA, and its copy is made anyway); with P a register operand, its
-  # keys in the order that operand's columns take (fwd_lib.fp8_key_order).
+  # for TMA, and its copy is made anyway).
   vt = pad(v, prob.kv_pad).transpose(0, 2, 3, 1)
-  if not config.p_in_smem:
-    vt = vt[..., fwd_lib.fp8_key_order(prob.kv_pad)]
   out, lse = fwd_lib.forward(
       pad(q, q_rows), pad(k, kv_rows), vt, segments,
       dequant=dequant.astype(jnp.float32), prob=prob, cfg=config,
@@ -639,11 +636,6 @@ def check_supported_fp8(q, k, *, arrays: MaskArrays, out_dtype, config,
       if config is not None and getattr(config, name):
         raise NotImplementedError(
             f"{name}=True needs a GPU: the Mosaic GPU interpreter {why}")
-    if config is not None and not config.p_in_smem:
-      raise NotImplementedError(
-          "p_in_smem=False needs a GPU with FP8 inputs: the Mosaic GPU"
-          " interpreter runs no inline Mosaic GPU code (P's 8-bit register"
-          " operand)")
     _check_interpreter_threads(with_fp8(config or INTERPRET_CONFIG))
     return
   require_cuda("mosaic_gpu", "an sm90 GPU (compute capability 9.x, Hopper)",

@@ -544,10 +544,13 @@ def with_bias_ring(config: "MosaicConfig",
 
 
 def with_fp8(config: "MosaicConfig") -> "MosaicConfig":
-  """The forward config of an FP8 call: ``config`` with the output leaving
-  through slots of its own (Q's buffer holds 8-bit values, the output
-  16-bit ones): ``lean_epilogue`` where the config has no such slots.
-  Its buffers take at most the 16-bit form's memory."""
+  """The forward config of an FP8 call: ``config`` with ``P`` staged in
+  shared memory (an 8-bit wgmma A operand in registers would need the
+  8-bit register layout, a shuffle of the float32 accumulator's) and the
+  output leaving through slots of its own (Q's buffer holds 8-bit
+  values, the output 16-bit ones): ``lean_epilogue`` where the config has
+  no such slots.  Its buffers take at most the 16-bit form's memory."""
+  config = dataclasses.replace(config, p_in_smem=True)
   if not config.out_slots:
     config = dataclasses.replace(config, lean_epilogue=True)
   return config

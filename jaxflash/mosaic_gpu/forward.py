@@ -250,47 +250,6 @@ def softmax_step(s, m, *, scale, threshold: int, masked: bool):
   return jnp.exp2(x), m_next, alpha
 
 
-def fp8_key_order(n: int) -> np.ndarray:
-  """The order of V^T's ``n`` keys (a multiple of 16) that matches an
-  e4m3 ``P`` made a register operand by :func:`_as_8bit_operand`: its
-  column ``c`` holds ``P``'s column ``fp8_key_order(n)[c]``, so ``P V``
-  takes V's keys in this order (FlashAttention-3 shuffles ``P``'s bytes
-  in registers instead; here the permutation rides on V's transposition
-  before the kernel).  Within each 16 keys, thread ``t`` of a quad holds
-  columns ``2t, 2t + 1, 2t + 8, 2t + 9`` in the wgmma layout of ``S``
-  and reads them as columns ``4t .. 4t + 3`` of the 8-bit layout."""
-  c = np.arange(n)
-  r = c % 16
-  return c - r + 8 * (r % 4 // 2) + 2 * (r // 4) + r % 2
-
-
-def _as_8bit_operand(p8):
-  """An e4m3 ``P`` in the wgmma layout of ``S`` as an 8-bit wgmma A
-  operand in registers (``WGMMA_8BIT``) at no cost: each thread's two
-  2-element vectors of adjacent 8-column tiles become one 4-element
-  vector, which permutes the columns within each 16 as
-  :func:`fp8_key_order` says (V's keys come in that order).  Mosaic GPU
-  has no WGMMA -> WGMMA_8BIT relayout; the interpreter runs no inline
-  Mosaic GPU code, so interpreted FP8 runs stage ``P`` in shared memory
-  (``p_in_smem``)."""
-  layout = plgpu.Layout.WGMMA_8BIT
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
-                     return_type=plgpu.ShapeDtypeStruct(p8.shape, p8.dtype,
-                                                        layout=layout))
-  def relabel(_, x):
-    regs = x.registers
-    out = np.empty(mgpu_fa.WGMMA_LAYOUT_8BIT.registers_shape(x.shape),
-                   dtype=object)
-    for i in np.ndindex(out.shape):
-      out[i] = mgpu_utils.vector_concat(
-          [regs[(i[0], 2 * i[1] + j, *i[2:])] for j in (0, 1)])
-    return mgpu.FragmentedArray(_registers=out,
-                                _layout=mgpu_fa.WGMMA_LAYOUT_8BIT,
-                                _is_signed=None)
-  return relabel(p8)
-
-
 @dataclasses.dataclass(frozen=True)
 class Problem:
   """Static description of a padded call: ``mask`` speaks of the unpadded
@@ -337,9 +296,7 @@ class Problem:
   # wgmma takes 8-bit operands K-major only, and P V contracts over the
   # keys), P rounded to e4m3 for P V through shared memory; the
   # dequantization table [H, 2] float32 (q_scale * k_scale and v_scale of
-  # each query head) comes last; the output in ``out_dtype``.  Without
-  # p_in_smem P is a register operand and V^T's keys come in
-  # fp8_key_order.
+  # each query head) comes last; the output in ``out_dtype``.
   fp8: bool = False
   out_dtype: object = None
 
@@ -884,7 +841,7 @@ class _Item:
   def p_operand(self, p16):
     """``P`` as the ``P V`` wgmma's A operand (registers, or SMEM)."""
     if self.r.p_smem2 is None:
-      return _as_8bit_operand(p16) if self.prob.fp8 else p16
+      return p16
     p_src = self.r.p_smem2.at[self.ctx.wg]
     p_src[...] = p16
     plgpu.commit_smem()
@@ -900,7 +857,7 @@ class _Item:
     head_dim 64 form)."""
     p16 = p.astype(self.ctx.p_dtype)
     if self.r.p_smem2 is None:
-      return _as_8bit_operand(p16) if self.prob.fp8 else p16
+      return p16
     self.r.p_smem2.at[self.ctx.wg][...] = p16
     plgpu.commit_smem()
     return jnp.int32(0)
@@ -1276,9 +1233,8 @@ def _overlapped_loop(it: _Item, own, carry):
   def nothing(_):
     if r.p_smem2 is not None:
       return jnp.int32(0), m, l
-    layout = plgpu.Layout.WGMMA_8BIT if it.prob.fp8 else wgmma_layout
     return (plgpu.layout_cast(jnp.full((it.bq, it.bk), 0.0, ctx.p_dtype),
-                              layout), m, l)
+                              wgmma_layout), m, l)
 
   p16, m, l = lax.cond(lo < hi, first, nothing, None)
   # Steps lo + 1 .. hi - 1.
