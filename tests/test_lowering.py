@@ -863,8 +863,10 @@ def test_mosaic_forward_terms_lower_for_cuda(term, cfg):
     pytest.param((512, 512, 4, 2, 192, False, None),
                  dict(block_q=64, block_kv=64), marks=pytest.mark.slow),
     ((512, 700, 4, 2, 256, True, None), dict(intra_wg_overlap=True)),
+    ((1000, 1500, 4, 2, 128, True, None), dict(unpadded_kv=True,
+                                               unpadded_q=True)),
 ], ids=["d128-default", "d128-overlap-persistent", "d64-item-overlap",
-        "d192", "d256-key-row"])
+        "d192", "d256-key-row", "d128-unpadded"])
 def test_mosaic_bias_forward_lowers_for_cuda(shape, cfg):
   """A dense bias in the Hopper forward (its tiles by TMA beside V, read
   in the wgmma layout of S; at head_dim 256 one row of keys for every

@@ -46,41 +46,41 @@ RACES = plgpu.InterpretGPUParams(detect_races=True)
 # cover of the kernel lines that all runs reach while they are traced
 # (tests/kernel_coverage.py; the others are ``slow``).
 PER_COMMIT = (
+    'fp8-e5m2-persistent-overlap',
     'kv_multicast+item_overlap-d64-full',
-    'item_overlap+q_double_buffer-d128-full-6tiles',
     'item_overlap+q_double_buffer-d192-q113-k17',
     'intra_wg_overlap+prefetch_q-d256-causal-q300-k100',
     'packed-lengths-paired-dq',
     'bwd_paired_dq-d96-gqa-q200-k300',
     'softmax-overlap-d256-paired-dkv',
-    'fp8-persistent-segments',
+    'item_overlap_plain_one_wg-d128-full-6tiles',
     'bias-packed-flashmask',
     'bwd_paired_dkv-d64-full',
     'bwd_paired_dkv-d96-gqa-q200-k300',
     'kv_multicast-d192-q113-k17',
     'persistent_pairs-d256-causal-q300-k100',
     'three_wgs+item_overlap_plain+q_double_buffer-d64-gqa-q330-k300',
-    'item_overlap_plain_one_wg-d128-full-6tiles',
     'item_overlap_plain-d192-q113-k17',
     'bwd_paired_dq-d256-split-dkv-gqa',
     'fp8-causal-2wg',
     'intra_wg_overlap+prefetch_q-d64-persistent-2wg-causal',
+    'item_overlap+q_double_buffer-d128-full-6tiles',
     'bias-row-overlap',
     'dropout-overlap-shared',
+    'persistent_pairs-d96-gqa-q200-k300',
     'alibi-causal-2wg',
     'persistent_pairs+intra_wg_overlap+lean_epilogue-d64-persistent-2wg-causal',
-    'persistent_pairs+intra_wg_overlap+lean_epilogue-d96-gqa-q200-k300',
     'rescale_threshold+intra_wg_overlap-d256-causal-q300-k100',
     'bwd_dkv_block_q_80+early_dv-d128-full-6tiles',
     'kv_multicast+persistent-d128-mqa-2wg',
     'bwd_early_dv-d32-tiny-window-empty',
-    'fp8-e5m2-overlap-cap',
     'prefetch_q-d192-q113-k17',
     'paired-dkv-d64',
     'paired-dkv-d256',
     'rescale_threshold-d64-causal-2wg',
     'rescale_threshold-d96-gqa-q200-k300',
     'flashmask-prefix-2wg',
+    'lean_epilogue-d96-gqa-q200-k300',
     'lean_epilogue-d192-q113-k17',
     'lean_epilogue-d256-causal-q300-k100',
     'intra_wg_overlap+prefetch_q+early_q_release-d256-causal-q300-k100',
@@ -803,7 +803,8 @@ def _check_max_jump(config, args, causal, interpret, grads=True):
   return got[0]
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [
+    pytest.param(False, marks=pytest.mark.slow), True])
 def test_rescale_threshold_where_the_row_max_jumps(overlap):
   """``rescale_threshold``: keys whose scale grows along the sequence (each
   row's max creeps up by less than 2^8 from tile to tile: the reference
@@ -2384,13 +2385,12 @@ FP8_RUNS = [
     Run("fp8-causal-2wg", "fwd", (2, 200, 300, 4, 2, 64),
         jnp.float8_e4m3fn, TWO_WG, seed=21, causal=True,
         fp8_kv=jnp.float8_e4m3fn),
-    Run("fp8-e5m2-overlap-cap", "fwd", (2, 256, 200, 4, 4, 128),
-        jnp.float8_e4m3fn, dataclasses.replace(TWO_WG, intra_wg_overlap=True),
-        seed=22, window=(100, 20), soft_cap=20.0, fp8_kv=jnp.float8_e5m2),
-    Run("fp8-persistent-segments", "fwd", (2, 256, 256, 4, 1, 96),
-        jnp.float8_e4m3fn, PERSISTENT_2WG, seed=23, causal=True,
+    Run("fp8-e5m2-persistent-overlap", "fwd", (2, 256, 256, 4, 1, 96),
+        jnp.float8_e4m3fn,
+        dataclasses.replace(PERSISTENT_2WG, intra_wg_overlap=True),
+        seed=23, causal=True, soft_cap=20.0,
         segments=dict(docs=3, pad=10, kv_len=[256, 200]),
-        fp8_kv=jnp.float8_e4m3fn),
+        fp8_kv=jnp.float8_e5m2),
 ]
 
 

@@ -48,6 +48,7 @@ from jaxflash.mosaic_gpu.config import (
   default_config,
   dkv_head_splits,
   fp8_head_dim,
+  fp8_problem,
   head_dim_problem,
   kernel_head_dim,
   with_bias_ring,
@@ -312,9 +313,12 @@ def _forward(q, k, v, st: _Static, arrays: MaskArrays = NO_MASK_ARRAYS):
   if prob.bias_ring:
     # In q's dtype (the ring's), its rows and keys padded as Q's and K's
     # (a copy only where the lengths are not whole tiles).
+    # The keys whole tiles long: the ring's TMA tiles the key axis by the
+    # swizzle's width, which unpadded_kv's row count need not be a
+    # multiple of (1504 keys failed on the H100).
     bias = arrays.bias.astype(q.dtype)
     bias = jnp.pad(bias, ((0, 0), (0, 0), (0, q_rows - bias.shape[2]),
-                          (0, kv_rows - bias.shape[3])))
+                          (0, prob.kv_pad - bias.shape[3])))
   elif prob.has_bias:
     # One row for every query, rounded to q's dtype as the ring's tiles
     # (and the backward's bias) are, read as float32 per key tile; the
@@ -628,7 +632,7 @@ def check_supported_fp8(q, k, *, arrays: MaskArrays, out_dtype, config,
         f" {q.shape[3]}")
   dp = fp8_head_dim(q.shape[3])
   if config is not None:
-    why = head_dim_problem(with_fp8(config), dp)
+    why = fp8_problem(config, dp)
     if why:
       raise NotImplementedError(why)
   if interpret:

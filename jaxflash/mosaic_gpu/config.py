@@ -545,15 +545,37 @@ def with_bias_ring(config: "MosaicConfig",
 
 def with_fp8(config: "MosaicConfig") -> "MosaicConfig":
   """The forward config of an FP8 call: ``config`` with ``P`` staged in
-  shared memory (an 8-bit wgmma A operand in registers would need the
-  8-bit register layout, a shuffle of the float32 accumulator's) and the
-  output leaving through slots of its own (Q's buffer holds 8-bit
-  values, the output 16-bit ones): ``lean_epilogue`` where the config has
-  no such slots.  Its buffers take at most the 16-bit form's memory."""
-  config = dataclasses.replace(config, p_in_smem=True)
+  shared memory (an 8-bit wgmma A operand in registers needs the 8-bit
+  register layout, which Mosaic GPU does not convert to; relabelling the
+  registers and permuting V's keys instead measured no faster on the
+  H100: docs/benchmarks/), ``block_kv`` a multiple of 64 (P V contracts
+  over the keys in 8-bit swizzles: 176 becomes 128), and the output
+  leaving through slots of its own (Q's buffer holds 8-bit values, the
+  output 16-bit ones: ``lean_epilogue`` where the config has no such
+  slots)."""
+  config = dataclasses.replace(
+      config, p_in_smem=True,
+      block_kv=max(64, config.block_kv // 64 * 64))
   if not config.out_slots:
     config = dataclasses.replace(config, lean_epilogue=True)
   return config
+
+
+def fp8_problem(config: "MosaicConfig", head_dim_padded: int) -> str | None:
+  """Why ``with_fp8(config)`` cannot serve an FP8 forward at this padded
+  head_dim (its shared memory: 8-bit Q, K, V and P, 16-bit output
+  slots; three consumers' registers), None when it can."""
+  config = with_fp8(config)
+  width, _, slots = config.out_chunks(head_dim_padded)
+  need = (config.smem_bytes(head_dim_padded, itemsize=1)
+          + config.compute_wgs * slots * config.block_q * width)
+  if need > SMEM_LIMIT:
+    return (f"{config} needs {need} bytes of shared memory for FP8 at"
+            f" head_dim {head_dim_padded} (limit {SMEM_LIMIT})")
+  if config.compute_wgs == 3 and head_dim_padded > MAX_THREE_WG_HEAD_DIM:
+    return (f"compute_wgs=3 serves padded head_dim up to"
+            f" {MAX_THREE_WG_HEAD_DIM}, got {head_dim_padded}")
+  return None
 
 
 def fp8_head_dim(head_dim: int) -> int:
