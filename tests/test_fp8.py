@@ -2,6 +2,8 @@
 Triton FP8 forward in the interpreter against the dequantized reference,
 accuracy bounds against float64, and the argument checks."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -183,18 +185,29 @@ def _check_against_dequantized(out, ref):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["mosaic_gpu", "triton"])
+@pytest.mark.parametrize("impl", ["mosaic_gpu", "mosaic_gpu-p_in_smem",
+                                  "triton"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_fp8_forward(impl, causal):
-  """The compiled FP8 forwards (the Hopper kernel, the Triton kernel)
-  against the dequantized reference: 2 x 2048 tokens, 16:4 heads,
-  head_dim 128."""
+  """The compiled FP8 forwards (the Hopper kernel with P a register
+  operand, its tuned default, or staged in shared memory; the Triton
+  kernel) against the dequantized reference: 2 x 2048 tokens, 16:4
+  heads, head_dim 128."""
   (qf, kf, vf), scales = _quantized(*_qkv(11, q_len=2048, kv_len=2048,
                                          heads=16, kv_heads=4,
                                          head_dim=128))
-  run = lambda impl: jax.jit(lambda q, k, v: jaxflash.flash_attention(
-      q, k, v, causal=causal, implementation=impl, **scales))(qf, kf, vf)
-  _check_against_dequantized(run(impl), run("xla"))
+  config = None
+  if impl == "mosaic_gpu-p_in_smem":
+    from jaxflash import mosaic_gpu
+    impl, config = "mosaic_gpu", dataclasses.replace(
+        mosaic_gpu.default_config(jax.devices()[0].device_kind, 128,
+                                  causal=causal, kv_len=2048),
+        p_in_smem=True)
+  run = lambda impl, config=None: jax.jit(
+      lambda q, k, v: jaxflash.flash_attention(
+          q, k, v, causal=causal, implementation=impl, config=config,
+          **scales))(qf, kf, vf)
+  _check_against_dequantized(run(impl, config), run("xla"))
 
 
 @pytest.mark.gpu

@@ -379,6 +379,8 @@ def forward_fp8(q, k, v, arrays: MaskArrays, *, mask: MaskSpec,
   # V^T whole tiles long (its rows' stride must be a multiple of 16 bytes
   # for TMA, and its copy is made anyway).
   vt = pad(v, prob.kv_pad).transpose(0, 2, 3, 1)
+  if not config.p_in_smem:  # P a register operand: its key order
+    vt = fwd_lib.fp8_key_order(vt)
   out, lse = fwd_lib.forward(
       pad(q, q_rows), pad(k, kv_rows), vt, segments,
       dequant=dequant.astype(jnp.float32), prob=prob, cfg=config,
@@ -640,6 +642,11 @@ def check_supported_fp8(q, k, *, arrays: MaskArrays, out_dtype, config,
       if config is not None and getattr(config, name):
         raise NotImplementedError(
             f"{name}=True needs a GPU: the Mosaic GPU interpreter {why}")
+    if config is not None and not config.p_in_smem:
+      raise NotImplementedError(
+          "p_in_smem=False needs a GPU with FP8 inputs: the Mosaic GPU"
+          " interpreter runs no inline Mosaic GPU code (P's 8-bit register"
+          " operand)")
     _check_interpreter_threads(with_fp8(config or INTERPRET_CONFIG))
     return
   require_cuda("mosaic_gpu", "an sm90 GPU (compute capability 9.x, Hopper)",

@@ -544,18 +544,14 @@ def with_bias_ring(config: "MosaicConfig",
 
 
 def with_fp8(config: "MosaicConfig") -> "MosaicConfig":
-  """The forward config of an FP8 call: ``config`` with ``P`` staged in
-  shared memory (an 8-bit wgmma A operand in registers needs the 8-bit
-  register layout, which Mosaic GPU does not convert to; relabelling the
-  registers and permuting V's keys instead measured no faster on the
-  H100: docs/benchmarks/), ``block_kv`` a multiple of 64 (P V contracts
-  over the keys in 8-bit swizzles: 176 becomes 128), and the output
-  leaving through slots of its own (Q's buffer holds 8-bit values, the
-  output 16-bit ones: ``lean_epilogue`` where the config has no such
-  slots)."""
+  """The forward config of an FP8 call: ``config`` with ``block_kv`` a
+  multiple of 64 (P V contracts over the keys in 8-bit swizzles: 176
+  becomes 128) and the output leaving through slots of its own (Q's
+  buffer holds 8-bit values, the output 16-bit ones: ``lean_epilogue``
+  where the config has no such slots).  ``p_in_smem`` as the config says
+  (without it P is an 8-bit register operand)."""
   config = dataclasses.replace(
-      config, p_in_smem=True,
-      block_kv=max(64, config.block_kv // 64 * 64))
+      config, block_kv=max(64, config.block_kv // 64 * 64))
   if not config.out_slots:
     config = dataclasses.replace(config, lean_epilogue=True)
   return config

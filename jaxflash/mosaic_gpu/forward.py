@@ -250,6 +250,47 @@ def softmax_step(s, m, *, scale, threshold: int, masked: bool):
   return jnp.exp2(x), m_next, alpha
 
 
+def fp8_key_order(vt):
+  """V^T ``[..., n]`` (``n`` a multiple of 16) with its keys in the order
+  that an e4m3 ``P`` made a register operand by :func:`_as_8bit_operand`
+  takes them: that operand's column ``16 m + 4 q + 2 e + f`` holds
+  ``P``'s column ``16 m + 8 e + 2 q + f`` (thread ``q`` of a quad holds
+  columns ``2 q, 2 q + 1, 2 q + 8, 2 q + 9`` of each 16 in the wgmma
+  layout of ``S`` and they are read as columns ``4 q .. 4 q + 3`` of the
+  8-bit layout), so V's keys are permuted the same way: a swap of two
+  axes, which XLA folds into V's transposition (FlashAttention-3
+  shuffles ``P``'s bytes in registers instead)."""
+  *lead, n = vt.shape
+  return vt.reshape(*lead, n // 16, 2, 4, 2).swapaxes(-3, -2).reshape(
+      *lead, n)
+
+
+def _as_8bit_operand(p8):
+  """An e4m3 ``P`` in the wgmma layout of ``S`` as an 8-bit wgmma A
+  operand in registers (``WGMMA_8BIT``) at no cost: each thread's two
+  2-element vectors of adjacent 8-column tiles become one 4-element
+  vector, which permutes the columns within each 16 as
+  :func:`fp8_key_order` says.  Mosaic GPU has no WGMMA -> WGMMA_8BIT
+  relayout; the interpreter runs no inline Mosaic GPU code, so
+  interpreted FP8 runs stage ``P`` in shared memory (``p_in_smem``)."""
+  layout = plgpu.Layout.WGMMA_8BIT
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                     return_type=plgpu.ShapeDtypeStruct(p8.shape, p8.dtype,
+                                                        layout=layout))
+  def relabel(_, x):
+    regs = x.registers
+    out = np.empty(mgpu_fa.WGMMA_LAYOUT_8BIT.registers_shape(x.shape),
+                   dtype=object)
+    for i in np.ndindex(out.shape):
+      out[i] = mgpu_utils.vector_concat(
+          [regs[(i[0], 2 * i[1] + j, *i[2:])] for j in (0, 1)])
+    return mgpu.FragmentedArray(_registers=out,
+                                _layout=mgpu_fa.WGMMA_LAYOUT_8BIT,
+                                _is_signed=None)
+  return relabel(p8)
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
   """Static description of a padded call: ``mask`` speaks of the unpadded
@@ -296,7 +337,9 @@ class Problem:
   # wgmma takes 8-bit operands K-major only, and P V contracts over the
   # keys), P rounded to e4m3 for P V through shared memory; the
   # dequantization table [H, 2] float32 (q_scale * k_scale and v_scale of
-  # each query head) comes last; the output in ``out_dtype``.
+  # each query head) comes last; the output in ``out_dtype``.  Without
+  # p_in_smem P is a register operand and V^T's keys come in
+  # fp8_key_order.
   fp8: bool = False
   out_dtype: object = None
 
@@ -841,7 +884,7 @@ class _Item:
   def p_operand(self, p16):
     """``P`` as the ``P V`` wgmma's A operand (registers, or SMEM)."""
     if self.r.p_smem2 is None:
-      return p16
+      return _as_8bit_operand(p16) if self.prob.fp8 else p16
     p_src = self.r.p_smem2.at[self.ctx.wg]
     p_src[...] = p16
     plgpu.commit_smem()
@@ -857,7 +900,7 @@ class _Item:
     head_dim 64 form)."""
     p16 = p.astype(self.ctx.p_dtype)
     if self.r.p_smem2 is None:
-      return p16
+      return _as_8bit_operand(p16) if self.prob.fp8 else p16
     self.r.p_smem2.at[self.ctx.wg][...] = p16
     plgpu.commit_smem()
     return jnp.int32(0)
@@ -1233,8 +1276,9 @@ def _overlapped_loop(it: _Item, own, carry):
   def nothing(_):
     if r.p_smem2 is not None:
       return jnp.int32(0), m, l
+    layout = plgpu.Layout.WGMMA_8BIT if it.prob.fp8 else wgmma_layout
     return (plgpu.layout_cast(jnp.full((it.bq, it.bk), 0.0, ctx.p_dtype),
-                              wgmma_layout), m, l)
+                              layout), m, l)
 
   p16, m, l = lax.cond(lo < hi, first, nothing, None)
   # Steps lo + 1 .. hi - 1.
