@@ -55,6 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxflash import masks
+
 BIG = 2**30  # an int32 past any row: lt_end of padding and of "to the end"
 
 TILE_HIDDEN = 0
@@ -578,16 +580,8 @@ def tile_ranges(cols: jax.Array, q_pad: int, held: int, streamed: int, *,
   else:
     cls = jnp.swapaxes(column_tile_classes(cols, q_pad, streamed, held),
                        2, 3)
-  n = cls.shape[-1]
-  idx = jnp.arange(n, dtype=jnp.int32)
-  live = cls != TILE_HIDDEN
-  first = jnp.min(jnp.where(live, idx, n), axis=-1)
-  last = jnp.max(jnp.where(live, idx + 1, 0), axis=-1)
-  full = cls == TILE_VISIBLE
-  run = jnp.min(jnp.where(full, idx, n), axis=-1)
-  run_end = jnp.min(jnp.where(~full & (idx >= run[..., None]), idx, n),
-                    axis=-1)
-  return jnp.stack([jnp.minimum(first, last), last, run, run_end], axis=2)
+  return jnp.moveaxis(
+      masks.tile_runs(cls != TILE_HIDDEN, cls == TILE_VISIBLE), -1, 2)
 
 
 def pad_columns(cols: jax.Array, kv_pad: int) -> jax.Array:

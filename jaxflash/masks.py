@@ -444,6 +444,23 @@ def dense_tile_summary(mask_i8: jax.Array, block_q: int, block_k: int, *,
   return jnp.swapaxes(out, 2, 3) if transpose else out
 
 
+def tile_runs(live: jax.Array, full: jax.Array) -> jax.Array:
+  """From per-tile flags ``[..., n]`` (``live``: some element visible;
+  ``full``: every element visible) int32 ``[..., 4]``: ``(first, end)``
+  of the live tiles (``[0, 0)`` where none is) and ``(first, end)`` of
+  the first run of full tiles (empty where none is; FlashMask's unmasked
+  blocks, arXiv 2410.01359 §4.2).  A kernel visits the first range and
+  skips the element mask on the second."""
+  n = live.shape[-1]
+  idx = jnp.arange(n, dtype=jnp.int32)
+  first = jnp.min(jnp.where(live, idx, n), axis=-1)
+  last = jnp.max(jnp.where(live, idx + 1, 0), axis=-1)
+  run = jnp.min(jnp.where(full, idx, n), axis=-1)
+  run_end = jnp.min(jnp.where(~full & (idx >= run[..., None]), idx, n),
+                    axis=-1)
+  return jnp.stack([jnp.minimum(first, last), last, run, run_end], axis=-1)
+
+
 def tiles_overlap(row_summary, col_summary):
   """Traced scalars: can the two tiles hold a common segment id?"""
   return ((col_summary[SUMMARY_MIN] <= row_summary[SUMMARY_MAX])

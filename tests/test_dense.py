@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from numerics import check_rule, outputs_and_grads, random_inputs
 
 import jaxflash
+from jaxflash import mosaic_gpu
 from jaxflash.masks import MaskArrays, MaskSpec
 from jaxflash.triton import backend as triton_backend
 
@@ -228,19 +229,26 @@ def test_dense_errors():
     with pytest.raises(err, match=match):
       jaxflash.flash_attention(q, q, q, implementation="triton",
                                interpret=True, **kw)
+  # The Hopper forward takes a dense mask, but not with a FlashMask too
+  # (no public argument gives both; the kernels' check refuses them).
   b = q.astype(jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match="take no dense mask"):
-    jaxflash.flash_attention(b, b, b, mask=jnp.ones((1, 1, 16, 16), bool),
-                             implementation="mosaic_gpu", interpret=True)
+  fm = jaxflash.flashmask.columns(jaxflash.FlashMask.prefix_lm(
+      jnp.asarray([4, 9]), 16))
+  with pytest.raises(NotImplementedError, match="not both"):
+    mosaic_gpu.check_supported(
+        b, b, b, arrays=MaskArrays(dense_mask=jnp.ones((1, 1, 16, 16), bool),
+                                   flash_mask=fm),
+        logits_soft_cap=None, config=None, interpret=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_dense(causal):
-  """The compiled Triton kernels (default dispatch: the Hopper kernels
-  decline the dense mask) with a bias per head and a mask per row at 2 x
-  1024 tokens, 8:2 heads, head_dim 128, bf16: the numerics rule, and the
-  bias's gradient against the reference's."""
+  """The default dispatch (on Hopper the Hopper forward, with the bias's
+  ring and the dense mask's tiles, and the Triton backward) with a bias
+  per head and a mask per batch row at 2 x 1024 tokens, 8:2 heads,
+  head_dim 128, bf16: the numerics rule, and the bias's gradient against
+  the reference's."""
   q, k, v, do, dlse = random_inputs(jax.random.key(3), batch=2, q_len=1024,
                                     kv_len=1024, heads=8, kv_heads=2,
                                     head_dim=128, dtype=jnp.bfloat16)

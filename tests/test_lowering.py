@@ -946,3 +946,33 @@ def test_mosaic_fp8_forward_lowers_for_cuda(head_dim, causal, cfg):
   text = jax.jit(run).trace(q, kv, kv, dequant).lower(
       lowering_platforms=("cuda",)).as_text()
   assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"]
+
+
+@pytest.mark.parametrize("shape,rows,per_head,cfg", [
+    ((1024, 1500, 8, 2, 128, True, None), True, False,
+     dict(unpadded_kv=True, unpadded_q=True)),
+    ((512, 512, 4, 4, 64, False, None), True, True,
+     dict(intra_wg_overlap=True, persistent=True, prefetch_q=True)),
+    ((512, 700, 4, 2, 256, True, None), False, False,
+     dict(intra_wg_overlap=True)),
+], ids=["d128-unpadded", "d64-heads-persistent", "d256-key-row"])
+def test_mosaic_dense_mask_forward_lowers_for_cuda(shape, rows, per_head,
+                                                   cfg):
+  """A dense boolean mask in the Hopper forward (its tiles read from GMEM
+  as int8 in the wgmma layout of S, or one row of keys; its tile ranges in
+  the segment inputs) lowers to Mosaic GPU IR."""
+  from jaxflash import mosaic_gpu
+  q, kv, _, _, mask = _mosaic_case(shape)
+  dense = jax.ShapeDtypeStruct(
+      (2, shape[2] if per_head else 1, shape[0] if rows else 1, shape[1]),
+      jnp.bool_)
+  config = mosaic_gpu.MosaicConfig(**cfg)
+
+  def fwd(q, k, v, dense):
+    return mosaic_attention(q, k, v, mask=mask,
+                            arrays=MaskArrays(dense_mask=dense),
+                            softmax_scale=0.125, config=config)[0]
+
+  text = jax.jit(fwd).trace(q, kv, kv, dense).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"]

@@ -63,30 +63,31 @@ PER_COMMIT = (
     'item_overlap_plain-d192-q113-k17',
     'bwd_paired_dq-d256-split-dkv-gqa',
     'fp8-causal-2wg',
-    'intra_wg_overlap+prefetch_q-d64-persistent-2wg-causal',
+    'dense-documents-overlap',
+    'dense-keys-persistent',
     'item_overlap+q_double_buffer-d128-full-6tiles',
+    'rescale_threshold-d64-persistent-2wg-causal',
     'bias-row-overlap',
     'dropout-overlap-shared',
-    'persistent_pairs-d96-gqa-q200-k300',
     'alibi-causal-2wg',
-    'persistent_pairs+intra_wg_overlap+lean_epilogue-d64-persistent-2wg-causal',
+    'persistent_pairs+prefetch_q+q_double_buffer-d64-persistent-2wg-causal',
+    'persistent_pairs+intra_wg_overlap+lean_epilogue-d96-gqa-q200-k300',
     'rescale_threshold+intra_wg_overlap-d256-causal-q300-k100',
     'bwd_dkv_block_q_80+early_dv-d128-full-6tiles',
     'kv_multicast+persistent-d128-mqa-2wg',
     'bwd_early_dv-d32-tiny-window-empty',
     'prefetch_q-d192-q113-k17',
     'paired-dkv-d64',
+    'dense-heads-2wg',
     'paired-dkv-d256',
-    'rescale_threshold-d64-causal-2wg',
     'rescale_threshold-d96-gqa-q200-k300',
-    'flashmask-prefix-2wg',
-    'lean_epilogue-d96-gqa-q200-k300',
+    'lean_epilogue-d64-full',
     'lean_epilogue-d192-q113-k17',
     'lean_epilogue-d256-causal-q300-k100',
     'intra_wg_overlap+prefetch_q+early_q_release-d256-causal-q300-k100',
-    'packed-causal-persistent',
     'bwd_head_splits=1-d96-gqa-q200-k300',
     'bwd_dkv_block_q_80-d64-causal-2wg',
+    'flashmask-prefix-2wg',
     'bwd_dkv_block_q_80-d128-window',
 )
 
@@ -228,6 +229,8 @@ class Run:
   alibi: bool = False  # ALiBi slopes 2^-1, 2^-2, ... per head
   bias: str | None = None  # a dense bias per "head", per "batch" row, or
   # one "row" of keys per batch row (a key padding bias)
+  dense: str | None = None  # a dense boolean mask: "documents" per batch
+  # row with holes, random per "head", or one row of "keys" per batch row
   dropout: float = 0.0  # attention dropout's rate (seeds per batch row)
   dropout_shared: bool = False  # one keep mask for every head
   soft_cap: float | None = None
@@ -297,6 +300,8 @@ def _mask_arrays(run: Run):
         jnp.arange(s)[None, :], run.spec.offset)
   if run.bias is not None:
     arrays["bias"] = ref_kw["bias"] = _dense_bias(run)
+  if run.dense is not None:
+    arrays["dense_mask"] = ref_kw["dense_mask"] = _dense_mask(run)
   if run.dropout:
     # (seed, first head, first row, first key) per batch row: a shard's
     # offsets, as a context-parallel piece passes them.
@@ -320,6 +325,28 @@ def _dense_bias(run: Run):
   hidden = jax.random.bernoulli(jax.random.key(run.seed + 41), 0.05, shape)
   bias = jnp.where(hidden, -jnp.inf, bias)
   return bias if run.bias == "row" else bias.at[:, :, 3].set(-jnp.inf)
+
+
+def _dense_mask(run: Run):
+  """A boolean mask: "documents" ``[B, 1, T, S]`` (documents of 90 keys,
+  shifted per batch row, with 3% of pairs hidden inside the second),
+  "head" ``[1, H, T, S]`` (each pair hidden with probability 0.2, all of
+  query row 3 hidden: a row that sees nothing) or "keys" ``[B, 1, 1, S]``
+  (the last 37 keys of batch row 1 hidden: a key padding mask)."""
+  b, t, s, h = run.shape[:4]
+  key = jax.random.key(run.seed + 50)
+  if run.dense == "documents":
+    doc_q = (jnp.arange(t)[None, :] + 30 * jnp.arange(b)[:, None]) // 90
+    doc_k = (jnp.arange(s)[None, :] + 30 * jnp.arange(b)[:, None]) // 90
+    same = doc_q[:, :, None] == doc_k[:, None, :]
+    holes = jax.random.bernoulli(key, 0.03, same.shape) & (
+        doc_q[:, :, None] == 1)
+    return (same & ~holes)[:, None]
+  if run.dense == "head":
+    keep = ~jax.random.bernoulli(key, 0.2, (1, h, t, s))
+    return keep.at[:, :, 3].set(False)
+  keys = jnp.arange(s)[None, :] < jnp.asarray([s, s - 37][:b])[:, None]
+  return keys[:, None, None, :]
 
 
 # FlashMasks shared by the heads, ``(batch, seq) -> FlashMask``: the forms
@@ -2377,15 +2404,36 @@ def test_dropout_interpret(run):
   _run_interpreted(run)
 
 
+# A dense boolean mask in the Hopper forward (its backward is the Triton
+# kernels'): the tiles it hides skipped and its fully visible run left
+# unmasked (its tile ranges in seg_range), its tiles read from GMEM
+# elsewhere; per batch row with segment ids, per head, one row of keys.
+DENSE_RUNS = [
+    Run("dense-documents-overlap", "fwd", (2, 256, 300, 2, 1, 64),
+        jnp.bfloat16, dataclasses.replace(TWO_WG, intra_wg_overlap=True),
+        seed=24, causal=True, dense="documents",
+        segments=dict(kv_len=[300, 250])),
+    Run("dense-heads-2wg", "fwd", (1, 200, 256, 4, 2, 64), jnp.bfloat16,
+        TWO_WG, seed=25, causal=True, dense="head"),
+    Run("dense-keys-persistent", "fwd", (2, 256, 256, 2, 1, 96),
+        jnp.bfloat16, PERSISTENT_2WG, seed=26, dense="keys"),
+]
+
+
+@pytest.mark.parametrize("run", _params(DENSE_RUNS))
+def test_dense_mask_interpret(run):
+  _run_interpreted(run)
+
+
 # FP8 (FlashAttention-3's low-precision forward): e4m3 Q K^T, V^T's tiles
 # K-major, P rounded to e4m3 in shared memory, the dequantization scales
 # folded into the softmax scale and the epilogue; the plain and
 # overlapped loops, GQA, e5m2 keys and values, the soft cap and masks.
 FP8_RUNS = [
-    Run("fp8-causal-2wg", "fwd", (2, 200, 300, 4, 2, 64),
+    Run("fp8-causal-2wg", "fwd", (1, 200, 300, 4, 2, 64),
         jnp.float8_e4m3fn, TWO_WG, seed=21, causal=True,
         fp8_kv=jnp.float8_e4m3fn),
-    Run("fp8-e5m2-persistent-overlap", "fwd", (2, 256, 256, 4, 1, 96),
+    Run("fp8-e5m2-persistent-overlap", "fwd", (2, 256, 256, 2, 1, 96),
         jnp.float8_e4m3fn,
         dataclasses.replace(PERSISTENT_2WG, intra_wg_overlap=True),
         seed=23, causal=True, soft_cap=20.0,
@@ -2434,6 +2482,34 @@ def test_bias_gradients_through_the_triton_backward():
 @pytest.mark.gpu
 def test_bias_gpu():
   _bias_call(False, t=1000, s=1500, d=128)
+
+
+def _dense_mask_call(interpret, t=256, s=300, d=64):
+  """flash_attention with a dense boolean mask (documents with holes) on
+  the Hopper forward and the Triton backward: out, LSE and dq, dk, dv by
+  the numerics rule."""
+  args = numerics.random_inputs(jax.random.key(16), batch=2, q_len=t,
+                                kv_len=s, heads=4, kv_heads=2, head_dim=d,
+                                dtype=jnp.bfloat16)
+  mask = _dense_mask(Run("m", "fwd", (2, t, s, 4, 2, d), jnp.bfloat16,
+                         ONE_WG, seed=17, dense="documents"))
+  fn = lambda q, k, v: jaxflash.flash_attention(
+      q, k, v, causal=True, mask=mask, return_lse=True,
+      implementation="mosaic_gpu", interpret=interpret)
+  numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
+                      causal=True, dense_mask=mask)
+
+
+@pytest.mark.slow
+def test_dense_mask_gradients_through_the_triton_backward():
+  """The dense mask's forward on the Hopper kernel, dq, dk, dv from the
+  Triton backward kernels on the same residuals (interpreted)."""
+  _dense_mask_call(True)
+
+
+@pytest.mark.gpu
+def test_dense_mask_gpu():
+  _dense_mask_call(False, t=1000, s=1500, d=128)
 
 
 def _alibi_call(interpret, t=200, s=300, d=64):
@@ -2654,7 +2730,7 @@ def interpreter_runs() -> list[Run]:
   """Every interpreter run of this file's kernel tests."""
   return (_base_runs() + _variant_runs() + _segment_runs()
           + _soft_cap_runs() + FLASH_RUNS + ALIBI_RUNS + BIAS_RUNS
-          + DROPOUT_RUNS + FP8_RUNS)
+          + DROPOUT_RUNS + DENSE_RUNS + FP8_RUNS)
 
 
 def run_cost(run: Run) -> float:

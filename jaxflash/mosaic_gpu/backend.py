@@ -199,7 +199,40 @@ def _mask_flags(arrays: MaskArrays) -> dict:
       has_alibi=arrays.alibi_slopes is not None,
       has_bias=arrays.bias is not None,
       bias_batched=arrays.bias is not None and arrays.bias.shape[0] > 1,
-      bias_per_head=arrays.bias is not None and arrays.bias.shape[1] > 1)
+      bias_per_head=arrays.bias is not None and arrays.bias.shape[1] > 1,
+      **_dense_mask_flags(arrays.dense_mask))
+
+
+def _dense_mask_flags(mask) -> dict:
+  if mask is None:
+    return {}
+  return dict(has_dense_mask=True, dense_mask_batched=mask.shape[0] > 1,
+              dense_mask_per_head=mask.shape[1] > 1,
+              dense_mask_rows=mask.shape[2] > 1)
+
+
+def _dense_mask(arrays: MaskArrays, prob: fwd_lib.Problem):
+  """The dense boolean mask as the kernel reads it: int8, its rows (where
+  it has its own) and keys padded to whole tiles with zeros (hidden)."""
+  mask = arrays.dense_mask.astype(jnp.int8)
+  rows = prob.q_pad if prob.dense_mask_rows else 1
+  return jnp.pad(mask, ((0, 0), (0, 0), (0, rows - mask.shape[2]),
+                        (0, prob.kv_pad - mask.shape[3])))
+
+
+def _dense_mask_ranges(mask_i8, batch: int, n_groups: int, held: int,
+                       streamed: int):
+  """A dense mask's key-tile ranges per query group, ``[B, 4, n_groups]``
+  int32 (:func:`jaxflash.masks.tile_runs`): the tiles where some head sees
+  a key, and the first run where every head sees every key of the tile
+  (padding rows hide keys, so a group with padding rows has no such
+  run)."""
+  cls = masks_lib.dense_tile_summary(mask_i8, held, streamed)
+  live = jnp.any(cls != masks_lib.DENSE_HIDDEN, axis=1)  # [b, g, n]
+  full = jnp.all(cls == masks_lib.DENSE_FULL, axis=1)
+  runs = masks_lib.tile_runs(live, full)  # [b | 1, g | 1, 4]
+  runs = jnp.broadcast_to(runs, (batch, n_groups, 4))
+  return jnp.swapaxes(runs, 1, 2)
 
 
 def _segment_ids(arrays: MaskArrays, prob: fwd_lib.Problem, batch: int):
@@ -275,8 +308,19 @@ def _segments(arrays: MaskArrays, st: _Static, batch: int):
               if prob.has_segment_ids else None)
   cols = (_flash_columns(arrays, prob, batch) if prob.has_flash_mask
           else None)
-  return _with_flash(segments, cols, prob.q_pad, held, cfg.block_kv,
-                     held_q=True)
+  segments = _with_flash(segments, cols, prob.q_pad, held, cfg.block_kv,
+                         held_q=True)
+  if prob.has_dense_mask:  # (a FlashMask with it is refused)
+    ranges = _dense_mask_ranges(_dense_mask(arrays, prob), batch,
+                                prob.q_pad // held, held, cfg.block_kv)
+    q_seg, kv_seg, rng = segments
+    if rng is not None:  # the ids' range narrows the tiles visited
+      lo = jnp.maximum(rng[:, 0], ranges[:, 0])
+      hi = jnp.maximum(jnp.minimum(rng[:, 1], ranges[:, 1]), lo)
+      ranges = jnp.concatenate([lo[:, None], hi[:, None], ranges[:, 2:]],
+                               axis=1)
+    segments = (q_seg, kv_seg, ranges)
+  return segments
 
 
 def _tma_rows(rows: int, unpadded: bool, padded: int) -> int:
@@ -328,7 +372,8 @@ def _forward(q, k, v, st: _Static, arrays: MaskArrays = NO_MASK_ARRAYS):
                           (0, prob.kv_pad - bias.shape[3])))
   out, lse = fwd_lib.forward(
       pad(q, q_rows), pad(k, kv_rows), pad(v, kv_rows), segments, alibi,
-      bias, _dropout_table(arrays, prob) if prob.dropout_rate else None,
+      bias, _dense_mask(arrays, prob) if prob.has_dense_mask else None,
+      _dropout_table(arrays, prob) if prob.dropout_rate else None,
       prob=prob, cfg=st.config,
       interpret=_interpret_params(st.interpret))
   T = q.shape[1]
@@ -662,10 +707,10 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
     raise NotImplementedError(
         f"mosaic_gpu backend supports bfloat16 and float16, got {q.dtype}")
   if arrays.has_dense:
-    if arrays.dense_mask is not None:
+    if arrays.dense_mask is not None and arrays.flash_mask is not None:
       raise NotImplementedError(
-          "the Hopper kernels take no dense mask yet (the Triton kernels"
-          " do)")
+          "the Hopper forward takes a dense mask or a FlashMask, not both"
+          " (the Triton kernels take both)")
     dp = kernel_head_dim(q.shape[3])
     ring = _bias_rows(arrays, q.shape[1])
     if ring and dp > MAX_BIAS_HEAD_DIM:

@@ -30,7 +30,8 @@ Where things are, in the order of this module: the online softmax
 operands (:class:`_Refs`); the schedule of work items, plain grid,
 persistent grid and its pairs (:class:`_Schedule`); one work item on a
 consumer (:class:`_Item`: the scores, the element mask in
-:meth:`_Item.apply_mask`, the additive terms ALiBi
+:meth:`_Item.apply_mask` (a dense boolean mask's tiles in
+:meth:`_Item.dense_visible`), the additive terms ALiBi
 (:meth:`_Item.alibi_bias`) and the dense bias (:meth:`_Item.bias_tile`,
 its tiles in a ring beside V's that the producer fills), attention
 dropout (:meth:`_Item.dropped`), ``P V``, the epilogue); the main loops over
@@ -325,7 +326,18 @@ class Problem:
   bias_per_head: bool = False
   bias_rows: bool = True
 
-  # Attention dropout (rate > 0): [B, H + 2] int32 after the bias, each
+  # A dense boolean mask as int8 [B | 1, H | 1, Tp, Sp] (nonzero: visible)
+  # after the bias, or with dense_mask_rows False one row [B | 1, H | 1,
+  # 1, Sp] for every query (a key padding mask): read from GMEM in the
+  # tiles that take the element mask.  Its tile ranges ride in seg_range
+  # (rows 0-1 the tiles with a visible key for some head, rows 2-3 a run
+  # fully visible for every head), as a FlashMask's do.
+  has_dense_mask: bool = False
+  dense_mask_batched: bool = False
+  dense_mask_per_head: bool = False
+  dense_mask_rows: bool = True
+
+  # Attention dropout (rate > 0): [B, H + 2] int32 after the dense mask, each
   # head's masks.dropout_head_key, then the first row and first key of
   # this call among the whole attention's; shared: one keep mask for
   # every head (the table's keys all head 0's).
@@ -350,10 +362,12 @@ class Problem:
 
   @property
   def has_segments(self) -> bool:
-    """The segment inputs ride along (ids or a FlashMask): q_seg [B, Tp],
-    kv_seg [B, Sp] and seg_range [B, 2 | 4, n_groups] (the key tiles each
-    query group visits: masks.overlap_range, flashmask.tile_ranges)."""
-    return self.has_segment_ids or self.has_flash_mask
+    """The segment inputs ride along (ids, a FlashMask or a dense mask's
+    tile ranges): q_seg [B, Tp], kv_seg [B, Sp] and seg_range [B, 2 | 4,
+    n_groups] (the key tiles each query group visits:
+    masks.overlap_range, flashmask.tile_ranges, masks.tile_runs)."""
+    return (self.has_segment_ids or self.has_flash_mask
+            or self.has_dense_mask)
 
 
 # ---------------------------------------------------------------------------
@@ -374,6 +388,7 @@ class _Refs:
   flash: object  # FlashMask columns (None without one)
   alibi: object  # ALiBi's slopes (None without them)
   bias: object  # the dense bias (None without one)
+  dense_mask: object  # the dense boolean mask as int8 (None without one)
   dropout: object  # dropout_seeds (None without dropout)
   dequant: object  # FP8's dequantization table (None without FP8)
   o: object
@@ -407,6 +422,7 @@ class _Refs:
       q_seg = kv_seg = seg_range = None
     alibi = refs.pop(0) if prob.has_alibi else None
     bias = refs.pop(0) if prob.has_bias else None
+    dense_mask = refs.pop(0) if prob.has_dense_mask else None
     dropout = refs.pop(0) if prob.dropout_rate else None
     dequant = refs.pop(0) if prob.fp8 else None
     o, lse, *refs = refs
@@ -432,7 +448,7 @@ class _Refs:
     v_free = pipeline.ring_free(v_free, named_rings, cfg.compute_wgs,
                                 first + cfg.stages)
     return cls(q, k, v, q_seg, kv_seg, seg_range, flash, alibi, bias,
-               dropout, dequant, o, lse, qo_smem2, k_smem,
+               dense_mask, dropout, dequant, o, lse, qo_smem2, k_smem,
                v_smem, lse_smem2, k_ready, v_ready, q_ready, k_free,
                v_free, bias_smem, bias_ready, p_smem2, o_smem2,
                q_free,
@@ -764,7 +780,26 @@ class _Item:
     if r.flash is not None:
       visible = visible & pipeline.flash_visible(
           r.flash, b, q_idx, t * bk, bk, (bq, bk), key_axis=1)
+    if r.dense_mask is not None:
+      visible = visible & self.dense_visible(t)
     return jnp.where(visible, s, -jnp.inf)
+
+  def dense_visible(self, t):
+    """Tile ``t``'s dense boolean mask for this consumer's rows, in the
+    wgmma layout of ``S``: straight from GMEM (a non-"optimized" load, as
+    the segment ids), only in the tiles that take the element mask (the
+    others are skipped or fully visible by the mask's tile ranges)."""
+    r, prob, bq, bk = self.r, self.prob, self.bq, self.bk
+    src = r.dense_mask.at[self.b if prob.dense_mask_batched else 0,
+                          self.h if prob.dense_mask_per_head else 0]
+    if prob.dense_mask_rows:
+      tile = plgpu.load(src.at[pl.ds(self.q_start, bq), pl.ds(t * bk, bk)],
+                        layout=plgpu.Layout.WGMMA, optimized=False)
+      return tile != 0
+    # One row for every query (a key padding mask), broadcast over rows.
+    row = plgpu.load(src.at[0, pl.ds(t * bk, bk)],
+                     layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+    return lax.broadcast_in_dim(row != 0, (bq, bk), [1])
 
   def probs(self, s, t, m, *, masked: bool):
     """Tile ``t``'s online-softmax step from the raw ``S``: ``P`` (float32,
@@ -1754,8 +1789,8 @@ def _use_schedule(cfg: MosaicConfig) -> bool:
 
 
 def forward(q, k, v, segments=None, alibi=None, bias=None,
-            dropout_seeds=None, dequant=None, *, prob: Problem,
-            cfg: MosaicConfig, interpret=None):
+            dense_mask=None, dropout_seeds=None, dequant=None, *,
+            prob: Problem, cfg: MosaicConfig, interpret=None):
   """Padded ``q [B, T, H, Dp]``, ``k, v [B, S, K, Dp]`` (bf16/fp16) ->
   ``(out [B, T, H, Dp], lse [B, H, prob.q_pad] float32)``.  T and S are
   ``prob.q_pad`` and ``prob.kv_pad``, or with ``unpadded_q`` /
@@ -1769,8 +1804,9 @@ def forward(q, k, v, segments=None, alibi=None, bias=None,
   :func:`jaxflash.masks.alibi_bias`), with ``prob.has_alibi``.
   ``bias``: the dense bias ``[B | 1, H | 1, Tp, Sp]`` in q's dtype (or
   one float32 row ``[B | 1, H | 1, 1, Sp]``: ``prob.bias_rows`` False),
-  with ``prob.has_bias``.  ``dropout_seeds``: ``[B, H + 2]`` int32, with
-  ``prob.dropout_rate`` (:attr:`Problem.dropout_rate`).  ``dequant``:
+  with ``prob.has_bias``.  ``dense_mask``: int8 ``[B | 1, H | 1, Tp | 1,
+  Sp]``, with ``prob.has_dense_mask``.  ``dropout_seeds``: ``[B, H +
+  2]`` int32, with ``prob.dropout_rate`` (:attr:`Problem.dropout_rate`).  ``dequant``:
   with ``prob.fp8`` (q, k float8_e4m3fn, ``v`` transposed ``[B, K, Dp,
   S]``), the ``[H, 2]`` float32 dequantization table.
   """
@@ -1873,4 +1909,5 @@ def forward(q, k, v, segments=None, alibi=None, bias=None,
           dp, bias=prob.bias_ring),
       cluster=cluster,
   )(q, k, v, *(segments or ()),
-    *(x for x in (alibi, bias, dropout_seeds, dequant) if x is not None))
+    *(x for x in (alibi, bias, dense_mask, dropout_seeds, dequant)
+      if x is not None))
