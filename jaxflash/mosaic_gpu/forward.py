@@ -1806,9 +1806,9 @@ def forward(q, k, v, segments=None, alibi=None, bias=None,
   one float32 row ``[B | 1, H | 1, 1, Sp]``: ``prob.bias_rows`` False),
   with ``prob.has_bias``.  ``dense_mask``: int8 ``[B | 1, H | 1, Tp | 1,
   Sp]``, with ``prob.has_dense_mask``.  ``dropout_seeds``: ``[B, H +
-  2]`` int32, with ``prob.dropout_rate`` (:attr:`Problem.dropout_rate`).  ``dequant``:
-  with ``prob.fp8`` (q, k float8_e4m3fn, ``v`` transposed ``[B, K, Dp,
-  S]``), the ``[H, 2]`` float32 dequantization table.
+  2]`` int32, with ``prob.dropout_rate`` (:attr:`Problem.dropout_rate`).
+  ``dequant``: with ``prob.fp8`` (q, k float8_e4m3fn, ``v`` transposed
+  ``[B, K, Dp, S]``), the ``[H, 2]`` float32 dequantization table.
   """
   dtype = q.dtype
   itemsize = jnp.dtype(dtype).itemsize
