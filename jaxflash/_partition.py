@@ -96,6 +96,8 @@ def check_context(p, present, seq: tuple[str, ...], q_shape, k_shape,
             "flash_mask", "alibi_slopes"}
   unserved = [f for f, on in zip(MaskArrays._fields, present)
               if on and f not in served]
+  if present[MaskArrays._fields.index("fp8_scales")]:
+    unserved = [f for f in unserved if f != "fp8_scales"] + ["FP8 inputs"]
   if window and mode == "ring" and present[
       MaskArrays._fields.index("flash_mask")]:
     unserved.append("local_window_size with a FlashMask")
@@ -184,10 +186,11 @@ def mask_array_spec(field: str, shape, b, h, t=None):
   segment ids ``[B, L]`` by batch and sequence (``t``), lengths ``[B]``
   and dropout seeds ``[B, 4]`` by batch, and a dense bias or mask ``[B|1,
   H|1, T|1, S]``, FlashMask columns ``[B|1, H|1, 4, S]`` or ALiBi slopes
-  ``[B|1, H, 1, 2]`` by batch and heads where those axes are full (an
-  axis of size 1 is replicated).  Under context parallelism the dense
-  terms' query rows are sharded with the queries; their keys and
-  FlashMask's columns stay whole (:func:`context_lower`)."""
+  ``[B|1, H, 1, 2]`` (and FP8's scales ``[1, H, 1, 2]``) by batch and
+  heads where those axes are full (an axis of size 1 is replicated).
+  Under context parallelism the dense terms' query rows are sharded with
+  the queries; their keys and FlashMask's columns stay whole
+  (:func:`context_lower`)."""
   if field in ("q_segment_ids", "kv_segment_ids"):
     return P(b, t)
   if len(shape) < 4:
@@ -391,8 +394,10 @@ forward_result_shardings = _infer(_forward_specs)
 backward_result_shardings = _infer(_backward_specs, backward=True)
 
 
+# Per MaskArrays field, in its order (FP8's scales [1, H, 1, 2] as ALiBi's
+# slopes).
 _MASK_FACTORS = ("b t", "b s", "b", "b", "b c", "dense", "dense",
-                 "columns", "slopes")
+                 "columns", "slopes", "slopes")
 
 
 def _mask_factors(present, types) -> list[str]:

@@ -55,8 +55,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxflash import masks
-
 BIG = 2**30  # an int32 past any row: lt_end of padding and of "to the end"
 
 TILE_HIDDEN = 0
@@ -564,6 +562,23 @@ def column_tile_classes(cols: jax.Array, q_pad: int, block_q: int,
   return tile_class(bounds, rows, rows + block_q)
 
 
+def tile_runs(live: jax.Array, full: jax.Array) -> jax.Array:
+  """From per-tile flags ``[..., n]`` (``live``: some element visible;
+  ``full``: every element visible) int32 ``[..., 4]``: ``(first, end)``
+  of the live tiles (``[0, 0)`` where none is) and ``(first, end)`` of
+  the first run of full tiles (empty where none is; FlashMask's unmasked
+  blocks, arXiv 2410.01359 §4.2).  A kernel visits the first range and
+  skips the element mask on the second."""
+  n = live.shape[-1]
+  idx = jnp.arange(n, dtype=jnp.int32)
+  first = jnp.min(jnp.where(live, idx, n), axis=-1)
+  last = jnp.max(jnp.where(live, idx + 1, 0), axis=-1)
+  run = jnp.min(jnp.where(full, idx, n), axis=-1)
+  run_end = jnp.min(jnp.where(~full & (idx >= run[..., None]), idx, n),
+                    axis=-1)
+  return jnp.stack([jnp.minimum(first, last), last, run, run_end], axis=-1)
+
+
 def tile_ranges(cols: jax.Array, q_pad: int, held: int, streamed: int, *,
                 held_q: bool) -> jax.Array:
   """Per held tile, the streamed tiles a kernel visits and those it runs
@@ -581,7 +596,7 @@ def tile_ranges(cols: jax.Array, q_pad: int, held: int, streamed: int, *,
     cls = jnp.swapaxes(column_tile_classes(cols, q_pad, streamed, held),
                        2, 3)
   return jnp.moveaxis(
-      masks.tile_runs(cls != TILE_HIDDEN, cls == TILE_VISIBLE), -1, 2)
+      tile_runs(cls != TILE_HIDDEN, cls == TILE_VISIBLE), -1, 2)
 
 
 def pad_columns(cols: jax.Array, kv_pad: int) -> jax.Array:

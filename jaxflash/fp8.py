@@ -18,13 +18,14 @@ arXiv 2407.08608, section 3.3), and the tools around it.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import backends, checks
+from jaxflash import backends, checks, op
 from jaxflash.masks import MaskArrays, MaskSpec
 from jaxflash.mosaic_gpu import backend as mosaic_kernels
 from jaxflash.mosaic_gpu.config import MosaicConfig
@@ -173,43 +174,84 @@ def _backend(implementation, q, k, arrays: MaskArrays, out_dtype, config,
       + " can serve this FP8 call: " + "; ".join(reasons))
 
 
+@functools.cache
+def _kernels(backend: str, out_dtype) -> op.Kernels:
+  """The FP8 forward of ``backend`` as the op's kernels (cached: the op's
+  static parameters compare equal across calls): the scales come from
+  ``MaskArrays.fp8_scales``, so that the op partitions them with the
+  heads under ``jit``; the backward raises."""
+  kernels = mosaic_kernels if backend == "mosaic_gpu" else triton_kernels
+
+  def forward(q, k, v, arrays, *, mask, softmax_scale, logits_soft_cap,
+              config, interpret):
+    scales = arrays.fp8_scales
+    if scales.shape[0] != 1:
+      raise NotImplementedError(
+          "FP8 scales that differ between batch rows (a vmap over the"
+          " scales): call once per set of scales")
+    return kernels.forward_fp8(
+        q, k, v, arrays._replace(fp8_scales=None), mask=mask,
+        softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
+        dequant=scales[0, :, 0, :], out_dtype=out_dtype, config=config,
+        interpret=interpret)
+
+  def backward(*args, **kwargs):
+    del args, kwargs
+    raise NotImplementedError(_FORWARD_ONLY)
+
+  return op.Kernels(f"{backend}-fp8", forward, backward,
+                    inline_interpreted=backend == "mosaic_gpu")
+
+
+_FORWARD_ONLY = ("FP8 attention is forward only: differentiate the bfloat16"
+                 " path (train in bfloat16, quantize for inference)")
+
+
 def attention(q, k, v, *, q_scale, k_scale, v_scale, out_dtype,
               mask: MaskSpec, arrays: MaskArrays, softmax_scale: float,
               logits_soft_cap, implementation, config, interpret: bool):
   """``(out, lse)`` of FP8 ``q, k, v`` (checked by the caller) with their
-  float32 scales ``[heads]``, ``[kv_heads]``, ``[kv_heads]``."""
+  float32 scales ``[heads]``, ``[kv_heads]``, ``[kv_heads]``.  The kernels
+  run as :mod:`jaxflash.op`'s op (partitioned under ``jit`` with batch-
+  or head-sharded inputs, batched under ``vmap``); ``"xla"`` is XLA's
+  own ops on the dequantized inputs."""
   backend = _backend(implementation, q, k, arrays, out_dtype, config,
                      interpret)
+  if backend == "xla":
+    return _reference(q, k, v, q_scale, k_scale, v_scale, out_dtype=out_dtype,
+                      mask=mask, arrays=arrays, softmax_scale=softmax_scale,
+                      logits_soft_cap=logits_soft_cap)
   G = q.shape[2] // k.shape[2]
+  kv = jnp.repeat(jnp.arange(k.shape[2]), G)  # query head -> kv head
+  scales = jnp.stack([q_scale * k_scale[kv], v_scale[kv]], axis=1)
+  arrays = arrays._replace(fp8_scales=scales[None, :, None, :])
+  return op.attention(q, k, v, arrays, op.OpParams(
+      _kernels(backend, jnp.dtype(out_dtype)), mask=mask,
+      softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
+      config=config, interpret=interpret))
+
+
+def _reference(q, k, v, qs, ks, vs, *, out_dtype, mask, arrays,
+               softmax_scale, logits_soft_cap):
+  """Exact attention of the dequantized inputs (the test oracle), forward
+  only as the kernels are."""
 
   @jax.custom_vjp
   def run(q, k, v, qs, ks, vs):
-    if backend == "xla":
-      # Exact attention of the dequantized inputs: the test oracle.
-      def deq(x, s):
-        return x.astype(jnp.float32) * s[None, None, :, None]
-      out, lse = backends.attention(
-          "xla", deq(q, qs), deq(k, ks), deq(v, vs), mask=mask,
-          arrays=arrays, softmax_scale=softmax_scale,
-          logits_soft_cap=logits_soft_cap)
-      return out.astype(out_dtype), lse
-    kv = jnp.repeat(jnp.arange(k.shape[2]), G)  # query head -> kv head
-    dequant = jnp.stack([qs * ks[kv], vs[kv]], axis=1)
-    kernels = (mosaic_kernels if backend == "mosaic_gpu"
-               else triton_kernels)
-    return kernels.forward_fp8(
-        q, k, v, arrays, mask=mask, softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap, dequant=dequant,
-        out_dtype=out_dtype, config=config, interpret=interpret)
+    def deq(x, s):
+      return x.astype(jnp.float32) * s[None, None, :, None]
+    out, lse = backends.attention(
+        "xla", deq(q, qs), deq(k, ks), deq(v, vs), mask=mask,
+        arrays=arrays, softmax_scale=softmax_scale,
+        logits_soft_cap=logits_soft_cap)
+    return out.astype(out_dtype), lse
 
   def fwd(*args):
     return run(*args), None
 
   def bwd(res, cotangents):
     del res, cotangents
-    raise NotImplementedError(
-        "FP8 attention is forward only: differentiate the bfloat16 path"
-        " (train in bfloat16, quantize for inference)")
+    raise NotImplementedError(_FORWARD_ONLY)
 
   run.defvjp(fwd, bwd)
-  return run(q, k, v, q_scale, k_scale, v_scale)
+  return run(q, k, v, qs, ks, vs)

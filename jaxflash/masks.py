@@ -74,6 +74,10 @@ class MaskArrays(NamedTuple):
   int32: a FlashMask's columns (:func:`jaxflash.flashmask.columns`).
   ``alibi_slopes [B|1, H, 1, 2]`` float32: ALiBi's slope per head in
   ``[..., 0]`` (:func:`alibi_bias`; ``[..., 1]`` unused).
+
+  Not a mask, but a per-head term partitioned the same way:
+  ``fp8_scales [1, H, 1, 2]`` float32, FP8 inputs' dequantization per
+  query head (``q_scale * k_scale``, ``v_scale``; :mod:`jaxflash.fp8`).
   """
 
   q_segment_ids: jax.Array | None = None
@@ -85,6 +89,7 @@ class MaskArrays(NamedTuple):
   dense_mask: jax.Array | None = None
   flash_mask: jax.Array | None = None
   alibi_slopes: jax.Array | None = None
+  fp8_scales: jax.Array | None = None
 
   @property
   def has_dense(self) -> bool:
@@ -442,23 +447,6 @@ def dense_tile_summary(mask_i8: jax.Array, block_q: int, block_k: int, *,
   out = jnp.where(all_, DENSE_FULL, jnp.where(any_, DENSE_PARTIAL,
                                               DENSE_HIDDEN)).astype(jnp.int32)
   return jnp.swapaxes(out, 2, 3) if transpose else out
-
-
-def tile_runs(live: jax.Array, full: jax.Array) -> jax.Array:
-  """From per-tile flags ``[..., n]`` (``live``: some element visible;
-  ``full``: every element visible) int32 ``[..., 4]``: ``(first, end)``
-  of the live tiles (``[0, 0)`` where none is) and ``(first, end)`` of
-  the first run of full tiles (empty where none is; FlashMask's unmasked
-  blocks, arXiv 2410.01359 §4.2).  A kernel visits the first range and
-  skips the element mask on the second."""
-  n = live.shape[-1]
-  idx = jnp.arange(n, dtype=jnp.int32)
-  first = jnp.min(jnp.where(live, idx, n), axis=-1)
-  last = jnp.max(jnp.where(live, idx + 1, 0), axis=-1)
-  run = jnp.min(jnp.where(full, idx, n), axis=-1)
-  run_end = jnp.min(jnp.where(~full & (idx >= run[..., None]), idx, n),
-                    axis=-1)
-  return jnp.stack([jnp.minimum(first, last), last, run, run_end], axis=-1)
 
 
 def tiles_overlap(row_summary, col_summary):

@@ -105,6 +105,7 @@ _BIAS = MaskArrays._fields.index("bias")
 _DENSE_MASK = MaskArrays._fields.index("dense_mask")
 _FLASH_MASK = MaskArrays._fields.index("flash_mask")
 _ALIBI = MaskArrays._fields.index("alibi_slopes")
+_FP8_SCALES = MaskArrays._fields.index("fp8_scales")
 _DROPOUT_SEEDS = MaskArrays._fields.index("dropout_seeds")
 
 
@@ -199,12 +200,13 @@ def _direct(p: OpParams) -> bool:
 
 
 def _dense_positions(present, first: int) -> tuple[int, ...]:
-  """Argument positions of the dense arrays, mask arrays starting at
-  ``first``."""
+  """Argument positions of the dense arrays and FP8's scales (batch axis
+  1 where shared by the rows), mask arrays starting at ``first``."""
   return tuple(first + i for i in (_flat_index(present, _BIAS),
                                    _flat_index(present, _DENSE_MASK),
                                    _flat_index(present, _FLASH_MASK),
-                                   _flat_index(present, _ALIBI))
+                                   _flat_index(present, _ALIBI),
+                                   _flat_index(present, _FP8_SCALES))
                if i is not None)
 
 

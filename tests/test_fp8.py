@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxflash
 from jaxflash import reference
@@ -176,6 +178,39 @@ def test_fp8_forward_only_and_errors():
   with pytest.raises(NotImplementedError, match="dense bias"):
     jaxflash.dot_product_attention(qf, kf, vf, bias=jnp.zeros((1, 1, 16, 16)),
                                    implementation="xla")
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit],
+                         ids=["Auto", "Explicit"])
+def test_fp8_partitions_under_jit(axis_type):
+  """FP8 inputs sharded by batch and heads under ``jit``: each device runs
+  the kernel on its shard with its heads' scales (no collective), the
+  result the unsharded call's; a sharded sequence axis is refused by
+  name."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices (tests/conftest.py sets 8 CPU devices)")
+  mesh = jax.make_mesh((4, 2), ("data", "model"),
+                       axis_types=(axis_type,) * 2)
+  (qf, kf, vf), scales = _quantized(*_qkv(4, batch=4, q_len=64, kv_len=64,
+                                         heads=4, kv_heads=2))
+  run = jax.jit(lambda q, k, v, scales: jaxflash.flash_attention(
+      q, k, v, causal=True, implementation="triton", interpret=True,
+      **scales))
+  want = run(qf, kf, vf, scales)
+  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+  spec = P("data", None, "model", None)
+  args = (put(qf, spec), put(kf, spec), put(vf, spec), scales)
+  got = run(*args)
+  np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                np.asarray(want, np.float32))
+  assert got.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
+  hlo = run.lower(*args).compile().as_text()
+  for collective in ("all-gather", "all-reduce", "all-to-all",
+                     "collective-permute"):
+    assert collective not in hlo, collective
+  seq = P(None, "data", None, None)
+  with pytest.raises(Exception, match="not FP8 inputs"):  # (Auto: wrapped)
+    run(put(qf, seq), put(kf, seq), put(vf, seq), scales)
 
 
 def _check_against_dequantized(out, ref):

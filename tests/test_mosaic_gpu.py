@@ -830,8 +830,8 @@ def _check_max_jump(config, args, causal, interpret, grads=True):
   return got[0]
 
 
-@pytest.mark.parametrize("overlap", [
-    pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [False, True])
 def test_rescale_threshold_where_the_row_max_jumps(overlap):
   """``rescale_threshold``: keys whose scale grows along the sequence (each
   row's max creeps up by less than 2^8 from tile to tile: the reference

@@ -86,7 +86,7 @@ def test_ring_under_check_vma(causal, batch_axis):
 
 
 @pytest.mark.parametrize("mesh_shape,causal,zigzag", [
-    pytest.param((4,), False, False, id="4-full"),
+    pytest.param((4,), False, False, id="4-full", marks=pytest.mark.slow),
     pytest.param((4,), True, False, id="4-causal-contiguous"),
     pytest.param((8,), True, True, id="8-causal-zigzag",
                  marks=pytest.mark.slow),

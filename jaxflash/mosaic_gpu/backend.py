@@ -223,14 +223,14 @@ def _dense_mask(arrays: MaskArrays, prob: fwd_lib.Problem):
 def _dense_mask_ranges(mask_i8, batch: int, n_groups: int, held: int,
                        streamed: int):
   """A dense mask's key-tile ranges per query group, ``[B, 4, n_groups]``
-  int32 (:func:`jaxflash.masks.tile_runs`): the tiles where some head sees
+  int32 (:func:`jaxflash.flashmask.tile_runs`): the tiles where some head sees
   a key, and the first run where every head sees every key of the tile
   (padding rows hide keys, so a group with padding rows has no such
   run)."""
   cls = masks_lib.dense_tile_summary(mask_i8, held, streamed)
   live = jnp.any(cls != masks_lib.DENSE_HIDDEN, axis=1)  # [b, g, n]
   full = jnp.all(cls == masks_lib.DENSE_FULL, axis=1)
-  runs = masks_lib.tile_runs(live, full)  # [b | 1, g | 1, 4]
+  runs = flashmask.tile_runs(live, full)  # [b | 1, g | 1, 4]
   runs = jnp.broadcast_to(runs, (batch, n_groups, 4))
   return jnp.swapaxes(runs, 1, 2)
 

@@ -365,7 +365,7 @@ class Problem:
     """The segment inputs ride along (ids, a FlashMask or a dense mask's
     tile ranges): q_seg [B, Tp], kv_seg [B, Sp] and seg_range [B, 2 | 4,
     n_groups] (the key tiles each query group visits:
-    masks.overlap_range, flashmask.tile_ranges, masks.tile_runs)."""
+    masks.overlap_range, flashmask.tile_ranges, flashmask.tile_runs)."""
     return (self.has_segment_ids or self.has_flash_mask
             or self.has_dense_mask)
 
