@@ -213,6 +213,25 @@ def test_fp8_partitions_under_jit(axis_type):
     run(put(qf, seq), put(kf, seq), put(vf, seq), scales)
 
 
+def test_fp8_under_vmap():
+  """A vmap over FP8 calls that share their scales: each slice's result is
+  its own call's; scales mapped with the slices are refused by name."""
+  (qf, kf, vf), scales = _quantized(*_qkv(6, batch=2, q_len=40, kv_len=40))
+  attend = lambda q, k, v, scales: jaxflash.flash_attention(
+      q, k, v, causal=True, implementation="triton", interpret=True,
+      **scales)
+  stack = lambda x: jnp.stack([x, x[::-1]])
+  got = jax.vmap(attend, in_axes=(0, 0, 0, None))(
+      stack(qf), stack(kf), stack(vf), scales)
+  for i in range(2):
+    want = attend(*(stack(x)[i] for x in (qf, kf, vf)), scales)
+    np.testing.assert_array_equal(np.asarray(got[i], np.float32),
+                                  np.asarray(want, np.float32))
+  with pytest.raises(NotImplementedError, match="differ between batch rows"):
+    jax.vmap(attend)(stack(qf), stack(kf), stack(vf),
+                     jax.tree.map(stack, scales))
+
+
 def _check_against_dequantized(out, ref):
   err = np.abs(np.asarray(out, np.float32) - np.asarray(ref, np.float32))
   assert err.max() <= 0.05 * np.abs(np.asarray(ref, np.float32)).max()
