@@ -871,18 +871,26 @@ def test_mosaic_bias_forward_lowers_for_cuda(shape, cfg):
   """A dense bias in the Hopper forward (its tiles by TMA beside V, read
   in the wgmma layout of S; at head_dim 256 one row of keys for every
   query, read from GMEM) lowers to Mosaic GPU IR."""
+  rows = 1 if shape[4] == 256 else shape[0]
+  _assert_forward_lowers(shape, cfg, bias=jax.ShapeDtypeStruct(
+      (2, shape[2], rows, shape[1]), jnp.bfloat16))
+
+
+def _assert_forward_lowers(shape, cfg, **term):
+  """The Hopper forward of a ``_mosaic_case`` shape with ``cfg`` and the
+  abstract mask array ``term`` (a MaskArrays field) lowers to one Mosaic
+  GPU kernel."""
   from jaxflash import mosaic_gpu
   q, kv, _, _, mask = _mosaic_case(shape)
-  rows = 1 if shape[4] == 256 else shape[0]
-  bias = jax.ShapeDtypeStruct((2, shape[2], rows, shape[1]), jnp.bfloat16)
   config = mosaic_gpu.MosaicConfig(**cfg)
+  (name, x), = term.items()
 
-  def fwd(q, k, v, bias):
+  def fwd(q, k, v, x):
     return mosaic_attention(q, k, v, mask=mask,
-                            arrays=MaskArrays(bias=bias),
+                            arrays=MaskArrays(**{name: x}),
                             softmax_scale=0.125, config=config)[0]
 
-  text = jax.jit(fwd).trace(q, kv, kv, bias).lower(
+  text = jax.jit(fwd).trace(q, kv, kv, x).lower(
       lowering_platforms=("cuda",)).as_text()
   assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"]
 
@@ -961,18 +969,6 @@ def test_mosaic_dense_mask_forward_lowers_for_cuda(shape, rows, per_head,
   """A dense boolean mask in the Hopper forward (its tiles read from GMEM
   as int8 in the wgmma layout of S, or one row of keys; its tile ranges in
   the segment inputs) lowers to Mosaic GPU IR."""
-  from jaxflash import mosaic_gpu
-  q, kv, _, _, mask = _mosaic_case(shape)
-  dense = jax.ShapeDtypeStruct(
+  _assert_forward_lowers(shape, cfg, dense_mask=jax.ShapeDtypeStruct(
       (2, shape[2] if per_head else 1, shape[0] if rows else 1, shape[1]),
-      jnp.bool_)
-  config = mosaic_gpu.MosaicConfig(**cfg)
-
-  def fwd(q, k, v, dense):
-    return mosaic_attention(q, k, v, mask=mask,
-                            arrays=MaskArrays(dense_mask=dense),
-                            softmax_scale=0.125, config=config)[0]
-
-  text = jax.jit(fwd).trace(q, kv, kv, dense).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"]
+      jnp.bool_))

@@ -78,16 +78,15 @@ PER_COMMIT = (
     'bwd_early_dv-d32-tiny-window-empty',
     'prefetch_q-d192-q113-k17',
     'paired-dkv-d64',
-    'dense-heads-2wg',
     'paired-dkv-d256',
     'rescale_threshold-d96-gqa-q200-k300',
+    'flashmask-prefix-2wg',
     'lean_epilogue-d64-full',
     'lean_epilogue-d192-q113-k17',
     'lean_epilogue-d256-causal-q300-k100',
     'intra_wg_overlap+prefetch_q+early_q_release-d256-causal-q300-k100',
     'bwd_head_splits=1-d96-gqa-q200-k300',
     'bwd_dkv_block_q_80-d64-causal-2wg',
-    'flashmask-prefix-2wg',
     'bwd_dkv_block_q_80-d128-window',
 )
 
@@ -2407,14 +2406,13 @@ def test_dropout_interpret(run):
 # A dense boolean mask in the Hopper forward (its backward is the Triton
 # kernels'): the tiles it hides skipped and its fully visible run left
 # unmasked (its tile ranges in seg_range), its tiles read from GMEM
-# elsewhere; per batch row with segment ids, per head, one row of keys.
+# elsewhere; per batch row with lengths, one row of keys (per head:
+# _dense_mask_call).
 DENSE_RUNS = [
     Run("dense-documents-overlap", "fwd", (2, 256, 300, 2, 1, 64),
         jnp.bfloat16, dataclasses.replace(TWO_WG, intra_wg_overlap=True),
         seed=24, causal=True, dense="documents",
         segments=dict(kv_len=[300, 250])),
-    Run("dense-heads-2wg", "fwd", (1, 200, 256, 4, 2, 64), jnp.bfloat16,
-        TWO_WG, seed=25, causal=True, dense="head"),
     Run("dense-keys-persistent", "fwd", (2, 256, 256, 2, 1, 96),
         jnp.bfloat16, PERSISTENT_2WG, seed=26, dense="keys"),
 ]
@@ -2485,14 +2483,14 @@ def test_bias_gpu():
 
 
 def _dense_mask_call(interpret, t=256, s=300, d=64):
-  """flash_attention with a dense boolean mask (documents with holes) on
-  the Hopper forward and the Triton backward: out, LSE and dq, dk, dv by
-  the numerics rule."""
+  """flash_attention with a dense boolean mask (per head, one row hidden
+  entirely) on the Hopper forward and the Triton backward: out, LSE and
+  dq, dk, dv by the numerics rule."""
   args = numerics.random_inputs(jax.random.key(16), batch=2, q_len=t,
                                 kv_len=s, heads=4, kv_heads=2, head_dim=d,
                                 dtype=jnp.bfloat16)
   mask = _dense_mask(Run("m", "fwd", (2, t, s, 4, 2, d), jnp.bfloat16,
-                         ONE_WG, seed=17, dense="documents"))
+                         ONE_WG, seed=17, dense="head"))
   fn = lambda q, k, v: jaxflash.flash_attention(
       q, k, v, causal=True, mask=mask, return_lse=True,
       implementation="mosaic_gpu", interpret=interpret)

@@ -683,10 +683,7 @@ def check_supported_fp8(q, k, *, arrays: MaskArrays, out_dtype, config,
     if why:
       raise NotImplementedError(why)
   if interpret:
-    for name, why in _GPU_ONLY:
-      if config is not None and getattr(config, name):
-        raise NotImplementedError(
-            f"{name}=True needs a GPU: the Mosaic GPU interpreter {why}")
+    _check_gpu_only(config)
     if config is not None and not config.p_in_smem:
       raise NotImplementedError(
           "p_in_smem=False needs a GPU with FP8 inputs: the Mosaic GPU"
@@ -694,6 +691,18 @@ def check_supported_fp8(q, k, *, arrays: MaskArrays, out_dtype, config,
           " operand)")
     _check_interpreter_threads(with_fp8(config or INTERPRET_CONFIG))
     return
+  _require_hopper()
+
+
+def _check_gpu_only(config) -> None:
+  """NotImplementedError for a config option the interpreter cannot run."""
+  for name, why in _GPU_ONLY:
+    if config is not None and getattr(config, name):
+      raise NotImplementedError(
+          f"{name}=True needs a GPU: the Mosaic GPU interpreter {why}")
+
+
+def _require_hopper() -> None:
   require_cuda("mosaic_gpu", "an sm90 GPU (compute capability 9.x, Hopper)",
                lambda cc: cc.startswith("9"),
                "pass interpret=True to run it in the Mosaic GPU interpreter")
@@ -727,10 +736,7 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
   if why:
     raise NotImplementedError(why)
   if interpret:
-    for name, why in _GPU_ONLY:
-      if config is not None and getattr(config, name):
-        raise NotImplementedError(
-            f"{name}=True needs a GPU: the Mosaic GPU interpreter {why}")
+    _check_gpu_only(config)
     # Here as well as in the passes, so that a list of backends moves on
     # to the next one instead of failing inside the call.
     _check_interpreter_threads(config or INTERPRET_CONFIG)
@@ -742,6 +748,4 @@ def check_supported(q, k, v, *, arrays: MaskArrays,
           " allocated, seen in tests); run the Triton kernels in interpret"
           " mode instead")
     return
-  require_cuda("mosaic_gpu", "an sm90 GPU (compute capability 9.x, Hopper)",
-               lambda cc: cc.startswith("9"),
-               "pass interpret=True to run it in the Mosaic GPU interpreter")
+  _require_hopper()
