@@ -135,12 +135,19 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
           config: MosaicConfig | None, interpret,
           logits_soft_cap: float | None = None,
           arrays: MaskArrays = NO_MASK_ARRAYS, dropout_rate: float = 0.0,
-          dropout_shared: bool = False) -> _Static:
+          dropout_shared: bool = False, fp8_out_dtype=None) -> _Static:
+  """The call's padded problem and config; ``fp8_out_dtype``: an FP8
+  call's (its head_dim rounded to 32, the tuned config of that head_dim
+  through :func:`config.with_fp8`)."""
   B, T, H, D = q.shape
   S, K = k.shape[1], k.shape[2]
-  dp = kernel_head_dim(D)
+  fp8 = fp8_out_dtype is not None
+  dp = fp8_head_dim(D) if fp8 else kernel_head_dim(D)
   given = config
-  config = _resolve_config(config, interpret, dp, mask, q=q, k=k)
+  if fp8:
+    config = with_fp8(_resolve_config(config, interpret, dp, mask))
+  else:
+    config = _resolve_config(config, interpret, dp, mask, q=q, k=k)
   if arrays.bias is not None and _bias_rows(arrays, T):
     # The bias's ring beside the K/V ring: the tuned config where both
     # fit, else one that gives up what with_bias_ring lists (a config the
@@ -155,7 +162,8 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
       kv_pad=round_up(S, config.block_kv), head_dim_padded=dp,
       logits_soft_cap=logits_soft_cap,
       **_mask_flags(arrays), bias_rows=_bias_rows(arrays, T),
-      dropout_rate=float(dropout_rate), dropout_shared=dropout_shared)
+      dropout_rate=float(dropout_rate), dropout_shared=dropout_shared,
+      fp8=fp8, out_dtype=jnp.dtype(fp8_out_dtype) if fp8 else None)
   return _Static(prob=prob, config=config, interpret=interpret, head_dim=D)
 
 
@@ -200,22 +208,14 @@ def _mask_flags(arrays: MaskArrays) -> dict:
       has_bias=arrays.bias is not None,
       bias_batched=arrays.bias is not None and arrays.bias.shape[0] > 1,
       bias_per_head=arrays.bias is not None and arrays.bias.shape[1] > 1,
-      **_dense_mask_flags(arrays.dense_mask))
-
-
-def _dense_mask_flags(mask) -> dict:
-  if mask is None:
-    return {}
-  return dict(has_dense_mask=True, dense_mask_batched=mask.shape[0] > 1,
-              dense_mask_per_head=mask.shape[1] > 1,
-              dense_mask_rows=mask.shape[2] > 1)
+      has_dense_mask=arrays.dense_mask is not None)
 
 
 def _dense_mask(arrays: MaskArrays, prob: fwd_lib.Problem):
   """The dense boolean mask as the kernel reads it: int8, its rows (where
   it has its own) and keys padded to whole tiles with zeros (hidden)."""
   mask = arrays.dense_mask.astype(jnp.int8)
-  rows = prob.q_pad if prob.dense_mask_rows else 1
+  rows = prob.q_pad if mask.shape[2] > 1 else 1
   return jnp.pad(mask, ((0, 0), (0, 0), (0, rows - mask.shape[2]),
                         (0, prob.kv_pad - mask.shape[3])))
 
@@ -287,12 +287,18 @@ def _with_flash(segments, cols, q_pad: int, held: int, streamed: int, *,
   q_seg, kv_seg, rng = segments
   ranges = flashmask.tile_ranges(cols[:, None], q_pad, held, streamed,
                                  held_q=held_q)[:, 0]
-  if rng is not None:  # (None: no segment ids, whose range it narrows)
-    lo = jnp.maximum(rng[:, 0], ranges[:, 0])
-    hi = jnp.maximum(jnp.minimum(rng[:, 1], ranges[:, 1]), lo)
-    ranges = jnp.concatenate([lo[:, None], hi[:, None], ranges[:, 2:]],
-                             axis=1)
-  return q_seg, kv_seg, ranges, cols
+  return q_seg, kv_seg, _narrowed(ranges, rng), cols
+
+
+def _narrowed(ranges, rng):
+  """Tile ranges ``[B, 4, n]`` (a FlashMask's or a dense mask's) with
+  their live tiles narrowed to the segment ids' range ``rng [B, 2, n]``
+  (None: no ids, nothing to narrow)."""
+  if rng is None:
+    return ranges
+  lo = jnp.maximum(rng[:, 0], ranges[:, 0])
+  hi = jnp.maximum(jnp.minimum(rng[:, 1], ranges[:, 1]), lo)
+  return jnp.concatenate([lo[:, None], hi[:, None], ranges[:, 2:]], axis=1)
 
 
 def _segments(arrays: MaskArrays, st: _Static, batch: int):
@@ -314,12 +320,7 @@ def _segments(arrays: MaskArrays, st: _Static, batch: int):
     ranges = _dense_mask_ranges(_dense_mask(arrays, prob), batch,
                                 prob.q_pad // held, held, cfg.block_kv)
     q_seg, kv_seg, rng = segments
-    if rng is not None:  # the ids' range narrows the tiles visited
-      lo = jnp.maximum(rng[:, 0], ranges[:, 0])
-      hi = jnp.maximum(jnp.minimum(rng[:, 1], ranges[:, 1]), lo)
-      ranges = jnp.concatenate([lo[:, None], hi[:, None], ranges[:, 2:]],
-                               axis=1)
-    segments = (q_seg, kv_seg, ranges)
+    segments = (q_seg, kv_seg, _narrowed(ranges, rng))
   return segments
 
 
@@ -331,7 +332,8 @@ def _tma_rows(rows: int, unpadded: bool, padded: int) -> int:
   return round_up(rows, TMA_ROW_TILE) if unpadded else padded
 
 
-def _forward(q, k, v, st: _Static, arrays: MaskArrays = NO_MASK_ARRAYS):
+def _forward(q, k, v, st: _Static, arrays: MaskArrays = NO_MASK_ARRAYS,
+             dequant=None):
   prob = st.prob
   pad = lambda x, n: pad_axis(pad_axis(x, 1, n), 3, prob.head_dim_padded)
   segments = (_segments(arrays, st, q.shape[0]) if prob.has_segments
@@ -370,11 +372,22 @@ def _forward(q, k, v, st: _Static, arrays: MaskArrays = NO_MASK_ARRAYS):
     bias = arrays.bias.astype(q.dtype).astype(jnp.float32)
     bias = jnp.pad(bias, ((0, 0), (0, 0), (0, 0),
                           (0, prob.kv_pad - bias.shape[3])))
+  if prob.fp8:
+    # V^T (wgmma takes 8-bit operands K-major only): one pass over V's
+    # bytes, whole tiles long (its rows' stride must be a multiple of 16
+    # bytes for TMA); with P a register operand, its keys in the order
+    # that operand's columns take (fwd_lib.fp8_key_order).
+    v = pad(v, prob.kv_pad).transpose(0, 2, 3, 1)
+    if not st.config.p_in_smem:
+      v = fwd_lib.fp8_key_order(v)
+    dequant = dequant.astype(jnp.float32)
+  else:
+    v = pad(v, kv_rows)
   out, lse = fwd_lib.forward(
-      pad(q, q_rows), pad(k, kv_rows), pad(v, kv_rows), segments, alibi,
+      pad(q, q_rows), pad(k, kv_rows), v, segments, alibi,
       bias, _dense_mask(arrays, prob) if prob.has_dense_mask else None,
       _dropout_table(arrays, prob) if prob.dropout_rate else None,
-      prob=prob, cfg=st.config,
+      dequant, prob=prob, cfg=st.config,
       interpret=_interpret_params(st.interpret))
   T = q.shape[1]
   return out[:, :T, :, :st.head_dim], lse[:, :, :T]
@@ -402,35 +415,11 @@ def forward_fp8(q, k, v, arrays: MaskArrays, *, mask: MaskSpec,
   out_dtype, lse)``.  V goes to the kernel transposed, ``[B, K, Dp, S]``
   (wgmma takes 8-bit operands K-major only): one pass over V's bytes
   before the kernel."""
-  B, T, H, D = q.shape
-  S = k.shape[1]
-  dp = fp8_head_dim(D)
-  config = with_fp8(_resolve_config(config, interpret, dp, mask))
+  st = _plan(q, k, mask, softmax_scale, config, interpret, logits_soft_cap,
+             arrays, fp8_out_dtype=out_dtype)
   if interpret:
-    _check_interpreter_threads(config)
-  prob = fwd_lib.Problem(
-      mask=mask, softmax_scale=float(softmax_scale), batch=B, num_heads=H,
-      num_kv_heads=k.shape[2],
-      q_pad=round_up(T, config.compute_wgs * config.block_q),
-      kv_pad=round_up(S, config.block_kv), head_dim_padded=dp,
-      logits_soft_cap=logits_soft_cap, **_mask_flags(arrays), fp8=True,
-      out_dtype=jnp.dtype(out_dtype))
-  st = _Static(prob=prob, config=config, interpret=interpret, head_dim=D)
-  segments = (_segments(arrays, st, B) if prob.has_segments else None)
-  gpu = not interpret
-  kv_rows = _tma_rows(S, config.unpadded_kv and gpu, prob.kv_pad)
-  q_rows = _tma_rows(T, config.unpadded_q and gpu, prob.q_pad)
-  pad = lambda x, n: pad_axis(pad_axis(x, 1, n), 3, dp)
-  # V^T whole tiles long (its rows' stride must be a multiple of 16 bytes
-  # for TMA, and its copy is made anyway).
-  vt = pad(v, prob.kv_pad).transpose(0, 2, 3, 1)
-  if not config.p_in_smem:  # P a register operand: its key order
-    vt = fwd_lib.fp8_key_order(vt)
-  out, lse = fwd_lib.forward(
-      pad(q, q_rows), pad(k, kv_rows), vt, segments,
-      dequant=dequant.astype(jnp.float32), prob=prob, cfg=config,
-      interpret=_interpret_params(interpret))
-  return out[:, :T, :, :D], lse[:, :, :T]
+    _check_interpreter_threads(st.config)
+  return _forward(q, k, v, st, arrays, dequant)
 
 
 def _serves_backward(dp: int, config: MosaicConfig) -> bool:

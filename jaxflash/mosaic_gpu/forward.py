@@ -326,16 +326,12 @@ class Problem:
   bias_per_head: bool = False
   bias_rows: bool = True
 
-  # A dense boolean mask as int8 [B | 1, H | 1, Tp, Sp] (nonzero: visible)
-  # after the bias, or with dense_mask_rows False one row [B | 1, H | 1,
-  # 1, Sp] for every query (a key padding mask): read from GMEM in the
-  # tiles that take the element mask.  Its tile ranges ride in seg_range
-  # (rows 0-1 the tiles with a visible key for some head, rows 2-3 a run
-  # fully visible for every head), as a FlashMask's do.
+  # A dense boolean mask as int8 [B | 1, H | 1, Tp | 1, Sp] (nonzero:
+  # visible; an axis of size 1 shared) after the bias, read from GMEM in
+  # the tiles that take the element mask.  Its tile ranges ride in
+  # seg_range (rows 0-1 the tiles with a visible key for some head, rows
+  # 2-3 a run fully visible for every head), as a FlashMask's do.
   has_dense_mask: bool = False
-  dense_mask_batched: bool = False
-  dense_mask_per_head: bool = False
-  dense_mask_rows: bool = True
 
   # Attention dropout (rate > 0): [B, H + 2] int32 after the dense mask, each
   # head's masks.dropout_head_key, then the first row and first key of
@@ -347,11 +343,11 @@ class Problem:
   # FP8 (FlashAttention-3's low-precision forward, arXiv 2407.08608 §3.3):
   # q and k in float8_e4m3fn, V transposed to [B, K, Dp, Sp] (Mosaic GPU's
   # wgmma takes 8-bit operands K-major only, and P V contracts over the
-  # keys), P rounded to e4m3 for P V through shared memory; the
-  # dequantization table [H, 2] float32 (q_scale * k_scale and v_scale of
-  # each query head) comes last; the output in ``out_dtype``.  Without
-  # p_in_smem P is a register operand and V^T's keys come in
-  # fp8_key_order.
+  # keys), P rounded to e4m3 for P V as an 8-bit register operand, V^T's
+  # keys in fp8_key_order (with p_in_smem, the interpreter's form, P goes
+  # through shared memory); the dequantization table [H, 2] float32
+  # (q_scale * k_scale and v_scale of each query head) comes last; the
+  # output in ``out_dtype``.
   fp8: bool = False
   out_dtype: object = None
 
@@ -789,10 +785,10 @@ class _Item:
     wgmma layout of ``S``: straight from GMEM (a non-"optimized" load, as
     the segment ids), only in the tiles that take the element mask (the
     others are skipped or fully visible by the mask's tile ranges)."""
-    r, prob, bq, bk = self.r, self.prob, self.bq, self.bk
-    src = r.dense_mask.at[self.b if prob.dense_mask_batched else 0,
-                          self.h if prob.dense_mask_per_head else 0]
-    if prob.dense_mask_rows:
+    r, bq, bk = self.r, self.bq, self.bk
+    batched, per_head, rows = (n > 1 for n in r.dense_mask.shape[:3])
+    src = r.dense_mask.at[self.b if batched else 0, self.h if per_head else 0]
+    if rows:
       tile = plgpu.load(src.at[pl.ds(self.q_start, bq), pl.ds(t * bk, bk)],
                         layout=plgpu.Layout.WGMMA, optimized=False)
       return tile != 0
