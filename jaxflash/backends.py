@@ -64,34 +64,31 @@ def _mosaic_backward(q, k, v, arrays, out, lse, dout, dlse, *, mask,
                      dropout_shared=False):
   """The Hopper backward kernels, or the Triton ones where those do not
   serve the call (both take the same residuals; the backward of ALiBi,
-  of a dense bias, with its gradient, of a dense boolean mask and of
-  attention dropout, whose keep mask it regenerates, is the Triton
-  kernels')."""
-  if arrays.bias is not None or dropout_rate:
+  of a dense boolean mask and of attention dropout, whose keep mask it
+  regenerates, is the Triton kernels', and so is a dense bias's where
+  the Hopper kernels have no room for it)."""
+  bias = arrays.bias
+  if bias is not None:
     # The bias as the Hopper forward read it (in q's dtype), so that the
     # recomputed probabilities match its log-sum-exp; dbias in the
     # bias's own dtype.
-    bias = arrays.bias
-    if bias is not None:
-      arrays = arrays._replace(bias=bias.astype(q.dtype))
+    arrays = arrays._replace(bias=bias.astype(q.dtype))
+  if (arrays.alibi_slopes is None and arrays.dense_mask is None
+      and not dropout_rate and mosaic_gpu.serves_backward(
+          q, k, mask=mask, config=config, interpret=interpret,
+          deterministic=deterministic, arrays=arrays, bias_grad=bias_grad)):
+    grads = mosaic_kernels.backward(
+        q, k, v, arrays, out, lse, dout, dlse, mask=mask,
+        softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
+        config=config, interpret=interpret, deterministic=deterministic,
+        bias_grad=bias_grad)
+  else:
     grads = triton_kernels.backward(
         q, k, v, arrays, out, lse, dout, dlse, mask=mask,
         softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
         config=None, interpret=bool(interpret), bias_grad=bias_grad,
         dropout_rate=dropout_rate, dropout_shared=dropout_shared)
-    return (*grads[:3], *(g.astype(bias.dtype) for g in grads[3:]))
-  if (arrays.alibi_slopes is None and arrays.dense_mask is None
-      and mosaic_gpu.serves_backward(
-      q, k, mask=mask, config=config, interpret=interpret,
-      deterministic=deterministic)):
-    return mosaic_kernels.backward(
-        q, k, v, arrays, out, lse, dout, dlse, mask=mask,
-        softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
-        config=config, interpret=interpret, deterministic=deterministic)
-  return triton_kernels.backward(
-      q, k, v, arrays, out, lse, dout, dlse, mask=mask,
-      softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
-      config=None, interpret=bool(interpret))
+  return (*grads[:3], *(g.astype(bias.dtype) for g in grads[3:]))
 
 
 def _with_decode(forward: Callable) -> Callable:

@@ -226,8 +226,9 @@ class Run:
   segments: dict | None = None  # SEG_CASES' documents and lengths
   flash: str | None = None  # a FLASH_PATTERNS FlashMask
   alibi: bool = False  # ALiBi slopes 2^-1, 2^-2, ... per head
-  bias: str | None = None  # a dense bias per "head", per "batch" row, or
-  # one "row" of keys per batch row (a key padding bias)
+  bias: str | None = None  # a dense bias per "head", per "batch" row,
+  # "full" (both), or one "row" of keys per batch row (a key padding bias)
+  bias_grad: bool = False  # the "bwd" part returns dbias too (checked)
   dense: str | None = None  # a dense boolean mask: "documents" per batch
   # row with holes, random per "head", or one row of "keys" per batch row
   dropout: float = 0.0  # attention dropout's rate (seeds per batch row)
@@ -266,7 +267,8 @@ def _serves_backward(run: Run) -> bool:
   return mosaic_gpu.serves_backward(
       jax.ShapeDtypeStruct((b, t, h, d), run.dtype),
       jax.ShapeDtypeStruct((b, s, kh, d), run.dtype), mask=run.spec,
-      config=run.config, interpret=RACES)
+      config=run.config, interpret=RACES, arrays=_mask_arrays(run)[0],
+      bias_grad=run.bias_grad)
 
 
 def _mask_arrays(run: Run):
@@ -298,7 +300,11 @@ def _mask_arrays(run: Run):
         slopes[None, :, None, None], jnp.arange(t)[:, None],
         jnp.arange(s)[None, :], run.spec.offset)
   if run.bias is not None:
-    arrays["bias"] = ref_kw["bias"] = _dense_bias(run)
+    # In the inputs' precision, as the kernels read it: a "bwd" run's
+    # residuals come from the reference, so its LSE must be of the bias
+    # the kernels add.
+    arrays["bias"] = ref_kw["bias"] = _dense_bias(run).astype(
+        run.dtype).astype(jnp.float32)
   if run.dense is not None:
     arrays["dense_mask"] = ref_kw["dense_mask"] = _dense_mask(run)
   if run.dropout:
@@ -314,12 +320,12 @@ def _mask_arrays(run: Run):
 
 def _dense_bias(run: Run):
   """A float32 bias ``[1, H, T, S]`` ("head"), ``[B, 1, T, S]``
-  ("batch") or ``[B, 1, 1, S]`` ("row") of normal values, with -inf on a
-  few keys of every row; but for "row", on all of query row 3 too (a row
-  that sees nothing: output 0, LSE -inf)."""
+  ("batch"), ``[B, H, T, S]`` ("full") or ``[B, 1, 1, S]`` ("row") of
+  normal values, with -inf on a few keys of every row; but for "row", on
+  all of query row 3 too (a row that sees nothing: output 0, LSE -inf)."""
   b, t, s, h = run.shape[:4]
   shape = {"head": (1, h, t, s), "batch": (b, 1, t, s),
-           "row": (b, 1, 1, s)}[run.bias]
+           "full": (b, h, t, s), "row": (b, 1, 1, s)}[run.bias]
   bias = 2.0 * jax.random.normal(jax.random.key(run.seed + 40), shape)
   hidden = jax.random.bernoulli(jax.random.key(run.seed + 41), 0.05, shape)
   bias = jnp.where(hidden, -jnp.inf, bias)
@@ -388,10 +394,12 @@ def _forward_kernel(run: Run, arrays, dequant=None):
 
 def _backward_kernels(run: Run, arrays):
   """``(q, k, v, out, lse, do, dlse) -> (dq, dk, dv)``: the backward
-  kernels alone."""
+  kernels alone (and dbias fourth with ``run.bias_grad``)."""
   kw = _kernel_kwargs(run)
   for name in ("dropout_rate", "dropout_shared"):  # (the Triton backward's)
     kw.pop(name, None)
+  if run.bias_grad:
+    kw["bias_grad"] = True
   return lambda q, k, v, out, lse, do, dlse: mosaic_kernels.backward(
       q, k, v, arrays, out, lse, do, dlse, **kw)
 
@@ -452,6 +460,28 @@ def _run_interpreted(run: Run):
     got = jax.jit(_backward_kernels(run, arrays))(
         q, k, v, out.astype(q.dtype), lse, do, dlse)
     _check_parts(dict(zip(("dq", "dk", "dv"), got)), args, ref_kw)
+    if run.bias_grad:
+      _check_dbias(got[3], args, ref_kw)
+
+
+def _check_dbias(got, args, ref_kw):
+  """A dense bias's gradient against the float32 reference's (``jax.vjp``
+  through jaxflash.reference.attention's output and LSE): within 2% of its
+  largest entry, and zero where the bias is -inf."""
+  q, k, v, do, dlse = (x.astype(jnp.float32) if x.dtype != jnp.float32
+                       else x for x in args)
+  kw = {n: x for n, x in ref_kw.items() if n != "bias"}
+  if "window" in kw:
+    kw["window"] = tuple(kw["window"])
+  bias = ref_kw["bias"]
+  _, vjp = jax.vjp(lambda b: jaxflash.reference.attention(
+      q, k, v, bias=b, **kw), bias)
+  want = np.asarray(vjp((do, dlse))[0])
+  got = np.asarray(got, np.float32)
+  assert got.shape == want.shape, (got.shape, want.shape)
+  assert np.isfinite(got).all()
+  np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
+  np.testing.assert_array_equal(got[np.isneginf(np.asarray(bias))], 0.0)
 
 
 def _reference32(args, ref_kw):
@@ -2378,6 +2408,14 @@ BIAS_RUNS = [
     Run("bias-packed-flashmask", "fwd", (2, 256, 256, 4, 2, 64),
         jnp.bfloat16, TWO_WG, seed=17, causal=True, bias="batch",
         segments=dict(docs=3, pad=10, kv_len=[256, 200]), flash="prefix"),
+    # The Hopper backward with the bias: its rings beside K/V (dQ) and
+    # beside Q (dK/dV, read transposed), one row of keys from GMEM, and
+    # dbias from the dQ kernel's dS tiles (summed over broadcast axes).
+    Run("bias-dbias-full-2wg", "bwd", (2, 200, 300, 4, 2, 64), jnp.bfloat16,
+        TWO_WG, seed=27, causal=True, bias="full", bias_grad=True),
+    Run("bias-dbias-row-segments", "bwd", (2, 130, 100, 2, 1, 32),
+        jnp.bfloat16, ONE_WG, seed=28, bias="row", bias_grad=True,
+        segments=dict(kv_len=[100, 70])),
 ]
 
 
@@ -2445,21 +2483,22 @@ def test_fp8_interpret(run):
   _run_interpreted(run)
 
 
-def _bias_call(interpret, t=200, s=300, d=64):
-  """flash_attention with a per-head bias (with -inf entries) on the
-  Hopper forward and the Triton backward: out and dq, dk, dv by the
+def _bias_call(interpret, t=200, s=300, d=64, form="head", causal=True):
+  """flash_attention with a dense bias (with -inf entries; ``form`` as
+  :func:`_dense_bias`'s) on the Hopper kernels: out and dq, dk, dv by the
   numerics rule, dbias against the XLA path's."""
   args = numerics.random_inputs(jax.random.key(14), batch=2, q_len=t,
                                 kv_len=s, heads=4, kv_heads=2, head_dim=d,
                                 dtype=jnp.bfloat16)
   bias = _dense_bias(Run("b", "fwd", (2, t, s, 4, 2, d), jnp.bfloat16,
-                         ONE_WG, seed=15, bias="head"))
+                         ONE_WG, seed=15, bias=form))
   attend = lambda impl, q, k, v, bias: jaxflash.flash_attention(
-      q, k, v, causal=True, bias=bias, return_lse=True,
+      q, k, v, causal=causal, bias=bias, return_lse=True,
       implementation=impl, interpret=interpret and impl != "xla")
   fn = lambda q, k, v: attend("mosaic_gpu", q, k, v, bias)
   numerics.check_rule(numerics.outputs_and_grads(fn, *args), *args,
-                      causal=True, bias=bias)
+                      causal=causal,
+                      bias=bias.astype(jnp.bfloat16).astype(jnp.float32))
   q, k, v, do, _ = args
 
   def dbias(impl):
@@ -2471,15 +2510,18 @@ def _bias_call(interpret, t=200, s=300, d=64):
 
 
 @pytest.mark.slow
-def test_bias_gradients_through_the_triton_backward():
-  """The dense bias's forward on the Hopper kernel, dq, dk, dv and dbias
-  from the Triton backward kernels on the same residuals (interpreted)."""
+def test_bias_gradients_through_the_hopper_backward():
+  """The dense bias's forward and backward on the Hopper kernels, dbias
+  included, through flash_attention's VJP (interpreted)."""
   _bias_call(True)
 
 
 @pytest.mark.gpu
-def test_bias_gpu():
-  _bias_call(False, t=1000, s=1500, d=128)
+@pytest.mark.parametrize("d,form,causal", [
+    (128, "head", True), (64, "full", False), (128, "row", True),
+    (96, "batch", False)])
+def test_bias_gpu(d, form, causal):
+  _bias_call(False, t=1000, s=1500, d=d, form=form, causal=causal)
 
 
 def _dense_mask_call(interpret, t=256, s=300, d=64):

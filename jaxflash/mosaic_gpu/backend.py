@@ -429,29 +429,58 @@ def _serves_backward(dp: int, config: MosaicConfig) -> bool:
   return dp <= MAX_BWD_HEAD_DIM or config.bwd_paired_dkv
 
 
+def _backward_config(config: MosaicConfig, dp: int, arrays: MaskArrays,
+                     q_len: int, bias_grad: bool) -> MosaicConfig | None:
+  """The backward config of a call (``config`` resolved), or None where
+  the Hopper backward kernels do not serve it.  With a dense bias: the
+  dQ kernel (it writes the bias's gradient; no ``bwd_atomic_dq``), not
+  the paired kernels, and the bias's rings (and dS's staging) within the
+  shared memory."""
+  if not _serves_backward(dp, config):
+    return None
+  if arrays.bias is None:
+    return config
+  if config.bwd_paired_dkv or config.bwd_paired_dq:
+    return None
+  config = dataclasses.replace(config, bwd_atomic_dq=False)
+  need = config.bwd_smem_bytes(dp, bias=_bias_rows(arrays, q_len),
+                               ds_itemsize=2 * bias_grad)
+  return config if need <= SMEM_LIMIT else None
+
+
 def serves_backward(q, k, *, mask: MaskSpec, config: MosaicConfig | None,
-                    interpret=False, deterministic: bool = False) -> bool:
+                    interpret=False, deterministic: bool = False,
+                    arrays: MaskArrays = NO_MASK_ARRAYS,
+                    bias_grad: bool = False) -> bool:
   """Whether :func:`backward` serves this call; where it does not, the
   Triton backward kernels take the same residuals."""
   dp = kernel_head_dim(q.shape[3])
-  return _serves_backward(
-      dp, _resolve_config(config, interpret, dp, mask, deterministic, q, k))
+  return _backward_config(
+      _resolve_config(config, interpret, dp, mask, deterministic, q, k),
+      dp, arrays, q.shape[1], bias_grad) is not None
 
 
 def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
              mask: MaskSpec, softmax_scale: float, logits_soft_cap=None,
              config: MosaicConfig | None = None, interpret=False,
-             deterministic: bool = False):
+             deterministic: bool = False, bias_grad: bool = False):
   """The gradient ``(dq, dk, dv)`` from the forward's residuals;
-  bitwise reproducible when ``deterministic`` (no atomic dQ)."""
+  bitwise reproducible when ``deterministic`` (no atomic dQ).  With a
+  dense bias in ``arrays`` (as the forward read it: in q's dtype), and
+  ``bias_grad``, its gradient fourth: float32, summed over the bias's
+  broadcast axes (the shape of ``arrays.bias``)."""
   B, T, H, D = q.shape
   S = k.shape[1]
   dp = kernel_head_dim(D)
-  config = _resolve_config(config, interpret, dp, mask, deterministic, q, k)
-  if not _serves_backward(dp, config):
+  resolved = _resolve_config(config, interpret, dp, mask, deterministic, q,
+                             k)
+  config = _backward_config(resolved, dp, arrays, T, bias_grad)
+  if config is None:
     raise NotImplementedError(
-        f"the Hopper backward kernels at padded head_dim {dp} >"
-        f" {MAX_BWD_HEAD_DIM} need bwd_paired_dkv: {config}")
+        f"the Hopper backward kernels do not serve this call: padded"
+        f" head_dim {dp} > {MAX_BWD_HEAD_DIM} needs bwd_paired_dkv, and a"
+        f" dense bias needs the unpaired kernels and room for its rings:"
+        f" {resolved}")
   if interpret:
     _check_interpreter_threads(config)
   n = config.bwd_compute_wgs
@@ -482,18 +511,45 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
         config.dkv_block_q) if ids else None), cols, q_seg_dkv.shape[1],
         kv_group * config.bwd_block_kv, config.dkv_block_q, held_q=False)
   splits = head_splits(prob, config)
+  bias = _backward_bias(arrays, prob, config, q.dtype)
+  # dS in the inputs' dtype, as dQ's and dK's matmuls take it.
+  ds_dtype = q.dtype if bias_grad else None
   done = {name: run(*tensors) for name, run in backward_passes(
       prob, config, seg_dq, seg_dkv, _interpret_params(interpret),
-      head_splits=splits)}
+      head_splits=splits, bias=bias, ds_dtype=ds_dtype)}
   if config.bwd_atomic_dq:
     dq, dk, dv = done["dkv+atomic-dq"]
   else:
-    (dq,) = done["dq-paired" if config.bwd_paired_dq else "dq"]
+    dq, *ds = done["dq-paired" if config.bwd_paired_dq else "dq"]
     if config.bwd_paired_dkv:
       dk, dv = done["dkv-paired"]
     else:
       dk, dv = done["dkv"]
-  return dq[:, :T, :, :D], dk[:, :S, :, :D], dv[:, :S, :, :D]
+  grads = (dq[:, :T, :, :D], dk[:, :S, :, :D], dv[:, :S, :, :D])
+  if not bias_grad:
+    return grads
+  # dS summed over the bias's broadcast axes in float32.
+  axes = tuple(a for a in range(4) if arrays.bias.shape[a] == 1)
+  dbias = ds[0][:, :, :T, :S].astype(jnp.float32)
+  return (*grads, jnp.sum(dbias, axis=axes, keepdims=True))
+
+
+def _backward_bias(arrays: MaskArrays, prob: fwd_lib.Problem,
+                   config: MosaicConfig, dtype):
+  """The dense bias as both backward kernels read it (None without one):
+  in ``dtype`` (the forward's rounding), its rows padded to whole steps
+  of the dK/dV kernel (``dkv_block_q``, past ``q_pad`` where it does not
+  divide it) and its keys to ``kv_pad``; or one float32 row of keys for
+  every query (``prob.bias_rows`` False), as the forward reads it."""
+  if arrays.bias is None:
+    return None
+  bias = arrays.bias.astype(dtype)
+  keys = prob.kv_pad - bias.shape[3]
+  if not prob.bias_rows:
+    return jnp.pad(bias.astype(jnp.float32),
+                   ((0, 0), (0, 0), (0, 0), (0, keys)))
+  rows = round_up(prob.q_pad, config.dkv_block_q) - bias.shape[2]
+  return jnp.pad(bias, ((0, 0), (0, 0), (0, rows), (0, keys)))
 
 
 def backward_problem(q, k, mask: MaskSpec, softmax_scale: float,
@@ -515,13 +571,16 @@ def backward_problem(q, k, mask: MaskSpec, softmax_scale: float,
       num_kv_heads=K, q_pad=round_up(T, q_tile),
       kv_pad=round_up(S, n * config.bwd_block_kv),
       head_dim_padded=kernel_head_dim(D),
-      logits_soft_cap=logits_soft_cap,
+      logits_soft_cap=logits_soft_cap, bias_rows=_bias_rows(arrays, T),
       **_mask_flags(arrays))
 
 
 def head_splits(prob: fwd_lib.Problem, config: MosaicConfig) -> int:
   """The dK/dV kernel's split of each GQA/MQA group for this call
-  (:func:`config.dkv_head_splits`)."""
+  (:func:`config.dkv_head_splits`); whole groups with a dense bias (its
+  ring takes the shared memory of the split's staging)."""
+  if prob.has_bias:
+    return 1
   programs = (prob.num_kv_heads * prob.batch
               * (prob.kv_pad // (config.bwd_compute_wgs
                                  * config.bwd_block_kv)))
@@ -558,7 +617,8 @@ def backward_operands(q, k, v, out, lse, dout, dlse, prob: fwd_lib.Problem):
 
 
 def backward_passes(prob: fwd_lib.Problem, config: MosaicConfig, seg_dq,
-                    seg_dkv, interpret=None, head_splits: int = 1):
+                    seg_dkv, interpret=None, head_splits: int = 1,
+                    bias=None, ds_dtype=None):
   """The Hopper backward's kernel launches in order, ``[(name, run)]``,
   each ``run(qp, kp, vp, dop, lse2, delta)`` on the padded operands
   returning its outputs: ``dq`` (``dq-paired`` with ``bwd_paired_dq``)
@@ -566,9 +626,12 @@ def backward_passes(prob: fwd_lib.Problem, config: MosaicConfig, seg_dq,
   ``dkv+atomic-dq`` with ``bwd_atomic_dq``.
   :func:`backward` runs them; tools/kernel_times.py times them apart.
   ``head_splits`` > 1: the dK/dV kernel's float32 partials, summed here
-  (:func:`head_splits`)."""
+  (:func:`head_splits`).  ``bias``: the dense bias
+  (:func:`_backward_bias`); ``ds_dtype``: the dQ kernel also returns
+  ``dS [B, H, Tp, Sp]`` in that dtype (the bias's gradient)."""
   split_dkv = functools.partial(bwd_lib.dkv, prob=prob, cfg=config,
-                                interpret=interpret, head_splits=head_splits)
+                                interpret=interpret, head_splits=head_splits,
+                                bias=bias)
 
   def dkv(qp, kp, vp, *rest, **kw):
     dk, dv = split_dkv(qp, kp, vp, *rest, **kw)
@@ -601,8 +664,23 @@ def backward_passes(prob: fwd_lib.Problem, config: MosaicConfig, seg_dq,
     passes = [("dq-paired", lambda *t: (bwd_lib.paired_dq(
         *t, seg_dq, prob=prob, cfg=config, interpret=interpret),))]
   else:
-    passes = [("dq", lambda *t: (bwd_lib.dq(
-        *t, seg_dq, prob=prob, cfg=config, interpret=interpret),))]
+    def dq(*t):
+      run = functools.partial(bwd_lib.dq, *t, seg_dq, prob=prob, cfg=config,
+                              interpret=interpret, bias=bias)
+      if ds_dtype is None:
+        return (run(),)
+
+      # dS goes to a zeroed buffer (tiles the kernel skips are hidden, their
+      # gradient zero) that the kernel writes in place: a ref of
+      # run_state, as dkv_atomic's dQ buffer.
+      def write(refs):
+        ds_ref, dq_ref = refs
+        dq_ref[...] = run(ds_acc=ds_ref)
+      shape = (prob.batch, prob.num_heads, prob.q_pad, prob.kv_pad)
+      ds, dq_out = pl.run_state(write)(
+          (jnp.zeros(shape, ds_dtype), jnp.zeros(t[0].shape, t[0].dtype)))
+      return dq_out, ds
+    passes = [("dq", dq)]
   if config.bwd_paired_dkv:
     return passes + [("dkv-paired", lambda *t: bwd_lib.paired_dkv(
         *t, seg_dkv, prob=prob, cfg=config, interpret=interpret))]

@@ -94,7 +94,7 @@ ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
 
-def _probs(s, lse2, visible, *, prob: Problem, row_axis: int):
+def _probs(s, lse2, visible, *, prob: Problem, row_axis: int, bias=None):
   """The softmax recompute of one tile, ``P = exp2(S scale log2(e) -
   lse2)`` (FlashAttention-2's ``P = exp(S - L)``, Algorithm 2 of arXiv
   2307.08691, in base 2), float32, from the raw ``q . k`` products ``s``
@@ -104,10 +104,14 @@ def _probs(s, lse2, visible, *, prob: Problem, row_axis: int):
   of the tile is the query axis (0 in the dQ kernel, 1 in the transposed
   dK/dV kernels).  ``lse2=None``: ``s`` already holds ``q . k - lse2 /
   (scale log2 e)`` (:func:`_stats_init`), so ``P = exp2(s scale log2
-  e)``."""
+  e)``.  ``bias``: the dense bias's tile (float32, in the layout of ``s``),
+  added to the scaled logits as the forward added it (:func:`_bias_tile`;
+  no soft cap with it)."""
   if prob.logits_soft_cap is None:
     th = None
     logits2 = s * (prob.softmax_scale * LOG2E)
+    if bias is not None:
+      logits2 = logits2 + bias * LOG2E
   else:
     cap = prob.logits_soft_cap
     th = jnp.tanh(s * (prob.softmax_scale / cap))
@@ -231,6 +235,39 @@ def _tile_mask(masked: bool, mask, seg_refs, b, *, q_start, n_q, k_start,
   return visible
 
 
+def _bias_tile(bias_ref, ring_tile, b, h, *, prob: Problem, k_start, n_k,
+               shape, q_axis: int):
+  """The dense bias of one tile in the layout of ``S`` (``q_axis`` 0) or
+  ``S^T`` (1), float32: ``ring_tile`` (the tile as loaded from its ring
+  slot), or where the bias is one row for every query (a key padding
+  bias, ``prob.bias_rows`` False) that row's keys ``[k_start, k_start +
+  n_k)`` read from GMEM (float32 there) and broadcast over the queries."""
+  if ring_tile is not None:
+    return ring_tile.astype(jnp.float32)
+  row = plgpu.load(
+      bias_ref.at[b if prob.bias_batched else 0,
+                  h if prob.bias_per_head else 0, 0, pl.ds(k_start, n_k)],
+      layout=ROW if q_axis == 1 else COL, optimized=False)
+  return lax.broadcast_in_dim(row, shape, [1 - q_axis])
+
+
+def _bias_source(bias_ref, b, h, prob: Problem, rows, cols):
+  """The GMEM tile of the dense bias (``[B | 1, H | 1, rows, keys]``) that
+  a ring slot takes for batch row ``b`` and query head ``h``."""
+  return bias_ref.at[b if prob.bias_batched else 0,
+                     h if prob.bias_per_head else 0, rows, cols]
+
+
+def _store_ds(ds, ds_smem, dst) -> None:
+  """The dense bias's gradient of one tile (``dS``, the gradient of the
+  logits the bias adds to) through ``ds_smem`` to ``dst`` in GMEM by TMA;
+  the previous tile's copy must have read the buffer first."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  ds_smem[...] = ds.astype(ds_smem.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(ds_smem, dst)
+
+
 def _split_inputs(refs, prob: Problem):
   """Both backward kernels' operands: ``(q, k, v, do, lse2, delta)``, the
   segment refs ``(q_seg, (kv_seg, flash), group_range)`` (Nones without
@@ -311,13 +348,16 @@ def vec_slot(ring, slot, rows: int):
   return ring.at[slot, pl.ds(0, rows)]
 
 
-def _query_tile_loader(srcs, rings, ready, *, b, h0, n_tiles, u_lo, bq):
+def _query_tile_loader(srcs, rings, ready, *, b, h0, n_tiles, u_lo, bq,
+                       prob: Problem | None = None, bias=None):
   """The producer's ``load(step, slot)`` of both dK/dV kernels.
 
   Step ``step`` walks query head ``h0 + step // n_tiles`` (``h0``: the
   first query head of the program's part of its key/value head's group)
   and its query tile ``u_lo + step % n_tiles``: Q, dO, the log-sum-exp and
-  delta land in ring slot ``slot`` and complete on ``ready[slot]``.
+  delta land in ring slot ``slot`` and complete on ``ready[slot]``;
+  ``bias = (bias_ref, bias_ring, k_start, width)``: also the dense bias's
+  tile of those rows and keys ``[k_start, k_start + width)``.
   """
   q_ref, do_ref, lse2_ref, delta_ref = srcs
   q_ring, do_ring, lse_ring, delta_ring = rings
@@ -335,13 +375,18 @@ def _query_tile_loader(srcs, rings, ready, *, b, h0, n_tiles, u_lo, bq):
                             vec_slot(lse_ring, slot, bq), ready.at[slot])
     plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows],
                             vec_slot(delta_ring, slot, bq), ready.at[slot])
+    if bias is not None:
+      bias_ref, bias_ring, k_start, width = bias
+      plgpu.copy_gmem_to_smem(
+          _bias_source(bias_ref, b, h, prob, rows, pl.ds(k_start, width)),
+          bias_ring.at[slot], ready.at[slot])
 
   return load
 
 
 def _dkv_step(step, t, carry, *, masked: bool, g, dk_acc, dv_acc,
               prob: Problem, cfg: MosaicConfig, dtype, ring, held, a_smem,
-              tile_mask, atomic):
+              tile_mask, atomic, bias_of=None):
   """One step of the dK/dV loop: query tile ``t`` of query head ``g``
   against the consumer's key tile, in transposed form (keys are the rows):
 
@@ -353,7 +398,8 @@ def _dkv_step(step, t, carry, *, masked: bool, g, dk_acc, dv_acc,
   reduce-add into ``dq_dst(t, g)``).  ``ring``: the query ring (Q, dO,
   lse2, delta slots, ready barriers, free signals); ``held``: this
   consumer's K and V; ``a_smem``: the staged A operand (``p_in_smem``);
-  ``tile_mask(masked, t)``: the tile's element mask.
+  ``tile_mask(masked, t)``: the tile's element mask; ``bias_of(slot, t,
+  g)``: the dense bias's tile (None without one).
   """
   q_ring, do_ring, lse_ring, delta_ring, ready, free = ring
   k_smem, v_smem = held
@@ -372,8 +418,9 @@ def _dkv_step(step, t, carry, *, masked: bool, g, dk_acc, dv_acc,
                      else plgpu.load(lse_t, layout=COL))
   delta_of = lambda: (None if dp0 is not None
                       else plgpu.load(delta_t, layout=COL))
-  softmax = lambda s, lse2: _probs(s, lse2, tile_mask(masked, t), prob=prob,
-                                   row_axis=1)
+  softmax = lambda s, lse2: _probs(
+      s, lse2, tile_mask(masked, t), prob=prob, row_axis=1,
+      bias=None if bias_of is None else bias_of(slot, t, g))
 
   def dv_update(p):  # dV += P^T dO
     plgpu.wgmma(dv_acc, _a_operand(p, a_smem, dtype), do_t)
@@ -448,6 +495,7 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
   (:func:`dkv_head_splits` says when: MQA and few key tiles)."""
   ((q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref),
    (qseg_ref, kvseg_ref, range_ref), refs) = _split_inputs(refs, prob)
+  bias_ref = refs.pop(0) if prob.has_bias else None
   dq_acc_ref = refs.pop(0) if atomic_dq else None  # float32, zeroed
   (dk_ref, dv_ref, k_smem2, v_smem2, q_ring, do_ring, lse_ring, delta_ring,
    kv_ready, ready, free, *extra) = refs
@@ -457,6 +505,7 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     ds_smem2 = a_smem2 if a_smem2 is not None else extra.pop(0)
     dq_smem2 = extra.pop(0)
   partial2 = extra.pop(0) if head_splits > 1 else None  # float32 staging
+  bias_ring = extra.pop(0) if prob.bias_ring else None
   n, stages = cfg.bwd_compute_wgs, cfg.bwd_stages
   bq, bk = cfg.dkv_block_q, cfg.bwd_block_kv
   group_rows = n * bk
@@ -497,11 +546,24 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     def dq_dst(t, g):  # the query tile's rows of dQ (float32, padded)
       return dq_acc_ref.at[b, pl.ds(t * bq, bq), h0 + g]
 
+    def bias_of(slot, t, g):
+      # The slot holds the bias^T of every consumer's keys: this one's
+      # rows of it, transposed on the way into the layout of S^T.
+      tile = None
+      if bias_ring is not None:
+        tile = plgpu.layout_cast(
+            plgpu.load(bias_ring.at[slot].T.at[pl.ds(wg * bk, bk)],
+                       layout=plgpu.Layout.WGMMA_TRANSPOSED),
+            plgpu.Layout.WGMMA)
+      return _bias_tile(bias_ref, tile, b, h0 + g, prob=prob,
+                        k_start=k_start, n_k=bk, shape=(bk, bq), q_axis=1)
+
     step = functools.partial(
         _dkv_step, prob=prob, cfg=cfg, dtype=dtype,
         ring=(q_ring, do_ring, lse_ring, delta_ring, ready, free),
         held=(k_smem, v_smem), a_smem=a_smem, tile_mask=tile_mask,
-        atomic=(ds_smem, dq_smem, dq_dst) if atomic_dq else None)
+        atomic=(ds_smem, dq_smem, dq_dst) if atomic_dq else None,
+        bias_of=bias_of if bias_ref is not None else None)
     own, everywhere = pipeline.flash_full_range(
         mask.q_block_range(k_start, bk, bq), range_ref, b, grp,
         segment_ids=prob.has_segment_ids)
@@ -538,19 +600,25 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     load = _query_tile_loader(
         (q_ref, do_ref, lse2_ref, delta_ref),
         (q_ring, do_ring, lse_ring, delta_ring), ready, b=b, h0=h0,
-        n_tiles=n_tiles, u_lo=u_lo, bq=bq)
+        n_tiles=n_tiles, u_lo=u_lo, bq=bq, prob=prob,
+        bias=(None if bias_ring is None
+              else (bias_ref, bias_ring, group_start, group_rows)))
     pipeline.produce(n_steps, stages, load, [free])
 
 
 def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
-        cfg: MosaicConfig, dq_acc=None, interpret=None, head_splits: int = 1):
+        cfg: MosaicConfig, dq_acc=None, interpret=None, head_splits: int = 1,
+        bias=None):
   """``(dk, dv)``, padded like ``k``; q/do ``[B, Tp, H, Dp]``,
   lse2/delta ``[B, H, Tp]`` float32, ``segments = (q_seg, kv_seg,
   kv_group_range)``.  ``dq_acc``: a zeroed float32 ref shaped like ``q``,
   into which the kernel adds ``dS K`` (unscaled; ``bwd_atomic_dq``).
   ``head_splits`` > 1: float32 partials ``[B, Sp, K * head_splits, Dp]``
   (key/value head ``kh``'s part ``p`` at head ``kh * head_splits + p``),
-  each over ``1 / head_splits`` of the group's query heads."""
+  each over ``1 / head_splits`` of the group's query heads.  ``bias``
+  (with ``prob.has_bias``): the dense bias, ``[B | 1, H | 1, rows, Sp]``
+  in q's dtype with its rows padded to whole ``dkv_block_q`` steps, or
+  one float32 row ``[B | 1, H | 1, 1, Sp]`` (``prob.bias_rows`` False)."""
   atomic_dq = dq_acc is not None
   dtype = q.dtype
   dp = prob.head_dim_padded
@@ -570,7 +638,7 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
       vec_ring(cfg.bwd_stages, bq),                          # lse2 ring
       vec_ring(cfg.bwd_stages, bq),                          # delta ring
       plgpu.Barrier(num_arrivals=2, num_barriers=n),         # K, V loaded
-      plgpu.Barrier(num_arrivals=4,
+      plgpu.Barrier(num_arrivals=4 + prob.bias_ring,
                     num_barriers=cfg.bwd_stages),            # slot full
       plgpu.Barrier(num_arrivals=n, num_barriers=cfg.bwd_stages),  # slot free
   ]
@@ -583,6 +651,11 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
     scratch.append(plgpu.SMEM((n, bk, dp), jnp.float32, **tiled_f32(dp)))
     B, Sp, K, _ = k.shape
     out_shape, out_dtype = (B, Sp, K * head_splits, dp), jnp.float32
+  if prob.bias_ring:
+    # The bias tiles of a query step and every consumer's keys, a ring
+    # beside Q's; each consumer reads its keys' rows of the transpose.
+    scratch.append(plgpu.SMEM((cfg.bwd_stages, bq, n * bk), dtype,
+                              **pipeline.tiled_over(n * bk)))
   out_type = [out_struct(out_shape, out_dtype, q, k, v) for _ in range(2)]
   return pipeline.launch(
       functools.partial(_dkv_kernel, prob=prob, cfg=cfg, dtype=dtype,
@@ -593,7 +666,7 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
       grid_names=("heads", "kv_seq", "batch"), consumers=n,
       interpret=interpret,
   )(q, k, v, do, lse2, delta, *(segments or ()),
-    *((dq_acc,) if atomic_dq else ()))
+    *((bias,) if prob.has_bias else ()), *((dq_acc,) if atomic_dq else ()))
 
 
 # -- dK / dV, paired consumers -------------------------------------------------
@@ -763,6 +836,10 @@ def paired_dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   """``(dk, dv)`` padded like ``k`` by :func:`_paired_dkv_kernel`
   (``bwd_paired_dkv``); operands as :func:`dkv`, with ``segments =
   (q_seg, kv_seg, kv_group_range)`` grouped by ``bwd_block_kv`` keys."""
+  if prob.has_bias:
+    raise NotImplementedError(
+        "the paired backward kernels take no dense bias (the Triton"
+        " backward serves it)")
   dtype = q.dtype
   dp = prob.head_dim_padded
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
@@ -821,7 +898,8 @@ def _key_tile_loader(srcs, rings, ready, *, b, h, prob: Problem, u_lo, bk):
 
 
 def _dq_step(step, t, carry, *, masked: bool, dq_acc, prob: Problem,
-             cfg: MosaicConfig, dtype, ring, held, vecs, a_smem, tile_mask):
+             cfg: MosaicConfig, dtype, ring, held, vecs, a_smem, tile_mask,
+             bias_of=None, ds_out=None):
   """One step of the dQ loop: key tile ``t`` against the consumer's query
   tile,
 
@@ -833,7 +911,9 @@ def _dq_step(step, t, carry, *, masked: bool, dq_acc, prob: Problem,
   no atomics).  ``ring``: the K/V ring (K, V slots, ready barriers, free
   signals); ``held``: this consumer's Q and dO; ``vecs``: its rows' lse2
   and delta (registers); ``a_smem``: the staged A operand
-  (``p_in_smem``); ``tile_mask(masked, t)``: the tile's element mask.
+  (``p_in_smem``); ``tile_mask(masked, t)``: the tile's element mask;
+  ``bias_of(slot, t)``: the dense bias's tile; ``ds_out(t) = (ds_smem,
+  dst)``: where the tile's ``dS`` goes (the bias's gradient), or None.
   """
   k_ring, v_ring, ready, free = ring
   q_smem, do_smem = held
@@ -841,8 +921,9 @@ def _dq_step(step, t, carry, *, masked: bool, dq_acc, prob: Problem,
   slot = lax.rem(step, cfg.bwd_stages)
   plgpu.barrier_wait(ready.at[slot])
   k_t, v_t = k_ring.at[slot], v_ring.at[slot]
-  softmax = lambda s: _probs(s, lse2, tile_mask(masked, t), prob=prob,
-                             row_axis=0)
+  softmax = lambda s: _probs(
+      s, lse2, tile_mask(masked, t), prob=prob, row_axis=0,
+      bias=None if bias_of is None else bias_of(slot, t))
   overlap = cfg.bwd_softmax_overlap
   scores = functools.partial(
       _scores, s_operands=(q_smem, k_t.T), dp_operands=(do_smem, v_t.T),
@@ -855,21 +936,31 @@ def _dq_step(step, t, carry, *, masked: bool, dq_acc, prob: Problem,
     p, th = softmax(s)
   ds = _dscores(p, th, dp, delta, row_axis=0)
   plgpu.wgmma(dq_acc, _a_operand(ds, a_smem, dtype), k_t)  # dQ += dS K
+  if ds_out is not None:  # (while dQ's wgmma runs)
+    _store_ds(ds, *ds_out(t))
   plgpu.wgmma_wait(0)
   free.arrive(slot)
   return carry
 
 
-def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
+def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
+               ds_out: bool):
   """The dQ kernel: program (query head, query group, batch); consumer
   ``wg`` holds query tile ``wg`` of the group (Q, dO and their rows' lse2
   and delta) and accumulates dQ over the key tiles (:func:`_dq_step`),
-  which the producer streams."""
+  which the producer streams (with a dense bias, its tiles beside them).
+  ``ds_out``: each computed tile's ``dS`` also goes to a zeroed
+  ``[B, H, Tp, Sp]`` ref (the dense bias's gradient before its broadcast
+  axes are summed; tiles never computed are hidden, and stay zero)."""
   ((q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref),
    (qseg_ref, kvseg_ref, range_ref), refs) = _split_inputs(refs, prob)
+  bias_ref = refs.pop(0) if prob.has_bias else None
+  ds_ref = refs.pop(0) if ds_out else None
   (dq_ref, q_smem2, do_smem2, k_ring, v_ring, qdo_ready, ready, free,
    *extra) = refs
-  a_smem2 = extra[0] if cfg.p_in_smem else None
+  a_smem2 = extra.pop(0) if cfg.p_in_smem else None
+  bias_ring = extra.pop(0) if prob.bias_ring else None
+  ds_smem2 = extra.pop(0) if ds_out else None
   n, stages = cfg.bwd_compute_wgs, cfg.bwd_stages
   bq, bk = cfg.bwd_block_q, cfg.bwd_block_kv
   free = pipeline.MBarriers(free)
@@ -897,10 +988,24 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
                         q_start=q_start, n_q=bq, k_start=t * bk, n_k=bk,
                         q_axis=0)
 
+    def bias_of(slot, t):
+      tile = None
+      if bias_ring is not None:  # the slot holds every consumer's rows
+        tile = plgpu.load(bias_ring.at[slot, pl.ds(wg * bq, bq)],
+                          layout=plgpu.Layout.WGMMA)
+      return _bias_tile(bias_ref, tile, b, h, prob=prob, k_start=t * bk,
+                        n_k=bk, shape=(bq, bk), q_axis=0)
+
+    def ds_dst(t):
+      return ds_smem2.at[wg], ds_ref.at[b, h, pl.ds(q_start, bq),
+                                        pl.ds(t * bk, bk)]
+
     step = functools.partial(
         _dq_step, prob=prob, cfg=cfg, dtype=dtype,
         ring=(k_ring, v_ring, ready, free), held=(q_smem, do_smem),
-        vecs=(lse2, delta), a_smem=a_smem, tile_mask=tile_mask)
+        vecs=(lse2, delta), a_smem=a_smem, tile_mask=tile_mask,
+        bias_of=bias_of if bias_ref is not None else None,
+        ds_out=ds_dst if ds_out else None)
     own, everywhere = pipeline.flash_full_range(
         mask.kv_block_range(q_start, bq, bk), range_ref, b, grp,
         segment_ids=prob.has_segment_ids)
@@ -924,14 +1029,26 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   @pl.when(wg == n)
   def _producer():
     pipeline.split_registers(True, n, cfg.bwd_consumer_registers)
-    load = _key_tile_loader((k_ref, v_ref), (k_ring, v_ring), ready, b=b,
-                            h=h, prob=prob, u_lo=u_lo, bk=bk)
+    load_kv = _key_tile_loader((k_ref, v_ref), (k_ring, v_ring), ready, b=b,
+                               h=h, prob=prob, u_lo=u_lo, bk=bk)
+
+    def load(step, slot):
+      load_kv(step, slot)
+      if bias_ring is not None:  # the group's rows of the key tile
+        plgpu.copy_gmem_to_smem(
+            _bias_source(bias_ref, b, h, prob, pl.ds(group_start, n * bq),
+                         pl.ds((u_lo + step) * bk, bk)),
+            bias_ring.at[slot], ready.at[slot])
     pipeline.produce(u_hi - u_lo, stages, load, [free])
 
 
 def dq(q, k, v, do, lse2, delta, segments, *, prob: Problem,
-       cfg: MosaicConfig, interpret=None):
-  """``dq`` padded like ``q``; ``segments = (q_seg, kv_seg, q_group_range)``."""
+       cfg: MosaicConfig, interpret=None, bias=None, ds_acc=None):
+  """``dq`` padded like ``q``; ``segments = (q_seg, kv_seg, q_group_range)``.
+  ``bias`` (with ``prob.has_bias``): the dense bias, ``[B | 1, H | 1, Tp,
+  Sp]`` in q's dtype, or one float32 row ``[B | 1, H | 1, 1, Sp]``
+  (``prob.bias_rows`` False).  ``ds_acc``: a zeroed ``[B, H, Tp, Sp]``
+  ref in q's dtype into which the kernel writes ``dS``."""
   dtype = q.dtype
   dp = prob.head_dim_padded
   bq, bk, n = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_compute_wgs
@@ -942,18 +1059,28 @@ def dq(q, k, v, do, lse2, delta, segments, *, prob: Problem,
       plgpu.SMEM((cfg.bwd_stages, bk, dp), dtype, **tiled),  # K ring
       plgpu.SMEM((cfg.bwd_stages, bk, dp), dtype, **tiled),  # V ring
       plgpu.Barrier(num_arrivals=2, num_barriers=n),         # Q, dO loaded
-      plgpu.Barrier(num_arrivals=2, num_barriers=cfg.bwd_stages),  # slot full
+      plgpu.Barrier(num_arrivals=2 + prob.bias_ring,
+                    num_barriers=cfg.bwd_stages),            # slot full
       plgpu.Barrier(num_arrivals=n, num_barriers=cfg.bwd_stages),  # slot free
   ]
   if cfg.p_in_smem:
     scratch.append(plgpu.SMEM((n, bq, bk), dtype, **tiled))
+  if prob.bias_ring:  # the group's rows of each key tile, beside K and V
+    scratch.append(plgpu.SMEM((cfg.bwd_stages, n * bq, bk), dtype,
+                              **pipeline.tiled_over(bk)))
+  if ds_acc is not None:  # one dS tile per consumer, staged for its copy
+    scratch.append(plgpu.SMEM((n, bq, bk), ds_acc.dtype,
+                              **pipeline.tiled_over(bk)))
   return pipeline.launch(
-      functools.partial(_dq_kernel, prob=prob, cfg=cfg, dtype=dtype),
+      functools.partial(_dq_kernel, prob=prob, cfg=cfg, dtype=dtype,
+                        ds_out=ds_acc is not None),
       out_type=out_struct(q.shape, dtype, q, k, v), scratch=scratch,
       grid=(prob.num_heads, prob.q_pad // (n * bq), prob.batch),
       grid_names=("heads", "q_seq", "batch"), consumers=n,
       interpret=interpret,
-  )(q, k, v, do, lse2, delta, *(segments or ()))
+  )(q, k, v, do, lse2, delta, *(segments or ()),
+    *((bias,) if prob.has_bias else ()),
+    *((ds_acc,) if ds_acc is not None else ()))
 
 
 # -- dQ, paired consumers ------------------------------------------------------
@@ -1075,6 +1202,10 @@ def paired_dq(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   """``dq`` padded like ``q`` by :func:`_paired_dq_kernel`
   (``bwd_paired_dq``); ``segments = (q_seg, kv_seg, q_group_range)``
   grouped by ``bwd_block_q`` queries."""
+  if prob.has_bias:
+    raise NotImplementedError(
+        "the paired backward kernels take no dense bias (the Triton"
+        " backward serves it)")
   dtype = q.dtype
   dp = prob.head_dim_padded
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages

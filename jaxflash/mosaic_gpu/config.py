@@ -341,9 +341,12 @@ class MosaicConfig:
     return sum(buffers) + _reserved(len(buffers))
 
   def bwd_smem_bytes(self, head_dim_padded: int, itemsize: int = 2,
-                     head_splits: int = 1) -> int:
+                     head_splits: int = 1, bias: bool = False,
+                     ds_itemsize: int = 0) -> int:
     """Shared memory of the larger of the two backward kernels
-    (``head_splits`` > 1: the dK/dV kernel's float32 staging tiles)."""
+    (``head_splits`` > 1: the dK/dV kernel's float32 staging tiles;
+    ``bias``: a dense bias's rings; ``ds_itemsize`` > 0: the dQ kernel's
+    staged dS tiles, the bias's gradient)."""
     bq, bk, n = self.bwd_block_q, self.bwd_block_kv, self.bwd_compute_wgs
     a_op = n * bq * bk * itemsize if self.p_in_smem else 0
     # dK/dV: K, V held per consumer; Q, dO, lse, delta streamed (in steps
@@ -356,6 +359,9 @@ class MosaicConfig:
     dkv_buffers = 6 + self.p_in_smem
     if head_splits > 1:  # one float32 partial tile per consumer
       dkv += n * bk * head_dim_padded * 4
+      dkv_buffers += 1
+    if bias:  # a bias tile of every consumer's keys per slot
+      dkv += self.bwd_stages * sq * n * bk * itemsize
       dkv_buffers += 1
     if self.bwd_atomic_dq:
       # dS^T staged per consumer (the dQ matmul's transposed A operand)
@@ -374,8 +380,10 @@ class MosaicConfig:
       dkv_buffers = 7 + self.p_in_smem
     # dQ: Q, dO held per consumer; K, V streamed.
     dq = (2 * n * bq * head_dim_padded * itemsize
-          + self.bwd_stages * 2 * bk * head_dim_padded * itemsize + a_op)
-    dq_buffers = 4 + self.p_in_smem
+          + self.bwd_stages * 2 * bk * head_dim_padded * itemsize + a_op
+          + bias * self.bwd_stages * n * bq * bk * itemsize
+          + n * bq * bk * ds_itemsize)
+    dq_buffers = 4 + self.p_in_smem + bias + (ds_itemsize > 0)
     if self.bwd_paired_dq:
       # One Q and one dO tile, the K/V ring, one P hand-over per slot and,
       # with p_in_smem, consumer 1's staged dS.
