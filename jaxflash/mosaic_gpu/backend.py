@@ -221,15 +221,26 @@ def _dense_mask(arrays: MaskArrays, prob: fwd_lib.Problem):
 
 
 def _dense_mask_ranges(mask_i8, batch: int, n_groups: int, held: int,
-                       streamed: int):
-  """A dense mask's key-tile ranges per query group, ``[B, 4, n_groups]``
-  int32 (:func:`jaxflash.flashmask.tile_runs`): the tiles where some head sees
-  a key, and the first run where every head sees every key of the tile
-  (padding rows hide keys, so a group with padding rows has no such
-  run)."""
-  cls = masks_lib.dense_tile_summary(mask_i8, held, streamed)
+                       streamed: int, *, held_q: bool = True,
+                       n_streamed: int | None = None):
+  """A dense mask's streamed-tile ranges per group of held rows, ``[B, 4,
+  n_groups]`` int32 (:func:`jaxflash.flashmask.tile_runs`): the tiles
+  where some head sees a key, and the first run where every head sees
+  every key of the tile (padding rows hide keys, so a group with padding
+  rows has no such run).  ``held_q`` False: the groups are of keys and
+  the streamed tiles of queries (the dK/dV kernel), ``held`` keys and
+  ``streamed`` rows each, ``n_streamed`` of them (``mask_i8``'s rows
+  padded to whole tiles, or one row for every query)."""
+  if held_q:
+    cls = masks_lib.dense_tile_summary(mask_i8, held, streamed)
+  else:
+    cls = masks_lib.dense_tile_summary(mask_i8, streamed, held,
+                                       transpose=True)
   live = jnp.any(cls != masks_lib.DENSE_HIDDEN, axis=1)  # [b, g, n]
   full = jnp.all(cls == masks_lib.DENSE_FULL, axis=1)
+  if not held_q:  # (one row of keys for every query: every query tile)
+    live, full = (jnp.broadcast_to(x, (*x.shape[:2], n_streamed))
+                  for x in (live, full))
   runs = flashmask.tile_runs(live, full)  # [b | 1, g | 1, 4]
   runs = jnp.broadcast_to(runs, (batch, n_groups, 4))
   return jnp.swapaxes(runs, 1, 2)
@@ -438,9 +449,12 @@ def _backward_config(config: MosaicConfig, dp: int, arrays: MaskArrays,
   shared memory."""
   if not _serves_backward(dp, config):
     return None
+  paired = config.bwd_paired_dkv or config.bwd_paired_dq
+  if arrays.dense_mask is not None and paired:
+    return None
   if arrays.bias is None:
     return config
-  if config.bwd_paired_dkv or config.bwd_paired_dq:
+  if paired:
     return None
   config = dataclasses.replace(config, bwd_atomic_dq=False)
   need = config.bwd_smem_bytes(dp, bias=_bias_rows(arrays, q_len),
@@ -510,6 +524,9 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
         kv_seg, kv_group * config.bwd_block_kv, q_seg_dkv,
         config.dkv_block_q) if ids else None), cols, q_seg_dkv.shape[1],
         kv_group * config.bwd_block_kv, config.dkv_block_q, held_q=False)
+    if prob.has_dense_mask:  # (neither a FlashMask nor the paired kernels)
+      seg_dq, seg_dkv = _with_dense_backward(
+          _dense_mask(arrays, prob), seg_dq, seg_dkv, prob, config, B)
   splits = head_splits(prob, config)
   bias = _backward_bias(arrays, prob, config, q.dtype)
   # dS in the inputs' dtype, as dQ's and dK's matmuls take it.
@@ -532,6 +549,36 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
   axes = tuple(a for a in range(4) if arrays.bias.shape[a] == 1)
   dbias = ds[0][:, :, :T, :S].astype(jnp.float32)
   return (*grads, jnp.sum(dbias, axis=axes, keepdims=True))
+
+
+def _with_dense_backward(mask, seg_dq, seg_dkv, prob: fwd_lib.Problem,
+                         config: MosaicConfig, batch: int):
+  """Both backward kernels' segment inputs with a dense mask (``mask``:
+  :func:`_dense_mask`'s int8 array) appended and its tile ranges (the
+  forward's rule, :func:`_dense_mask_ranges`, per query group of the dQ
+  kernel and per key group of the dK/dV kernel) narrowed to the ids'.
+  The dK/dV kernel reads the mask transposed, ``[B|1, H|1, Sp, rows]``
+  (rows padded to its query steps), so that its tiles load in the layout
+  of ``S^T``; one row of keys for every query stays as it is."""
+  n = config.bwd_compute_wgs
+  held_q, bk = n * config.bwd_block_q, config.bwd_block_kv
+  dq_ranges = _dense_mask_ranges(mask, batch, prob.q_pad // held_q, held_q,
+                                 bk)
+  rows = seg_dkv[0].shape[1]  # the dK/dV kernel's padded query rows
+  mask_t = mask
+  if mask.shape[2] > 1:
+    mask_t = jnp.pad(mask, ((0, 0), (0, 0), (0, rows - mask.shape[2]),
+                            (0, 0)))
+  held_k, sq = n * bk, config.dkv_block_q
+  dkv_ranges = _dense_mask_ranges(mask_t, batch, prob.kv_pad // held_k,
+                                  held_k, sq, held_q=False,
+                                  n_streamed=rows // sq)
+  if mask.shape[2] > 1:
+    mask_t = jnp.swapaxes(mask_t, 2, 3)
+  q_seg, kv_seg, rng = seg_dq
+  seg_dq = (q_seg, kv_seg, _narrowed(dq_ranges, rng), mask)
+  q_seg, kv_seg, rng = seg_dkv
+  return seg_dq, (q_seg, kv_seg, _narrowed(dkv_ranges, rng), mask_t)
 
 
 def _backward_bias(arrays: MaskArrays, prob: fwd_lib.Problem,

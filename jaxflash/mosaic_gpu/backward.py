@@ -207,8 +207,28 @@ def _segment_kwargs(q_seg_ref, kv_seg_ref, b, q_start, n_q, k_start, n_k,
               k_seg=lax.broadcast_in_dim(k_seg, shape, [k_axis]))
 
 
+def _dense_visible(ref, b, h, *, q_start, n_q, k_start, n_k, q_axis: int):
+  """A dense boolean mask's tile (int8 in GMEM, ``[B | 1, H | 1, rows,
+  keys]``, an axis of 1 shared; the dK/dV kernel's transposed, keys
+  first) in the layout of ``S`` (``q_axis`` 0) or ``S^T`` (1): its
+  elements read from GMEM, as the forward's; one row of keys for every
+  query (a key padding mask) broadcast over the queries."""
+  src = ref.at[b if ref.shape[0] > 1 else 0, h if ref.shape[1] > 1 else 0]
+  shape = (n_q, n_k) if q_axis == 0 else (n_k, n_q)
+  if src.shape[0] > 1:
+    rows, cols = (q_start, n_q), (k_start, n_k)
+    if q_axis == 1:
+      rows, cols = cols, rows
+    tile = plgpu.load(src.at[pl.ds(*rows), pl.ds(*cols)],
+                      layout=plgpu.Layout.WGMMA, optimized=False)
+    return tile != 0
+  row = plgpu.load(src.at[0, pl.ds(k_start, n_k)],
+                   layout=COL if q_axis == 0 else ROW, optimized=False)
+  return lax.broadcast_in_dim(row != 0, shape, [1 - q_axis])
+
+
 def _tile_mask(masked: bool, mask, seg_refs, b, *, q_start, n_q, k_start,
-               n_k, q_axis: int, held=None):
+               n_k, q_axis: int, held=None, h=None):
   """The element mask of one tile of a backward kernel (queries from
   ``q_start`` along ``q_axis``, keys from ``k_start`` along the other), or
   None where ``masked`` is False.  The index tiles are built here, in the
@@ -217,7 +237,8 @@ def _tile_mask(masked: bool, mask, seg_refs, b, *, q_start, n_q, k_start,
   kernel spilled 196 / 332 bytes with it, 128 / 184 without).  ``held``:
   the held side's index tile, built before the loop (the paired kernels,
   as measured on the H200; not re-timed without it).  The others are
-  row / column vectors (:func:`pipeline.index_tile`)."""
+  row / column vectors (:func:`pipeline.index_tile`).  ``h``: the query
+  head (a dense mask's, :func:`_dense_visible`)."""
   if not masked:
     return None
   shape = (n_q, n_k) if q_axis == 0 else (n_k, n_q)
@@ -228,10 +249,15 @@ def _tile_mask(masked: bool, mask, seg_refs, b, *, q_start, n_q, k_start,
   visible = mask.visible(q_idx, k_idx,
                          **_segment_kwargs(*seg_refs, b, q_start, n_q,
                                            k_start, n_k, q_axis=q_axis))
-  flash = seg_refs[1][1] if seg_refs[0] is not None else None
+  flash, dense = (seg_refs[1][1:] if seg_refs[0] is not None
+                  else (None, None))
   if flash is not None:
     visible = visible & pipeline.flash_visible(
         flash, b, q_idx, k_start, n_k, shape, key_axis=1 - q_axis)
+  if dense is not None:
+    visible = visible & _dense_visible(dense, b, h, q_start=q_start,
+                                       n_q=n_q, k_start=k_start, n_k=n_k,
+                                       q_axis=q_axis)
   return visible
 
 
@@ -270,8 +296,9 @@ def _store_ds(ds, ds_smem, dst) -> None:
 
 def _split_inputs(refs, prob: Problem):
   """Both backward kernels' operands: ``(q, k, v, do, lse2, delta)``, the
-  segment refs ``(q_seg, (kv_seg, flash), group_range)`` (Nones without
-  segment ids; ``flash`` the FlashMask columns or None) and the remaining
+  segment refs ``(q_seg, (kv_seg, flash, dense), group_range)`` (Nones
+  without segment inputs; ``flash`` the FlashMask columns, ``dense`` the
+  dense mask (:func:`_dense_visible`), each or None) and the remaining
   refs, as a list."""
   refs = list(refs)
   tensors, refs = refs[:6], refs[6:]
@@ -279,7 +306,8 @@ def _split_inputs(refs, prob: Problem):
     return tuple(tensors), (None, None, None), refs
   q_seg, kv_seg, group_range, *refs = refs
   flash = refs.pop(0) if prob.has_flash_mask else None
-  return tuple(tensors), (q_seg, (kv_seg, flash), group_range), refs
+  dense = refs.pop(0) if prob.has_dense_mask else None
+  return tuple(tensors), (q_seg, (kv_seg, flash, dense), group_range), refs
 
 
 def _product_t(a_smem, b_smem, shape):
@@ -398,8 +426,8 @@ def _dkv_step(step, t, carry, *, masked: bool, g, dk_acc, dv_acc,
   reduce-add into ``dq_dst(t, g)``).  ``ring``: the query ring (Q, dO,
   lse2, delta slots, ready barriers, free signals); ``held``: this
   consumer's K and V; ``a_smem``: the staged A operand (``p_in_smem``);
-  ``tile_mask(masked, t)``: the tile's element mask; ``bias_of(slot, t,
-  g)``: the dense bias's tile (None without one).
+  ``tile_mask(masked, t, g)``: the tile's element mask; ``bias_of(slot,
+  t, g)``: the dense bias's tile (None without one).
   """
   q_ring, do_ring, lse_ring, delta_ring, ready, free = ring
   k_smem, v_smem = held
@@ -419,7 +447,7 @@ def _dkv_step(step, t, carry, *, masked: bool, g, dk_acc, dv_acc,
   delta_of = lambda: (None if dp0 is not None
                       else plgpu.load(delta_t, layout=COL))
   softmax = lambda s, lse2: _probs(
-      s, lse2, tile_mask(masked, t), prob=prob, row_axis=1,
+      s, lse2, tile_mask(masked, t, g), prob=prob, row_axis=1,
       bias=None if bias_of is None else bias_of(slot, t, g))
 
   def dv_update(p):  # dV += P^T dO
@@ -538,10 +566,10 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg])
     plgpu.barrier_wait(kv_ready.at[wg])
 
-    def tile_mask(masked, t):
+    def tile_mask(masked, t, g):
       return _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
                         q_start=t * bq, n_q=bq, k_start=k_start, n_k=bk,
-                        q_axis=1)
+                        q_axis=1, h=h0 + g)
 
     def dq_dst(t, g):  # the query tile's rows of dQ (float32, padded)
       return dq_acc_ref.at[b, pl.ds(t * bq, bq), h0 + g]
@@ -836,10 +864,10 @@ def paired_dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   """``(dk, dv)`` padded like ``k`` by :func:`_paired_dkv_kernel`
   (``bwd_paired_dkv``); operands as :func:`dkv`, with ``segments =
   (q_seg, kv_seg, kv_group_range)`` grouped by ``bwd_block_kv`` keys."""
-  if prob.has_bias:
+  if prob.has_bias or prob.has_dense_mask:
     raise NotImplementedError(
-        "the paired backward kernels take no dense bias (the Triton"
-        " backward serves it)")
+        "the paired backward kernels take no dense bias or mask (the"
+        " Triton backward serves them)")
   dtype = q.dtype
   dp = prob.head_dim_padded
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
@@ -986,7 +1014,7 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     def tile_mask(masked, t):
       return _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
                         q_start=q_start, n_q=bq, k_start=t * bk, n_k=bk,
-                        q_axis=0)
+                        q_axis=0, h=h)
 
     def bias_of(slot, t):
       tile = None
@@ -1202,10 +1230,10 @@ def paired_dq(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   """``dq`` padded like ``q`` by :func:`_paired_dq_kernel`
   (``bwd_paired_dq``); ``segments = (q_seg, kv_seg, q_group_range)``
   grouped by ``bwd_block_q`` queries."""
-  if prob.has_bias:
+  if prob.has_bias or prob.has_dense_mask:
     raise NotImplementedError(
-        "the paired backward kernels take no dense bias (the Triton"
-        " backward serves it)")
+        "the paired backward kernels take no dense bias or mask (the"
+        " Triton backward serves them)")
   dtype = q.dtype
   dp = prob.head_dim_padded
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
