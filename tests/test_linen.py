@@ -435,7 +435,7 @@ _DENSE_CASES = [  # (keywords, id, slow on "xla", slow on the kernels)
     (dict(bias_shape=(2, 4, 12, 20)), "bias", True, True),
     (dict(bias_shape=(1, 1, 12, 20), is_causal=True),
      "bias-broadcast-causal", False, True),
-    (dict(bias_shape=(2, 4, 1, 20), kv_heads=1), "bias-mqa-row", False,
+    (dict(bias_shape=(2, 4, 1, 20), kv_heads=1), "bias-mqa-row", True,
      True),  # MQA, one row
     (dict(mask_shape=(2, 1, 12, 20), local_window_size=(3, 2)),
      "mask-window", True, True),
