@@ -58,7 +58,12 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, nvvm, scf, vector
 
 from jaxflash._util import out_struct, sm_count
-from jaxflash.masks import MaskSpec, dropout_keep_from_rows, dropout_row_keys
+from jaxflash.masks import (
+  MaskSpec,
+  dropout_col_keys,
+  dropout_keep_from_keys,
+  dropout_row_keys,
+)
 from jaxflash.mosaic_gpu import pipeline
 from jaxflash.mosaic_gpu.config import MosaicConfig
 
@@ -869,19 +874,22 @@ class _Item:
       return p
     heads = prob.num_heads
     row0, col0 = r.dropout[self.b, heads], r.dropout[self.b, heads + 1]
-    shape, row = (self.bq, self.bk), plgpu.Layout.WGMMA.reduce(1)
+    shape = (self.bq, self.bk)
+    row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
     # The rows' keys hashed on the row vector (the head's key as one: the
-    # hash's uint32 casts lower for arrays, not scalars), the pairs on
-    # the tile.
+    # hash's uint32 casts lower for arrays, not scalars), the columns' on
+    # the column vector, one mix per pair on the tile.
     key = plgpu.layout_cast(jnp.full((self.bq,), r.dropout[self.b, self.h]),
                             row)
     rows = self.q_start + row0 + plgpu.broadcasted_iota(
         jnp.int32, (self.bq,), 0, layout=row)
-    bcast = lambda x: lax.broadcast_in_dim(x, shape, [0])
+    cols = t * self.bk + col0 + plgpu.broadcasted_iota(
+        jnp.int32, (self.bk,), 0, layout=col)
+    bcast = lambda x, axis: lax.broadcast_in_dim(x, shape, [axis])
     row_key, row_key2 = dropout_row_keys(key, rows)
-    keep = dropout_keep_from_rows(
-        bcast(row_key), bcast(row_key2),
-        pipeline.index_tile(t * self.bk + col0, shape, 1), prob.dropout_rate)
+    keep = dropout_keep_from_keys(
+        bcast(row_key, 0), bcast(row_key2, 0),
+        bcast(dropout_col_keys(cols), 1), prob.dropout_rate)
     return jnp.where(keep, p * (1.0 / (1.0 - prob.dropout_rate)), 0.0)
 
   def probs_where_visible(self, s, t, m, full_lo, full_hi):
