@@ -63,25 +63,25 @@ def _mosaic_backward(q, k, v, arrays, out, lse, dout, dlse, *, mask,
                      deterministic, bias_grad=False, dropout_rate=0.0,
                      dropout_shared=False):
   """The Hopper backward kernels, or the Triton ones where those do not
-  serve the call (both take the same residuals; the backward of ALiBi
-  and of attention dropout, whose keep mask it regenerates, is the
-  Triton kernels', and so is a dense bias's or mask's where the Hopper
-  kernels do not take it: :func:`mosaic_gpu.serves_backward`)."""
+  serve the call (both take the same residuals and regenerate dropout's
+  keep mask from the same hash; :func:`mosaic_gpu.serves_backward` says
+  which: the paired kernels, for one, take no dense terms or dropout)."""
   bias = arrays.bias
   if bias is not None:
     # The bias as the Hopper forward read it (in q's dtype), so that the
     # recomputed probabilities match its log-sum-exp; dbias in the
     # bias's own dtype.
     arrays = arrays._replace(bias=bias.astype(q.dtype))
-  if (arrays.alibi_slopes is None and not dropout_rate
-      and mosaic_gpu.serves_backward(
-          q, k, mask=mask, config=config, interpret=interpret,
-          deterministic=deterministic, arrays=arrays, bias_grad=bias_grad)):
+  if mosaic_gpu.serves_backward(
+      q, k, mask=mask, config=config, interpret=interpret,
+      deterministic=deterministic, arrays=arrays, bias_grad=bias_grad,
+      dropout_rate=dropout_rate):
     grads = mosaic_kernels.backward(
         q, k, v, arrays, out, lse, dout, dlse, mask=mask,
         softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
         config=config, interpret=interpret, deterministic=deterministic,
-        bias_grad=bias_grad)
+        bias_grad=bias_grad, dropout_rate=dropout_rate,
+        dropout_shared=dropout_shared)
   else:
     grads = triton_kernels.backward(
         q, k, v, arrays, out, lse, dout, dlse, mask=mask,

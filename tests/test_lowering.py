@@ -876,6 +876,49 @@ def test_mosaic_bias_forward_lowers_for_cuda(shape, cfg):
       (2, shape[2], rows, shape[1]), jnp.bfloat16))
 
 
+@pytest.mark.parametrize("d,cfg", [
+    (128, dict(bwd_stats_in_acc=True, bwd_softmax_overlap=True,
+               bwd_consumer_registers=240, bwd_early_dv=True)),
+    pytest.param(128, dict(bwd_stats_in_acc=True, bwd_softmax_overlap=True,
+                           bwd_consumer_registers=240, bwd_early_dv=True,
+                           bwd_dkv_block_q=80), marks=pytest.mark.slow),
+    (64, dict(bwd_atomic_dq=True)),
+], ids=["d128-tuned", "d128-dkv-q80", "d64-atomic"])
+@pytest.mark.parametrize("terms", ["bias-rows-dropout", "mask-alibi-keybias"])
+def test_mosaic_backward_terms_lower_for_cuda(d, cfg, terms):
+  """The Hopper backward with the dense terms and dropout lowers to Mosaic
+  GPU IR in the tuned GPU configs (registers as wgmma A operands, the
+  statistics in the accumulators, the overlapped order; an atomic-dQ
+  config gives its dQ kernel back to the dense bias's gradient): a
+  per-head bias with its gradient and dropout; a dense mask, ALiBi and a
+  key padding bias."""
+  from jaxflash import mosaic_gpu
+  q, kv, _, _, mask = _mosaic_case((1000, 1500, 8, 2, d, True, None))
+  config = mosaic_gpu.MosaicConfig(**cfg)
+  seeds = jnp.zeros((2, 4), jnp.int32)
+  if terms == "bias-rows-dropout":
+    extra = jax.ShapeDtypeStruct((1, 8, 1000, 1500), jnp.float32)
+    arrays = lambda x: MaskArrays(bias=x, dropout_seeds=seeds)
+    kw = dict(dropout_rate=0.1)
+  else:
+    extra = jax.ShapeDtypeStruct((2, 1, 1000, 1500), jnp.bool_)
+    slopes = jnp.zeros((1, 8, 1, 2), jnp.float32)
+    key_bias = jnp.zeros((2, 1, 1, 1500), jnp.float32)
+    arrays = lambda x: MaskArrays(dense_mask=x, alibi_slopes=slopes,
+                                  bias=key_bias)
+    kw = {}
+
+  def loss(q, k, v, x):
+    out, _ = mosaic_attention(q, k, v, mask=mask, arrays=arrays(x),
+                              softmax_scale=0.125, config=config, **kw)
+    return out.astype(jnp.float32).sum()
+
+  argnums = (0, 1, 2, 3) if extra.dtype == jnp.float32 else (0, 1, 2)
+  text = jax.jit(jax.grad(loss, argnums)).trace(q, kv, kv, extra).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"] * 3
+
+
 def _assert_forward_lowers(shape, cfg, **term):
   """The Hopper forward of a ``_mosaic_case`` shape with ``cfg`` and the
   abstract mask array ``term`` (a MaskArrays field) lowers to one Mosaic

@@ -5,8 +5,9 @@ On CPU they run in the Mosaic GPU interpreter with race detection
 (with the ping-pong schedule barrier) or three consumer warpgroups.  The ``gpu``
 variants compile them for the H200, including the register-operand ``P V``
 form the interpreter cannot run.  Gradients go through the Hopper dK/dV and
-dQ kernels (padded head_dim <= 128, or with ``bwd_paired_dkv``), else the
-Triton backward kernels.  A race the detector reports fails the test
+dQ kernels (padded head_dim <= 128, or with ``bwd_paired_dkv``; the dense
+terms and dropout in the unpaired kernels), else the Triton backward
+kernels.  A race the detector reports fails the test
 (the detector only prints; ``_no_races`` reads the output).
 
 Each interpreter run (:class:`Run`) runs the forward kernel, the backward
@@ -270,7 +271,7 @@ def _serves_backward(run: Run) -> bool:
       jax.ShapeDtypeStruct((b, t, h, d), run.dtype),
       jax.ShapeDtypeStruct((b, s, kh, d), run.dtype), mask=run.spec,
       config=run.config, interpret=RACES, arrays=_mask_arrays(run)[0],
-      bias_grad=run.bias_grad)
+      bias_grad=run.bias_grad, dropout_rate=run.dropout)
 
 
 def _mask_arrays(run: Run):
@@ -398,8 +399,6 @@ def _backward_kernels(run: Run, arrays):
   """``(q, k, v, out, lse, do, dlse) -> (dq, dk, dv)``: the backward
   kernels alone (and dbias fourth with ``run.bias_grad``)."""
   kw = _kernel_kwargs(run)
-  for name in ("dropout_rate", "dropout_shared"):  # (the Triton backward's)
-    kw.pop(name, None)
   if run.bias_grad:
     kw["bias_grad"] = True
   return lambda q, k, v, out, lse, do, dlse: mosaic_kernels.backward(
@@ -2375,8 +2374,8 @@ def test_flashmask_interpret(run):
   _run_interpreted(run)
 
 
-# ALiBi in the Hopper forward (its backward is the Triton kernels'): the
-# plain and the overlapped loops, causal and not, q_len != kv_len.
+# ALiBi in the Hopper forward: the plain and overlapped loops, causal and
+# not, q_len != kv_len (the backward's: TERMS_RUNS).
 ALIBI_RUNS = [
     Run("alibi-causal-2wg", "fwd", (2, 200, 300, 4, 2, 64), jnp.bfloat16,
         TWO_WG, seed=8, causal=True, alibi=True),
@@ -2391,10 +2390,9 @@ def test_alibi_interpret(run):
   _run_interpreted(run)
 
 
-# A dense bias in the Hopper forward (its backward, with dbias, is the
-# Triton kernels'): its tiles streamed beside V in the plain, overlapped
-# and persistent loops, per head and per batch row, or one row of keys
-# read from GMEM, with -inf entries.
+# A dense bias in the Hopper kernels: its tiles streamed beside V in the
+# forward's plain, overlapped and persistent loops, per head and per
+# batch row, or one row of keys read from GMEM, with -inf entries.
 BIAS_RUNS = [
     Run("bias-causal-2wg", "fwd", (2, 200, 300, 4, 2, 64), jnp.bfloat16,
         TWO_WG, seed=11, causal=True, bias="head"),
@@ -2427,8 +2425,8 @@ def test_bias_interpret(run):
 
 
 # Attention dropout in the Hopper forward (the keep mask hashed per tile,
-# the Triton backward regenerating it): the plain and overlapped loops,
-# per head and shared, the seeds' row and head offsets.
+# the backward regenerating it): the plain and overlapped loops, per head
+# and shared, the seeds' row and head offsets.
 DROPOUT_RUNS = [
     Run("dropout-causal-2wg", "fwd+bwd", (2, 200, 300, 4, 2, 64),
         jnp.bfloat16, TWO_WG, seed=18, causal=True, dropout=0.25),
@@ -2443,11 +2441,30 @@ def test_dropout_interpret(run):
   _run_interpreted(run)
 
 
-# A dense boolean mask in the Hopper forward (its backward is the Triton
-# kernels'): the tiles it hides skipped and its fully visible run left
-# unmasked (its tile ranges in seg_range), its tiles read from GMEM
-# elsewhere; per batch row with lengths, one row of keys (per head:
-# _dense_mask_call).
+# The Hopper backward's mask terms together: a dense mask (its tile ranges
+# per query group and per key group, its elements from GMEM, transposed
+# for dK/dV), ALiBi's bias from the index vectors and dropout's keep mask
+# regenerated in both kernels; per batch row with lengths, and one row of
+# keys with a keep mask shared by the heads.
+TERMS_RUNS = [
+    Run("terms-bwd-documents-2wg", "bwd", (2, 200, 300, 4, 2, 64),
+        jnp.bfloat16, TWO_WG, seed=29, causal=True, dense="documents",
+        alibi=True, dropout=0.2, segments=dict(kv_len=[300, 250])),
+    Run("terms-bwd-keys-1wg", "bwd", (2, 130, 100, 2, 1, 32), jnp.bfloat16,
+        ONE_WG, seed=30, dense="keys", dropout=0.3, dropout_shared=True),
+]
+
+
+@pytest.mark.parametrize("run", _params(TERMS_RUNS))
+def test_backward_terms_interpret(run):
+  _run_interpreted(run)
+
+
+# A dense boolean mask in the Hopper forward: the tiles it hides skipped
+# and its fully visible run left unmasked (its tile ranges in
+# seg_range), its tiles read from GMEM elsewhere; per batch row with
+# lengths, one row of keys (per head: _dense_mask_call; the backward's:
+# TERMS_RUNS).
 DENSE_RUNS = [
     Run("dense-documents-overlap", "fwd", (2, 256, 300, 2, 1, 64),
         jnp.bfloat16, dataclasses.replace(TWO_WG, intra_wg_overlap=True),
@@ -2528,8 +2545,8 @@ def test_bias_gpu(d, form, causal):
 
 def _dense_mask_call(interpret, t=256, s=300, d=64):
   """flash_attention with a dense boolean mask (per head, one row hidden
-  entirely) on the Hopper forward and the Triton backward: out, LSE and
-  dq, dk, dv by the numerics rule."""
+  entirely) on the Hopper forward and backward: out, LSE and dq, dk, dv
+  by the numerics rule."""
   args = numerics.random_inputs(jax.random.key(16), batch=2, q_len=t,
                                 kv_len=s, heads=4, kv_heads=2, head_dim=d,
                                 dtype=jnp.bfloat16)
@@ -2543,9 +2560,9 @@ def _dense_mask_call(interpret, t=256, s=300, d=64):
 
 
 @pytest.mark.slow
-def test_dense_mask_gradients_through_the_triton_backward():
-  """The dense mask's forward on the Hopper kernel, dq, dk, dv from the
-  Triton backward kernels on the same residuals (interpreted)."""
+def test_dense_mask_gradients_through_the_hopper_backward():
+  """A per-head dense mask through the Hopper forward and backward
+  (interpreted)."""
   _dense_mask_call(True)
 
 
@@ -2772,7 +2789,7 @@ def interpreter_runs() -> list[Run]:
   """Every interpreter run of this file's kernel tests."""
   return (_base_runs() + _variant_runs() + _segment_runs()
           + _soft_cap_runs() + FLASH_RUNS + ALIBI_RUNS + BIAS_RUNS
-          + DROPOUT_RUNS + DENSE_RUNS + FP8_RUNS)
+          + DROPOUT_RUNS + TERMS_RUNS + DENSE_RUNS + FP8_RUNS)
 
 
 def run_cost(run: Run) -> float:

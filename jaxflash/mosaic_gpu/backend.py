@@ -441,16 +441,19 @@ def _serves_backward(dp: int, config: MosaicConfig) -> bool:
 
 
 def _backward_config(config: MosaicConfig, dp: int, arrays: MaskArrays,
-                     q_len: int, bias_grad: bool) -> MosaicConfig | None:
+                     q_len: int, bias_grad: bool,
+                     dropout: bool = False) -> MosaicConfig | None:
   """The backward config of a call (``config`` resolved), or None where
   the Hopper backward kernels do not serve it.  With a dense bias: the
   dQ kernel (it writes the bias's gradient; no ``bwd_atomic_dq``), not
   the paired kernels, and the bias's rings (and dS's staging) within the
-  shared memory."""
+  shared memory.  A dense mask, ALiBi or ``dropout`` need the unpaired
+  kernels too."""
   if not _serves_backward(dp, config):
     return None
   paired = config.bwd_paired_dkv or config.bwd_paired_dq
-  if arrays.dense_mask is not None and paired:
+  if paired and (arrays.dense_mask is not None or dropout
+                 or arrays.alibi_slopes is not None):
     return None
   if arrays.bias is None:
     return config
@@ -465,30 +468,35 @@ def _backward_config(config: MosaicConfig, dp: int, arrays: MaskArrays,
 def serves_backward(q, k, *, mask: MaskSpec, config: MosaicConfig | None,
                     interpret=False, deterministic: bool = False,
                     arrays: MaskArrays = NO_MASK_ARRAYS,
-                    bias_grad: bool = False) -> bool:
+                    bias_grad: bool = False,
+                    dropout_rate: float = 0.0) -> bool:
   """Whether :func:`backward` serves this call; where it does not, the
   Triton backward kernels take the same residuals."""
   dp = kernel_head_dim(q.shape[3])
   return _backward_config(
       _resolve_config(config, interpret, dp, mask, deterministic, q, k),
-      dp, arrays, q.shape[1], bias_grad) is not None
+      dp, arrays, q.shape[1], bias_grad, bool(dropout_rate)) is not None
 
 
 def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
              mask: MaskSpec, softmax_scale: float, logits_soft_cap=None,
              config: MosaicConfig | None = None, interpret=False,
-             deterministic: bool = False, bias_grad: bool = False):
+             deterministic: bool = False, bias_grad: bool = False,
+             dropout_rate: float = 0.0, dropout_shared: bool = False):
   """The gradient ``(dq, dk, dv)`` from the forward's residuals;
   bitwise reproducible when ``deterministic`` (no atomic dQ).  With a
   dense bias in ``arrays`` (as the forward read it: in q's dtype), and
   ``bias_grad``, its gradient fourth: float32, summed over the bias's
-  broadcast axes (the shape of ``arrays.bias``)."""
+  broadcast axes (the shape of ``arrays.bias``).  ``dropout_rate``:
+  attention dropout's keep mask regenerated from ``arrays.dropout_seeds``
+  as the forward made it."""
   B, T, H, D = q.shape
   S = k.shape[1]
   dp = kernel_head_dim(D)
   resolved = _resolve_config(config, interpret, dp, mask, deterministic, q,
                              k)
-  config = _backward_config(resolved, dp, arrays, T, bias_grad)
+  config = _backward_config(resolved, dp, arrays, T, bias_grad,
+                            bool(dropout_rate))
   if config is None:
     raise NotImplementedError(
         f"the Hopper backward kernels do not serve this call: padded"
@@ -499,7 +507,9 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
     _check_interpreter_threads(config)
   n = config.bwd_compute_wgs
   prob = backward_problem(q, k, mask, softmax_scale, config,
-                          logits_soft_cap, arrays, interpret=bool(interpret))
+                          logits_soft_cap, arrays, interpret=bool(interpret),
+                          dropout_rate=dropout_rate,
+                          dropout_shared=dropout_shared)
   tensors = backward_operands(q, k, v, out, lse, dout, dlse, prob)
   seg_dq = seg_dkv = None
   if prob.has_segments:
@@ -531,9 +541,14 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
   bias = _backward_bias(arrays, prob, config, q.dtype)
   # dS in the inputs' dtype, as dQ's and dK's matmuls take it.
   ds_dtype = q.dtype if bias_grad else None
+  alibi = None
+  if prob.has_alibi:  # [B|1, H, 1, 2] -> [B, H, 2]: slope, shift
+    alibi = jnp.broadcast_to(
+        arrays.alibi_slopes[:, :, 0, :].astype(jnp.float32), (B, H, 2))
   done = {name: run(*tensors) for name, run in backward_passes(
       prob, config, seg_dq, seg_dkv, _interpret_params(interpret),
-      head_splits=splits, bias=bias, ds_dtype=ds_dtype)}
+      head_splits=splits, bias=bias, ds_dtype=ds_dtype, alibi=alibi,
+      dropout=_dropout_table(arrays, prob) if dropout_rate else None)}
   if config.bwd_atomic_dq:
     dq, dk, dv = done["dkv+atomic-dq"]
   else:
@@ -602,7 +617,8 @@ def _backward_bias(arrays: MaskArrays, prob: fwd_lib.Problem,
 def backward_problem(q, k, mask: MaskSpec, softmax_scale: float,
                      config: MosaicConfig, logits_soft_cap=None,
                      arrays: MaskArrays = NO_MASK_ARRAYS,
-                     interpret=False) -> fwd_lib.Problem:
+                     interpret=False, dropout_rate: float = 0.0,
+                     dropout_shared: bool = False) -> fwd_lib.Problem:
   """The backward kernels' padded problem (tiles of ``bwd_*``)."""
   B, T, H, D = q.shape
   S, K = k.shape[1], k.shape[2]
@@ -619,6 +635,7 @@ def backward_problem(q, k, mask: MaskSpec, softmax_scale: float,
       kv_pad=round_up(S, n * config.bwd_block_kv),
       head_dim_padded=kernel_head_dim(D),
       logits_soft_cap=logits_soft_cap, bias_rows=_bias_rows(arrays, T),
+      dropout_rate=float(dropout_rate), dropout_shared=dropout_shared,
       **_mask_flags(arrays))
 
 
@@ -665,7 +682,7 @@ def backward_operands(q, k, v, out, lse, dout, dlse, prob: fwd_lib.Problem):
 
 def backward_passes(prob: fwd_lib.Problem, config: MosaicConfig, seg_dq,
                     seg_dkv, interpret=None, head_splits: int = 1,
-                    bias=None, ds_dtype=None):
+                    bias=None, ds_dtype=None, alibi=None, dropout=None):
   """The Hopper backward's kernel launches in order, ``[(name, run)]``,
   each ``run(qp, kp, vp, dop, lse2, delta)`` on the padded operands
   returning its outputs: ``dq`` (``dq-paired`` with ``bwd_paired_dq``)
@@ -675,10 +692,12 @@ def backward_passes(prob: fwd_lib.Problem, config: MosaicConfig, seg_dq,
   ``head_splits`` > 1: the dK/dV kernel's float32 partials, summed here
   (:func:`head_splits`).  ``bias``: the dense bias
   (:func:`_backward_bias`); ``ds_dtype``: the dQ kernel also returns
-  ``dS [B, H, Tp, Sp]`` in that dtype (the bias's gradient)."""
+  ``dS [B, H, Tp, Sp]`` in that dtype (the bias's gradient); ``alibi``:
+  the ALiBi table ``[B, H, 2]``; ``dropout``: the dropout table
+  ``[B, H + 2]`` (:func:`_dropout_table`)."""
   split_dkv = functools.partial(bwd_lib.dkv, prob=prob, cfg=config,
                                 interpret=interpret, head_splits=head_splits,
-                                bias=bias)
+                                bias=bias, alibi=alibi, dropout=dropout)
 
   def dkv(qp, kp, vp, *rest, **kw):
     dk, dv = split_dkv(qp, kp, vp, *rest, **kw)
@@ -713,7 +732,8 @@ def backward_passes(prob: fwd_lib.Problem, config: MosaicConfig, seg_dq,
   else:
     def dq(*t):
       run = functools.partial(bwd_lib.dq, *t, seg_dq, prob=prob, cfg=config,
-                              interpret=interpret, bias=bias)
+                              interpret=interpret, bias=bias, alibi=alibi,
+                              dropout=dropout)
       if ds_dtype is None:
         return (run(),)
 

@@ -64,6 +64,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflash._util import out_struct
+from jaxflash.masks import (
+  dropout_col_keys,
+  dropout_keep_from_keys,
+  dropout_row_keys,
+)
 from jaxflash.mosaic_gpu import pipeline
 from jaxflash.mosaic_gpu.config import (
   MosaicConfig,
@@ -127,12 +132,19 @@ def _probs(s, lse2, visible, *, prob: Problem, row_axis: int, bias=None):
   return p, th
 
 
-def _dscores(p, th, dp, delta, *, row_axis: int):
+def _dscores(p, th, dp, delta, *, row_axis: int, keep=None,
+             rate: float = 0.0):
   """``dS = P (dP - delta)`` of one tile (Algorithm 2 of arXiv 2307.08691;
   float32; times ``1 - th^2`` under a soft cap, ``th`` from
   :func:`_probs`), the gradient w.r.t. the scaled logits; ``delta`` is
   per query (None: ``dp`` already holds ``dP - delta``,
-  :func:`_stats_init`)."""
+  :func:`_stats_init`).  Under attention dropout (``keep``, the tile's
+  keep mask, and its ``rate``) ``dP`` is the gradient of the dropped
+  probabilities, ``dO V^T`` kept and scaled by ``1 / (1 - rate)``
+  (FlashAttention-2's dropout backward; ``delta = rowsum(dO O)`` holds
+  as it is)."""
+  if keep is not None:
+    dp = jnp.where(keep, dp * (1.0 / (1.0 - rate)), 0.0)
   ds = p * (dp if delta is None
             else dp - lax.broadcast_in_dim(delta, p.shape, [row_axis]))
   if th is not None:
@@ -277,6 +289,57 @@ def _bias_tile(bias_ref, ring_tile, b, h, *, prob: Problem, k_start, n_k,
   return lax.broadcast_in_dim(row, shape, [1 - q_axis])
 
 
+def _dropout_keep(table_ref, b, h, prob: Problem, *, q_start, n_q, k_start,
+                  n_k, q_axis: int):
+  """Attention dropout's keep mask of one tile in the layout of ``S``
+  (``q_axis`` 0) or ``S^T`` (1): the forward's hash
+  (:func:`jaxflash.masks.dropout_keep_from_keys`: the queries' keys
+  hashed on their vector, the keys' on theirs, one mix per pair) from
+  the table ``[B, H + 2]`` int32 (each head's key, then the first row's
+  and key's offsets)."""
+  heads = prob.num_heads
+  row0, col0 = table_ref[b, heads], table_ref[b, heads + 1]
+  shape = (n_q, n_k) if q_axis == 0 else (n_k, n_q)
+  q_layout, k_layout = (ROW, COL) if q_axis == 0 else (COL, ROW)
+  key = plgpu.layout_cast(jnp.full((n_q,), table_ref[b, h]), q_layout)
+  rows = q_start + row0 + plgpu.broadcasted_iota(jnp.int32, (n_q,), 0,
+                                                 layout=q_layout)
+  cols = k_start + col0 + plgpu.broadcasted_iota(jnp.int32, (n_k,), 0,
+                                                 layout=k_layout)
+  row_key, row_key2 = dropout_row_keys(key, rows)
+  bcast = lambda x, axis: lax.broadcast_in_dim(x, shape, [axis])
+  return dropout_keep_from_keys(
+      bcast(row_key, q_axis), bcast(row_key2, q_axis),
+      bcast(dropout_col_keys(cols), 1 - q_axis), prob.dropout_rate)
+
+
+def _dropped(p, keep, rate: float):
+  """``P`` as ``dV += P^T dO`` takes it under dropout: kept entries
+  scaled by ``1 / (1 - rate)``, the others 0 (None: no dropout)."""
+  if keep is None:
+    return p
+  return jnp.where(keep, p * (1.0 / (1.0 - rate)), 0.0)
+
+
+def _alibi_tile(alibi_ref, b, h, prob: Problem, *, q_start, n_q, k_start,
+                n_k, q_axis: int):
+  """ALiBi's bias on one tile in the layout of ``S`` (``q_axis`` 0) or
+  ``S^T`` (1), in the scaled logits' units: ``-slope * |i + offset - j +
+  shift|`` from ``alibi_ref [B, H, 2]`` (slope, shift; the forward's
+  :meth:`forward._Item.alibi_bias` in the raw logits' units), computed
+  from the tile's index vectors."""
+  shape = (n_q, n_k) if q_axis == 0 else (n_k, n_q)
+  q_idx = pipeline.index_tile(q_start + prob.mask.offset, shape, q_axis)
+  k_idx = pipeline.index_tile(k_start, shape, 1 - q_axis)
+  slope, shift = alibi_ref[b, h, 0], alibi_ref[b, h, 1]
+  return jnp.abs((q_idx - k_idx).astype(jnp.float32) + shift) * (-slope)
+
+
+def _plus(a, b):
+  """The sum of two optional tiles (None where both are)."""
+  return b if a is None else a if b is None else a + b
+
+
 def _bias_source(bias_ref, b, h, prob: Problem, rows, cols):
   """The GMEM tile of the dense bias (``[B | 1, H | 1, rows, keys]``) that
   a ring slot takes for batch row ``b`` and query head ``h``."""
@@ -414,7 +477,7 @@ def _query_tile_loader(srcs, rings, ready, *, b, h0, n_tiles, u_lo, bq,
 
 def _dkv_step(step, t, carry, *, masked: bool, g, dk_acc, dv_acc,
               prob: Problem, cfg: MosaicConfig, dtype, ring, held, a_smem,
-              tile_mask, atomic, bias_of=None):
+              tile_mask, atomic, bias_of=None, keep_of=None):
   """One step of the dK/dV loop: query tile ``t`` of query head ``g``
   against the consumer's key tile, in transposed form (keys are the rows):
 
@@ -427,7 +490,9 @@ def _dkv_step(step, t, carry, *, masked: bool, g, dk_acc, dv_acc,
   lse2, delta slots, ready barriers, free signals); ``held``: this
   consumer's K and V; ``a_smem``: the staged A operand (``p_in_smem``);
   ``tile_mask(masked, t, g)``: the tile's element mask; ``bias_of(slot,
-  t, g)``: the dense bias's tile (None without one).
+  t, g)``: the dense bias's tile (None without one); ``keep_of(t, g)``:
+  attention dropout's keep mask (None without dropout: ``dV += P_drop^T
+  dO`` and ``dS`` from the kept ``dP``, :func:`_dscores`).
   """
   q_ring, do_ring, lse_ring, delta_ring, ready, free = ring
   k_smem, v_smem = held
@@ -440,18 +505,24 @@ def _dkv_step(step, t, carry, *, masked: bool, g, dk_acc, dv_acc,
   # and -delta (None: that statistic is subtracted below).
   lse_t = vec_slot(lse_ring, slot, bq)
   delta_t = vec_slot(delta_ring, slot, bq)
-  s0, dp0 = (_stats_init(prob, lse_t, delta_t, (bk, bq), row_axis=1)
+  # (Under dropout delta is subtracted from the kept dP: not folded.)
+  s0, dp0 = (_stats_init(prob, lse_t, None if keep_of else delta_t,
+                         (bk, bq), row_axis=1)
              if cfg.bwd_stats_in_acc else (None, None))
   lse2_of = lambda: (None if s0 is not None
                      else plgpu.load(lse_t, layout=COL))
+  # The keep mask before the wgmmas (the overlapped order's dV update
+  # runs inside the scope of their accumulators).
+  keep = None if keep_of is None else keep_of(t, g)
   delta_of = lambda: (None if dp0 is not None
                       else plgpu.load(delta_t, layout=COL))
   softmax = lambda s, lse2: _probs(
       s, lse2, tile_mask(masked, t, g), prob=prob, row_axis=1,
       bias=None if bias_of is None else bias_of(slot, t, g))
 
-  def dv_update(p):  # dV += P^T dO
-    plgpu.wgmma(dv_acc, _a_operand(p, a_smem, dtype), do_t)
+  def dv_update(p):  # dV += P^T dO (P dropped under dropout)
+    plgpu.wgmma(dv_acc, _a_operand(_dropped(p, keep, prob.dropout_rate),
+                                   a_smem, dtype), do_t)
 
   overlap = cfg.bwd_softmax_overlap
   early_dv = cfg.bwd_early_dv and overlap
@@ -471,13 +542,15 @@ def _dkv_step(step, t, carry, *, masked: bool, g, dk_acc, dv_acc,
     lse2 = lse2_of()
     delta = delta_of()
     p, th = softmax(s, lse2)
-    ds = _dscores(p, th, dp, delta, row_axis=1)
+    ds = _dscores(p, th, dp, delta, row_axis=1, keep=keep,
+                  rate=prob.dropout_rate)
   if not early_dv:  # (with early_dv, issued under dP^T's wgmma)
     dv_update(p)
   if a_smem is not None:
     plgpu.wgmma_wait(0)  # the staging buffer is reused for dS^T
   if ds is None:  # (overlap) while dV's wgmma runs
-    ds = _dscores(p, th, dp, delta, row_axis=1)
+    ds = _dscores(p, th, dp, delta, row_axis=1, keep=keep,
+                  rate=prob.dropout_rate)
   if atomic is not None:  # (with p_in_smem, the wait above freed P's buffer)
     ds_smem, dq_smem, dq_dst = atomic
     _dk_and_atomic_dq(ds, ds_smem, dq_smem, q_t, dk_acc, k_smem,
@@ -523,7 +596,9 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
   (:func:`dkv_head_splits` says when: MQA and few key tiles)."""
   ((q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref),
    (qseg_ref, kvseg_ref, range_ref), refs) = _split_inputs(refs, prob)
+  alibi_ref = refs.pop(0) if prob.has_alibi else None
   bias_ref = refs.pop(0) if prob.has_bias else None
+  drop_ref = refs.pop(0) if prob.dropout_rate else None
   dq_acc_ref = refs.pop(0) if atomic_dq else None  # float32, zeroed
   (dk_ref, dv_ref, k_smem2, v_smem2, q_ring, do_ring, lse_ring, delta_ring,
    kv_ready, ready, free, *extra) = refs
@@ -577,21 +652,31 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     def bias_of(slot, t, g):
       # The slot holds the bias^T of every consumer's keys: this one's
       # rows of it, transposed on the way into the layout of S^T.
-      tile = None
-      if bias_ring is not None:
-        tile = plgpu.layout_cast(
-            plgpu.load(bias_ring.at[slot].T.at[pl.ds(wg * bk, bk)],
-                       layout=plgpu.Layout.WGMMA_TRANSPOSED),
-            plgpu.Layout.WGMMA)
-      return _bias_tile(bias_ref, tile, b, h0 + g, prob=prob,
-                        k_start=k_start, n_k=bk, shape=(bk, bq), q_axis=1)
+      alibi = dense = None
+      if alibi_ref is not None:
+        alibi = _alibi_tile(alibi_ref, b, h0 + g, prob, q_start=t * bq,
+                            n_q=bq, k_start=k_start, n_k=bk, q_axis=1)
+      if bias_ref is not None:
+        tile = None
+        if bias_ring is not None:
+          tile = plgpu.layout_cast(
+              plgpu.load(bias_ring.at[slot].T.at[pl.ds(wg * bk, bk)],
+                         layout=plgpu.Layout.WGMMA_TRANSPOSED),
+              plgpu.Layout.WGMMA)
+        dense = _bias_tile(bias_ref, tile, b, h0 + g, prob=prob,
+                           k_start=k_start, n_k=bk, shape=(bk, bq),
+                           q_axis=1)
+      return _plus(dense, alibi)
 
     step = functools.partial(
         _dkv_step, prob=prob, cfg=cfg, dtype=dtype,
         ring=(q_ring, do_ring, lse_ring, delta_ring, ready, free),
         held=(k_smem, v_smem), a_smem=a_smem, tile_mask=tile_mask,
         atomic=(ds_smem, dq_smem, dq_dst) if atomic_dq else None,
-        bias_of=bias_of if bias_ref is not None else None)
+        bias_of=bias_of if prob.has_bias or prob.has_alibi else None,
+        keep_of=None if drop_ref is None else lambda t, g: _dropout_keep(
+            drop_ref, b, h0 + g, prob, q_start=t * bq, n_q=bq,
+            k_start=k_start, n_k=bk, q_axis=1))
     own, everywhere = pipeline.flash_full_range(
         mask.q_block_range(k_start, bk, bq), range_ref, b, grp,
         segment_ids=prob.has_segment_ids)
@@ -636,7 +721,7 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
 
 def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
         cfg: MosaicConfig, dq_acc=None, interpret=None, head_splits: int = 1,
-        bias=None):
+        bias=None, alibi=None, dropout=None):
   """``(dk, dv)``, padded like ``k``; q/do ``[B, Tp, H, Dp]``,
   lse2/delta ``[B, H, Tp]`` float32, ``segments = (q_seg, kv_seg,
   kv_group_range)``.  ``dq_acc``: a zeroed float32 ref shaped like ``q``,
@@ -646,7 +731,11 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   each over ``1 / head_splits`` of the group's query heads.  ``bias``
   (with ``prob.has_bias``): the dense bias, ``[B | 1, H | 1, rows, Sp]``
   in q's dtype with its rows padded to whole ``dkv_block_q`` steps, or
-  one float32 row ``[B | 1, H | 1, 1, Sp]`` (``prob.bias_rows`` False)."""
+  one float32 row ``[B | 1, H | 1, 1, Sp]`` (``prob.bias_rows`` False).
+  ``alibi`` (with ``prob.has_alibi``): ``[B, H, 2]`` float32, each head's
+  ALiBi slope and shift (:func:`_alibi_tile`).  ``dropout`` (with
+  ``prob.dropout_rate``): the forward's table ``[B, H + 2]`` int32
+  (:func:`_dropout_keep`)."""
   atomic_dq = dq_acc is not None
   dtype = q.dtype
   dp = prob.head_dim_padded
@@ -694,7 +783,10 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
       grid_names=("heads", "kv_seq", "batch"), consumers=n,
       interpret=interpret,
   )(q, k, v, do, lse2, delta, *(segments or ()),
-    *((bias,) if prob.has_bias else ()), *((dq_acc,) if atomic_dq else ()))
+    *((alibi,) if prob.has_alibi else ()),
+    *((bias,) if prob.has_bias else ()),
+    *((dropout,) if prob.dropout_rate else ()),
+    *((dq_acc,) if atomic_dq else ()))
 
 
 # -- dK / dV, paired consumers -------------------------------------------------
@@ -864,10 +956,11 @@ def paired_dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   """``(dk, dv)`` padded like ``k`` by :func:`_paired_dkv_kernel`
   (``bwd_paired_dkv``); operands as :func:`dkv`, with ``segments =
   (q_seg, kv_seg, kv_group_range)`` grouped by ``bwd_block_kv`` keys."""
-  if prob.has_bias or prob.has_dense_mask:
+  if (prob.has_bias or prob.has_dense_mask or prob.has_alibi
+      or prob.dropout_rate):
     raise NotImplementedError(
-        "the paired backward kernels take no dense bias or mask (the"
-        " Triton backward serves them)")
+        "the paired backward kernels take no dense bias or mask, ALiBi or"
+        " dropout (the Triton backward serves them)")
   dtype = q.dtype
   dp = prob.head_dim_padded
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
@@ -927,7 +1020,7 @@ def _key_tile_loader(srcs, rings, ready, *, b, h, prob: Problem, u_lo, bk):
 
 def _dq_step(step, t, carry, *, masked: bool, dq_acc, prob: Problem,
              cfg: MosaicConfig, dtype, ring, held, vecs, a_smem, tile_mask,
-             bias_of=None, ds_out=None):
+             bias_of=None, ds_out=None, keep_of=None):
   """One step of the dQ loop: key tile ``t`` against the consumer's query
   tile,
 
@@ -941,7 +1034,8 @@ def _dq_step(step, t, carry, *, masked: bool, dq_acc, prob: Problem,
   and delta (registers); ``a_smem``: the staged A operand
   (``p_in_smem``); ``tile_mask(masked, t)``: the tile's element mask;
   ``bias_of(slot, t)``: the dense bias's tile; ``ds_out(t) = (ds_smem,
-  dst)``: where the tile's ``dS`` goes (the bias's gradient), or None.
+  dst)``: where the tile's ``dS`` goes (the bias's gradient), or None;
+  ``keep_of(t)``: attention dropout's keep mask (None without dropout).
   """
   k_ring, v_ring, ready, free = ring
   q_smem, do_smem = held
@@ -962,7 +1056,9 @@ def _dq_step(step, t, carry, *, masked: bool, dq_acc, prob: Problem,
   else:
     s, dp = pl.run_scoped(scores, acc, acc)
     p, th = softmax(s)
-  ds = _dscores(p, th, dp, delta, row_axis=0)
+  ds = _dscores(p, th, dp, delta, row_axis=0,
+                keep=None if keep_of is None else keep_of(t),
+                rate=prob.dropout_rate)
   plgpu.wgmma(dq_acc, _a_operand(ds, a_smem, dtype), k_t)  # dQ += dS K
   if ds_out is not None:  # (while dQ's wgmma runs)
     _store_ds(ds, *ds_out(t))
@@ -982,7 +1078,9 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
   axes are summed; tiles never computed are hidden, and stay zero)."""
   ((q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref),
    (qseg_ref, kvseg_ref, range_ref), refs) = _split_inputs(refs, prob)
+  alibi_ref = refs.pop(0) if prob.has_alibi else None
   bias_ref = refs.pop(0) if prob.has_bias else None
+  drop_ref = refs.pop(0) if prob.dropout_rate else None
   ds_ref = refs.pop(0) if ds_out else None
   (dq_ref, q_smem2, do_smem2, k_ring, v_ring, qdo_ready, ready, free,
    *extra) = refs
@@ -1017,12 +1115,18 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
                         q_axis=0, h=h)
 
     def bias_of(slot, t):
-      tile = None
-      if bias_ring is not None:  # the slot holds every consumer's rows
-        tile = plgpu.load(bias_ring.at[slot, pl.ds(wg * bq, bq)],
-                          layout=plgpu.Layout.WGMMA)
-      return _bias_tile(bias_ref, tile, b, h, prob=prob, k_start=t * bk,
-                        n_k=bk, shape=(bq, bk), q_axis=0)
+      alibi = dense = None
+      if alibi_ref is not None:
+        alibi = _alibi_tile(alibi_ref, b, h, prob, q_start=q_start, n_q=bq,
+                            k_start=t * bk, n_k=bk, q_axis=0)
+      if bias_ref is not None:
+        tile = None
+        if bias_ring is not None:  # the slot holds every consumer's rows
+          tile = plgpu.load(bias_ring.at[slot, pl.ds(wg * bq, bq)],
+                            layout=plgpu.Layout.WGMMA)
+        dense = _bias_tile(bias_ref, tile, b, h, prob=prob, k_start=t * bk,
+                           n_k=bk, shape=(bq, bk), q_axis=0)
+      return _plus(dense, alibi)
 
     def ds_dst(t):
       return ds_smem2.at[wg], ds_ref.at[b, h, pl.ds(q_start, bq),
@@ -1032,8 +1136,11 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
         _dq_step, prob=prob, cfg=cfg, dtype=dtype,
         ring=(k_ring, v_ring, ready, free), held=(q_smem, do_smem),
         vecs=(lse2, delta), a_smem=a_smem, tile_mask=tile_mask,
-        bias_of=bias_of if bias_ref is not None else None,
-        ds_out=ds_dst if ds_out else None)
+        bias_of=bias_of if prob.has_bias or prob.has_alibi else None,
+        ds_out=ds_dst if ds_out else None,
+        keep_of=None if drop_ref is None else lambda t: _dropout_keep(
+            drop_ref, b, h, prob, q_start=q_start, n_q=bq, k_start=t * bk,
+            n_k=bk, q_axis=0))
     own, everywhere = pipeline.flash_full_range(
         mask.kv_block_range(q_start, bq, bk), range_ref, b, grp,
         segment_ids=prob.has_segment_ids)
@@ -1071,12 +1178,14 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
 
 
 def dq(q, k, v, do, lse2, delta, segments, *, prob: Problem,
-       cfg: MosaicConfig, interpret=None, bias=None, ds_acc=None):
+       cfg: MosaicConfig, interpret=None, bias=None, ds_acc=None,
+       alibi=None, dropout=None):
   """``dq`` padded like ``q``; ``segments = (q_seg, kv_seg, q_group_range)``.
   ``bias`` (with ``prob.has_bias``): the dense bias, ``[B | 1, H | 1, Tp,
   Sp]`` in q's dtype, or one float32 row ``[B | 1, H | 1, 1, Sp]``
   (``prob.bias_rows`` False).  ``ds_acc``: a zeroed ``[B, H, Tp, Sp]``
-  ref in q's dtype into which the kernel writes ``dS``."""
+  ref in q's dtype into which the kernel writes ``dS``.  ``alibi``,
+  ``dropout``: as :func:`dkv`'s."""
   dtype = q.dtype
   dp = prob.head_dim_padded
   bq, bk, n = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_compute_wgs
@@ -1107,7 +1216,9 @@ def dq(q, k, v, do, lse2, delta, segments, *, prob: Problem,
       grid_names=("heads", "q_seq", "batch"), consumers=n,
       interpret=interpret,
   )(q, k, v, do, lse2, delta, *(segments or ()),
+    *((alibi,) if prob.has_alibi else ()),
     *((bias,) if prob.has_bias else ()),
+    *((dropout,) if prob.dropout_rate else ()),
     *((ds_acc,) if ds_acc is not None else ()))
 
 
@@ -1230,10 +1341,11 @@ def paired_dq(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   """``dq`` padded like ``q`` by :func:`_paired_dq_kernel`
   (``bwd_paired_dq``); ``segments = (q_seg, kv_seg, q_group_range)``
   grouped by ``bwd_block_q`` queries."""
-  if prob.has_bias or prob.has_dense_mask:
+  if (prob.has_bias or prob.has_dense_mask or prob.has_alibi
+      or prob.dropout_rate):
     raise NotImplementedError(
-        "the paired backward kernels take no dense bias or mask (the"
-        " Triton backward serves them)")
+        "the paired backward kernels take no dense bias or mask, ALiBi or"
+        " dropout (the Triton backward serves them)")
   dtype = q.dtype
   dp = prob.head_dim_padded
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
