@@ -2502,6 +2502,28 @@ def test_fp8_interpret(run):
   _run_interpreted(run)
 
 
+def test_fp8_default_configs():
+  """The FP8 forward's default config is the tuned 16-bit one through
+  with_fp8, with 256-key tiles at padded head_dim 128 (FP8_BLOCK_KV), for
+  every device kind and call class; each fits (fp8_problem)."""
+  import json
+  from importlib import resources
+
+  from jaxflash.mosaic_gpu import config as cfg_lib
+  tuning = json.loads(resources.files("jaxflash.mosaic_gpu")
+                      .joinpath("tuning.json").read_text())
+  for kind in (*tuning["devices"], *tuning["aliases"]):
+    for dp in (64, 96, 128, 256):
+      for causal in (False, True):
+        tuned = cfg_lib.default_config(kind, dp, causal=causal, kv_len=8192)
+        got = cfg_lib.fp8_default(tuned, dp)
+        assert cfg_lib.fp8_problem(got, dp) is None, (kind, dp, causal)
+        want = cfg_lib.with_fp8(tuned)
+        if dp == 128:
+          want = dataclasses.replace(want, block_kv=256)
+        assert got == want, (kind, dp, causal, got)
+
+
 def _bias_call(interpret, t=200, s=300, d=64, form="head", causal=True):
   """flash_attention with a dense bias (with -inf entries; ``form`` as
   :func:`_dense_bias`'s) on the Hopper kernels: out and dq, dk, dv by the

@@ -47,6 +47,7 @@ from jaxflash.mosaic_gpu.config import (
   MosaicConfig,
   default_config,
   dkv_head_splits,
+  fp8_default,
   fp8_head_dim,
   fp8_problem,
   head_dim_problem,
@@ -145,7 +146,9 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
   dp = fp8_head_dim(D) if fp8 else kernel_head_dim(D)
   given = config
   if fp8:
-    config = with_fp8(_resolve_config(config, interpret, dp, mask))
+    resolved = _resolve_config(config, interpret, dp, mask)
+    config = (with_fp8(resolved) if given is not None or interpret
+              else fp8_default(resolved, dp))
   else:
     config = _resolve_config(config, interpret, dp, mask, q=q, k=k)
   if arrays.bias is not None and _bias_rows(arrays, T):

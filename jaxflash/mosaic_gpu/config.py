@@ -565,6 +565,28 @@ def with_fp8(config: "MosaicConfig") -> "MosaicConfig":
   return config
 
 
+# The FP8 forward's own key tile where it beats the 16-bit config's: at
+# padded head_dim 128, 256 keys (8-bit K and V leave the shared memory for
+# them) ran 1.06-1.10x the 128-key tile on an H100, causal and not, at
+# 8192 keys (docs/benchmarks/, 2026-12-07, c62583c); at 64 the 256-key
+# kernel fails to compile, at 256 it does not fit.
+FP8_BLOCK_KV = {128: 256}
+
+
+def fp8_default(config: "MosaicConfig",
+                head_dim_padded: int) -> "MosaicConfig":
+  """The FP8 forward's default config from the tuned 16-bit one:
+  :func:`with_fp8`, with :data:`FP8_BLOCK_KV`'s key tile where one is
+  listed and fits."""
+  config = with_fp8(config)
+  block_kv = FP8_BLOCK_KV.get(head_dim_padded)
+  if block_kv is not None:
+    wide = dataclasses.replace(config, block_kv=block_kv)
+    if fp8_problem(wide, head_dim_padded) is None:
+      return wide
+  return config
+
+
 def fp8_problem(config: "MosaicConfig", head_dim_padded: int) -> str | None:
   """Why ``with_fp8(config)`` cannot serve an FP8 forward at this padded
   head_dim (its shared memory: 8-bit Q, K, V and P, 16-bit output
