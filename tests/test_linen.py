@@ -443,7 +443,7 @@ _DENSE_CASES = [  # (keywords, id, slow on "xla", slow on the kernels)
           key_value_seq_lengths=[20, 9], query_seq_lengths=[12, 7]),
      "mask-bias-lengths", False, True),
     (dict(bias_shape=(4, 12, 20), mask_shape=(1, 12, 20), rank3=True),
-     "rank3", False, True),
+     "rank3", True, True),
 ]
 
 
