@@ -890,8 +890,9 @@ def test_mosaic_backward_terms_lower_for_cuda(d, cfg, terms):
   GPU IR in the tuned GPU configs (registers as wgmma A operands, the
   statistics in the accumulators, the overlapped order; an atomic-dQ
   config gives its dQ kernel back to the dense bias's gradient): a
-  per-head bias with its gradient and dropout; a dense mask, ALiBi and a
-  key padding bias."""
+  per-head bias with its gradient and dropout (at 64 without: the
+  Triton backward's there); a dense mask, ALiBi and a key padding
+  bias."""
   from jaxflash import mosaic_gpu
   q, kv, _, _, mask = _mosaic_case((1000, 1500, 8, 2, d, True, None))
   config = mosaic_gpu.MosaicConfig(**cfg)
@@ -899,7 +900,10 @@ def test_mosaic_backward_terms_lower_for_cuda(d, cfg, terms):
   if terms == "bias-rows-dropout":
     extra = jax.ShapeDtypeStruct((1, 8, 1000, 1500), jnp.float32)
     arrays = lambda x: MaskArrays(bias=x, dropout_seeds=seeds)
-    kw = dict(dropout_rate=0.1)
+    # (Dropout's backward below head_dim 128 is the Triton kernels'.)
+    kw = dict(dropout_rate=0.1) if d >= 128 else {}
+    assert mosaic_gpu.serves_backward(
+        q, kv, mask=mask, config=config, dropout_rate=0.1) == (d >= 128)
   else:
     extra = jax.ShapeDtypeStruct((2, 1, 1000, 1500), jnp.bool_)
     slopes = jnp.zeros((1, 8, 1, 2), jnp.float32)
@@ -971,26 +975,29 @@ def test_bias_ring_fits_the_tuned_configs():
                             interpret=True)
 
 
-@pytest.mark.parametrize("head_dim,causal,cfg", [
-    (128, True, None),
-    (64, False, None),
-    (256, True, dict(intra_wg_overlap=True, persistent=True,
-                     prefetch_q=True)),
-], ids=["d128-causal-tuned", "d64-tuned", "d256-overlap-prefetch"])
-def test_mosaic_fp8_forward_lowers_for_cuda(head_dim, causal, cfg):
+@pytest.mark.parametrize("head_dim,causal,kv_len,cfg", [
+    (128, True, 1000, None),
+    (128, False, 8192, None),
+    (64, False, 1000, None),
+    (256, True, 1000, dict(intra_wg_overlap=True, persistent=True,
+                           prefetch_q=True)),
+], ids=["d128-causal-tuned", "d128-tuned-wide", "d64-tuned",
+        "d256-overlap-prefetch"])
+def test_mosaic_fp8_forward_lowers_for_cuda(head_dim, causal, kv_len, cfg):
   """The Hopper FP8 forward (e4m3 Q K^T, V^T's tiles K-major, P in e4m3
   through shared memory, O accumulated in the wgmma registers: the GPU
-  form the interpreter does not run) lowers to Mosaic GPU IR."""
+  form the interpreter does not run) lowers to Mosaic GPU IR, in the
+  default configs (256-key tiles at 128 from 8192 keys)."""
   from jaxflash import mosaic_gpu
   from jaxflash.mosaic_gpu import backend as mosaic_backend
   q = jax.ShapeDtypeStruct((2, 1024, 8, head_dim), jnp.float8_e4m3fn)
-  kv = jax.ShapeDtypeStruct((2, 1000, 2, head_dim), jnp.float8_e4m3fn)
+  kv = jax.ShapeDtypeStruct((2, kv_len, 2, head_dim), jnp.float8_e4m3fn)
   dequant = jax.ShapeDtypeStruct((8, 2), jnp.float32)
   config = None if cfg is None else mosaic_gpu.MosaicConfig(**cfg)
 
   def run(q, k, v, dequant):
     return mosaic_backend.forward_fp8(
-        q, k, v, MaskArrays(), mask=MaskSpec(1024, 1000, causal),
+        q, k, v, MaskArrays(), mask=MaskSpec(1024, kv_len, causal),
         softmax_scale=head_dim ** -0.5, logits_soft_cap=None,
         dequant=dequant, out_dtype=jnp.bfloat16, config=config)
 

@@ -79,7 +79,7 @@ PER_COMMIT = (
     'kv_multicast+persistent-d128-mqa-2wg',
     'bwd_early_dv-d64-causal-2wg',
     'prefetch_q-d192-q113-k17',
-    'bias-dbias-row-segments',
+    'bias-dbias-row-segments-fp16',
     'terms-bwd-keys-1wg',
     'paired-dkv-d256',
     'rescale_threshold-d64-causal-2wg',
@@ -2412,11 +2412,12 @@ BIAS_RUNS = [
         segments=dict(docs=3, pad=10, kv_len=[256, 200]), flash="prefix"),
     # The Hopper backward with the bias: its rings beside K/V (dQ) and
     # beside Q (dK/dV, read transposed), one row of keys from GMEM, and
-    # dbias from the dQ kernel's dS tiles (summed over broadcast axes).
+    # dbias from the dQ kernel's dS tiles (bfloat16, or float32 for
+    # float16 inputs; summed over broadcast axes).
     Run("bias-dbias-full-2wg", "bwd", (1, 200, 160, 2, 1, 64), jnp.bfloat16,
         TWO_WG, seed=27, causal=True, bias="full", bias_grad=True),
-    Run("bias-dbias-row-segments", "bwd", (2, 130, 100, 2, 1, 32),
-        jnp.bfloat16, ONE_WG, seed=28, bias="row", bias_grad=True,
+    Run("bias-dbias-row-segments-fp16", "bwd", (2, 130, 100, 2, 1, 32),
+        jnp.float16, ONE_WG, seed=28, bias="row", bias_grad=True,
         segments=dict(kv_len=[100, 70])),
 ]
 
@@ -2506,8 +2507,9 @@ def test_fp8_interpret(run):
 
 def test_fp8_default_configs():
   """The FP8 forward's default config is the tuned 16-bit one through
-  with_fp8, with 256-key tiles at padded head_dim 128 (FP8_BLOCK_KV), for
-  every device kind and call class; each fits (fp8_problem)."""
+  with_fp8, with 256-key tiles at padded head_dim 128 (FP8_BLOCK_KV) from
+  FP8_WIDE_MIN_KV keys, for every device kind and call class; each fits
+  (fp8_problem)."""
   import json
   from importlib import resources
 
@@ -2517,13 +2519,15 @@ def test_fp8_default_configs():
   for kind in (*tuning["devices"], *tuning["aliases"]):
     for dp in (64, 96, 128, 256):
       for causal in (False, True):
-        tuned = cfg_lib.default_config(kind, dp, causal=causal, kv_len=8192)
-        got = cfg_lib.fp8_default(tuned, dp)
-        assert cfg_lib.fp8_problem(got, dp) is None, (kind, dp, causal)
-        want = cfg_lib.with_fp8(tuned)
-        if dp == 128:
-          want = dataclasses.replace(want, block_kv=256)
-        assert got == want, (kind, dp, causal, got)
+        for kv_len in (1024, 8192, 32768):
+          tuned = cfg_lib.default_config(kind, dp, causal=causal,
+                                         kv_len=kv_len)
+          got = cfg_lib.fp8_default(tuned, dp, kv_len)
+          assert cfg_lib.fp8_problem(got, dp) is None, (kind, dp, causal)
+          want = cfg_lib.with_fp8(tuned)
+          if dp == 128 and kv_len >= cfg_lib.FP8_WIDE_MIN_KV:
+            want = dataclasses.replace(want, block_kv=256)
+          assert got == want, (kind, dp, causal, kv_len, got)
 
 
 def _bias_call(interpret, t=200, s=300, d=64, form="head", causal=True):
@@ -2875,3 +2879,19 @@ def test_per_commit_runs_reach_every_kernel_line():
       f" {missing[:20]} ({len(missing)} in all) that other runs reach:"
       f" print the new selection with `{kernel_coverage.REGENERATE}` and"
       " paste it over PER_COMMIT in tests/test_mosaic_gpu.py")
+
+
+def test_backward_statistics_cover_the_last_dkv_step():
+  """lse2 and delta run as long as the dK/dV kernel's last query step
+  (bwd_dkv_block_q need not divide q_pad): +inf and 0 past the rows, so
+  that P = 0 there whatever a key bias adds (a zero-filled lse2 with a
+  bias above 88.7 gave P = inf and NaN gradients)."""
+  q = jnp.ones((1, 100, 2, 64), jnp.bfloat16)
+  lse = jnp.zeros((1, 2, 100), jnp.float32)
+  prob = mosaic_kernels.backward_problem(
+      q, q, masks.MaskSpec(100, 100, False), 0.125, TWO_WG)
+  *_, lse2, delta = mosaic_kernels.backward_operands(
+      q, q, q, q, lse, q, lse, prob, rows=prob.q_pad + 32)
+  assert lse2.shape == delta.shape == (1, 2, prob.q_pad + 32)
+  assert np.all(np.isposinf(np.asarray(lse2[..., 100:])))
+  np.testing.assert_array_equal(np.asarray(delta[..., 100:]), 0.0)

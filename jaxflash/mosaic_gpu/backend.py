@@ -148,7 +148,7 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
   if fp8:
     resolved = _resolve_config(config, interpret, dp, mask)
     config = (with_fp8(resolved) if given is not None or interpret
-              else fp8_default(resolved, dp))
+              else fp8_default(resolved, dp, mask.kv_len))
   else:
     config = _resolve_config(config, interpret, dp, mask, q=q, k=k)
   if arrays.bias is not None and _bias_rows(arrays, T):
@@ -443,29 +443,58 @@ def _serves_backward(dp: int, config: MosaicConfig) -> bool:
   return dp <= MAX_BWD_HEAD_DIM or config.bwd_paired_dkv
 
 
+# On the GPU, dropout's backward at padded head_dims below this takes the
+# Triton kernels: at head_dim 64 (seq 8192, rate 0.1, H100) they ran the
+# backward 8-9% faster than the Hopper kernels, which were level to 6%
+# faster at 128 (docs/benchmarks/, 2026-12-07, c62583c).
+MIN_DROPOUT_BWD_HEAD_DIM = 128
+
+
+def _ds_dtype(dtype):
+  """The dtype the dQ kernel writes a dense bias's gradient ``dS`` in:
+  bfloat16 inputs' own (float32's exponent range, the rounding dQ's and
+  dK's matmuls take dS in), float32 for float16 inputs, whose range
+  flushes the small dS of long rows (``P`` near 1e-7) to zero."""
+  return jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32
+
+
 def _backward_config(config: MosaicConfig, dp: int, arrays: MaskArrays,
-                     q_len: int, bias_grad: bool,
-                     dropout: bool = False) -> MosaicConfig | None:
-  """The backward config of a call (``config`` resolved), or None where
-  the Hopper backward kernels do not serve it.  With a dense bias: the
-  dQ kernel (it writes the bias's gradient; no ``bwd_atomic_dq``), not
-  the paired kernels, and the bias's rings (and dS's staging) within the
-  shared memory.  A dense mask, ALiBi or ``dropout`` need the unpaired
-  kernels too."""
+                     q_len: int, dtype, bias_grad: bool,
+                     dropout: bool = False, interpret=False):
+  """``(config, None)``: the backward config of a call (``config``
+  resolved), or ``(None, why)`` where the Hopper backward kernels do not
+  serve it.  With a dense bias: the dQ kernel (it writes the bias's
+  gradient; ``bwd_atomic_dq`` is turned off, as ``deterministic`` does),
+  not the paired kernels, and the bias's rings (and dS's staging) within
+  the shared memory.  A dense mask, ALiBi or ``dropout`` need the
+  unpaired kernels too; on the GPU dropout below
+  :data:`MIN_DROPOUT_BWD_HEAD_DIM` takes the Triton backward."""
   if not _serves_backward(dp, config):
-    return None
+    return None, (f"padded head_dim {dp} > {MAX_BWD_HEAD_DIM} needs"
+                  f" bwd_paired_dkv: {config}")
   paired = config.bwd_paired_dkv or config.bwd_paired_dq
-  if paired and (arrays.dense_mask is not None or dropout
-                 or arrays.alibi_slopes is not None):
-    return None
+  terms = [name for name, on in (
+      ("a dense bias", arrays.bias is not None),
+      ("a dense mask", arrays.dense_mask is not None),
+      ("ALiBi", arrays.alibi_slopes is not None), ("dropout", dropout)) if on]
+  if paired and terms:
+    return None, (f"the paired kernels (bwd_paired_dkv / bwd_paired_dq)"
+                  f" take no {' or '.join(terms)}: {config}")
+  if dropout and dp < MIN_DROPOUT_BWD_HEAD_DIM and not interpret:
+    return None, (f"dropout at padded head_dim {dp} <"
+                  f" {MIN_DROPOUT_BWD_HEAD_DIM} runs faster on the Triton"
+                  " backward")
   if arrays.bias is None:
-    return config
-  if paired:
-    return None
+    return config, None
   config = dataclasses.replace(config, bwd_atomic_dq=False)
+  ds_itemsize = jnp.dtype(_ds_dtype(dtype)).itemsize if bias_grad else 0
   need = config.bwd_smem_bytes(dp, bias=_bias_rows(arrays, q_len),
-                               ds_itemsize=2 * bias_grad)
-  return config if need <= SMEM_LIMIT else None
+                               ds_itemsize=ds_itemsize)
+  if need > SMEM_LIMIT:
+    return None, (f"a dense bias's rings (and its gradient's staging) need"
+                  f" {need} bytes of shared memory with {config} at head_dim"
+                  f" {dp} (limit {SMEM_LIMIT})")
+  return config, None
 
 
 def serves_backward(q, k, *, mask: MaskSpec, config: MosaicConfig | None,
@@ -478,7 +507,8 @@ def serves_backward(q, k, *, mask: MaskSpec, config: MosaicConfig | None,
   dp = kernel_head_dim(q.shape[3])
   return _backward_config(
       _resolve_config(config, interpret, dp, mask, deterministic, q, k),
-      dp, arrays, q.shape[1], bias_grad, bool(dropout_rate)) is not None
+      dp, arrays, q.shape[1], q.dtype, bias_grad, bool(dropout_rate),
+      interpret=bool(interpret))[0] is not None
 
 
 def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
@@ -498,14 +528,12 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
   dp = kernel_head_dim(D)
   resolved = _resolve_config(config, interpret, dp, mask, deterministic, q,
                              k)
-  config = _backward_config(resolved, dp, arrays, T, bias_grad,
-                            bool(dropout_rate))
+  config, why = _backward_config(resolved, dp, arrays, T, q.dtype,
+                                 bias_grad, bool(dropout_rate),
+                                 interpret=bool(interpret))
   if config is None:
     raise NotImplementedError(
-        f"the Hopper backward kernels do not serve this call: padded"
-        f" head_dim {dp} > {MAX_BWD_HEAD_DIM} needs bwd_paired_dkv, and a"
-        f" dense bias needs the unpaired kernels and room for its rings:"
-        f" {resolved}")
+        f"the Hopper backward kernels do not serve this call: {why}")
   if interpret:
     _check_interpreter_threads(config)
   n = config.bwd_compute_wgs
@@ -513,7 +541,10 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
                           logits_soft_cap, arrays, interpret=bool(interpret),
                           dropout_rate=dropout_rate,
                           dropout_shared=dropout_shared)
-  tensors = backward_operands(q, k, v, out, lse, dout, dlse, prob)
+  # (lse2 and delta as long as the dK/dV kernel's last query step reads:
+  # +inf and 0 past the rows, so P = 0 there whatever the terms add.)
+  tensors = backward_operands(q, k, v, out, lse, dout, dlse, prob,
+                              rows=round_up(prob.q_pad, config.dkv_block_q))
   seg_dq = seg_dkv = None
   if prob.has_segments:
     q_seg, kv_seg = _segment_ids(arrays, prob, B)
@@ -542,8 +573,7 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
           _dense_mask(arrays, prob), seg_dq, seg_dkv, prob, config, B)
   splits = head_splits(prob, config)
   bias = _backward_bias(arrays, prob, config, q.dtype)
-  # dS in the inputs' dtype, as dQ's and dK's matmuls take it.
-  ds_dtype = q.dtype if bias_grad else None
+  ds_dtype = _ds_dtype(q.dtype) if bias_grad else None
   alibi = None
   if prob.has_alibi:  # [B|1, H, 1, 2] -> [B, H, 2]: slope, shift
     alibi = jnp.broadcast_to(
@@ -665,9 +695,11 @@ def _sum_parts(partials, splits: int, dtype):
   return partials.reshape(B, S, KS // splits, splits, D).sum(3).astype(dtype)
 
 
-def backward_operands(q, k, v, out, lse, dout, dlse, prob: fwd_lib.Problem):
+def backward_operands(q, k, v, out, lse, dout, dlse, prob: fwd_lib.Problem,
+                      rows: int | None = None):
   """The backward kernels' padded operands ``(qp, kp, vp, dop, lse2,
-  delta)`` (one XLA pass before them)."""
+  delta)`` (one XLA pass before them); ``rows``: lse2's and delta's
+  padded length (``prob.q_pad`` by default)."""
   T = q.shape[1]
   dp = prob.head_dim_padded
   pad = lambda x, n: pad_axis(pad_axis(x, 1, n), 3, dp)
@@ -678,7 +710,8 @@ def backward_operands(q, k, v, out, lse, dout, dlse, prob: fwd_lib.Problem):
   # that P = exp2(-inf - inf) = 0 there rather than NaN.
   lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
   pad_rows = lambda x, value: jnp.pad(
-      x, ((0, 0), (0, 0), (0, prob.q_pad - T)), constant_values=value)
+      x, ((0, 0), (0, 0), (0, (rows or prob.q_pad) - T)),
+      constant_values=value)
   lse2, delta = pad_rows(lse2, jnp.inf), pad_rows(delta, 0.0)
   return qp, kp, vp, dop, lse2, delta
 

@@ -1184,7 +1184,7 @@ def dq(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   ``bias`` (with ``prob.has_bias``): the dense bias, ``[B | 1, H | 1, Tp,
   Sp]`` in q's dtype, or one float32 row ``[B | 1, H | 1, 1, Sp]``
   (``prob.bias_rows`` False).  ``ds_acc``: a zeroed ``[B, H, Tp, Sp]``
-  ref in q's dtype into which the kernel writes ``dS``.  ``alibi``,
+  ref (bfloat16 or float32) into which the kernel writes ``dS``.  ``alibi``,
   ``dropout``: as :func:`dkv`'s."""
   dtype = q.dtype
   dp = prob.head_dim_padded
@@ -1206,8 +1206,10 @@ def dq(q, k, v, do, lse2, delta, segments, *, prob: Problem,
     scratch.append(plgpu.SMEM((cfg.bwd_stages, n * bq, bk), dtype,
                               **pipeline.tiled_over(bk)))
   if ds_acc is not None:  # one dS tile per consumer, staged for its copy
+    f32 = jnp.dtype(ds_acc.dtype) == jnp.float32
     scratch.append(plgpu.SMEM((n, bq, bk), ds_acc.dtype,
-                              **pipeline.tiled_over(bk)))
+                              **(tiled_f32(bk) if f32
+                                 else pipeline.tiled_over(bk))))
   return pipeline.launch(
       functools.partial(_dq_kernel, prob=prob, cfg=cfg, dtype=dtype,
                         ds_out=ds_acc is not None),

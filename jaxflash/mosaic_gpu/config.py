@@ -130,8 +130,9 @@ class MosaicConfig:
       (tuned at padded head_dim 128); the producer keeps the rest.
     bwd_atomic_dq: dQ added by the dK/dV kernel with TMA reduce-adds into a
       float32 buffer, as FlashAttention-3 (no dQ kernel); not bitwise
-      reproducible (``deterministic=True`` turns it off).  Padded head_dim
-      <= 128 and a GPU only; tuned on at padded head_dim 64 (H200 entry).
+      reproducible (``deterministic=True`` turns it off, as does a dense
+      bias, whose gradient the dQ kernel writes).  Padded head_dim <= 128
+      and a GPU only; tuned on at padded head_dim 64 (H200 entry).
     bwd_softmax_overlap: FlashAttention-3's step order in the dK/dV and dQ
       kernels: ``P`` computed under ``dP``'s wgmma and ``dS`` under
       ``dV``'s; tuned on at padded head_dim 128.
@@ -568,19 +569,21 @@ def with_fp8(config: "MosaicConfig") -> "MosaicConfig":
 # The FP8 forward's own key tile where it beats the 16-bit config's: at
 # padded head_dim 128, 256 keys (8-bit K and V leave the shared memory for
 # them) ran 1.06-1.10x the 128-key tile on an H100, causal and not, at
-# 8192 keys (docs/benchmarks/, 2026-12-07, c62583c); at 64 the 256-key
-# kernel fails to compile, at 256 it does not fit.
+# 8192 keys (docs/benchmarks/, 2026-12-07, c62583c), the one length
+# measured: from FP8_WIDE_MIN_KV keys on; at 64 the 256-key kernel fails
+# to compile, at 256 it does not fit.
 FP8_BLOCK_KV = {128: 256}
+FP8_WIDE_MIN_KV = 8192
 
 
-def fp8_default(config: "MosaicConfig",
-                head_dim_padded: int) -> "MosaicConfig":
+def fp8_default(config: "MosaicConfig", head_dim_padded: int,
+                kv_len: int) -> "MosaicConfig":
   """The FP8 forward's default config from the tuned 16-bit one:
   :func:`with_fp8`, with :data:`FP8_BLOCK_KV`'s key tile where one is
-  listed and fits."""
+  listed, ``kv_len`` is at least :data:`FP8_WIDE_MIN_KV` and it fits."""
   config = with_fp8(config)
   block_kv = FP8_BLOCK_KV.get(head_dim_padded)
-  if block_kv is not None:
+  if block_kv is not None and kv_len >= FP8_WIDE_MIN_KV:
     wide = dataclasses.replace(config, block_kv=block_kv)
     if fp8_problem(wide, head_dim_padded) is None:
       return wide
