@@ -421,20 +421,25 @@ def test_mosaic_backward_soft_cap_stats_in_acc_lowers():
     assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"] * 3
 
 
-@pytest.mark.parametrize("atomic", [False, True], ids=["dq-kernel", "atomic"])
-def test_mosaic_backward_traces_without_effects(atomic):
+@pytest.mark.parametrize("atomic,dbias", [
+    (False, False), (True, False), (False, True)],
+    ids=["dq-kernel", "atomic", "dbias"])
+def test_mosaic_backward_traces_without_effects(atomic, dbias):
   """custom_partitioning (every sharded jit) cannot lower a jaxpr with
-  effects: the atomic-dQ buffer must be discharged state (run_state), not a
-  `jax.new_ref` (seen failing on two H200s)."""
+  effects: the atomic-dQ buffer and the dense bias's dS buffer must be
+  discharged state (run_state), not a `jax.new_ref` (seen failing on two
+  H200s)."""
   from jaxflash import mosaic_gpu
   from jaxflash.mosaic_gpu import backend
   q, kv, _, _, mask = _mosaic_case((512, 512, 4, 2, 64, True, None))
   lse = jax.ShapeDtypeStruct((2, 4, 512), jnp.float32)
+  arrays = MaskArrays(bias=jnp.zeros((1, 4, 512, 512), jnp.bfloat16)
+                      if dbias else None)
 
   def grads(q, k, v, out, lse, dout):
     return backend.backward(
-        q, k, v, MaskArrays(), out, lse, dout, jnp.zeros_like(lse),
-        mask=mask, softmax_scale=0.125,
+        q, k, v, arrays, out, lse, dout, jnp.zeros_like(lse),
+        mask=mask, softmax_scale=0.125, bias_grad=dbias,
         config=mosaic_gpu.MosaicConfig(bwd_atomic_dq=atomic))
 
   jaxpr = jax.make_jaxpr(grads)(q, kv, kv, q, lse, q)
