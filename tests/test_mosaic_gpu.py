@@ -2895,3 +2895,59 @@ def test_backward_statistics_cover_the_last_dkv_step():
   assert lse2.shape == delta.shape == (1, 2, prob.q_pad + 32)
   assert np.all(np.isposinf(np.asarray(lse2[..., 100:])))
   np.testing.assert_array_equal(np.asarray(delta[..., 100:]), 0.0)
+
+
+@pytest.mark.parametrize("form", ["rows", "keys"])
+def test_dense_mask_tile_ranges_cover_every_visible_tile(form):
+  """A dense mask's tile ranges, per group of held queries (forward, dQ)
+  and per group of held keys (dK/dV, from the transposed summary): every
+  tile with a visible element of any head lies in the visited range, and
+  every tile of the unmasked run is visible throughout (else a tile
+  would be skipped or left unmasked wrongly).  Random block-structured
+  masks, brute force in NumPy."""
+  rng = np.random.default_rng(0 if form == "rows" else 1)
+  b, h, t, s = 2, 2, 96, 128
+  held_q, bk, held_k, sq = 32, 16, 32, 24  # (rows 96 = 4 steps of 24)
+  for _ in range(6):
+    # Documents (blocks of 16 x 16 queries and keys, hidden across
+    # documents), with 8 x 8 blocks inside them hidden, visible or random,
+    # so that all three tile classes occur.
+    doc_q = np.cumsum(rng.random(t // 16) < 0.4)
+    doc_k = np.cumsum(rng.random(s // 16) < 0.4)
+    same = np.repeat(np.repeat(doc_q[:, None] == doc_k[None, :], 2, 0),
+                     2, 1)
+    kind = np.where(same, rng.choice(3, (b, h, t // 8, s // 8),
+                                     p=[0.2, 0.6, 0.2]), 0)
+    noise = rng.random((b, h, t, s)) < 0.5
+    block = np.repeat(np.repeat(kind, 8, 2), 8, 3)
+    mask = np.where(block == 2, noise, block == 1)
+    if form == "keys":
+      mask = mask[:, :1, :1]
+    mask_i8 = jnp.asarray(mask, jnp.int8)
+    full_mask = np.broadcast_to(mask, (b, mask.shape[1], t, s))
+    for held_is_q in (True, False):
+      if held_is_q:
+        n_groups, held, streamed = t // held_q, held_q, bk
+        ranges = mosaic_kernels._dense_mask_ranges(
+            mask_i8, b, n_groups, held, streamed)
+        n_tiles = s // streamed
+      else:
+        n_groups, held, streamed = s // held_k, held_k, sq
+        ranges = mosaic_kernels._dense_mask_ranges(
+            mask_i8, b, n_groups, held, streamed, held_q=False,
+            n_streamed=t // sq)
+        n_tiles = t // sq
+      ranges = np.asarray(ranges)
+      assert ranges.shape == (b, 4, n_groups), (form, held_is_q)
+      for bi in range(b):
+        for g in range(n_groups):
+          lo, hi, full_lo, full_hi = ranges[bi, :, g]
+          for u in range(n_tiles):
+            held_rows = slice(g * held, (g + 1) * held)
+            tile_rows = slice(u * streamed, (u + 1) * streamed)
+            elems = (full_mask[bi][:, held_rows, tile_rows] if held_is_q
+                     else full_mask[bi][:, tile_rows, held_rows])
+            if elems.any():
+              assert lo <= u < hi, (form, held_is_q, bi, g, u)
+            if full_lo <= u < full_hi:
+              assert elems.all(), (form, held_is_q, bi, g, u)
