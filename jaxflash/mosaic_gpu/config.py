@@ -121,7 +121,9 @@ class MosaicConfig:
     bwd_paired_dkv: dK and dV by two consumers of one key tile (dV and dK,
       ``P^T`` handed over in shared memory), one float32 accumulator each:
       the Hopper backward above padded head_dim 128 (else the Triton one);
-      tuned on there.  Not with ``bwd_atomic_dq``.
+      tuned on there.  Not with ``bwd_atomic_dq``; calls with a dense bias
+      or mask, ALiBi or dropout take the Triton backward with it (as with
+      ``bwd_paired_dq``).
     bwd_paired_dq: dQ by two consumers of one query tile (``P``, then
       ``dS`` and ``dQ``), Q and dO held once each: tuned on above padded
       head_dim 128.  Not with ``bwd_atomic_dq``.
