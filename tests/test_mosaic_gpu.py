@@ -2359,7 +2359,7 @@ def _segment_runs():
 # with lengths, as segment ids), each group's tile range narrowed to the
 # tiles it leaves.
 FLASH_RUNS = [
-    Run("flashmask-prefix-2wg", "fwd+bwd", (2, 256, 256, 4, 2, 64),
+    Run("flashmask-prefix-2wg", "fwd+bwd", (1, 256, 256, 2, 1, 64),
         jnp.bfloat16, TWO_WG, seed=5, flash="prefix"),
     Run("flashmask-question-lengths", "fwd+bwd", (2, 256, 256, 4, 2, 64),
         jnp.bfloat16, ONE_WG, seed=6, flash="question",
@@ -2404,7 +2404,7 @@ BIAS_RUNS = [
         seed=12, bias="batch"),
     Run("bias-grads-1wg", "fwd+bwd", (2, 130, 100, 2, 1, 32), jnp.bfloat16,
         ONE_WG, seed=13, causal=True, bias="head"),
-    Run("bias-row-overlap", "fwd", (2, 200, 300, 4, 2, 128), jnp.bfloat16,
+    Run("bias-row-overlap", "fwd", (1, 200, 300, 2, 1, 128), jnp.bfloat16,
         dataclasses.replace(TWO_WG, intra_wg_overlap=True), seed=16,
         bias="row"),
     Run("bias-packed-flashmask", "fwd", (2, 256, 256, 4, 2, 64),
