@@ -176,6 +176,18 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
 MAX_BIAS_HEAD_DIM = 192
 
 
+def _alibi_table(arrays: MaskArrays, prob: fwd_lib.Problem, per_unit: float):
+  """ALiBi's table as the kernels read it (:func:`pipeline.alibi_tile`):
+  ``alibi_slopes [B|1, H, 1, 2]`` -> ``[B, H, 2]`` float32, the slope
+  times ``per_unit`` (the units of the logits it is added to), the
+  position shift as it is.  (Built from scalars: an array constant
+  cannot be closed over under custom_partitioning.)"""
+  slopes = arrays.alibi_slopes[:, :, 0, :].astype(jnp.float32)
+  return jnp.broadcast_to(
+      jnp.stack([slopes[..., 0] * per_unit, slopes[..., 1]], axis=-1),
+      (prob.batch, prob.num_heads, 2))
+
+
 def _dropout_table(arrays: MaskArrays, prob: fwd_lib.Problem):
   """The forward's dropout input ``[B, H + 2]`` int32 from
   ``dropout_seeds [B, 4]`` (seed, first head, first row, first key):
@@ -359,16 +371,9 @@ def _forward(q, k, v, st: _Static, arrays: MaskArrays = NO_MASK_ARRAYS,
   gpu = not st.interpret
   kv_rows = _tma_rows(k.shape[1], st.config.unpadded_kv and gpu, prob.kv_pad)
   q_rows = _tma_rows(q.shape[1], st.config.unpadded_q and gpu, prob.q_pad)
-  alibi = None
-  if prob.has_alibi:
-    # [B|1, H, 1, 2] -> [B, H, 2]: the slope in the raw logits' units,
-    # the position shift as it is.
-    # (Built from scalars: an array constant cannot be closed over under
-    # custom_partitioning.)
-    slopes = arrays.alibi_slopes[:, :, 0, :].astype(jnp.float32)
-    alibi = jnp.broadcast_to(
-        jnp.stack([slopes[..., 0] / prob.softmax_scale, slopes[..., 1]],
-                  axis=-1), (q.shape[0], prob.num_heads, 2))
+  # ALiBi's slopes in the raw logits' units.
+  alibi = (_alibi_table(arrays, prob, 1.0 / prob.softmax_scale)
+           if prob.has_alibi else None)
   bias = None
   if prob.bias_ring:
     # In q's dtype (the ring's), its rows and keys padded as Q's and K's
@@ -574,10 +579,8 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
   splits = head_splits(prob, config)
   bias = _backward_bias(arrays, prob, config, q.dtype)
   ds_dtype = _ds_dtype(q.dtype) if bias_grad else None
-  alibi = None
-  if prob.has_alibi:  # [B|1, H, 1, 2] -> [B, H, 2]: slope, shift
-    alibi = jnp.broadcast_to(
-        arrays.alibi_slopes[:, :, 0, :].astype(jnp.float32), (B, H, 2))
+  # (ALiBi's slopes in the scaled logits' units, to which dS refers.)
+  alibi = _alibi_table(arrays, prob, 1.0) if prob.has_alibi else None
   done = {name: run(*tensors) for name, run in backward_passes(
       prob, config, seg_dq, seg_dkv, _interpret_params(interpret),
       head_splits=splits, bias=bias, ds_dtype=ds_dtype, alibi=alibi,

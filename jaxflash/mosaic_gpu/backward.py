@@ -64,11 +64,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflash._util import out_struct
-from jaxflash.masks import (
-  dropout_col_keys,
-  dropout_keep_from_keys,
-  dropout_row_keys,
-)
 from jaxflash.mosaic_gpu import pipeline
 from jaxflash.mosaic_gpu.config import (
   MosaicConfig,
@@ -110,7 +105,8 @@ def _probs(s, lse2, visible, *, prob: Problem, row_axis: int, bias=None):
   dK/dV kernels).  ``lse2=None``: ``s`` already holds ``q . k - lse2 /
   (scale log2 e)`` (:func:`_stats_init`), so ``P = exp2(s scale log2
   e)``.  ``bias``: the dense bias's tile (float32, in the layout of ``s``),
-  added to the scaled logits as the forward added it (:func:`_bias_tile`;
+  added to the scaled logits as the forward added it (the dense bias's
+  and ALiBi's;
   no soft cap with it)."""
   if prob.logits_soft_cap is None:
     th = None
@@ -219,26 +215,6 @@ def _segment_kwargs(q_seg_ref, kv_seg_ref, b, q_start, n_q, k_start, n_k,
               k_seg=lax.broadcast_in_dim(k_seg, shape, [k_axis]))
 
 
-def _dense_visible(ref, b, h, *, q_start, n_q, k_start, n_k, q_axis: int):
-  """A dense boolean mask's tile (int8 in GMEM, ``[B | 1, H | 1, rows,
-  keys]``, an axis of 1 shared; the dK/dV kernel's transposed, keys
-  first) in the layout of ``S`` (``q_axis`` 0) or ``S^T`` (1): its
-  elements read from GMEM, as the forward's; one row of keys for every
-  query (a key padding mask) broadcast over the queries."""
-  src = ref.at[b if ref.shape[0] > 1 else 0, h if ref.shape[1] > 1 else 0]
-  shape = (n_q, n_k) if q_axis == 0 else (n_k, n_q)
-  if src.shape[0] > 1:
-    rows, cols = (q_start, n_q), (k_start, n_k)
-    if q_axis == 1:
-      rows, cols = cols, rows
-    tile = plgpu.load(src.at[pl.ds(*rows), pl.ds(*cols)],
-                      layout=plgpu.Layout.WGMMA, optimized=False)
-    return tile != 0
-  row = plgpu.load(src.at[0, pl.ds(k_start, n_k)],
-                   layout=COL if q_axis == 0 else ROW, optimized=False)
-  return lax.broadcast_in_dim(row != 0, shape, [1 - q_axis])
-
-
 def _tile_mask(masked: bool, mask, seg_refs, b, *, q_start, n_q, k_start,
                n_k, q_axis: int, held=None, h=None):
   """The element mask of one tile of a backward kernel (queries from
@@ -250,7 +226,7 @@ def _tile_mask(masked: bool, mask, seg_refs, b, *, q_start, n_q, k_start,
   the held side's index tile, built before the loop (the paired kernels,
   as measured on the H200; not re-timed without it).  The others are
   row / column vectors (:func:`pipeline.index_tile`).  ``h``: the query
-  head (a dense mask's, :func:`_dense_visible`)."""
+  head (a dense mask's, :func:`pipeline.dense_mask_tile`)."""
   if not masked:
     return None
   shape = (n_q, n_k) if q_axis == 0 else (n_k, n_q)
@@ -267,50 +243,10 @@ def _tile_mask(masked: bool, mask, seg_refs, b, *, q_start, n_q, k_start,
     visible = visible & pipeline.flash_visible(
         flash, b, q_idx, k_start, n_k, shape, key_axis=1 - q_axis)
   if dense is not None:
-    visible = visible & _dense_visible(dense, b, h, q_start=q_start,
-                                       n_q=n_q, k_start=k_start, n_k=n_k,
-                                       q_axis=q_axis)
+    visible = visible & pipeline.dense_mask_tile(
+        dense, b, h, q_start=q_start, n_q=n_q, k_start=k_start, n_k=n_k,
+        q_axis=q_axis)
   return visible
-
-
-def _bias_tile(bias_ref, ring_tile, b, h, *, prob: Problem, k_start, n_k,
-               shape, q_axis: int):
-  """The dense bias of one tile in the layout of ``S`` (``q_axis`` 0) or
-  ``S^T`` (1), float32: ``ring_tile`` (the tile as loaded from its ring
-  slot), or where the bias is one row for every query (a key padding
-  bias, ``prob.bias_rows`` False) that row's keys ``[k_start, k_start +
-  n_k)`` read from GMEM (float32 there) and broadcast over the queries."""
-  if ring_tile is not None:
-    return ring_tile.astype(jnp.float32)
-  row = plgpu.load(
-      bias_ref.at[b if prob.bias_batched else 0,
-                  h if prob.bias_per_head else 0, 0, pl.ds(k_start, n_k)],
-      layout=ROW if q_axis == 1 else COL, optimized=False)
-  return lax.broadcast_in_dim(row, shape, [1 - q_axis])
-
-
-def _dropout_keep(table_ref, b, h, prob: Problem, *, q_start, n_q, k_start,
-                  n_k, q_axis: int):
-  """Attention dropout's keep mask of one tile in the layout of ``S``
-  (``q_axis`` 0) or ``S^T`` (1): the forward's hash
-  (:func:`jaxflash.masks.dropout_keep_from_keys`: the queries' keys
-  hashed on their vector, the keys' on theirs, one mix per pair) from
-  the table ``[B, H + 2]`` int32 (each head's key, then the first row's
-  and key's offsets)."""
-  heads = prob.num_heads
-  row0, col0 = table_ref[b, heads], table_ref[b, heads + 1]
-  shape = (n_q, n_k) if q_axis == 0 else (n_k, n_q)
-  q_layout, k_layout = (ROW, COL) if q_axis == 0 else (COL, ROW)
-  key = plgpu.layout_cast(jnp.full((n_q,), table_ref[b, h]), q_layout)
-  rows = q_start + row0 + plgpu.broadcasted_iota(jnp.int32, (n_q,), 0,
-                                                 layout=q_layout)
-  cols = k_start + col0 + plgpu.broadcasted_iota(jnp.int32, (n_k,), 0,
-                                                 layout=k_layout)
-  row_key, row_key2 = dropout_row_keys(key, rows)
-  bcast = lambda x, axis: lax.broadcast_in_dim(x, shape, [axis])
-  return dropout_keep_from_keys(
-      bcast(row_key, q_axis), bcast(row_key2, q_axis),
-      bcast(dropout_col_keys(cols), 1 - q_axis), prob.dropout_rate)
 
 
 def _dropped(p, keep, rate: float):
@@ -319,20 +255,6 @@ def _dropped(p, keep, rate: float):
   if keep is None:
     return p
   return jnp.where(keep, p * (1.0 / (1.0 - rate)), 0.0)
-
-
-def _alibi_tile(alibi_ref, b, h, prob: Problem, *, q_start, n_q, k_start,
-                n_k, q_axis: int):
-  """ALiBi's bias on one tile in the layout of ``S`` (``q_axis`` 0) or
-  ``S^T`` (1), in the scaled logits' units: ``-slope * |i + offset - j +
-  shift|`` from ``alibi_ref [B, H, 2]`` (slope, shift; the forward's
-  :meth:`forward._Item.alibi_bias` in the raw logits' units), computed
-  from the tile's index vectors."""
-  shape = (n_q, n_k) if q_axis == 0 else (n_k, n_q)
-  q_idx = pipeline.index_tile(q_start + prob.mask.offset, shape, q_axis)
-  k_idx = pipeline.index_tile(k_start, shape, 1 - q_axis)
-  slope, shift = alibi_ref[b, h, 0], alibi_ref[b, h, 1]
-  return jnp.abs((q_idx - k_idx).astype(jnp.float32) + shift) * (-slope)
 
 
 def _plus(a, b):
@@ -361,7 +283,7 @@ def _split_inputs(refs, prob: Problem):
   """Both backward kernels' operands: ``(q, k, v, do, lse2, delta)``, the
   segment refs ``(q_seg, (kv_seg, flash, dense), group_range)`` (Nones
   without segment inputs; ``flash`` the FlashMask columns, ``dense`` the
-  dense mask (:func:`_dense_visible`), each or None) and the remaining
+  dense mask (:func:`pipeline.dense_mask_tile`), each or None) and the remaining
   refs, as a list."""
   refs = list(refs)
   tensors, refs = refs[:6], refs[6:]
@@ -654,18 +576,17 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
       # rows of it, transposed on the way into the layout of S^T.
       alibi = dense = None
       if alibi_ref is not None:
-        alibi = _alibi_tile(alibi_ref, b, h0 + g, prob, q_start=t * bq,
-                            n_q=bq, k_start=k_start, n_k=bk, q_axis=1)
-      if bias_ref is not None:
-        tile = None
-        if bias_ring is not None:
-          tile = plgpu.layout_cast(
-              plgpu.load(bias_ring.at[slot].T.at[pl.ds(wg * bk, bk)],
-                         layout=plgpu.Layout.WGMMA_TRANSPOSED),
-              plgpu.Layout.WGMMA)
-        dense = _bias_tile(bias_ref, tile, b, h0 + g, prob=prob,
-                           k_start=k_start, n_k=bk, shape=(bk, bq),
-                           q_axis=1)
+        alibi = pipeline.alibi_tile(
+            alibi_ref, b, h0 + g, prob.mask.offset, q_start=t * bq, n_q=bq,
+            k_start=k_start, n_k=bk, q_axis=1)
+      if bias_ring is not None:
+        dense = plgpu.layout_cast(
+            plgpu.load(bias_ring.at[slot].T.at[pl.ds(wg * bk, bk)],
+                       layout=plgpu.Layout.WGMMA_TRANSPOSED),
+            plgpu.Layout.WGMMA).astype(jnp.float32)
+      elif bias_ref is not None:  # one row of keys for every query
+        dense = pipeline.key_row(bias_ref, b, h0 + g, k_start=k_start,
+                                 n_k=bk, n_q=bq, q_axis=1)
       return _plus(dense, alibi)
 
     step = functools.partial(
@@ -674,9 +595,10 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
         held=(k_smem, v_smem), a_smem=a_smem, tile_mask=tile_mask,
         atomic=(ds_smem, dq_smem, dq_dst) if atomic_dq else None,
         bias_of=bias_of if prob.has_bias or prob.has_alibi else None,
-        keep_of=None if drop_ref is None else lambda t, g: _dropout_keep(
-            drop_ref, b, h0 + g, prob, q_start=t * bq, n_q=bq,
-            k_start=k_start, n_k=bk, q_axis=1))
+        keep_of=None if drop_ref is None else (
+            lambda t, g: pipeline.dropout_keep_tile(
+                drop_ref, b, h0 + g, prob.num_heads, prob.dropout_rate,
+                q_start=t * bq, n_q=bq, k_start=k_start, n_k=bk, q_axis=1)))
     own, everywhere = pipeline.flash_full_range(
         mask.q_block_range(k_start, bk, bq), range_ref, b, grp,
         segment_ids=prob.has_segment_ids)
@@ -733,9 +655,9 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   in q's dtype with its rows padded to whole ``dkv_block_q`` steps, or
   one float32 row ``[B | 1, H | 1, 1, Sp]`` (``prob.bias_rows`` False).
   ``alibi`` (with ``prob.has_alibi``): ``[B, H, 2]`` float32, each head's
-  ALiBi slope and shift (:func:`_alibi_tile`).  ``dropout`` (with
+  ALiBi slope and shift (:func:`pipeline.alibi_tile`).  ``dropout`` (with
   ``prob.dropout_rate``): the forward's table ``[B, H + 2]`` int32
-  (:func:`_dropout_keep`)."""
+  (:func:`pipeline.dropout_keep_tile`)."""
   atomic_dq = dq_acc is not None
   dtype = q.dtype
   dp = prob.head_dim_padded
@@ -1117,15 +1039,15 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     def bias_of(slot, t):
       alibi = dense = None
       if alibi_ref is not None:
-        alibi = _alibi_tile(alibi_ref, b, h, prob, q_start=q_start, n_q=bq,
-                            k_start=t * bk, n_k=bk, q_axis=0)
-      if bias_ref is not None:
-        tile = None
-        if bias_ring is not None:  # the slot holds every consumer's rows
-          tile = plgpu.load(bias_ring.at[slot, pl.ds(wg * bq, bq)],
-                            layout=plgpu.Layout.WGMMA)
-        dense = _bias_tile(bias_ref, tile, b, h, prob=prob, k_start=t * bk,
-                           n_k=bk, shape=(bq, bk), q_axis=0)
+        alibi = pipeline.alibi_tile(
+            alibi_ref, b, h, prob.mask.offset, q_start=q_start, n_q=bq,
+            k_start=t * bk, n_k=bk, q_axis=0)
+      if bias_ring is not None:  # the slot holds every consumer's rows
+        dense = plgpu.load(bias_ring.at[slot, pl.ds(wg * bq, bq)],
+                           layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+      elif bias_ref is not None:  # one row of keys for every query
+        dense = pipeline.key_row(bias_ref, b, h, k_start=t * bk, n_k=bk,
+                                 n_q=bq, q_axis=0)
       return _plus(dense, alibi)
 
     def ds_dst(t):
@@ -1138,9 +1060,10 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
         vecs=(lse2, delta), a_smem=a_smem, tile_mask=tile_mask,
         bias_of=bias_of if prob.has_bias or prob.has_alibi else None,
         ds_out=ds_dst if ds_out else None,
-        keep_of=None if drop_ref is None else lambda t: _dropout_keep(
-            drop_ref, b, h, prob, q_start=q_start, n_q=bq, k_start=t * bk,
-            n_k=bk, q_axis=0))
+        keep_of=None if drop_ref is None else (
+            lambda t: pipeline.dropout_keep_tile(
+                drop_ref, b, h, prob.num_heads, prob.dropout_rate,
+                q_start=q_start, n_q=bq, k_start=t * bk, n_k=bk, q_axis=0)))
     own, everywhere = pipeline.flash_full_range(
         mask.kv_block_range(q_start, bq, bk), range_ref, b, grp,
         segment_ids=prob.has_segment_ids)

@@ -58,12 +58,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, nvvm, scf, vector
 
 from jaxflash._util import out_struct, sm_count
-from jaxflash.masks import (
-  MaskSpec,
-  dropout_col_keys,
-  dropout_keep_from_keys,
-  dropout_row_keys,
-)
+from jaxflash.masks import MaskSpec
 from jaxflash.mosaic_gpu import pipeline
 from jaxflash.mosaic_gpu.config import MosaicConfig
 
@@ -790,17 +785,9 @@ class _Item:
     wgmma layout of ``S``: straight from GMEM (a non-"optimized" load, as
     the segment ids), only in the tiles that take the element mask (the
     others are skipped or fully visible by the mask's tile ranges)."""
-    r, bq, bk = self.r, self.bq, self.bk
-    batched, per_head, rows = (n > 1 for n in r.dense_mask.shape[:3])
-    src = r.dense_mask.at[self.b if batched else 0, self.h if per_head else 0]
-    if rows:
-      tile = plgpu.load(src.at[pl.ds(self.q_start, bq), pl.ds(t * bk, bk)],
-                        layout=plgpu.Layout.WGMMA, optimized=False)
-      return tile != 0
-    # One row for every query (a key padding mask), broadcast over rows.
-    row = plgpu.load(src.at[0, pl.ds(t * bk, bk)],
-                     layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-    return lax.broadcast_in_dim(row != 0, (bq, bk), [1])
+    return pipeline.dense_mask_tile(
+        self.r.dense_mask, self.b, self.h, q_start=self.q_start, n_q=self.bq,
+        k_start=t * self.bk, n_k=self.bk, q_axis=0)
 
   def probs(self, s, t, m, *, masked: bool):
     """Tile ``t``'s online-softmax step from the raw ``S``: ``P`` (float32,
@@ -834,28 +821,19 @@ class _Item:
     """ALiBi on tile ``t`` in the raw logits' units: ``-slope * |i + offset
     - j| / softmax_scale`` (FlashAttention-2's convention,
     :func:`jaxflash.masks.alibi_bias`; the slope comes divided)."""
-    shape = (self.bq, self.bk)
-    q_idx = pipeline.index_tile(self.q_start + self.prob.mask.offset, shape,
-                                0)
-    k_idx = pipeline.index_tile(t * self.bk, shape, 1)
-    slope = self.r.alibi[self.b, self.h, 0]
-    shift = self.r.alibi[self.b, self.h, 1]  # (a block pair's offset)
-    return jnp.abs((q_idx - k_idx).astype(jnp.float32) + shift) * (-slope)
+    return pipeline.alibi_tile(
+        self.r.alibi, self.b, self.h, self.prob.mask.offset,
+        q_start=self.q_start, n_q=self.bq, k_start=t * self.bk, n_k=self.bk,
+        q_axis=0)
 
   def bias_tile(self, t):
     """Tile ``t``'s dense bias for this consumer's rows in the raw logits'
     units (divided by ``softmax_scale``, as ALiBi's slopes), float32 in
     the wgmma layout (its slot is freed with V's, after this tile's P V)."""
     r, prob, inv_scale = self.r, self.prob, 1.0 / self.prob.softmax_scale
-    if not prob.bias_rows:
-      # One row for every query: straight from GMEM into the key layout
-      # of S (as the key segment ids), broadcast over the rows.
-      row = plgpu.load(
-          r.bias.at[self.b if prob.bias_batched else 0,
-                    self.h if prob.bias_per_head else 0, 0,
-                    pl.ds(t * self.bk, self.bk)],
-          layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-      return lax.broadcast_in_dim(row * inv_scale, (self.bq, self.bk), [1])
+    if not prob.bias_rows:  # one row for every query, from GMEM
+      return pipeline.key_row(r.bias, self.b, self.h, k_start=t * self.bk,
+                              n_k=self.bk, n_q=self.bq, q_axis=0) * inv_scale
     slot = self.slot_of(t)
     plgpu.barrier_wait(r.bias_ready.at[slot])
     tile = plgpu.load(r.bias_smem.at[slot, pl.ds(self.ctx.wg * self.bq,
@@ -872,24 +850,10 @@ class _Item:
     prob, r = self.prob, self.r
     if not prob.dropout_rate:
       return p
-    heads = prob.num_heads
-    row0, col0 = r.dropout[self.b, heads], r.dropout[self.b, heads + 1]
-    shape = (self.bq, self.bk)
-    row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
-    # The rows' keys hashed on the row vector (the head's key as one: the
-    # hash's uint32 casts lower for arrays, not scalars), the columns' on
-    # the column vector, one mix per pair on the tile.
-    key = plgpu.layout_cast(jnp.full((self.bq,), r.dropout[self.b, self.h]),
-                            row)
-    rows = self.q_start + row0 + plgpu.broadcasted_iota(
-        jnp.int32, (self.bq,), 0, layout=row)
-    cols = t * self.bk + col0 + plgpu.broadcasted_iota(
-        jnp.int32, (self.bk,), 0, layout=col)
-    bcast = lambda x, axis: lax.broadcast_in_dim(x, shape, [axis])
-    row_key, row_key2 = dropout_row_keys(key, rows)
-    keep = dropout_keep_from_keys(
-        bcast(row_key, 0), bcast(row_key2, 0),
-        bcast(dropout_col_keys(cols), 1), prob.dropout_rate)
+    keep = pipeline.dropout_keep_tile(
+        r.dropout, self.b, self.h, prob.num_heads, prob.dropout_rate,
+        q_start=self.q_start, n_q=self.bq, k_start=t * self.bk, n_k=self.bk,
+        q_axis=0)
     return jnp.where(keep, p * (1.0 / (1.0 - prob.dropout_rate)), 0.0)
 
   def probs_where_visible(self, s, t, m, full_lo, full_hi):

@@ -20,6 +20,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.mosaic import gpu as mgpu
 
+from jaxflash.masks import (
+  dropout_col_keys,
+  dropout_keep_from_keys,
+  dropout_row_keys,
+)
 from jaxflash.mosaic_gpu.config import (
   DEFAULT_CONSUMER_REGISTERS,
   MIN_REGISTERS,
@@ -158,6 +163,88 @@ def flash_visible(flash_ref, b, q_idx, k_start, n_k: int, shape, *,
   # GPU does not lower for register tiles).
   return (((q_idx < col(0)) | (q_idx >= col(1)))
           & ((q_idx < col(2)) | (q_idx >= col(3))))
+
+
+# -- element terms of one tile -------------------------------------------------
+# Read or computed per tile by the forward (in the layout of S, queries
+# along axis 0: q_axis=0) and the backward kernels (the dQ kernel's S, the
+# dK/dV kernel's S^T: q_axis=1); per-query and per-key values are built
+# on their vectors and broadcast (index_tile).
+
+def _tile_shape(n_q: int, n_k: int, q_axis: int) -> tuple[int, int]:
+  return (n_q, n_k) if q_axis == 0 else (n_k, n_q)
+
+
+def _vector_layout(axis: int):
+  """The layout of a vector along ``axis`` of a wgmma tile."""
+  return plgpu.Layout.WGMMA.reduce(1 - axis)
+
+
+def key_row(ref, b, h, *, k_start, n_k: int, n_q: int, q_axis: int):
+  """One row of keys for every query (``ref [B | 1, H | 1, 1, keys]``,
+  an axis of 1 shared; a key padding bias or mask) of the tile's keys
+  ``[k_start, k_start + n_k)``, read from GMEM (a plain load, as the
+  segment ids) and broadcast over its queries."""
+  src = ref.at[b if ref.shape[0] > 1 else 0, h if ref.shape[1] > 1 else 0]
+  row = plgpu.load(src.at[0, pl.ds(k_start, n_k)],
+                   layout=_vector_layout(1 - q_axis), optimized=False)
+  return lax.broadcast_in_dim(row, _tile_shape(n_q, n_k, q_axis),
+                              [1 - q_axis])
+
+
+def dense_mask_tile(ref, b, h, *, q_start, n_q: int, k_start, n_k: int,
+                    q_axis: int):
+  """A dense boolean mask's tile (int8 in GMEM, ``[B | 1, H | 1, rows,
+  keys]``, an axis of 1 shared; the dK/dV kernel's transposed, keys
+  first), read from GMEM; one row of keys for every query (a key padding
+  mask) broadcast over the queries."""
+  src = ref.at[b if ref.shape[0] > 1 else 0, h if ref.shape[1] > 1 else 0]
+  if src.shape[0] == 1:
+    return key_row(ref, b, h, k_start=k_start, n_k=n_k, n_q=n_q,
+                   q_axis=q_axis) != 0
+  rows, cols = (q_start, n_q), (k_start, n_k)
+  if q_axis == 1:
+    rows, cols = cols, rows
+  tile = plgpu.load(src.at[pl.ds(*rows), pl.ds(*cols)],
+                    layout=plgpu.Layout.WGMMA, optimized=False)
+  return tile != 0
+
+
+def alibi_tile(table_ref, b, h, offset: int, *, q_start, n_q: int, k_start,
+               n_k: int, q_axis: int):
+  """ALiBi's bias ``-slope * |i + offset - j + shift|`` of one tile from
+  ``table_ref [B, H, 2]`` (each head's slope, in the units of the logits
+  it is added to, and shift: a block pair's offset), computed from the
+  tile's index vectors (:func:`jaxflash.masks.alibi_bias`)."""
+  shape = _tile_shape(n_q, n_k, q_axis)
+  q_idx = index_tile(q_start + offset, shape, q_axis)
+  k_idx = index_tile(k_start, shape, 1 - q_axis)
+  slope, shift = table_ref[b, h, 0], table_ref[b, h, 1]
+  return jnp.abs((q_idx - k_idx).astype(jnp.float32) + shift) * (-slope)
+
+
+def dropout_keep_tile(table_ref, b, h, heads: int, rate: float, *, q_start,
+                      n_q: int, k_start, n_k: int, q_axis: int):
+  """Attention dropout's keep mask of one tile: the hash of
+  :func:`jaxflash.masks.dropout_keep_from_keys` (the queries' keys hashed
+  on their vector, the keys' on theirs, one mix per pair) from the table
+  ``[B, heads + 2]`` int32 (each head's key, then the first row's and
+  key's offsets)."""
+  row0, col0 = table_ref[b, heads], table_ref[b, heads + 1]
+  shape = _tile_shape(n_q, n_k, q_axis)
+  q_layout, k_layout = _vector_layout(q_axis), _vector_layout(1 - q_axis)
+  # (The head's key as a vector: the hash's uint32 casts lower for
+  # arrays, not scalars.)
+  key = plgpu.layout_cast(jnp.full((n_q,), table_ref[b, h]), q_layout)
+  rows = q_start + row0 + plgpu.broadcasted_iota(jnp.int32, (n_q,), 0,
+                                                 layout=q_layout)
+  cols = k_start + col0 + plgpu.broadcasted_iota(jnp.int32, (n_k,), 0,
+                                                 layout=k_layout)
+  row_key, row_key2 = dropout_row_keys(key, rows)
+  bcast = lambda x, axis: lax.broadcast_in_dim(x, shape, [axis])
+  return dropout_keep_from_keys(
+      bcast(row_key, q_axis), bcast(row_key2, q_axis),
+      bcast(dropout_col_keys(cols), 1 - q_axis), rate)
 
 
 def narrow_to_segments(u_lo, u_hi, range_ref, b, group):
