@@ -185,7 +185,7 @@ def mask_array_spec(field: str, shape, b, h, t=None):
   """Spec of the mask array ``field`` (a :class:`MaskArrays` field):
   segment ids ``[B, L]`` by batch and sequence (``t``), lengths ``[B]``
   and dropout seeds ``[B, 4]`` by batch, and a dense bias or mask ``[B|1,
-  H|1, T|1, S]``, FlashMask columns ``[B|1, H|1, 4, S]`` or ALiBi slopes
+  H|1, T|1, S]``, FlashMask columns ``[B|1, H|1, n, S]`` or ALiBi slopes
   ``[B|1, H, 1, 2]`` (and FP8's scales ``[1, H, 1, 2]``) by batch and
   heads where those axes are full (an axis of size 1 is replicated).
   Under context parallelism the dense terms' query rows are sharded with

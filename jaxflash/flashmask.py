@@ -519,33 +519,64 @@ def tile_class(bounds: TileBounds, row_lo, row_hi) -> jax.Array:
 
 # -- the kernels' form ---------------------------------------------------------
 
+# The kernels' form keeps the fields a mask has, in _FIELDS' order: their
+# number says which (lt_start always; lt_end where given; the upper range
+# where given), so the kernels know statically what to read and compare:
+# FlashMask's causal documents, one row, cost one load and one compare
+# per partial tile instead of four.
+_ROWS = {1: (0,), 2: (0, 1), 3: (0, 2, 3), 4: (0, 1, 2, 3)}
+# An absent field's value (lt_end: past every row; the upper range:
+# empty), and a padded key column's (hidden from every row).
+_ABSENT = (0, BIG, 0, 0)
+_PADDED = (0, BIG, 0, BIG)
+
+
 def columns(mask: FlashMask) -> jax.Array:
-  """The four fields stacked as the kernels read them: int32 ``[B|1, H|1,
-  4, kv_len]`` (rows ``lt_start, lt_end, ut_start, ut_end``), an absent
-  ``lt_end`` as BIG (past every row) and an absent upper range as the
-  empty ``[0, 0)``.  ``mask`` checked (:meth:`FlashMask.check`)."""
-  fields = [mask.lt_start, mask.lt_end, mask.ut_start, mask.ut_end]
-  fills = [0, BIG, 0, 0]
-  shape = jnp.broadcast_shapes(*(x.shape for x in fields if x is not None))
-  return jnp.stack([
-      jnp.full(shape, fill, jnp.int32) if x is None
-      else jnp.broadcast_to(_i32(x), shape)
-      for x, fill in zip(fields, fills)], axis=2)
+  """The fields the mask has, stacked as the kernels read them: int32
+  ``[B|1, H|1, n, kv_len]``, rows ``lt_start[, lt_end][, ut_start,
+  ut_end]`` (:func:`present`; :func:`full_columns` gives all four).
+  ``mask`` checked (:meth:`FlashMask.check`)."""
+  fields = [x for x in (mask.lt_start, mask.lt_end, mask.ut_start,
+                        mask.ut_end) if x is not None]
+  shape = jnp.broadcast_shapes(*(x.shape for x in fields))
+  return jnp.stack([jnp.broadcast_to(_i32(x), shape) for x in fields],
+                   axis=2)
+
+
+def present(cols: jax.Array) -> tuple[int, ...]:
+  """Which fields (indices into ``lt_start, lt_end, ut_start, ut_end``)
+  the rows of :func:`columns`' output hold."""
+  return _ROWS[cols.shape[-2]]
+
+
+def full_columns(cols: jax.Array) -> jax.Array:
+  """:func:`columns`' output with all four rows, an absent ``lt_end`` as
+  BIG (past every row) and an absent upper range as the empty ``[0,
+  0)``."""
+  have = present(cols)
+  if len(have) == 4:
+    return cols
+  # (Built from scalars: an array constant cannot be closed over under
+  # custom_partitioning.)
+  row = lambda f: (cols[:, :, have.index(f)] if f in have else
+                   jnp.full((*cols.shape[:2], cols.shape[-1]), _ABSENT[f],
+                            jnp.int32))
+  return jnp.stack([row(f) for f in range(4)], axis=2)
 
 
 def window_columns(seq: int, left: int | None,
                    right: int | None) -> jax.Array:
   """:func:`columns` of a local window over ``seq`` positions (query ``i``
   at key ``i``): key ``j`` hidden from the rows past ``j + left`` and
-  those before ``j - right`` (a side None: unbounded).  ``[1, 1, 4,
+  those before ``j - right`` (a side None: unbounded).  ``[1, 1, n,
   seq]``: how context parallelism's ring carries a window, whose offset
   between two blocks is known only at run time."""
   j = jnp.arange(seq, dtype=jnp.int32)[None, None, :]
-  big = jnp.full_like(j, BIG)
-  lt_start = big if left is None else j + _i32(left) + 1
-  ut_end = jnp.zeros_like(j) if right is None else jnp.maximum(
-      j - _i32(right), 0)
-  return jnp.stack([lt_start, big, jnp.zeros_like(j), ut_end], axis=2)
+  lt_start = jnp.full_like(j, BIG) if left is None else j + _i32(left) + 1
+  if right is None:
+    return lt_start[:, :, None]
+  ut_end = jnp.maximum(j - _i32(right), 0)
+  return jnp.stack([lt_start, jnp.zeros_like(j), ut_end], axis=2)
 
 
 def column_tile_classes(cols: jax.Array, q_pad: int, block_q: int,
@@ -553,6 +584,7 @@ def column_tile_classes(cols: jax.Array, q_pad: int, block_q: int,
   """:func:`tile_class` of every (query tile, key tile) pair of the
   tiling ``(block_q, block_k)``: int32 ``[B|1, H|1, q_pad / block_q,
   n_k]`` from :func:`columns`' output padded to whole key tiles."""
+  cols = full_columns(cols)
   n_k = cols.shape[-1] // block_k
   tiles = cols.reshape(*cols.shape[:3], n_k, block_k)
   lo, hi = tiles.min(-1)[:, :, :, None, :], tiles.max(-1)[:, :, :, None, :]
@@ -601,18 +633,20 @@ def tile_ranges(cols: jax.Array, q_pad: int, held: int, streamed: int, *,
 
 def pad_columns(cols: jax.Array, kv_pad: int) -> jax.Array:
   """:func:`columns`' output padded to ``kv_pad`` keys with columns hidden
-  from every row (both ranges ``[0, BIG)``)."""
+  from every row (the ranges it has ``[0, BIG)``: ``lt_start`` 0 hides a
+  column to the end where there is no ``lt_end``)."""
   n = kv_pad - cols.shape[-1]
   # (Built from scalars: an array constant cannot be closed over under
   # custom_partitioning.)
-  fill = [jnp.full((*cols.shape[:2], 1, n), x, jnp.int32)
-          for x in (0, BIG, 0, BIG)]
+  fill = [jnp.full((*cols.shape[:2], 1, n), _PADDED[f], jnp.int32)
+          for f in present(cols)]
   return jnp.concatenate([cols, jnp.concatenate(fill, axis=2)], axis=3)
 
 
 def visible_from_columns(cols: jax.Array, q_len: int) -> jax.Array:
   """Bool ``[B|1, H|1, q_len, kv_len]`` of :func:`columns`' output, True
   where visible (the reference's dense form)."""
+  cols = full_columns(cols)
   rows = jnp.arange(q_len, dtype=jnp.int32)[:, None]
   c = lambda r: cols[:, :, r, None, :]
   hidden = (((c(0) <= rows) & (rows < c(1)))

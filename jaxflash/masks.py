@@ -70,7 +70,7 @@ class MaskArrays(NamedTuple):
   Dense terms, as ``jax.nn.dot_product_attention``'s: ``bias [B|1, H|1,
   T|1, S]`` (floating, added to the scaled logits; the one differentiable
   entry) and ``dense_mask [B|1, H|1, T|1, S]`` (bool, False hides the
-  key); an axis of size 1 broadcasts.  ``flash_mask [B|1, H|1, 4, S]``
+  key); an axis of size 1 broadcasts.  ``flash_mask [B|1, H|1, n, S]``
   int32: a FlashMask's columns (:func:`jaxflash.flashmask.columns`).
   ``alibi_slopes [B|1, H, 1, 2]`` float32: ALiBi's slope per head in
   ``[..., 0]`` (:func:`alibi_bias`; ``[..., 1]`` unused).

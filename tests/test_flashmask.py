@@ -349,12 +349,39 @@ def test_window_columns_match_the_window(left, right):
   hides (query i at key i)."""
   from jaxflash.masks import MaskSpec
   seq = 13
-  cols = np.asarray(flashmask.window_columns(seq, left, right))
+  cols = np.asarray(flashmask.full_columns(
+      flashmask.window_columns(seq, left, right)))
   i = np.arange(seq)[:, None]
   lts, lte, uts, ute = (cols[0, 0, r][None, :] for r in range(4))
   visible = ~(((lts <= i) & (i < lte)) | ((uts <= i) & (i < ute)))
   want = MaskSpec(seq, seq, False, 0, left, right).dense()
   np.testing.assert_array_equal(visible, np.asarray(want))
+
+
+@pytest.mark.parametrize("fields", [(0,), (0, 1), (0, 2, 3), (0, 1, 2, 3)])
+def test_columns_keep_the_fields_a_mask_has(fields):
+  """columns() keeps the given fields only (the kernels then read and
+  compare only those), full_columns() restores the absent ones, and the
+  padded columns hide every row, for each combination of fields."""
+  rng = np.random.default_rng(len(fields))
+  q_len, kv_len, kv_pad = 9, 11, 16
+  values = [rng.integers(-2, q_len + 2, (2, 1, kv_len)).astype(np.int32)
+            for _ in range(4)]
+  m = FlashMask(*(values[f] if f in fields else None for f in range(4)))
+  cols = flashmask.columns(m)
+  assert cols.shape == (2, 1, len(fields), kv_len)
+  assert flashmask.present(cols) == fields
+  full = np.asarray(flashmask.full_columns(cols))
+  absent = {1: flashmask.BIG, 2: 0, 3: 0}
+  for f in range(4):
+    want = values[f] if f in fields else np.full_like(values[0], absent[f])
+    np.testing.assert_array_equal(full[:, :, f], want)
+  padded = flashmask.pad_columns(cols, kv_pad)
+  assert flashmask.present(padded) == fields
+  visible = np.asarray(flashmask.visible_from_columns(padded, q_len))
+  np.testing.assert_array_equal(visible[..., :kv_len],
+                                _dense_loops(m, q_len)[:, :1])
+  assert not visible[..., kv_len:].any()
 
 
 def test_tile_class_exact_on_causal():

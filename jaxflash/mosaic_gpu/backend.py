@@ -294,7 +294,7 @@ def _check_flash_mask(cols) -> None:
 
 
 def _flash_columns(arrays: MaskArrays, prob: fwd_lib.Problem, batch: int):
-  """The FlashMask's columns for the kernels: ``[B, 4, kv_pad]`` int32
+  """The FlashMask's columns for the kernels: ``[B, n, kv_pad]`` int32
   (shared by the heads; padding keys hidden from every row)."""
   _check_flash_mask(arrays.flash_mask)
   cols = flashmask.pad_columns(arrays.flash_mask, prob.kv_pad)[:, 0]

@@ -309,7 +309,7 @@ class Problem:
   # Segment ids or lengths (folded into the ids: padding positions are
   # PAD_SEGMENT_ID): every computed tile takes the element mask.
   has_segment_ids: bool = False
-  # A FlashMask (shared by the heads): its columns flash [B, 4, Sp] follow
+  # A FlashMask (shared by the heads): its columns flash [B, n, Sp] follow
   # the segment inputs; it masks only the tiles outside the run it leaves
   # fully visible (seg_range's rows 2 and 3).
   has_flash_mask: bool = False
@@ -1766,7 +1766,7 @@ def forward(q, k, v, segments=None, alibi=None, bias=None,
   the rows past the arrays and the store of O drops them).
 
   ``segments``: ``(q_seg, kv_seg, seg_range)`` when ``prob.has_segments``,
-  and the FlashMask columns ``[B, 4, Sp]`` after them with
+  and the FlashMask columns ``[B, n, Sp]`` after them with
   ``prob.has_flash_mask``.  ``alibi``: ALiBi's ``[B, H, 2]`` float32
   (the slopes divided by the softmax scale, the position shifts of
   :func:`jaxflash.masks.alibi_bias`), with ``prob.has_alibi``.

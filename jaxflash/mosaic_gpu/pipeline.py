@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.mosaic import gpu as mgpu
 
+from jaxflash import flashmask
 from jaxflash.masks import (
   dropout_col_keys,
   dropout_keep_from_keys,
@@ -146,23 +147,30 @@ def flash_visible(flash_ref, b, q_idx, k_start, n_k: int, shape, *,
                   key_axis: int):
   """The FlashMask's element mask of one tile (arXiv 2410.01359): key
   ``j`` is hidden from the rows ``[lt_start, lt_end)`` and ``[ut_start,
-  ut_end)`` of its column.  ``flash_ref [B, 4, Sp]`` (GMEM), the tile's
-  keys ``[k_start, k_start + n_k)`` along ``key_axis`` of ``shape``,
-  ``q_idx`` its query index (a row or column vector broadcast by
-  :func:`index_tile`, or a tile)."""
+  ut_end)`` of its column.  ``flash_ref [B, n, Sp]`` (GMEM): the fields
+  the mask has (:func:`jaxflash.flashmask.present`), only those read and
+  compared; the tile's keys ``[k_start, k_start + n_k)`` along
+  ``key_axis`` of ``shape``, ``q_idx`` its query index (a row or column
+  vector broadcast by :func:`index_tile`, or a tile)."""
   layout = (plgpu.Layout.WGMMA.reduce(0) if key_axis == 1
             else plgpu.Layout.WGMMA.reduce(1))
+  have = flashmask.present(flash_ref)
 
-  def col(r):
+  def col(field):
     # Straight from GMEM into the tile's key layout (a plain load).
-    c = plgpu.load(flash_ref.at[b, r, pl.ds(k_start, n_k)], layout=layout,
-                   optimized=False)
+    c = plgpu.load(flash_ref.at[b, have.index(field), pl.ds(k_start, n_k)],
+                   layout=layout, optimized=False)
     return lax.broadcast_in_dim(c, shape, [key_axis])
 
   # Outside both ranges (written without a bool negation, which Mosaic
-  # GPU does not lower for register tiles).
-  return (((q_idx < col(0)) | (q_idx >= col(1)))
-          & ((q_idx < col(2)) | (q_idx >= col(3))))
+  # GPU does not lower for register tiles); an absent lt_end is past
+  # every row, an absent upper range empty.
+  visible = q_idx < col(0)
+  if 1 in have:
+    visible = visible | (q_idx >= col(1))
+  if 2 in have:
+    visible = visible & ((q_idx < col(2)) | (q_idx >= col(3)))
+  return visible
 
 
 # -- element terms of one tile -------------------------------------------------

@@ -80,8 +80,10 @@ def _dense_inputs(arrays: MaskArrays, prob: Problem) -> dense_lib.DenseInputs:
   if arrays.dense_mask is not None:
     mask = pad(arrays.dense_mask.astype(jnp.int8), 0)
   if arrays.flash_mask is not None:
-    # Padding keys are hidden from every row.
-    flash = flashmask.pad_columns(arrays.flash_mask, prob.kv_pad)
+    # Padding keys are hidden from every row; all four rows (the Triton
+    # kernels read each).
+    flash = flashmask.full_columns(
+        flashmask.pad_columns(arrays.flash_mask, prob.kv_pad))
   return dense_lib.DenseInputs(bias, mask, flash, arrays.alibi_slopes)
 
 
