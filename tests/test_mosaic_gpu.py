@@ -362,8 +362,11 @@ def _dense_mask(run: Run):
 # FlashMasks shared by the heads, ``(batch, seq) -> FlashMask``: the forms
 # the Hopper kernels take (:data:`FLASH_RUNS`).
 FLASH_PATTERNS = {
-    "prefix": lambda b, t: jaxflash.FlashMask.prefix_lm(
-        jnp.asarray([t // 3, t - 5][:b]), t),
+    # With lt_end given (to the end, as its absence means): all four
+    # fields, so pipeline.flash_visible reads and compares each.
+    "prefix": lambda b, t: dataclasses.replace(
+        jaxflash.FlashMask.prefix_lm(jnp.asarray([t // 3, t - 5][:b]), t),
+        lt_end=jnp.full((b, 1, t), t, jnp.int32)),
     "question": lambda b, t: jaxflash.FlashMask.shared_question(
         jnp.broadcast_to(jnp.minimum(jnp.arange(t) // (t // 4), 3), (b, t))),
     "blocks": lambda b, t: jaxflash.FlashMask.document(
