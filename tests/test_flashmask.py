@@ -515,3 +515,17 @@ def test_construction_errors():
     FlashMask.prefix_lm(np.array([1.5]), 8)
   with pytest.raises(ValueError, match=r"block_k=0 must be >= 1"):
     FlashMask(z).tile_bounds(0)
+
+
+def test_causal_document_lower_range_with_causal_is_the_same_mask():
+  """docs/masks.md: under ``causal=True`` (q_len == kv_len) the lower
+  range alone of FlashMask.causal_document gives the same mask, from one
+  field."""
+  seq = 16
+  m = FlashMask.causal_document(SEGMENT_IDS)
+  lower = flashmask.columns(FlashMask(lt_start=m.lt_start))
+  assert flashmask.present(lower) == (0,)
+  causal = np.tril(np.ones((seq, seq), bool))
+  np.testing.assert_array_equal(
+      np.asarray(flashmask.visible_from_columns(lower, seq)) & causal,
+      np.asarray(flashmask.visible_from_columns(flashmask.columns(m), seq)))
