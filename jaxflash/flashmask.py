@@ -522,8 +522,8 @@ def tile_class(bounds: TileBounds, row_lo, row_hi) -> jax.Array:
 # The kernels' form keeps the fields a mask has, in _FIELDS' order: their
 # number says which (lt_start always; lt_end where given; the upper range
 # where given), so the kernels know statically what to read and compare:
-# FlashMask's causal documents, one row, cost one load and one compare
-# per partial tile instead of four.
+# the lower range alone (FlashMask's causal documents beside causal=True)
+# costs one load and one compare per partial tile instead of four.
 _ROWS = {1: (0,), 2: (0, 1), 3: (0, 2, 3), 4: (0, 1, 2, 3)}
 # An absent field's value (lt_end: past every row; the upper range:
 # empty), and a padded key column's (hidden from every row).

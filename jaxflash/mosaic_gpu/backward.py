@@ -140,7 +140,7 @@ def _dscores(p, th, dp, delta, *, row_axis: int, keep=None,
   (FlashAttention-2's dropout backward; ``delta = rowsum(dO O)`` holds
   as it is)."""
   if keep is not None:
-    dp = jnp.where(keep, dp * (1.0 / (1.0 - rate)), 0.0)
+    dp = pipeline.dropped(dp, keep, rate)
   ds = p * (dp if delta is None
             else dp - lax.broadcast_in_dim(delta, p.shape, [row_axis]))
   if th is not None:
@@ -249,17 +249,22 @@ def _tile_mask(masked: bool, mask, seg_refs, b, *, q_start, n_q, k_start,
   return visible
 
 
-def _dropped(p, keep, rate: float):
-  """``P`` as ``dV += P^T dO`` takes it under dropout: kept entries
-  scaled by ``1 / (1 - rate)``, the others 0 (None: no dropout)."""
-  if keep is None:
-    return p
-  return jnp.where(keep, p * (1.0 / (1.0 - rate)), 0.0)
-
-
-def _plus(a, b):
-  """The sum of two optional tiles (None where both are)."""
-  return b if a is None else a if b is None else a + b
+def _terms_bias(ring_tile, bias_ref, alibi_ref, b, h, prob: Problem, *,
+                q_start, n_q: int, k_start, n_k: int, q_axis: int):
+  """The additive terms of one tile in the layout of ``S`` (``q_axis``
+  0) or ``S^T`` (1), float32, in the scaled logits' units: the dense
+  bias (``ring_tile``, its tile as loaded from the ring, or one row of
+  keys for every query from ``bias_ref``) plus ALiBi's (``alibi_ref``);
+  None where the call has neither."""
+  kw = dict(k_start=k_start, n_k=n_k, q_axis=q_axis)
+  dense = (ring_tile.astype(jnp.float32) if ring_tile is not None else
+           None if bias_ref is None else
+           pipeline.key_row(bias_ref, b, h, n_q=n_q, **kw))
+  if alibi_ref is None:
+    return dense
+  alibi = pipeline.alibi_tile(alibi_ref, b, h, prob.mask.offset,
+                              q_start=q_start, n_q=n_q, **kw)
+  return alibi if dense is None else dense + alibi
 
 
 def _bias_source(bias_ref, b, h, prob: Problem, rows, cols):
@@ -443,8 +448,9 @@ def _dkv_step(step, t, carry, *, masked: bool, g, dk_acc, dv_acc,
       bias=None if bias_of is None else bias_of(slot, t, g))
 
   def dv_update(p):  # dV += P^T dO (P dropped under dropout)
-    plgpu.wgmma(dv_acc, _a_operand(_dropped(p, keep, prob.dropout_rate),
-                                   a_smem, dtype), do_t)
+    if keep is not None:
+      p = pipeline.dropped(p, keep, prob.dropout_rate)
+    plgpu.wgmma(dv_acc, _a_operand(p, a_smem, dtype), do_t)
 
   overlap = cfg.bwd_softmax_overlap
   early_dv = cfg.bwd_early_dv and overlap
@@ -574,20 +580,13 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     def bias_of(slot, t, g):
       # The slot holds the bias^T of every consumer's keys: this one's
       # rows of it, transposed on the way into the layout of S^T.
-      alibi = dense = None
-      if alibi_ref is not None:
-        alibi = pipeline.alibi_tile(
-            alibi_ref, b, h0 + g, prob.mask.offset, q_start=t * bq, n_q=bq,
-            k_start=k_start, n_k=bk, q_axis=1)
-      if bias_ring is not None:
-        dense = plgpu.layout_cast(
-            plgpu.load(bias_ring.at[slot].T.at[pl.ds(wg * bk, bk)],
-                       layout=plgpu.Layout.WGMMA_TRANSPOSED),
-            plgpu.Layout.WGMMA).astype(jnp.float32)
-      elif bias_ref is not None:  # one row of keys for every query
-        dense = pipeline.key_row(bias_ref, b, h0 + g, k_start=k_start,
-                                 n_k=bk, n_q=bq, q_axis=1)
-      return _plus(dense, alibi)
+      ring_tile = None if bias_ring is None else plgpu.layout_cast(
+          plgpu.load(bias_ring.at[slot].T.at[pl.ds(wg * bk, bk)],
+                     layout=plgpu.Layout.WGMMA_TRANSPOSED),
+          plgpu.Layout.WGMMA)
+      return _terms_bias(ring_tile, bias_ref, alibi_ref, b, h0 + g, prob,
+                         q_start=t * bq, n_q=bq, k_start=k_start, n_k=bk,
+                         q_axis=1)
 
     step = functools.partial(
         _dkv_step, prob=prob, cfg=cfg, dtype=dtype,
@@ -712,6 +711,16 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
 
 
 # -- dK / dV, paired consumers -------------------------------------------------
+
+def _check_paired(prob: Problem) -> None:
+  """The paired kernels take none of the dense terms or dropout (the
+  Triton backward serves those calls: backend._backward_config)."""
+  if (prob.has_bias or prob.has_dense_mask or prob.has_alibi
+      or prob.dropout_rate):
+    raise NotImplementedError(
+        "the paired backward kernels take no dense bias or mask, ALiBi or"
+        " dropout (the Triton backward serves them)")
+
 
 def _paired_scratch(held, streamed, dp, stages, dtype, *, ready_arrivals,
                     ring_extras=()):
@@ -878,11 +887,7 @@ def paired_dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   """``(dk, dv)`` padded like ``k`` by :func:`_paired_dkv_kernel`
   (``bwd_paired_dkv``); operands as :func:`dkv`, with ``segments =
   (q_seg, kv_seg, kv_group_range)`` grouped by ``bwd_block_kv`` keys."""
-  if (prob.has_bias or prob.has_dense_mask or prob.has_alibi
-      or prob.dropout_rate):
-    raise NotImplementedError(
-        "the paired backward kernels take no dense bias or mask, ALiBi or"
-        " dropout (the Triton backward serves them)")
+  _check_paired(prob)
   dtype = q.dtype
   dp = prob.head_dim_padded
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
@@ -1037,18 +1042,12 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
                         q_axis=0, h=h)
 
     def bias_of(slot, t):
-      alibi = dense = None
-      if alibi_ref is not None:
-        alibi = pipeline.alibi_tile(
-            alibi_ref, b, h, prob.mask.offset, q_start=q_start, n_q=bq,
-            k_start=t * bk, n_k=bk, q_axis=0)
-      if bias_ring is not None:  # the slot holds every consumer's rows
-        dense = plgpu.load(bias_ring.at[slot, pl.ds(wg * bq, bq)],
-                           layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-      elif bias_ref is not None:  # one row of keys for every query
-        dense = pipeline.key_row(bias_ref, b, h, k_start=t * bk, n_k=bk,
-                                 n_q=bq, q_axis=0)
-      return _plus(dense, alibi)
+      # The slot holds every consumer's rows.
+      ring_tile = None if bias_ring is None else plgpu.load(
+          bias_ring.at[slot, pl.ds(wg * bq, bq)], layout=plgpu.Layout.WGMMA)
+      return _terms_bias(ring_tile, bias_ref, alibi_ref, b, h, prob,
+                         q_start=q_start, n_q=bq, k_start=t * bk, n_k=bk,
+                         q_axis=0)
 
     def ds_dst(t):
       return ds_smem2.at[wg], ds_ref.at[b, h, pl.ds(q_start, bq),
@@ -1266,11 +1265,7 @@ def paired_dq(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   """``dq`` padded like ``q`` by :func:`_paired_dq_kernel`
   (``bwd_paired_dq``); ``segments = (q_seg, kv_seg, q_group_range)``
   grouped by ``bwd_block_q`` queries."""
-  if (prob.has_bias or prob.has_dense_mask or prob.has_alibi
-      or prob.dropout_rate):
-    raise NotImplementedError(
-        "the paired backward kernels take no dense bias or mask, ALiBi or"
-        " dropout (the Triton backward serves them)")
+  _check_paired(prob)
   dtype = q.dtype
   dp = prob.head_dim_padded
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages

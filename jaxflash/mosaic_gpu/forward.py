@@ -854,7 +854,7 @@ class _Item:
         r.dropout, self.b, self.h, prob.num_heads, prob.dropout_rate,
         q_start=self.q_start, n_q=self.bq, k_start=t * self.bk, n_k=self.bk,
         q_axis=0)
-    return jnp.where(keep, p * (1.0 / (1.0 - prob.dropout_rate)), 0.0)
+    return pipeline.dropped(p, keep, prob.dropout_rate)
 
   def probs_where_visible(self, s, t, m, full_lo, full_hi):
     """:meth:`probs` for a tile whose masking is known only at run time:

@@ -188,12 +188,18 @@ def _vector_layout(axis: int):
   return plgpu.Layout.WGMMA.reduce(1 - axis)
 
 
+def _batch_head(ref, b, h):
+  """``ref [B | 1, H | 1, ...]`` at batch row ``b`` and head ``h`` (an
+  axis of 1 shared)."""
+  return ref.at[b if ref.shape[0] > 1 else 0, h if ref.shape[1] > 1 else 0]
+
+
 def key_row(ref, b, h, *, k_start, n_k: int, n_q: int, q_axis: int):
   """One row of keys for every query (``ref [B | 1, H | 1, 1, keys]``,
   an axis of 1 shared; a key padding bias or mask) of the tile's keys
   ``[k_start, k_start + n_k)``, read from GMEM (a plain load, as the
   segment ids) and broadcast over its queries."""
-  src = ref.at[b if ref.shape[0] > 1 else 0, h if ref.shape[1] > 1 else 0]
+  src = _batch_head(ref, b, h)
   row = plgpu.load(src.at[0, pl.ds(k_start, n_k)],
                    layout=_vector_layout(1 - q_axis), optimized=False)
   return lax.broadcast_in_dim(row, _tile_shape(n_q, n_k, q_axis),
@@ -206,7 +212,7 @@ def dense_mask_tile(ref, b, h, *, q_start, n_q: int, k_start, n_k: int,
   keys]``, an axis of 1 shared; the dK/dV kernel's transposed, keys
   first), read from GMEM; one row of keys for every query (a key padding
   mask) broadcast over the queries."""
-  src = ref.at[b if ref.shape[0] > 1 else 0, h if ref.shape[1] > 1 else 0]
+  src = _batch_head(ref, b, h)
   if src.shape[0] == 1:
     return key_row(ref, b, h, k_start=k_start, n_k=n_k, n_q=n_q,
                    q_axis=q_axis) != 0
@@ -229,6 +235,13 @@ def alibi_tile(table_ref, b, h, offset: int, *, q_start, n_q: int, k_start,
   k_idx = index_tile(k_start, shape, 1 - q_axis)
   slope, shift = table_ref[b, h, 0], table_ref[b, h, 1]
   return jnp.abs((q_idx - k_idx).astype(jnp.float32) + shift) * (-slope)
+
+
+def dropped(x, keep, rate: float):
+  """``x`` under attention dropout's keep mask: kept entries scaled by
+  ``1 / (1 - rate)``, the others 0 (the forward's ``P`` for ``P V``, the
+  backward's ``P`` for dV and ``dP`` for dS)."""
+  return jnp.where(keep, x * (1.0 / (1.0 - rate)), 0.0)
 
 
 def dropout_keep_tile(table_ref, b, h, heads: int, rate: float, *, q_start,
