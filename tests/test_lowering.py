@@ -1027,3 +1027,51 @@ def test_mosaic_dense_mask_forward_lowers_for_cuda(shape, rows, per_head,
   _assert_forward_lowers(shape, cfg, dense_mask=jax.ShapeDtypeStruct(
       (2, shape[2] if per_head else 1, shape[0] if rows else 1, shape[1]),
       jnp.bool_))
+
+
+# A 16-bit 4-D array in a lowered program's text (Q, K, V, O, dO or a
+# gradient: [B, T, H, D]; dQ's float32 buffer is whole tiles long).
+_BTHD = re.compile(r"tensor<\d+x\d+x\d+x\d+x(bf16|f16)>")
+
+
+@pytest.mark.parametrize("seq,heads,kv_heads,head_dim,causal", [
+    (577, 2, 2, 64, False),  # ViT-B/16's 24 x 24 patches and a class token
+    pytest.param(257, 2, 2, 32, True, marks=pytest.mark.slow),
+], ids=["vit577", "d32-causal"])
+def test_rows_lower_with_no_copy(seq, heads, kv_heads, head_dim, causal):
+  """At a length that 8 does not divide, the tuned head_dim 64 configs
+  (unpadded_q, unpadded_kv) copy Q, K, V, O, dO and the gradients by
+  TMA through row views (pipeline.row_buffer): the lowered forward and
+  gradient pad and slice no 16-bit ``[B, T, H, D]`` array (dQ's float32
+  buffer and the row statistics stay whole tiles long), and the kernels
+  lower with TMA boxes past the arrays' ends.  With the paired dQ kernel
+  (no row views) the backward pads its operands and slices its
+  gradients again."""
+  import dataclasses
+
+  from jaxflash import mosaic_gpu
+  mask = MaskSpec(seq, seq, causal, None, None, None)
+  q = jax.ShapeDtypeStruct((2, seq, heads, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, seq, kv_heads, head_dim), jnp.bfloat16)
+  tuned = mosaic_gpu.default_config("NVIDIA H200", 64, causal=causal,
+                                    kv_len=seq)
+  assert tuned.unpadded_q and tuned.unpadded_kv
+
+  def copies(config):
+    def loss(q, k, v):
+      out = mosaic_attention(q, k, v, mask=mask, arrays=MaskArrays(),
+                             softmax_scale=head_dim ** -0.5,
+                             config=config)[0]
+      return out.astype(jnp.float32).sum()
+    text = jax.jit(jax.value_and_grad(loss, (0, 1, 2))).trace(
+        q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    return [line for line in text.splitlines()
+            if re.search(r"stablehlo\.(pad|slice)", line)
+            and _BTHD.search(line)]
+
+  assert copies(tuned) == []
+  paired = dataclasses.replace(tuned, bwd_paired_dq=True,
+                               bwd_atomic_dq=False)
+  assert sum("stablehlo.slice" in line
+             for line in copies(paired)) == 3  # dQ, dK and dV

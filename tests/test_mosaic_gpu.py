@@ -33,9 +33,15 @@ from jax.sharding import AxisType
 
 import jaxflash
 from jaxflash import backends, masks, mosaic_gpu
+from jaxflash._util import round_up
 from jaxflash.mosaic_gpu import backend as mosaic_kernels
 from jaxflash.mosaic_gpu import forward as fwd_lib
-from jaxflash.mosaic_gpu.config import head_dim_problem, needed_smem_bytes
+from jaxflash.mosaic_gpu import pipeline
+from jaxflash.mosaic_gpu.config import (
+  head_dim_problem,
+  needed_smem_bytes,
+  parse_overrides,
+)
 
 # The Mosaic GPU op (kernels, VJP, vmap, partitioning) without the dispatch's
 # device check: the interpreter and CPU lowerings run it here.
@@ -1299,6 +1305,53 @@ def test_gpu_own_head_dims(head_dim, causal, seq):
   _run(case, False, None)
 
 
+# (q_len, kv_len, heads, kv_heads, head_dim, causal, overrides of the
+# device's tuned config)
+_ROWS_CASES = {
+    "vit577": (577, 577, 12, 12, 64, False, ""),
+    "vit577-causal": (577, 577, 12, 12, 64, True, ""),
+    "vit197": (197, 197, 12, 12, 64, False, ""),
+    "clip257-d32": (257, 257, 8, 8, 32, True, ""),
+    "q577-k1000": (577, 1000, 8, 2, 64, False, ""),
+    "q1000-k577-causal": (1000, 577, 8, 2, 64, True, ""),
+    "three-wg-double-q-overlap": (
+        577, 577, 8, 8, 64, False,
+        "compute_wgs=3,persistent=1,prefetch_q=1,q_double_buffer=1,"
+        "item_overlap=1"),
+    "multicast": (1577, 1577, 4, 4, 64, False,
+                  "persistent=0,prefetch_q=0,q_double_buffer=0,"
+                  "item_overlap=0,kv_multicast=1"),
+    "mqa-head-splits": (577, 577, 16, 1, 64, True, "bwd_head_splits=4"),
+    "dq-kernel": (577, 577, 8, 8, 64, False, "bwd_atomic_dq=0"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(_ROWS_CASES))
+def test_gpu_rows_at_any_length(name):
+  """Q, K, V, O, dO and the gradients copied by rows
+  (forward.row_copies, backward.row_copies) at lengths that 8 does not
+  divide, by the numerics rule: the TMA copies zero-fill past the rows
+  and clip the stores, with every form the head_dim 64 configs take
+  (persistent, prefetched and double Q, chained items, three consumers,
+  K/V multicast, the dK/dV kernel's head splits, atomic or separate
+  dQ).  The interpreter gives a RefUnion's views buffers of their own,
+  so only the GPU runs these copies."""
+  t, s, h, kh, d, causal, overrides = _ROWS_CASES[name]
+  config = dataclasses.replace(
+      mosaic_gpu.default_config(jax.devices()[0].device_kind, 64,
+                                causal=causal, kv_len=s),
+      **parse_overrides(overrides))
+  prob = fwd_lib.Problem(mask=masks.MaskSpec(t, s, causal),
+                         softmax_scale=1.0, batch=2, num_heads=h,
+                         num_kv_heads=kh, q_pad=round_up(t, 256),
+                         kv_pad=round_up(s, 256), head_dim_padded=d)
+  assert fwd_lib.row_copies(prob, config, t, s, False) != fwd_lib.RowCopies()
+  case = (f"rows-{name}", t, s, h, kh, d, jnp.bfloat16, causal, None,
+          config)
+  _run(case, False, config)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [None, 1])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -1793,7 +1846,7 @@ def test_register_split_fits_the_launch_allocation():
 def test_split_registers_requests(monkeypatch, n, asked, want):
   """What pipeline.split_registers asks setmaxnreg for, producer then
   consumer: within the launch allocation of n + 1 warpgroups."""
-  from jaxflash.mosaic_gpu import config, pipeline
+  from jaxflash.mosaic_gpu import config
   calls = []
   monkeypatch.setattr(pipeline.plgpu, "set_max_registers",
                       lambda regs, *, action: calls.append((regs, action)))
@@ -2884,6 +2937,61 @@ def test_per_commit_runs_reach_every_kernel_line():
       " paste it over PER_COMMIT in tests/test_mosaic_gpu.py")
 
 
+def test_row_buffer_views_share_their_bytes():
+  """pipeline.row_buffer's two views of a buffer (tiled for wgmma, rows
+  for TMA) must name the same bytes: both start at the union's first
+  byte and span it.  jax documents a RefUnion's layout as unspecified; a
+  jax that moved a member would fail here instead of writing a tile the
+  kernel never reads."""
+  from jax._src.pallas.mosaic_gpu import core as gpu_core
+  union = pipeline.row_buffer((2, 64, 64), jnp.bfloat16)
+  tiled, rows = gpu_core.flatten_ref_union(union.get_ref_aval())
+  assert union.shape == (2 * 64 * 64 * 2,)
+  for view in (tiled, rows):
+    assert view.transforms[0].offset == 0 and view.shape == (2, 64, 64)
+  assert [type(t).__name__ for t in tiled.transforms[1:]] == [
+      "UnswizzleRef", "UntilingTransform"]
+  assert [t.swizzle for t in rows.transforms[1:]] == [128]
+  with pytest.raises(ValueError, match="not one swizzle wide"):
+    pipeline.row_buffer((64, 96), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("kw,q,kv", [
+    (dict(), True, True),                    # ViT's 577 tokens
+    (dict(lengths=(576, 577)), False, True),  # 8 divides the queries
+    (dict(interpret=True), False, False),    # the interpreter's views
+    (dict(head_dim=96), False, False),       # three 32-column swizzles
+    (dict(block_kv=80), True, False),        # V's 16-column swizzle
+    (dict(unpadded_q=False), False, True),
+    (dict(fp8=True), False, False),
+])
+def test_row_copies_where_the_rows_match_the_tiles(kw, q, kv):
+  """Which arrays the forward copies by rows (forward.row_copies) and
+  whether the backward does (backward.row_copies: both flags, the
+  unpaired kernels, whole tiles of the head_dim)."""
+  from jaxflash.mosaic_gpu import backward as bwd_lib
+  t, s = kw.get("lengths", (577, 577))
+  d = kw.get("head_dim", 64)
+  cfg = dataclasses.replace(
+      mosaic_gpu.default_config("NVIDIA H200", 64, causal=False,
+                                kv_len=s),
+      block_kv=kw.get("block_kv", 128),
+      unpadded_q=kw.get("unpadded_q", True))
+  prob = fwd_lib.Problem(mask=masks.MaskSpec(t, s, False),
+                         softmax_scale=0.125, batch=1, num_heads=2,
+                         num_kv_heads=2, q_pad=640, kv_pad=640,
+                         head_dim_padded=d, fp8=kw.get("fp8", False))
+  interpret = kw.get("interpret", False)
+  assert fwd_lib.row_copies(prob, cfg, t, s, interpret) == (
+      fwd_lib.RowCopies(q=q, kv=kv))
+  back = bwd_lib.row_copies(prob, cfg, t, s, interpret)
+  assert back == (cfg.unpadded_q and not interpret and d == 64)
+  assert not bwd_lib.row_copies(prob, cfg, 640, 640, interpret)
+  assert not bwd_lib.row_copies(
+      prob, dataclasses.replace(cfg, bwd_paired_dq=True,
+                                bwd_atomic_dq=False), t, s, interpret)
+
+
 def test_backward_statistics_cover_the_last_dkv_step():
   """lse2 and delta run as long as the dK/dV kernel's last query step
   (bwd_dkv_block_q need not divide q_pad): +inf and 0 past the rows, so
@@ -2891,11 +2999,13 @@ def test_backward_statistics_cover_the_last_dkv_step():
   bias above 88.7 gave P = inf and NaN gradients)."""
   q = jnp.ones((1, 100, 2, 64), jnp.bfloat16)
   lse = jnp.zeros((1, 2, 100), jnp.float32)
+  cfg = dataclasses.replace(TWO_WG, bwd_dkv_block_q=80)
   prob = mosaic_kernels.backward_problem(
-      q, q, masks.MaskSpec(100, 100, False), 0.125, TWO_WG)
+      q, q, masks.MaskSpec(100, 100, False), 0.125, cfg)
   *_, lse2, delta = mosaic_kernels.backward_operands(
-      q, q, q, q, lse, q, lse, prob, rows=prob.q_pad + 32)
-  assert lse2.shape == delta.shape == (1, 2, prob.q_pad + 32)
+      q, q, q, q, lse, q, lse, prob, cfg)
+  assert prob.q_pad == 128  # two consumers' 64-row tiles; steps of 80
+  assert lse2.shape == delta.shape == (1, 2, 160)
   assert np.all(np.isposinf(np.asarray(lse2[..., 100:])))
   np.testing.assert_array_equal(np.asarray(delta[..., 100:]), 0.0)
 

@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     full = jax.jit(lambda q, k, v, out, lse, do: backend.backward(
         q, k, v, MaskArrays(), out, lse, do, jnp.zeros_like(lse), **kw))
     prep = jax.jit(lambda q, k, v, out, lse, do: backend.backward_operands(
-        q, k, v, out, lse, do, jnp.zeros_like(lse), prob))
+        q, k, v, out, lse, do, jnp.zeros_like(lse), prob, cfg, interpret))
     tensors = prep(q, k, v, out, lse, do)
     calls = {"forward": (fwd, (q, k, v)),
              "backward (whole)": (full, (q, k, v, out, lse, do)),

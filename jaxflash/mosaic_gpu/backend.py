@@ -55,6 +55,7 @@ from jaxflash.mosaic_gpu.config import (
   with_bias_ring,
   with_fp8,
 )
+from jaxflash.mosaic_gpu.pipeline import TMA_ROW_TILE
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 # The FP8 forward (q float8_e4m3fn; k, v e4m3 or e5m2: wgmma mixes the two
@@ -63,10 +64,6 @@ FP8_KV_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 FP8_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 LOG2E = 1.4426950408889634
 NO_MASK_ARRAYS = MaskArrays()
-# Rows of the tiling Mosaic GPU applies to both ends of a swizzled TMA copy
-# (mosaic/gpu/launch_context.py, TileTransform): a global array's row count
-# must be a multiple of it (or smaller).
-TMA_ROW_TILE = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,11 +347,15 @@ def _segments(arrays: MaskArrays, st: _Static, batch: int):
   return segments
 
 
-def _tma_rows(rows: int, unpadded: bool, padded: int) -> int:
+def _tma_rows(rows: int, unpadded: bool, padded: int,
+              by_rows: bool = False) -> int:
   """Rows of an array the forward copies by TMA: ``padded`` (whole tiles),
-  or ``unpadded`` the length itself, rounded up to ``TMA_ROW_TILE`` (Mosaic
-  GPU refuses other lengths): a copy only at such lengths instead of at
-  every length that the tile does not divide."""
+  or ``unpadded`` the length itself, rounded up to ``TMA_ROW_TILE`` (tiled
+  copies refuse other lengths): a copy only at such lengths instead of at
+  every length that the tile does not divide; ``by_rows`` (row copies:
+  :func:`fwd_lib.row_copies`) the length itself, no copy."""
+  if by_rows:
+    return rows
   return round_up(rows, TMA_ROW_TILE) if unpadded else padded
 
 
@@ -368,9 +369,14 @@ def _forward(q, k, v, st: _Static, arrays: MaskArrays = NO_MASK_ARRAYS,
   # slices clamp): the TMA copies zero-fill the last tile past the keys or
   # queries and the store of O drops its rows past them (the LSE stays
   # q_pad long, stored whole).
+  # Row copies (row_copies) take the lengths themselves.
   gpu = not st.interpret
-  kv_rows = _tma_rows(k.shape[1], st.config.unpadded_kv and gpu, prob.kv_pad)
-  q_rows = _tma_rows(q.shape[1], st.config.unpadded_q and gpu, prob.q_pad)
+  by_rows = fwd_lib.row_copies(prob, st.config, q.shape[1], k.shape[1],
+                               st.interpret)
+  kv_rows = _tma_rows(k.shape[1], st.config.unpadded_kv and gpu, prob.kv_pad,
+                      by_rows.kv)
+  q_rows = _tma_rows(q.shape[1], st.config.unpadded_q and gpu, prob.q_pad,
+                     by_rows.q)
   # ALiBi's slopes in the raw logits' units.
   alibi = (_alibi_table(arrays, prob, 1.0 / prob.softmax_scale)
            if prob.has_alibi else None)
@@ -381,8 +387,12 @@ def _forward(q, k, v, st: _Static, arrays: MaskArrays = NO_MASK_ARRAYS,
     # The keys whole tiles long: the ring's TMA tiles the key axis by the
     # swizzle's width, which unpadded_kv's row count need not be a
     # multiple of (1504 keys failed on the H100).
+    # Its rows a multiple of TMA_ROW_TILE (tiled copies) also where Q's
+    # go by row copies.
     bias = arrays.bias.astype(q.dtype)
-    bias = jnp.pad(bias, ((0, 0), (0, 0), (0, q_rows - bias.shape[2]),
+    bias_rows = _tma_rows(q.shape[1], st.config.unpadded_q and gpu,
+                          prob.q_pad)
+    bias = jnp.pad(bias, ((0, 0), (0, 0), (0, bias_rows - bias.shape[2]),
                           (0, prob.kv_pad - bias.shape[3])))
   elif prob.has_bias:
     # One row for every query, rounded to q's dtype as the ring's tiles
@@ -546,10 +556,8 @@ def backward(q, k, v, arrays: MaskArrays, out, lse, dout, dlse, *,
                           logits_soft_cap, arrays, interpret=bool(interpret),
                           dropout_rate=dropout_rate,
                           dropout_shared=dropout_shared)
-  # (lse2 and delta as long as the dK/dV kernel's last query step reads:
-  # +inf and 0 past the rows, so P = 0 there whatever the terms add.)
-  tensors = backward_operands(q, k, v, out, lse, dout, dlse, prob,
-                              rows=round_up(prob.q_pad, config.dkv_block_q))
+  tensors = backward_operands(q, k, v, out, lse, dout, dlse, prob, config,
+                              interpret=bool(interpret))
   seg_dq = seg_dkv = None
   if prob.has_segments:
     q_seg, kv_seg = _segment_ids(arrays, prob, B)
@@ -699,22 +707,27 @@ def _sum_parts(partials, splits: int, dtype):
 
 
 def backward_operands(q, k, v, out, lse, dout, dlse, prob: fwd_lib.Problem,
-                      rows: int | None = None):
-  """The backward kernels' padded operands ``(qp, kp, vp, dop, lse2,
-  delta)`` (one XLA pass before them); ``rows``: lse2's and delta's
-  padded length (``prob.q_pad`` by default)."""
-  T = q.shape[1]
+                      config: MosaicConfig, interpret: bool = False):
+  """The backward kernels' operands ``(qp, kp, vp, dop, lse2, delta)``
+  (one XLA pass before them): Q, K, V and dO padded to whole tiles, or
+  where the kernels copy them by rows (:func:`bwd_lib.row_copies`) as
+  they are; lse2 and delta as long as the dK/dV kernel's last query step
+  reads (+inf and 0 past the rows, so P = 0 there whatever the terms
+  add)."""
+  T, S = q.shape[1], k.shape[1]
   dp = prob.head_dim_padded
+  by_rows = bwd_lib.row_copies(prob, config, T, S, interpret)
   pad = lambda x, n: pad_axis(pad_axis(x, 1, n), 3, dp)
-  qp, dop = pad(q, prob.q_pad), pad(dout.astype(q.dtype), prob.q_pad)
-  kp, vp = pad(k, prob.kv_pad), pad(v, prob.kv_pad)
+  q_rows, kv_rows = (T, S) if by_rows else (prob.q_pad, prob.kv_pad)
+  qp, dop = pad(q, q_rows), pad(dout.astype(q.dtype), q_rows)
+  kp, vp = pad(k, kv_rows), pad(v, kv_rows)
   delta = softmax_delta(out, dout, dlse)  # one fused XLA pass, float32
   # Base-2 LSE; +inf for rows that saw no key (and for padding rows), so
   # that P = exp2(-inf - inf) = 0 there rather than NaN.
   lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
+  rows = round_up(prob.q_pad, config.dkv_block_q)
   pad_rows = lambda x, value: jnp.pad(
-      x, ((0, 0), (0, 0), (0, (rows or prob.q_pad) - T)),
-      constant_values=value)
+      x, ((0, 0), (0, 0), (0, rows - T)), constant_values=value)
   lse2, delta = pad_rows(lse2, jnp.inf), pad_rows(delta, 0.0)
   return qp, kp, vp, dop, lse2, delta
 
@@ -756,11 +769,17 @@ def backward_passes(prob: fwd_lib.Problem, config: MosaicConfig, seg_dq,
         dk_ref[...], dv_ref[...] = split_dkv(qp, kp, vp, dop, lse2, delta,
                                              seg_dkv, dq_acc=dq_ref)
 
-      B, S, K, D = kp.shape
+      # (dQ's float32 buffer and the partials whole tiles long, also
+      # where the operands are not: bwd_lib.row_copies.)
+      B, _, H, D = qp.shape
+      K = kp.shape[2]
       kv_zeros = (jnp.zeros(kp.shape, qp.dtype) if head_splits == 1 else
-                  jnp.zeros((B, S, K * head_splits, D), jnp.float32))
+                  jnp.zeros((B, prob.kv_pad, K * head_splits, D),
+                            jnp.float32))
       dq_acc, dk, dv = pl.run_state(run)(
-          (jnp.zeros(qp.shape, jnp.float32), kv_zeros, kv_zeros))
+          (jnp.zeros((B, prob.q_pad, H, D), jnp.float32), kv_zeros,
+           kv_zeros))
+      dq_acc = dq_acc[:, :qp.shape[1]]
       if head_splits > 1:
         dk, dv = (_sum_parts(x, head_splits, kp.dtype) for x in (dk, dv))
       return (dq_acc * prob.softmax_scale).astype(qp.dtype), dk, dv

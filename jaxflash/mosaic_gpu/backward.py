@@ -90,6 +90,48 @@ def _operands_tiled(*contractions: int) -> dict:
   rows), since each operand's tiling runs along its head_dim or tile
   columns."""
   return pipeline.tiled_over(math.gcd(*contractions))
+
+
+def row_copies(prob: Problem, cfg: MosaicConfig, q_len: int, kv_len: int,
+               interpret: bool) -> bool:
+  """Whether the unpaired backward kernels (:func:`dkv`, :func:`dq`)
+  take Q and dO (``q_len`` rows), K and V (``kv_len``) as they are and
+  write dQ, dK, dV so, their TMA copies going through row views of the
+  buffers (:func:`pipeline.row_buffer`): with ``unpadded_q`` and
+  ``unpadded_kv``, at lengths that are not whole tiles, a 16-bit
+  head_dim one swizzle wide (64 or less) that divides every tile's
+  rows, on the GPU.  dQ's float32 buffer (``bwd_atomic_dq``), the head
+  splits' float32 partials and the row vectors stay whole tiles long.
+  Elsewhere the operands are padded to whole tiles (an XLA copy of each
+  and a slice of each gradient)."""
+  dp = prob.head_dim_padded
+  return (not interpret and cfg.unpadded_q and cfg.unpadded_kv
+          and not (cfg.bwd_paired_dkv or cfg.bwd_paired_dq)
+          and pipeline.one_swizzle_wide(dp)
+          and all(rows % dp == 0 for rows in (
+              cfg.dkv_block_q, cfg.bwd_block_q, cfg.bwd_block_kv))
+          and (q_len, kv_len) != (prob.q_pad, prob.kv_pad))
+
+
+def _check_rows(q, k, prob: Problem, cfg: MosaicConfig, interpret) -> bool:
+  """:func:`row_copies` for a kernel's operands ``q``, ``k``, which must
+  be whole tiles long (``prob.q_pad``, ``prob.kv_pad``) where it says
+  no."""
+  rows = row_copies(prob, cfg, q.shape[1], k.shape[1], bool(interpret))
+  if not rows and (q.shape[1], k.shape[1]) != (prob.q_pad, prob.kv_pad):
+    raise ValueError(
+        f"backward: q has {q.shape[1]} rows and k {k.shape[1]}; without"
+        f" row copies (row_copies) the kernels take {prob.q_pad} and"
+        f" {prob.kv_pad}")
+  return rows
+
+
+def _operand_buffer(shape, dtype, tiled: dict, rows: bool):
+  """A 16-bit operand's shared-memory buffer: tiled as ``tiled`` says,
+  or with ``rows`` a :func:`pipeline.row_buffer` (the same tiling and a
+  row view for its copies)."""
+  return (pipeline.row_buffer(shape, dtype) if rows
+          else plgpu.SMEM(shape, dtype, **tiled))
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
@@ -511,7 +553,7 @@ def _dkv_loop(step, *, u_lo, u_hi, own, group_size, n_tiles, skip,
 
 
 def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
-                atomic_dq: bool, head_splits: int):
+                atomic_dq: bool, head_splits: int, rows: bool):
   """The dK/dV kernel (FlashAttention-2's backward with its outer loop over
   key tiles, as FlashAttention-3's dK/dV mainloop): program (key/value
   head, key group, batch); consumer ``wg`` holds key tile ``wg`` of the
@@ -530,6 +572,10 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
   dq_acc_ref = refs.pop(0) if atomic_dq else None  # float32, zeroed
   (dk_ref, dv_ref, k_smem2, v_smem2, q_ring, do_ring, lse_ring, delta_ring,
    kv_ready, ready, free, *extra) = refs
+  # The copies of K, V, Q, dO, dK and dV go through the second views.
+  (k_smem2, k_rows2), (v_smem2, v_rows2), (q_ring, q_rows), (
+      do_ring, do_rows) = (pipeline.row_views(x, rows) for x in (
+          k_smem2, v_smem2, q_ring, do_ring))
   free = pipeline.MBarriers(free)
   a_smem2 = extra.pop(0) if cfg.p_in_smem else None
   if atomic_dq:  # dS^T staged (in P's buffer with p_in_smem), dS K
@@ -564,9 +610,11 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     if atomic_dq:
       ds_smem, dq_smem = ds_smem2.at[wg], dq_smem2.at[wg]
     k_start = group_start + wg * bk
-    rows = (b, pl.ds(k_start, bk), kh)
-    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[wg])
-    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg])
+    kv_rows = (b, pl.ds(k_start, bk), kh)
+    plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_rows2.at[wg],
+                            kv_ready.at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_rows2.at[wg],
+                            kv_ready.at[wg])
     plgpu.barrier_wait(kv_ready.at[wg])
 
     def tile_mask(masked, t, g):
@@ -624,8 +672,8 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     k_smem[...] = dk.astype(dtype)
     v_smem[...] = dv.astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows])
-    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows])
+    plgpu.copy_smem_to_gmem(k_rows2.at[wg], dk_ref.at[kv_rows])
+    plgpu.copy_smem_to_gmem(v_rows2.at[wg], dv_ref.at[kv_rows])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == n)
@@ -633,7 +681,7 @@ def _dkv_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     pipeline.split_registers(True, n, cfg.bwd_consumer_registers)
     load = _query_tile_loader(
         (q_ref, do_ref, lse2_ref, delta_ref),
-        (q_ring, do_ring, lse_ring, delta_ring), ready, b=b, h0=h0,
+        (q_rows, do_rows, lse_ring, delta_ring), ready, b=b, h0=h0,
         n_tiles=n_tiles, u_lo=u_lo, bq=bq, prob=prob,
         bias=(None if bias_ring is None
               else (bias_ref, bias_ring, group_start, group_rows)))
@@ -661,6 +709,7 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   dtype = q.dtype
   dp = prob.head_dim_padded
   bq, bk, n = cfg.dkv_block_q, cfg.bwd_block_kv, cfg.bwd_compute_wgs
+  rows = _check_rows(q, k, prob, cfg, interpret)
   # Q and dO are also the B operands of dK += dS^T Q and dV += P^T dO,
   # whose contraction runs over their bq rows (bwd_dkv_block_q): the
   # widest swizzle that divides bq (32 bytes at FlashAttention-3's 80)
@@ -668,11 +717,12 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   # K and V take it too: Mosaic GPU's wgmma needs both shared-memory
   # operands in one swizzle (S^T = K Q^T, dP^T = V dO^T).
   over_q = _operands_tiled(bq, dp)
+  held, ring = (n, bk, dp), (cfg.bwd_stages, bq, dp)
   scratch = [
-      plgpu.SMEM((n, bk, dp), dtype, **over_q),              # K per consumer
-      plgpu.SMEM((n, bk, dp), dtype, **over_q),              # V per consumer
-      plgpu.SMEM((cfg.bwd_stages, bq, dp), dtype, **over_q),  # Q ring
-      plgpu.SMEM((cfg.bwd_stages, bq, dp), dtype, **over_q),  # dO ring
+      _operand_buffer(held, dtype, over_q, rows),   # K per consumer
+      _operand_buffer(held, dtype, over_q, rows),   # V per consumer
+      _operand_buffer(ring, dtype, over_q, rows),   # Q ring
+      _operand_buffer(ring, dtype, over_q, rows),   # dO ring
       vec_ring(cfg.bwd_stages, bq),                          # lse2 ring
       vec_ring(cfg.bwd_stages, bq),                          # delta ring
       plgpu.Barrier(num_arrivals=2, num_barriers=n),         # K, V loaded
@@ -687,8 +737,9 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   out_shape, out_dtype = k.shape, dtype
   if head_splits > 1:  # one float32 partial tile per consumer, staged
     scratch.append(plgpu.SMEM((n, bk, dp), jnp.float32, **tiled_f32(dp)))
-    B, Sp, K, _ = k.shape
-    out_shape, out_dtype = (B, Sp, K * head_splits, dp), jnp.float32
+    B, _, K, _ = k.shape
+    out_shape = (B, prob.kv_pad, K * head_splits, dp)
+    out_dtype = jnp.float32
   if prob.bias_ring:
     # The bias tiles of a query step and every consumer's keys, a ring
     # beside Q's; each consumer reads its keys' rows of the transpose.
@@ -697,7 +748,8 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   out_type = [out_struct(out_shape, out_dtype, q, k, v) for _ in range(2)]
   return pipeline.launch(
       functools.partial(_dkv_kernel, prob=prob, cfg=cfg, dtype=dtype,
-                        atomic_dq=atomic_dq, head_splits=head_splits),
+                        atomic_dq=atomic_dq, head_splits=head_splits,
+                        rows=rows),
       out_type=out_type, scratch=scratch,
       grid=(prob.num_kv_heads * head_splits, prob.kv_pad // (n * bk),
             prob.batch),
@@ -995,7 +1047,7 @@ def _dq_step(step, t, carry, *, masked: bool, dq_acc, prob: Problem,
 
 
 def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
-               ds_out: bool):
+               ds_out: bool, rows: bool):
   """The dQ kernel: program (query head, query group, batch); consumer
   ``wg`` holds query tile ``wg`` of the group (Q, dO and their rows' lse2
   and delta) and accumulates dQ over the key tiles (:func:`_dq_step`),
@@ -1011,6 +1063,10 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
   ds_ref = refs.pop(0) if ds_out else None
   (dq_ref, q_smem2, do_smem2, k_ring, v_ring, qdo_ready, ready, free,
    *extra) = refs
+  # The copies of Q, dO, K, V and dQ go through the second views.
+  (q_smem2, q_rows2), (do_smem2, do_rows2), (k_ring, k_rows), (
+      v_ring, v_rows) = (pipeline.row_views(x, rows) for x in (
+          q_smem2, do_smem2, k_ring, v_ring))
   a_smem2 = extra.pop(0) if cfg.p_in_smem else None
   bias_ring = extra.pop(0) if prob.bias_ring else None
   ds_smem2 = extra.pop(0) if ds_out else None
@@ -1027,9 +1083,11 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
     a_smem = None if a_smem2 is None else a_smem2.at[wg]
     q_start = group_start + wg * bq
-    rows = (b, pl.ds(q_start, bq), h)
-    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, qdo_ready.at[wg])
-    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, qdo_ready.at[wg])
+    q_rows = (b, pl.ds(q_start, bq), h)
+    plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_rows2.at[wg],
+                            qdo_ready.at[wg])
+    plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_rows2.at[wg],
+                            qdo_ready.at[wg])
     lse2 = plgpu.load(lse2_ref.at[b, h, pl.ds(q_start, bq)], layout=ROW,
                       optimized=False)
     delta = plgpu.load(delta_ref.at[b, h, pl.ds(q_start, bq)], layout=ROW,
@@ -1080,13 +1138,13 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     # dS is w.r.t. the scaled logits: d(scale * q.k)/dq = scale * k.
     q_smem[...] = (dq * prob.softmax_scale).astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+    plgpu.copy_smem_to_gmem(q_rows2.at[wg], dq_ref.at[q_rows])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == n)
   def _producer():
     pipeline.split_registers(True, n, cfg.bwd_consumer_registers)
-    load_kv = _key_tile_loader((k_ref, v_ref), (k_ring, v_ring), ready, b=b,
+    load_kv = _key_tile_loader((k_ref, v_ref), (k_rows, v_rows), ready, b=b,
                                h=h, prob=prob, u_lo=u_lo, bk=bk)
 
     def load(step, slot):
@@ -1111,12 +1169,14 @@ def dq(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   dtype = q.dtype
   dp = prob.head_dim_padded
   bq, bk, n = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_compute_wgs
+  rows = _check_rows(q, k, prob, cfg, interpret)
   tiled = _operands_tiled(bk, dp)  # dQ += dS K contracts over bk keys
+  held, ring = (n, bq, dp), (cfg.bwd_stages, bk, dp)
   scratch = [
-      plgpu.SMEM((n, bq, dp), dtype, **tiled),               # Q per consumer
-      plgpu.SMEM((n, bq, dp), dtype, **tiled),               # dO per consumer
-      plgpu.SMEM((cfg.bwd_stages, bk, dp), dtype, **tiled),  # K ring
-      plgpu.SMEM((cfg.bwd_stages, bk, dp), dtype, **tiled),  # V ring
+      _operand_buffer(held, dtype, tiled, rows),   # Q per consumer
+      _operand_buffer(held, dtype, tiled, rows),   # dO per consumer
+      _operand_buffer(ring, dtype, tiled, rows),   # K ring
+      _operand_buffer(ring, dtype, tiled, rows),   # V ring
       plgpu.Barrier(num_arrivals=2, num_barriers=n),         # Q, dO loaded
       plgpu.Barrier(num_arrivals=2 + prob.bias_ring,
                     num_barriers=cfg.bwd_stages),            # slot full
@@ -1134,7 +1194,7 @@ def dq(q, k, v, do, lse2, delta, segments, *, prob: Problem,
                                  else pipeline.tiled_over(bk))))
   return pipeline.launch(
       functools.partial(_dq_kernel, prob=prob, cfg=cfg, dtype=dtype,
-                        ds_out=ds_acc is not None),
+                        ds_out=ds_acc is not None, rows=rows),
       out_type=out_struct(q.shape, dtype, q, k, v), scratch=scratch,
       grid=(prob.num_heads, prob.q_pad // (n * bq), prob.batch),
       grid_names=("heads", "q_seq", "batch"), consumers=n,

@@ -366,6 +366,35 @@ class Problem:
             or self.has_dense_mask)
 
 
+@dataclasses.dataclass(frozen=True)
+class RowCopies:
+  """Which arrays the forward copies by TMA through row views of their
+  buffers (:func:`pipeline.row_buffer`), at any row count: Q and O
+  (``q``), K and V (``kv``)."""
+
+  q: bool = False
+  kv: bool = False
+
+
+def row_copies(prob: Problem, cfg: MosaicConfig, q_len: int, kv_len: int,
+               interpret: bool) -> RowCopies:
+  """Where the forward takes ``q_len`` query / ``kv_len`` key rows as
+  they are: with ``unpadded_q`` / ``unpadded_kv``, at a length that
+  :data:`pipeline.TMA_ROW_TILE` does not divide (ViT's 577 tokens; at
+  the others the tiled copies take the length already), 16-bit rows one
+  swizzle wide (head_dim 64 or less: :func:`pipeline.one_swizzle_wide`;
+  for K/V also V's tiles, ``block_kv`` a multiple of the head_dim),
+  on the GPU.  Elsewhere those lengths are padded to a multiple of 8
+  (an XLA copy of Q, K, V and a slice of O)."""
+  dp = prob.head_dim_padded
+  if interpret or prob.fp8 or not pipeline.one_swizzle_wide(dp):
+    return RowCopies()
+  tile = pipeline.TMA_ROW_TILE
+  return RowCopies(
+      q=cfg.unpadded_q and q_len % tile != 0,
+      kv=cfg.unpadded_kv and kv_len % tile != 0 and cfg.block_kv % dp == 0)
+
+
 # ---------------------------------------------------------------------------
 # The kernel's operands and what every work item of a program shares.
 
@@ -405,9 +434,16 @@ class _Refs:
   q_free: object  # "done with Q" (prefetch_q)
   schedule: object  # the ping-pong's mbarrier
   exit_barrier: object  # the producers' rendezvous (clusters)
+  # The views the TMA copies of Q, K, V and O go through: the buffers
+  # above, or their row views (RowCopies).
+  q_rows2: object
+  k_rows: object
+  v_rows: object
+  o_rows2: object
 
   @classmethod
-  def unpack(cls, refs, prob: Problem, cfg: MosaicConfig, cluster: int):
+  def unpack(cls, refs, prob: Problem, cfg: MosaicConfig, cluster: int,
+             rows: RowCopies):
     flash = None
     if prob.has_segments:
       q, k, v, q_seg, kv_seg, seg_range, *refs = refs
@@ -424,11 +460,16 @@ class _Refs:
     o, lse, *refs = refs
     (qo_smem2, k_smem, v_smem, lse_smem2, k_ready, v_ready,
      q_ready, k_free, v_free, *extra) = refs
+    qo_smem2, q_rows2 = pipeline.row_views(qo_smem2, rows.q)
+    k_smem, k_rows = pipeline.row_views(k_smem, rows.kv)
+    v_smem, v_rows = pipeline.row_views(v_smem, rows.kv)
     bias_smem = bias_ready = None
     if prob.bias_ring:
       bias_smem, bias_ready, *extra = extra
     p_smem2 = extra.pop(0) if cfg.p_in_smem else None
-    o_smem2 = extra.pop(0) if cfg.out_slots else None
+    o_smem2 = o_rows2 = None
+    if cfg.out_slots:
+      o_smem2, o_rows2 = pipeline.row_views(extra.pop(0), rows.q)
     q_free = extra.pop(0) if cfg.prefetches_q else None
     # kv_multicast: two CTAs per cluster (``cluster``, from
     # _cluster_size), one query group each, share the K/V ring; its
@@ -448,7 +489,8 @@ class _Refs:
                v_smem, lse_smem2, k_ready, v_ready, q_ready, k_free,
                v_free, bias_smem, bias_ready, p_smem2, o_smem2,
                q_free,
-               extra[-1] if _use_schedule(cfg) else None, exit_barrier)
+               extra[-1] if _use_schedule(cfg) else None, exit_barrier,
+               q_rows2, k_rows, v_rows, o_rows2)
 
 
 class _Ctx:
@@ -709,11 +751,12 @@ class _Item:
     wg, ping = ctx.wg, ctx.ping
     self.q_slot, self.q_done = ctx.q_buffer(self.item, wg)
     self.qo_smem = r.qo_smem2.at[self.q_slot]
+    self.qo_rows = r.q_rows2.at[self.q_slot]
     self.lse_smem = r.lse_smem2.at[wg]
     self.q_start = self.group_start + wg * bq
     if not ctx.prefetch:  # (with prefetch_q, the producer loads Q)
       plgpu.copy_gmem_to_smem(
-          r.q.at[self.b, pl.ds(self.q_start, bq), self.h], self.qo_smem,
+          r.q.at[self.b, pl.ds(self.q_start, bq), self.h], self.qo_rows,
           r.q_ready.at[wg])
     if ctx.chained:  # from item 1 on, the item before waited for this Q
       pl.when(self.item == 0)(
@@ -1118,14 +1161,14 @@ class _Item:
         plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
         r.o_smem2[wg, c % slots] = out[:, c * w:(c + 1) * w]
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(r.o_smem2.at[wg, c % slots],
+        plgpu.copy_smem_to_gmem(r.o_rows2.at[wg, c % slots],
                                 o_dst.at[:, pl.ds(c * w, w)])
     else:
       self.qo_smem[...] = out
     self.lse_smem[...] = lse()
     plgpu.commit_smem()
     if r.o_smem2 is None:
-      plgpu.copy_smem_to_gmem(self.qo_smem, o_dst)
+      plgpu.copy_smem_to_gmem(self.qo_rows, o_dst)
     plgpu.copy_smem_to_gmem(self.lse_smem, lse_dst)
 
 
@@ -1412,14 +1455,14 @@ def _produce(ctx: _Ctx, b, h, u_lo, n_steps, first_step, group_start=None,
                   pl.ds((u_lo + step) * bk, bk)],
         r.bias_smem.at[slot], r.bias_ready.at[slot])
 
-  load_k = lambda step, slot: copy(r.k, r.k_smem, r.k_ready, rows(step), slot)
+  load_k = lambda step, slot: copy(r.k, r.k_rows, r.k_ready, rows(step), slot)
 
   def load_v(step, slot):  # (with a bias, its tile beside V)
     if prob.fp8:  # V^T's columns of key tile u_lo + step
       src = (b, kv_head, slice(None), pl.ds((u_lo + step) * bk, bk))
     else:
       src = rows(step)
-    copy(r.v, r.v_smem, r.v_ready, src, slot)
+    copy(r.v, r.v_rows, r.v_ready, src, slot)
     if r.bias_smem is not None:
       load_bias(step, slot)
 
@@ -1459,7 +1502,7 @@ def _produce(ctx: _Ctx, b, h, u_lo, n_steps, first_step, group_start=None,
       q_slot, _ = ctx.q_buffer(item, w)
       plgpu.copy_gmem_to_smem(
           r.q.at[b, pl.ds(group_start + w * bq, bq), h],
-          r.qo_smem2.at[q_slot], r.q_ready.at[q_slot])
+          r.q_rows2.at[q_slot], r.q_ready.at[q_slot])
     pipeline.produce_continuing(first_step, n_steps, stages, loads,
                                 start=head)
   elif ctx.persistent:
@@ -1473,12 +1516,12 @@ def _produce(ctx: _Ctx, b, h, u_lo, n_steps, first_step, group_start=None,
 
 
 def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
-            n_programs: int | None, cluster: int):
+            n_programs: int | None, cluster: int, rows: RowCopies):
   """The forward kernel (one program): the producer warpgroup streams
   each work item's K/V tiles (:func:`_produce`), each consumer warpgroup
   computes its rows of the item (:class:`_Item`); :class:`_Schedule`
   says which items the program runs."""
-  r = _Refs.unpack(refs, prob, cfg, cluster)
+  r = _Refs.unpack(refs, prob, cfg, cluster, rows)
   persistent = n_programs is not None
   sched = _Schedule(prob, cfg, n_programs, cluster, r.seg_range)
   stages = cfg.stages
@@ -1763,7 +1806,8 @@ def forward(q, k, v, segments=None, alibi=None, bias=None,
   ``(out [B, T, H, Dp], lse [B, H, prob.q_pad] float32)``.  T and S are
   ``prob.q_pad`` and ``prob.kv_pad``, or with ``unpadded_q`` /
   ``unpadded_kv`` any multiple of 8 up to them (the TMA copies zero-fill
-  the rows past the arrays and the store of O drops them).
+  the rows past the arrays and the store of O drops them), or where
+  :func:`row_copies` says so the lengths themselves.
 
   ``segments``: ``(q_seg, kv_seg, seg_range)`` when ``prob.has_segments``,
   and the FlashMask columns ``[B, n, Sp]`` after them with
@@ -1808,11 +1852,23 @@ def forward(q, k, v, segments=None, alibi=None, bias=None,
   # cluster released it (each arrival lands in both CTAs' barrier).
   free_barrier = (plgpu.Barrier if cluster == 1 else functools.partial(
       plgpu.ClusterBarrier, collective_axes=("cluster",)))
+  rows = row_copies(prob, cfg, q.shape[1], k.shape[1], interpret)
+  tile = pipeline.TMA_ROW_TILE
+  for name, x, whole, by_rows in (("q", q, prob.q_pad, rows.q),
+                                  ("k", k, prob.kv_pad, rows.kv)):
+    n = x.shape[1]
+    if n > whole or not (by_rows or n % tile == 0):
+      raise ValueError(f"forward: {name} has {n} rows; the kernel takes a"
+                       f" multiple of {tile} up to {whole}, or with row"
+                       f" copies (row_copies) any length up to it")
   q_bufs = 2 if _double_q(cfg, prob) else 1
+  q_shape = (q_bufs * cfg.compute_wgs, bq, dp)
   scratch = [
-      plgpu.SMEM((q_bufs * cfg.compute_wgs, bq, dp), dtype, **tiled),
-      plgpu.SMEM((cfg.stages, bk, dp), k.dtype, **tiled),
-      v_smem,
+      (pipeline.row_buffer(q_shape, dtype) if rows.q
+       else plgpu.SMEM(q_shape, dtype, **tiled)),
+      (pipeline.row_buffer((cfg.stages, bk, dp), k.dtype) if rows.kv
+       else plgpu.SMEM((cfg.stages, bk, dp), k.dtype, **tiled)),
+      pipeline.row_buffer((cfg.stages, bk, dp), dtype) if rows.kv else v_smem,
       plgpu.SMEM((cfg.compute_wgs, bq), jnp.float32),
       plgpu.Barrier(num_barriers=cfg.stages),             # k_ready (TMA)
       plgpu.Barrier(num_barriers=cfg.stages),             # v_ready (TMA)
@@ -1836,8 +1892,10 @@ def forward(q, k, v, segments=None, alibi=None, bias=None,
     scratch.append(p_smem)
   if cfg.out_slots:
     width, _, slots = cfg.out_chunks(dp)
-    scratch.append(plgpu.SMEM((cfg.compute_wgs, slots, bq, width),
-                              out_dtype, **pipeline.tiled_over(width)))  # O
+    o_shape = (cfg.compute_wgs, slots, bq, width)
+    scratch.append(pipeline.row_buffer(o_shape, out_dtype) if rows.q else
+                   plgpu.SMEM(o_shape, out_dtype,
+                              **pipeline.tiled_over(width)))  # O
   if cfg.prefetches_q:
     # q_free (one barrier per Q buffer; a single one is a scalar barrier)
     scratch.append(plgpu.Barrier(num_arrivals=cfg.compute_wgs,
@@ -1868,7 +1926,7 @@ def forward(q, k, v, segments=None, alibi=None, bias=None,
     grid, grid_names = (n_programs,), ("sm",)
   kernel = functools.partial(_kernel, prob=prob, cfg=cfg, dtype=dtype,
                              in_place=not interpret, n_programs=n_programs,
-                             cluster=cluster)
+                             cluster=cluster, rows=rows)
   return pipeline.launch(
       kernel, out_type=out_type, scratch=scratch, grid=grid,
       grid_names=grid_names, consumers=cfg.compute_wgs,

@@ -48,6 +48,52 @@ def tiled_over(contraction: int, itemsize: int = 2) -> dict:
                           plgpu.SwizzleTransform(itemsize * cols)))
 
 
+# Rows of the tiling Mosaic GPU applies to both ends of a tiled TMA copy
+# (mosaic/gpu/launch_context.py, TileTransform): a global array's row count
+# must be a multiple of it (or smaller) for a copy into a tiled buffer.
+TMA_ROW_TILE = 8
+
+
+def one_swizzle_wide(columns: int, itemsize: int = 2) -> bool:
+  """Whether rows ``columns`` wide are exactly one swizzle wide (16-bit
+  head_dims 64, 32 or 16): then :func:`tiled_over`'s ``(8, columns)``
+  tiles, row after row, are the bytes of the plain rows swizzled alike,
+  and :func:`row_buffer` can give a buffer a second, row-wise view."""
+  return swizzle_columns(columns, itemsize) == columns
+
+
+def row_buffer(shape, dtype):
+  """A shared-memory buffer ``shape`` (its rows one swizzle wide:
+  :func:`one_swizzle_wide`) with two views of the same bytes, unpacked
+  by :func:`row_views`: the tiled one wgmma and the register stores take
+  (:func:`tiled_over`), and a swizzle-only one for the TMA copies.  A
+  copy into the tiled view tiles the global array too, so its row count
+  must be a multiple of :data:`TMA_ROW_TILE`; the row view's copies take
+  any row count (TMA zero-fills the rows past the array and clips a
+  store to it), so a call of 577 rows needs no padded copy of its
+  arrays.  Only on the GPU: the interpreter gives each view of a union a
+  buffer of its own."""
+  dtype = jnp.dtype(dtype)
+  columns = shape[-1]
+  if not one_swizzle_wide(columns, dtype.itemsize):
+    raise ValueError(f"row_buffer: rows of {columns} {dtype} elements are"
+                     f" not one swizzle wide")
+  tiled = plgpu.SMEM(shape, dtype, **tiled_over(columns, dtype.itemsize))
+  rows = plgpu.SMEM(shape, dtype, transforms=(
+      plgpu.SwizzleTransform(dtype.itemsize * columns),))
+  return plgpu.RefUnion(tiled, rows)
+
+
+def row_views(ref, rows: bool):
+  """``(tiled, rows)`` views of a scratch buffer: a :func:`row_buffer`'s
+  two where ``rows``, else the plain buffer twice (copies go through the
+  tiled view)."""
+  if not rows:
+    return ref, ref
+  tiled, row = ref
+  return tiled, row
+
+
 def launch(body, *, out_type, scratch, grid, grid_names, consumers: int,
            interpret, reduction_scratch_bytes: int | None = None,
            cluster: int = 1):
