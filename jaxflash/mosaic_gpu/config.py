@@ -106,10 +106,12 @@ class MosaicConfig:
     lean_epilogue: tokamax's epilogue: normalise by one reciprocal per
       row, store the output in 64-column chunks through two slots per
       consumer, and wait only for the stores' shared-memory reads.
-    unpadded_kv: read K and V unpadded (to a multiple of 8 rows); TMA
-      zero-fills the last tile instead of an XLA pad.  GPU only.
-    unpadded_q: read Q and write O unpadded (to a multiple of 8 rows);
-      TMA zero-fills Q and clips O's store.  GPU only.
+    unpadded_kv: read K and V unpadded (to a multiple of 8 rows, at any
+      length with rows one swizzle wide); TMA zero-fills the last tile
+      instead of an XLA pad.  GPU only.
+    unpadded_q: read Q and write O unpadded (likewise); TMA zero-fills Q
+      and clips O's store.  With both, the unpaired backward reads and
+      writes its operands unpadded too.  GPU only.
     bwd_block_q, bwd_block_kv: the backward's query and key tiles
       (multiples of 64): the dQ kernel holds ``bwd_block_q`` query rows per
       consumer and streams ``bwd_block_kv`` keys, the dK/dV kernel the converse.
