@@ -295,7 +295,10 @@ class FlashMask:
         ut_end   = 0 1 2 3 4 5     ut_start = 0
 
     Padding is better left to ``kv_seq_lengths``: a run of padding ids is
-    just one more document here.
+    just one more document here.  With ``causal=True`` and ``q_len ==
+    kv_len`` the upper range repeats the causal mask, and
+    ``FlashMask(lt_start=m.lt_start)`` is the same mask from one field:
+    the faster form in the Hopper forward (docs/masks.md).
     """
     ids = _ids_2d("segment_ids", segment_ids)
     b, s = ids.shape
