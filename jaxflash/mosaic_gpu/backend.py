@@ -347,15 +347,12 @@ def _segments(arrays: MaskArrays, st: _Static, batch: int):
   return segments
 
 
-def _tma_rows(rows: int, unpadded: bool, padded: int,
-              by_rows: bool = False) -> int:
-  """Rows of an array the forward copies by TMA: ``padded`` (whole tiles),
-  or ``unpadded`` the length itself, rounded up to ``TMA_ROW_TILE`` (tiled
-  copies refuse other lengths): a copy only at such lengths instead of at
-  every length that the tile does not divide; ``by_rows`` (row copies:
-  :func:`fwd_lib.row_copies`) the length itself, no copy."""
-  if by_rows:
-    return rows
+def _tma_rows(rows: int, unpadded: bool, padded: int) -> int:
+  """Rows of an array the forward copies by TMA into tiled buffers:
+  ``padded`` (whole tiles), or ``unpadded`` the length itself, rounded up
+  to ``TMA_ROW_TILE`` (tiled copies refuse other lengths): a copy only at
+  such lengths instead of at every length that the tile does not
+  divide."""
   return round_up(rows, TMA_ROW_TILE) if unpadded else padded
 
 
@@ -373,10 +370,12 @@ def _forward(q, k, v, st: _Static, arrays: MaskArrays = NO_MASK_ARRAYS,
   gpu = not st.interpret
   by_rows = fwd_lib.row_copies(prob, st.config, q.shape[1], k.shape[1],
                                st.interpret)
-  kv_rows = _tma_rows(k.shape[1], st.config.unpadded_kv and gpu, prob.kv_pad,
-                      by_rows.kv)
-  q_rows = _tma_rows(q.shape[1], st.config.unpadded_q and gpu, prob.q_pad,
-                     by_rows.q)
+  kv_rows = (k.shape[1] if by_rows.kv else
+             _tma_rows(k.shape[1], st.config.unpadded_kv and gpu,
+                       prob.kv_pad))
+  tiled_q_rows = _tma_rows(q.shape[1], st.config.unpadded_q and gpu,
+                           prob.q_pad)
+  q_rows = q.shape[1] if by_rows.q else tiled_q_rows
   # ALiBi's slopes in the raw logits' units.
   alibi = (_alibi_table(arrays, prob, 1.0 / prob.softmax_scale)
            if prob.has_alibi else None)
@@ -390,9 +389,7 @@ def _forward(q, k, v, st: _Static, arrays: MaskArrays = NO_MASK_ARRAYS,
     # Its rows a multiple of TMA_ROW_TILE (tiled copies) also where Q's
     # go by row copies.
     bias = arrays.bias.astype(q.dtype)
-    bias_rows = _tma_rows(q.shape[1], st.config.unpadded_q and gpu,
-                          prob.q_pad)
-    bias = jnp.pad(bias, ((0, 0), (0, 0), (0, bias_rows - bias.shape[2]),
+    bias = jnp.pad(bias, ((0, 0), (0, 0), (0, tiled_q_rows - bias.shape[2]),
                           (0, prob.kv_pad - bias.shape[3])))
   elif prob.has_bias:
     # One row for every query, rounded to q's dtype as the ring's tiles

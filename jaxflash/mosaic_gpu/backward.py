@@ -126,12 +126,6 @@ def _check_rows(q, k, prob: Problem, cfg: MosaicConfig, interpret) -> bool:
   return rows
 
 
-def _operand_buffer(shape, dtype, tiled: dict, rows: bool):
-  """A 16-bit operand's shared-memory buffer: tiled as ``tiled`` says,
-  or with ``rows`` a :func:`pipeline.row_buffer` (the same tiling and a
-  row view for its copies)."""
-  return (pipeline.row_buffer(shape, dtype) if rows
-          else plgpu.SMEM(shape, dtype, **tiled))
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
@@ -719,10 +713,10 @@ def dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   over_q = _operands_tiled(bq, dp)
   held, ring = (n, bk, dp), (cfg.bwd_stages, bq, dp)
   scratch = [
-      _operand_buffer(held, dtype, over_q, rows),   # K per consumer
-      _operand_buffer(held, dtype, over_q, rows),   # V per consumer
-      _operand_buffer(ring, dtype, over_q, rows),   # Q ring
-      _operand_buffer(ring, dtype, over_q, rows),   # dO ring
+      pipeline.operand_buffer(held, dtype, over_q, rows),  # K per consumer
+      pipeline.operand_buffer(held, dtype, over_q, rows),  # V per consumer
+      pipeline.operand_buffer(ring, dtype, over_q, rows),  # Q ring
+      pipeline.operand_buffer(ring, dtype, over_q, rows),  # dO ring
       vec_ring(cfg.bwd_stages, bq),                          # lse2 ring
       vec_ring(cfg.bwd_stages, bq),                          # delta ring
       plgpu.Barrier(num_arrivals=2, num_barriers=n),         # K, V loaded
@@ -1173,10 +1167,10 @@ def dq(q, k, v, do, lse2, delta, segments, *, prob: Problem,
   tiled = _operands_tiled(bk, dp)  # dQ += dS K contracts over bk keys
   held, ring = (n, bq, dp), (cfg.bwd_stages, bk, dp)
   scratch = [
-      _operand_buffer(held, dtype, tiled, rows),   # Q per consumer
-      _operand_buffer(held, dtype, tiled, rows),   # dO per consumer
-      _operand_buffer(ring, dtype, tiled, rows),   # K ring
-      _operand_buffer(ring, dtype, tiled, rows),   # V ring
+      pipeline.operand_buffer(held, dtype, tiled, rows),  # Q per consumer
+      pipeline.operand_buffer(held, dtype, tiled, rows),  # dO per consumer
+      pipeline.operand_buffer(ring, dtype, tiled, rows),  # K ring
+      pipeline.operand_buffer(ring, dtype, tiled, rows),  # V ring
       plgpu.Barrier(num_arrivals=2, num_barriers=n),         # Q, dO loaded
       plgpu.Barrier(num_arrivals=2 + prob.bias_ring,
                     num_barriers=cfg.bwd_stages),            # slot full

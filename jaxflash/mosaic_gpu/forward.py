@@ -1831,6 +1831,15 @@ def forward(q, k, v, segments=None, alibi=None, bias=None,
   # (128 bytes at multiples of 64 (FP8: 128), narrower at the forward's
   # own 80, 96).
   tiled = pipeline.tiled_over(dp, itemsize)
+  rows = row_copies(prob, cfg, q.shape[1], k.shape[1], interpret)
+  tile = pipeline.TMA_ROW_TILE
+  for name, x, whole, by_rows in (("q", q, prob.q_pad, rows.q),
+                                  ("k", k, prob.kv_pad, rows.kv)):
+    n = x.shape[1]
+    if n > whole or not (by_rows or n % tile == 0):
+      raise ValueError(f"forward: {name} has {n} rows; the kernel takes a"
+                       f" multiple of {tile} up to {whole}, or with row"
+                       f" copies (row_copies) any length up to it")
   if prob.fp8:
     # V^T's tiles [Dp, block_kv] and P [block_q, block_kv] in e4m3: P V
     # contracts over the keys, both K-major, in one swizzle.
@@ -1844,7 +1853,8 @@ def forward(q, k, v, segments=None, alibi=None, bias=None,
     # head_dim is not a multiple of 64).  P, V's partner in P V: wgmma
     # takes both in one swizzle.
     pv_tiled = pipeline.tiled_over(math.gcd(bk, dp))
-    v_smem = plgpu.SMEM((cfg.stages, bk, dp), dtype, **pv_tiled)
+    v_smem = pipeline.operand_buffer((cfg.stages, bk, dp), dtype, pv_tiled,
+                                     rows.kv)
     p_smem = plgpu.SMEM((cfg.compute_wgs, bq, bk), dtype, **pv_tiled)
   n_groups = prob.q_pad // (cfg.compute_wgs * bq)
   cluster = _cluster_size(cfg, prob, n_groups)
@@ -1852,23 +1862,12 @@ def forward(q, k, v, segments=None, alibi=None, bias=None,
   # cluster released it (each arrival lands in both CTAs' barrier).
   free_barrier = (plgpu.Barrier if cluster == 1 else functools.partial(
       plgpu.ClusterBarrier, collective_axes=("cluster",)))
-  rows = row_copies(prob, cfg, q.shape[1], k.shape[1], interpret)
-  tile = pipeline.TMA_ROW_TILE
-  for name, x, whole, by_rows in (("q", q, prob.q_pad, rows.q),
-                                  ("k", k, prob.kv_pad, rows.kv)):
-    n = x.shape[1]
-    if n > whole or not (by_rows or n % tile == 0):
-      raise ValueError(f"forward: {name} has {n} rows; the kernel takes a"
-                       f" multiple of {tile} up to {whole}, or with row"
-                       f" copies (row_copies) any length up to it")
   q_bufs = 2 if _double_q(cfg, prob) else 1
-  q_shape = (q_bufs * cfg.compute_wgs, bq, dp)
   scratch = [
-      (pipeline.row_buffer(q_shape, dtype) if rows.q
-       else plgpu.SMEM(q_shape, dtype, **tiled)),
-      (pipeline.row_buffer((cfg.stages, bk, dp), k.dtype) if rows.kv
-       else plgpu.SMEM((cfg.stages, bk, dp), k.dtype, **tiled)),
-      pipeline.row_buffer((cfg.stages, bk, dp), dtype) if rows.kv else v_smem,
+      pipeline.operand_buffer((q_bufs * cfg.compute_wgs, bq, dp), dtype,
+                              tiled, rows.q),
+      pipeline.operand_buffer((cfg.stages, bk, dp), k.dtype, tiled, rows.kv),
+      v_smem,
       plgpu.SMEM((cfg.compute_wgs, bq), jnp.float32),
       plgpu.Barrier(num_barriers=cfg.stages),             # k_ready (TMA)
       plgpu.Barrier(num_barriers=cfg.stages),             # v_ready (TMA)
@@ -1892,10 +1891,9 @@ def forward(q, k, v, segments=None, alibi=None, bias=None,
     scratch.append(p_smem)
   if cfg.out_slots:
     width, _, slots = cfg.out_chunks(dp)
-    o_shape = (cfg.compute_wgs, slots, bq, width)
-    scratch.append(pipeline.row_buffer(o_shape, out_dtype) if rows.q else
-                   plgpu.SMEM(o_shape, out_dtype,
-                              **pipeline.tiled_over(width)))  # O
+    scratch.append(pipeline.operand_buffer(                  # O
+        (cfg.compute_wgs, slots, bq, width), out_dtype,
+        pipeline.tiled_over(width), rows.q))
   if cfg.prefetches_q:
     # q_free (one barrier per Q buffer; a single one is a scalar barrier)
     scratch.append(plgpu.Barrier(num_arrivals=cfg.compute_wgs,

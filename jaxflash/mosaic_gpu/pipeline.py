@@ -84,14 +84,19 @@ def row_buffer(shape, dtype):
   return plgpu.RefUnion(tiled, rows)
 
 
+def operand_buffer(shape, dtype, tiled: dict, rows: bool):
+  """A 16-bit wgmma operand's shared-memory buffer: laid out as ``tiled``
+  (:func:`tiled_over`'s dict) says, or with ``rows`` a
+  :func:`row_buffer` (the same tiles and a row view for its copies)."""
+  return (row_buffer(shape, dtype) if rows
+          else plgpu.SMEM(shape, dtype, **tiled))
+
+
 def row_views(ref, rows: bool):
   """``(tiled, rows)`` views of a scratch buffer: a :func:`row_buffer`'s
   two where ``rows``, else the plain buffer twice (copies go through the
   tiled view)."""
-  if not rows:
-    return ref, ref
-  tiled, row = ref
-  return tiled, row
+  return tuple(ref) if rows else (ref, ref)
 
 
 def launch(body, *, out_type, scratch, grid, grid_names, consumers: int,
