@@ -18,11 +18,16 @@ kernels read it in O(N) per (batch, head).
 Rows are query positions ``0 .. q_len-1`` counted from the top-left, as in
 ``jax.nn.dot_product_attention``; note that :class:`jaxflash.masks.MaskSpec`
 aligns ``causal`` bottom-right instead, which is the same only when
-``q_len == kv_len``.  The paper pairs the lower range with a ``causal``
-flag; a standalone description here expresses causality itself, with the
-upper range ``[0, j)``.  A kernel ANDs a FlashMask with its other terms
-(causal, window, segment ids, sequence lengths): a pair is visible only
-when every term says so.
+``q_len == kv_len``.  As in the paper, a causal mask is the lower range
+with a flag, ``is_causal=True``: column ``j`` is then also hidden from
+rows ``[0, j)`` (the causal triangle, top-left), which the kernels apply
+as their own causal mask, from the row and column indices, where the
+call's causal alignment agrees (``q_len == kv_len``, or
+``dot_product_attention``'s top-left ``is_causal``), and as that upper
+range otherwise (:meth:`FlashMask.explicit`).  The pattern constructors
+return this form where the mask is causal.  A kernel ANDs a FlashMask
+with its other terms (causal, window, segment ids, sequence lengths): a
+pair is visible only when every term says so.
 
 Values are not checked (they may be traced): a range with ``start >=
 end`` is empty, and rows outside ``[0, q_len)`` do not exist, so any int32
@@ -36,9 +41,7 @@ is meaningful.  Picture (``x`` = visible), causal documents of lengths 3,
     query 3    . . . x . .
     query 4    . . . x x .
     query 5    . . . . . x
-    lt_start = 3 3 3 5 5 6     lt_end = None (6)
-    ut_start = 0 0 0 0 0 0
-    ut_end   = 0 1 2 3 4 5
+    lt_start = 3 3 3 5 5 6     lt_end = None (6)     is_causal = True
 
 Kernels skip tiles with the per-key-tile extremes of :meth:`FlashMask.
 tile_bounds` and the rule of :func:`tile_class` (hidden / partial /
@@ -135,12 +138,16 @@ class FlashMask:
       range of each key column.
     lt_end: one past its last hidden row; ``None`` means ``q_len``.
     ut_start, ut_end: the upper range, likewise; both ``None`` for none.
+    is_causal: a static bool: column ``j`` is also hidden from rows
+      ``[0, j)`` (causal, top-left; FlashMask's causal mode).  It takes
+      no upper range; the kernels apply it as their causal mask.
   """
 
   lt_start: jax.Array
   lt_end: jax.Array | None = None
   ut_start: jax.Array | None = None
   ut_end: jax.Array | None = None
+  is_causal: bool = False
 
   def __post_init__(self):
     if self.lt_start is None:
@@ -150,19 +157,47 @@ class FlashMask:
           "ut_start and ut_end come together (both or neither), got"
           f" ut_start is None={self.ut_start is None},"
           f" ut_end is None={self.ut_end is None}")
+    if not isinstance(self.is_causal, (bool, np.bool_)):
+      raise ValueError(f"is_causal must be a Python bool, got"
+                       f" {self.is_causal!r}")
+    if self.is_causal and self.ut_start is not None:
+      raise ValueError(
+          "is_causal=True takes no upper range (its upper range is the"
+          " causal triangle [0, j)); give ut_start/ut_end or is_causal")
 
   # -- pytree: rebuilt without __post_init__, so transformations may put
-  # -- any placeholder (object(), None from a tree_map) in the leaves.
+  # -- any placeholder (object(), None from a tree_map) in the leaves;
+  # -- is_causal is static (aux data).
   def tree_flatten(self):
-    return tuple(getattr(self, f) for f in _FIELDS), None
+    return tuple(getattr(self, f) for f in _FIELDS), bool(self.is_causal)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    del aux
     obj = object.__new__(cls)
     for name, value in zip(_FIELDS, children, strict=True):
       object.__setattr__(obj, name, value)
+    object.__setattr__(obj, "is_causal", aux)
     return obj
+
+  def explicit(self) -> FlashMask:
+    """The same mask without ``is_causal``: its causal triangle as the
+    upper range ``[0, j)`` (the form every call can read, whatever its
+    own causal alignment)."""
+    if not self.is_causal:
+      return self
+    j = jnp.arange(self.lt_start.shape[-1], dtype=jnp.int32)[None, None, :]
+    return FlashMask(self.lt_start, self.lt_end, jnp.zeros_like(j), j)
+
+  def split_causal(self, top_left: bool) -> tuple[FlashMask, bool]:
+    """``(mask, causal)`` for a call whose causal mask would be aligned
+    top-left (``top_left``): ``is_causal`` becomes the call's causal mask
+    (``(mask without it, True)``), which the kernels compute from the
+    indices and tile by tile; otherwise :meth:`explicit` and False."""
+    if not self.is_causal:
+      return self, False
+    if top_left:
+      return FlashMask(self.lt_start, self.lt_end), True
+    return self.explicit(), False
 
   # -- validation -----------------------------------------------------------
   def check(self, batch: int, heads: int, q_len: int,
@@ -208,12 +243,14 @@ class FlashMask:
             f"FlashMask.{name} last axis {s} must equal {kv_len=}"
             f" (shape {tuple(x.shape)})")
       out[name] = _i32(x)
-    return FlashMask(**out)
+    return FlashMask(**out, is_causal=self.is_causal)
 
   # -- elementwise ----------------------------------------------------------
   def dense(self, q_len: int) -> jax.Array:
     """Bool ``[B|1, H|1, q_len, kv_len]``, True where VISIBLE (reference
     and tests only: this is the N x N array the description avoids)."""
+    if self.is_causal:
+      return self.explicit().dense(q_len)
     rows = jnp.arange(q_len, dtype=jnp.int32)[:, None]
     col = lambda x: _i32(x)[..., None, :]
     lt_end = q_len if self.lt_end is None else col(self.lt_end)
@@ -237,6 +274,8 @@ class FlashMask:
     """
     if block_k < 1:
       raise ValueError(f"{block_k=} must be >= 1")
+    if self.is_causal:
+      return self.explicit().tile_bounds(block_k)
     kv_len = self.lt_start.shape[-1]
     pad = -kv_len % block_k
     n_tiles = (kv_len + pad) // block_k
@@ -257,7 +296,7 @@ class FlashMask:
   @classmethod
   def causal(cls, q_len: int, kv_len: int) -> FlashMask:
     """Causal, top-left: row ``i`` sees keys ``j <= i``.  Column ``j`` is
-    hidden from rows ``[0, j)`` (the upper range); the lower range is
+    hidden from rows ``[0, j)`` (``is_causal``); the lower range is
     empty (``lt_start = q_len``).  ``[1, 1, kv_len]``::
 
               keys 0 1 2 3
@@ -265,13 +304,12 @@ class FlashMask:
         query 1    x x . .
         query 2    x x x .
         query 3    x x x x
-        ut_end   = 0 1 2 3     ut_start = 0, lt_start = 4
+        lt_start = 4 4 4 4     is_causal = True
     """
     _check_static_int("q_len", q_len, 1)
     _check_static_int("kv_len", kv_len, 1)
-    j = jnp.arange(kv_len, dtype=jnp.int32)[None, None, :]
-    return cls(lt_start=jnp.full_like(j, q_len), ut_start=jnp.zeros_like(j),
-               ut_end=j)
+    return cls(lt_start=jnp.full((1, 1, kv_len), q_len, jnp.int32),
+               is_causal=True)
 
   @classmethod
   def causal_document(cls, segment_ids) -> FlashMask:
@@ -280,9 +318,9 @@ class FlashMask:
     ``segment_ids`` int ``[batch, seq]``; a document is a maximal run of
     equal ids (documents packed contiguously; two adjacent documents need
     different ids, and an id that recurs later starts a new document).
-    Column ``j`` is hidden from rows ``[0, j)`` (causal) and from rows
-    ``[doc_end(j), seq)`` (later documents).  ``[batch, 1, seq]``; ids
-    ``0 0 0 1 1 2``::
+    Column ``j`` is hidden from rows ``[0, j)`` (``is_causal``) and from
+    rows ``[doc_end(j), seq)`` (later documents).  ``[batch, 1, seq]``;
+    ids ``0 0 0 1 1 2``::
 
               keys 0 1 2 3 4 5
         query 0    x . . . . .
@@ -291,21 +329,13 @@ class FlashMask:
         query 3    . . . x . .
         query 4    . . . x x .
         query 5    . . . . . x
-        lt_start = 3 3 3 5 5 6     lt_end = None (6)
-        ut_end   = 0 1 2 3 4 5     ut_start = 0
+        lt_start = 3 3 3 5 5 6     lt_end = None (6)     is_causal = True
 
     Padding is better left to ``kv_seq_lengths``: a run of padding ids is
-    just one more document here.  With ``causal=True`` and ``q_len ==
-    kv_len`` the upper range repeats the causal mask, and
-    ``FlashMask(lt_start=m.lt_start)`` is the same mask from one field:
-    the faster form in the Hopper forward (docs/masks.md).
+    just one more document here.
     """
     ids = _ids_2d("segment_ids", segment_ids)
-    b, s = ids.shape
-    j = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    return cls(lt_start=_run_end(ids)[:, None, :],
-               ut_start=jnp.zeros((b, 1, s), jnp.int32),
-               ut_end=j[:, None, :])
+    return cls(lt_start=_run_end(ids)[:, None, :], is_causal=True)
 
   @classmethod
   def document(cls, segment_ids) -> FlashMask:
@@ -370,8 +400,9 @@ class FlashMask:
   @classmethod
   def sliding_window(cls, seq: int, window: int) -> FlashMask:
     """Causal sliding window: row ``i`` sees keys ``i-window+1 .. i``.
-    Column ``j`` is hidden from rows ``[0, j)`` and ``[j + window, seq)``
-    (``lt_start`` clipped to ``seq``).  ``[1, 1, seq]``; ``window=3``::
+    Column ``j`` is hidden from rows ``[0, j)`` (``is_causal``) and
+    ``[j + window, seq)`` (``lt_start`` clipped to ``seq``).  ``[1, 1,
+    seq]``; ``window=3``::
 
               keys 0 1 2 3 4 5
         query 0    x . . . . .
@@ -380,14 +411,12 @@ class FlashMask:
         query 3    . x x x . .
         query 4    . . x x x .
         query 5    . . . x x x
-        lt_start = 3 4 5 6 6 6     lt_end = None (6)
-        ut_end   = 0 1 2 3 4 5     ut_start = 0
+        lt_start = 3 4 5 6 6 6     lt_end = None (6)     is_causal = True
     """
     _check_static_int("seq", seq, 1)
     _check_static_int("window", window, 1)
     j = jnp.arange(seq, dtype=jnp.int32)[None, None, :]
-    return cls(lt_start=jnp.minimum(j + _i32(window), seq),
-               ut_start=jnp.zeros_like(j), ut_end=j)
+    return cls(lt_start=jnp.minimum(j + _i32(window), seq), is_causal=True)
 
   @classmethod
   def shared_question(cls, answer_ids) -> FlashMask:
@@ -401,7 +430,7 @@ class FlashMask:
     answers need different ids.  Several (question, answers) groups may
     be packed in a row: each run of 0s after an answer starts a new group,
     which sees nothing of the earlier ones.  Column ``j`` is hidden from
-    rows ``[0, j)`` (causal) and from rows ``[lt_start, seq)`` with
+    rows ``[0, j)`` (``is_causal``) and from rows ``[lt_start, seq)`` with
     ``lt_start`` the start of the next group for a question token, the end
     of its own answer for an answer token.  ``[batch, 1, seq]``; ids
     ``0 0 1 1 2 2``::
@@ -413,21 +442,16 @@ class FlashMask:
         query 3    x x x x . .
         query 4    x x . . x .
         query 5    x x . . x x
-        lt_start = 6 6 4 4 6 6     lt_end = None (6)
-        ut_end   = 0 1 2 3 4 5     ut_start = 0
+        lt_start = 6 6 4 4 6 6     lt_end = None (6)     is_causal = True
     """
     ids = _ids_2d("answer_ids", answer_ids)
-    b, s = ids.shape
     question = ids == 0
     # A group starts where a question run follows an answer token.
     group_start = jnp.concatenate(
         [jnp.zeros_like(question[:, :1]), question[:, 1:] & ~question[:, :-1]],
         axis=1)
     lt_start = jnp.where(question, _next_true(group_start), _run_end(ids))
-    j = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    return cls(lt_start=lt_start[:, None, :],
-               ut_start=jnp.zeros((b, 1, s), jnp.int32),
-               ut_end=j[:, None, :])
+    return cls(lt_start=lt_start[:, None, :], is_causal=True)
 
   @classmethod
   def global_and_window(cls, seq: int, num_global: int,
@@ -435,9 +459,9 @@ class FlashMask:
     """Causal sliding window of width ``window`` plus ``num_global``
     leading global tokens, which every later row sees (causal, so the
     global rows themselves see only earlier global tokens, that is all
-    their keys).  Column ``j`` is hidden from rows ``[0, j)``, and, unless
-    global, from rows ``[j + window, seq)``.  ``[1, 1, seq]``;
-    ``num_global=1, window=2``::
+    their keys).  Column ``j`` is hidden from rows ``[0, j)``
+    (``is_causal``), and, unless global, from rows ``[j + window,
+    seq)``.  ``[1, 1, seq]``; ``num_global=1, window=2``::
 
               keys 0 1 2 3 4 5
         query 0    x . . . . .
@@ -446,8 +470,7 @@ class FlashMask:
         query 3    x . x x . .
         query 4    x . . x x .
         query 5    x . . . x x
-        lt_start = 6 3 4 5 6 6     lt_end = None (6)
-        ut_end   = 0 1 2 3 4 5     ut_start = 0
+        lt_start = 6 3 4 5 6 6     lt_end = None (6)     is_causal = True
     """
     _check_static_int("seq", seq, 1)
     _check_static_int("num_global", num_global, 0)
@@ -455,8 +478,7 @@ class FlashMask:
     j = jnp.arange(seq, dtype=jnp.int32)[None, None, :]
     lt_start = jnp.where(j < _i32(num_global), seq,
                          jnp.minimum(j + _i32(window), seq))
-    return cls(lt_start=lt_start.astype(jnp.int32),
-               ut_start=jnp.zeros_like(j), ut_end=j)
+    return cls(lt_start=lt_start.astype(jnp.int32), is_causal=True)
 
 
 def _select(cond, a, b):
@@ -538,7 +560,9 @@ def columns(mask: FlashMask) -> jax.Array:
   """The fields the mask has, stacked as the kernels read them: int32
   ``[B|1, H|1, n, kv_len]``, rows ``lt_start[, lt_end][, ut_start,
   ut_end]`` (:func:`present`; :func:`full_columns` gives all four).
-  ``mask`` checked (:meth:`FlashMask.check`)."""
+  ``mask`` checked (:meth:`FlashMask.check`); its ``is_causal`` as the
+  upper range (:meth:`FlashMask.explicit`)."""
+  mask = mask.explicit()
   fields = [x for x in (mask.lt_start, mask.lt_end, mask.ut_start,
                         mask.ut_end) if x is not None]
   shape = jnp.broadcast_shapes(*(x.shape for x in fields))

@@ -3,6 +3,7 @@ construction, each pattern against its definition written as loops, the
 tile classification against brute force over every (row, column), and
 the validation errors."""
 
+import dataclasses
 import functools
 import itertools
 
@@ -27,7 +28,12 @@ def _np(x):
 
 def _dense_loops(m: FlashMask, q_len: int) -> np.ndarray:
   """Visibility straight from the definition, one (row, column) at a time:
-  hidden iff ``lt_start <= i < lt_end`` or ``ut_start <= i < ut_end``."""
+  hidden iff ``lt_start <= i < lt_end`` or ``ut_start <= i < ut_end``
+  (``is_causal``: the upper range ``[0, j)``)."""
+  if m.is_causal:
+    j = np.arange(np.asarray(m.lt_start).shape[-1], dtype=np.int32)
+    m = dataclasses.replace(m, is_causal=False, ut_start=0 * j[None, None],
+                            ut_end=j[None, None])
   fields = [_np(getattr(m, f)) for f in ("lt_start", "lt_end", "ut_start",
                                          "ut_end")]
   shapes = [f.shape for f in fields if f is not None]
@@ -116,7 +122,10 @@ def test_docstring_pictures():
                                   _picture(rows))
     np.testing.assert_array_equal(np.asarray(m.lt_start)[0, 0], lt_start)
     assert m.lt_end is None
-    assert np.asarray(m.ut_start).dtype == np.int32
+    # The causal patterns are FlashMask's causal form, the others carry
+    # their upper range.
+    assert m.is_causal == (m.ut_start is None)
+    assert np.asarray(m.explicit().ut_start).dtype == np.int32
 
 
 def _check_pattern(m: FlashMask, q_len: int, want: np.ndarray):
@@ -445,8 +454,10 @@ def test_tile_class_traces():
 def test_pytree():
   m = FlashMask.causal_document(SEGMENT_IDS)
   leaves, treedef = jax.tree.flatten(m)
-  assert len(leaves) == 3  # lt_end is None: no leaf
-  assert jax.tree.unflatten(treedef, leaves).lt_end is None
+  assert len(leaves) == 1  # lt_end and the upper range None: no leaves
+  back = jax.tree.unflatten(treedef, leaves)
+  assert back.lt_end is None and back.is_causal is True  # static
+  assert jax.tree.structure(FlashMask(m.lt_start)) != treedef
   # Rebuilt without validation: a tree_map may put anything in the leaves.
   jax.tree.map(lambda x: None, m)
   out = jax.jit(lambda m: m.dense(16))(m)
@@ -517,15 +528,36 @@ def test_construction_errors():
     FlashMask(z).tile_bounds(0)
 
 
-def test_causal_document_lower_range_with_causal_is_the_same_mask():
-  """docs/masks.md: under ``causal=True`` (q_len == kv_len) the lower
-  range alone of FlashMask.causal_document gives the same mask, from one
-  field."""
+def test_split_causal_and_explicit():
+  """is_causal: as the call's causal mask where that is aligned top-left
+  (the lower range alone, its one field), else as the upper range [0, j);
+  both are the same mask as the flag."""
   seq = 16
   m = FlashMask.causal_document(SEGMENT_IDS)
-  lower = flashmask.columns(FlashMask(lt_start=m.lt_start))
-  assert flashmask.present(lower) == (0,)
-  causal = np.tril(np.ones((seq, seq), bool))
+  lower, causal = m.split_causal(True)
+  assert causal is True and not lower.is_causal and lower.ut_start is None
+  assert flashmask.present(flashmask.columns(lower)) == (0,)
+  tril = np.tril(np.ones((seq, seq), bool))
+  np.testing.assert_array_equal(np.asarray(lower.dense(seq)) & tril,
+                                np.asarray(m.dense(seq)))
+  explicit, causal = m.split_causal(False)
+  assert causal is False and not explicit.is_causal
+  np.testing.assert_array_equal(explicit.dense(seq), m.dense(seq))
   np.testing.assert_array_equal(
-      np.asarray(flashmask.visible_from_columns(lower, seq)) & causal,
-      np.asarray(flashmask.visible_from_columns(flashmask.columns(m), seq)))
+      np.asarray(flashmask.visible_from_columns(flashmask.columns(m), seq)),
+      np.asarray(m.dense(seq)))
+  # Without the flag there is nothing to split.
+  plain = FlashMask.document(SEGMENT_IDS)
+  assert plain.split_causal(True) == (plain, False)
+  assert plain.explicit() is plain
+  # check keeps the flag.
+  assert m.check(2, 4, seq, seq).is_causal
+
+
+def test_is_causal_errors():
+  z = np.zeros((1, 1, 5), np.int32)
+  with pytest.raises(ValueError, match=r"is_causal=True takes no upper range"):
+    FlashMask(z, ut_start=z, ut_end=z, is_causal=True)
+  with pytest.raises(ValueError, match=r"is_causal must be a Python bool,"
+                     r" got 1"):
+    FlashMask(z, is_causal=1)

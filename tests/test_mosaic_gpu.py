@@ -2586,6 +2586,35 @@ def test_fp8_default_configs():
           assert got == want, (kind, dp, causal, kv_len, got)
 
 
+def test_mask_tiles_default(monkeypatch):
+  """A call with a FlashMask or a dense mask and no config of its own
+  takes the tuned config with its key tile rounded down to a power of
+  two (with_mask_tiles: 176 becomes 128); other calls, and configs the
+  caller gives, keep theirs."""
+  from jaxflash import checks, flashmask
+  from jaxflash.masks import MaskArrays
+  from jaxflash.mosaic_gpu import backend
+  from jaxflash.mosaic_gpu import config as cfg_lib
+  for bk, want in ((176, 128), (128, 128), (64, 64), (256, 256)):
+    cfg = dataclasses.replace(cfg_lib.INTERPRET_CONFIG, block_kv=bk)
+    assert cfg_lib.with_mask_tiles(cfg).block_kv == want
+  wide = dataclasses.replace(cfg_lib.INTERPRET_CONFIG, block_kv=176)
+  monkeypatch.setattr(backend, "_resolve_config",
+                      lambda config, *a, **kw: config or wide)
+  q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+  spec = checks.mask_spec(256, 256, causal=False, offset=None,
+                          local_window_size=None)
+  cols = flashmask.columns(jaxflash.FlashMask.document(
+      jnp.zeros((1, 256), jnp.int32)).check(1, 2, 256, 256))
+  dense = jnp.ones((1, 1, 256, 256), bool)
+  plan = lambda config=None, **arrays: backend._plan(
+      q, q, spec, 0.1, config, False, arrays=MaskArrays(**arrays)).config
+  assert plan(flash_mask=cols).block_kv == 128
+  assert plan(dense_mask=dense).block_kv == 128
+  assert plan().block_kv == 176
+  assert plan(wide, flash_mask=cols).block_kv == 176
+
+
 def _bias_call(interpret, t=200, s=300, d=64, form="head", causal=True):
   """flash_attention with a dense bias (with -inf entries; ``form`` as
   :func:`_dense_bias`'s) on the Hopper kernels: out and dq, dk, dv by the

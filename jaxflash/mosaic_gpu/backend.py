@@ -54,6 +54,7 @@ from jaxflash.mosaic_gpu.config import (
   kernel_head_dim,
   with_bias_ring,
   with_fp8,
+  with_mask_tiles,
 )
 from jaxflash.mosaic_gpu.pipeline import TMA_ROW_TILE
 
@@ -148,6 +149,9 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
               else fp8_default(resolved, dp, mask.kv_len))
   else:
     config = _resolve_config(config, interpret, dp, mask, q=q, k=k)
+  if given is None and not interpret and (arrays.flash_mask is not None
+                                          or arrays.dense_mask is not None):
+    config = with_mask_tiles(config)
   if arrays.bias is not None and _bias_rows(arrays, T):
     # The bias's ring beside the K/V ring: the tuned config where both
     # fit, else one that gives up what with_bias_ring lists (a config the

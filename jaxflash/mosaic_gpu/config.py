@@ -556,6 +556,20 @@ def with_bias_ring(config: "MosaicConfig",
   return None
 
 
+def with_mask_tiles(config: "MosaicConfig") -> "MosaicConfig":
+  """The forward config of a call with a FlashMask or a dense mask: its
+  key tile rounded down to a power of two (176 becomes 128), so that
+  tiles line up with the power-of-two blocks such masks are made of
+  (documents, prefixes, windows), and more of them are skipped whole or
+  run unmasked.  Eight 1024-token documents as three FlashMask fields
+  (b2 s8192 h16 d128, non-causal) ran 1.69x faster in 128-key tiles than
+  in the tuned 176 on an H100 SXM (docs/benchmarks/, 2026-12-07)."""
+  block_kv = 1 << (config.block_kv.bit_length() - 1)
+  if block_kv == config.block_kv:
+    return config
+  return dataclasses.replace(config, block_kv=block_kv)
+
+
 def with_fp8(config: "MosaicConfig") -> "MosaicConfig":
   """The forward config of an FP8 call: ``config`` with ``block_kv`` a
   multiple of 64 (P V contracts over the keys in 8-bit swizzles: 176
