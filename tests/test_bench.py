@@ -619,7 +619,7 @@ def test_decode_mode_cpu_smoke(tmp_path):
   assert (tmp_path / "d.png").stat().st_size > 1000
 
 
-def test_decode_chained_timing():
+def test_decode_chained_timing(monkeypatch):
   """On a GPU each decode program chains calls (``decode._chained``): run
   here with XLA implementations (no interpreter), the chained program
   returns what one call's first output element is, and the rows' times
@@ -627,8 +627,20 @@ def test_decode_chained_timing():
   from jaxflash.bench import decode
   attend = lambda q, k: jnp.tanh(q @ k.T)
   q, k = jnp.ones((2, 3)) * 0.1, jnp.ones((4, 3))
-  got = jax.jit(decode._chained(attend, 5))(jnp.zeros(()), q, k)
+  got = jax.jit(decode._chained(attend, 5))(jnp.zeros(()), q, ((k,),))
   np.testing.assert_allclose(got, attend(q, k)[0, 0], rtol=1e-6)
+  # The calls take turns over copies of the cache (not of the small
+  # arrays), ROTATE_BYTES of them together, at most one per call.
+  cache = jnp.ones((1 << 18,), jnp.float32)  # 1 MiB
+  sets = decode.rotation((cache, k), 5)
+  assert len(sets) == 5 and all(s[1] is k for s in sets)
+  assert len({id(s[0]) for s in sets}) == 5
+  monkeypatch.setattr(decode, "ROTATE_BYTES", 8 << 20)
+  assert len(decode.rotation((jnp.ones((3 << 18,), jnp.int32),), 16)) == 3
+  assert len(decode.rotation((k,), 16)) == 1
+  got = jax.jit(decode._chained(lambda q, c, k: attend(q, k) + c[0], 4))(
+      jnp.zeros(()), q, sets)
+  np.testing.assert_allclose(got, attend(q, k)[0, 0] + 1, rtol=1e-6)
   shape = decode.DecodeShape(2, 1, 32, 4, 2, 16, 16, "float32")
   rows = decode.run_shape(shape, ("jaxflash-paged-xla", "xla"),
                           interpret=False, samples=1, chain=3)

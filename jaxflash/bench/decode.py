@@ -10,7 +10,11 @@ of K and V the call must read (the valid tokens) over its median time.
 
 A decode call takes microseconds, less than a host dispatch, so on a GPU
 each timed program chains :data:`CHAIN` calls (:func:`_chained`) and the
-time per call is the program's over the chain.
+time per call is the program's over the chain.  The calls take turns over
+copies of the cache, at least :data:`ROTATE_BYTES` of them together, as a
+model's layers each read their own: a cache of a few MB read again and
+again would otherwise stay in the GPU's L2 (50 MB on the H100 and the
+H200) and measure L2's bandwidth, not HBM's.
 """
 
 from __future__ import annotations
@@ -36,18 +40,42 @@ MODE = "decode"
 CHAIN = 16
 
 
+# The cache copies a chained program cycles through fill at least this
+# many bytes (five times the H100's and the H200's 50 MB L2).
+ROTATE_BYTES = 256 << 20
+# Arrays of at least this size are copied for the rotation (the caches;
+# queries, page tables and scales are shared).
+ROTATE_MIN_BYTES = 1 << 20
+
+
 def _chained(attend: Callable, n: int) -> Callable:
-  """``attend`` called ``n`` times in one program, each call's queries
-  shifted by ``eps`` times an element of the previous output: ``eps`` is a
-  runtime 0.0, so the results do not change, but XLA can neither hoist the
-  calls out of the loop nor run them at once (as consecutive decode steps
-  cannot)."""
-  def run(eps, q, *rest):
-    def body(_, carry):
-      out = attend(q + (eps * carry).astype(q.dtype), *rest)
-      return out.reshape(-1)[0].astype(jnp.float32)
-    return jax.lax.fori_loop(0, n, body, jnp.zeros((), jnp.float32))
+  """``attend`` called ``n`` times in one program (unrolled), call ``i``
+  over ``arg_sets[i % len(arg_sets)]`` (copies of the cache), each call's
+  queries shifted by ``eps`` times an element of the previous output:
+  ``eps`` is a runtime 0.0, so the results do not change, but XLA can
+  neither hoist the calls nor run them at once (as consecutive decode
+  steps cannot)."""
+  def run(eps, q, arg_sets):
+    carry = jnp.zeros((), jnp.float32)
+    for i in range(n):
+      out = attend(q + (eps * carry).astype(q.dtype),
+                   *arg_sets[i % len(arg_sets)])
+      carry = out.reshape(-1)[0].astype(jnp.float32)
+    return carry
   return run
+
+
+def rotation(args, n: int) -> tuple:
+  """``args`` and copies of its large arrays (the caches), enough that
+  together they fill :data:`ROTATE_BYTES`, at most ``n`` sets."""
+  big = lambda x: (isinstance(x, jax.Array)
+                   and x.size * x.dtype.itemsize >= ROTATE_MIN_BYTES)
+  leaves = jax.tree.leaves(args)
+  size = sum(x.size * x.dtype.itemsize for x in leaves if big(x))
+  sets = min(n, max(1, -(-ROTATE_BYTES // max(size, 1)))) if size else 1
+  copy = lambda x: jnp.array(x, copy=True) if big(x) else x
+  return (tuple(args),) + tuple(tuple(jax.tree.map(copy, tuple(args)))
+                                for _ in range(sets - 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,7 +370,8 @@ def run_shape(shape: DecodeShape, names, *, interpret: bool, samples: int,
                             error=f"wrong result: max_abs_err {err:.3g}")
         continue
       if not interpret:
-        chained = (jnp.zeros((), jnp.float32), *args)
+        chained = (jnp.zeros((), jnp.float32), args[0],
+                   rotation(args[1:], chain))
         calls[name] = (jax.jit(_chained(attend, chain)).trace(
             *chained).lower().compile(), chained)
       else:
