@@ -182,8 +182,9 @@ def _flash_causal(mask, causal, q, k, *, top_left: bool, names=None):
   kv_len``), so the kernels compute it from the indices, with the causal
   tile schedule and configs; elsewhere its explicit upper range
   (:meth:`FlashMask.split_causal`).  Measured on an H100 SXM, causal
-  documents ran 1.6x faster this way than as three fields
-  (docs/benchmarks/h100-2026-12-07-36c27b6-row-copies.md)."""
+  documents ran 1.58x faster this way than as three fields in a
+  non-causal call, 1.03x faster than segment ids
+  (docs/benchmarks/h100-2026-12-07-5f4800d-flashmask-causal-decode-launch.md)."""
   if not isinstance(mask, FlashMask) or not mask.is_causal:
     return mask, causal
   checks.check_bools(names, causal=causal)
