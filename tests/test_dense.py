@@ -378,6 +378,46 @@ def test_flashmask_skips_tiles_like_segment_ids():
   assert int(as_flash.max()) == 2  # a document is two 16-tiles
 
 
+@pytest.mark.parametrize("q_len,kv_len", [(16, 16), (12, 16), (16, 12)])
+def test_flashmask_causal_mode_at_any_alignment(q_len, kv_len, monkeypatch):
+  """FlashMask's causal mode (``is_causal``) is the mask of its explicit
+  upper range ``[0, j)`` in flash_attention (causal bottom-right) and
+  dot_product_attention (top-left), with and without the call's causal;
+  where the alignments agree the call runs it as its causal mask with the
+  lower range alone (one column row), else as three rows."""
+  from jaxflash import FlashMask, api
+  seen = []
+  attention = api.backends.attention
+
+  def spy(backend, q, k, v, *, mask, arrays, **kw):
+    seen.append((mask.causal, arrays.flash_mask.shape[2]))
+    return attention(backend, q, k, v, mask=mask, arrays=arrays, **kw)
+
+  monkeypatch.setattr(api.backends, "attention", spy)
+  q, k, v, _, _ = random_inputs(jax.random.key(3), batch=2, q_len=q_len,
+                                kv_len=kv_len, heads=2, kv_heads=2,
+                                head_dim=16, dtype=jnp.float32)
+  seg = jnp.asarray([[0] * 5 + [1] * (kv_len - 5),
+                     [0] * (kv_len - 3) + [1] * 3])
+  fm = FlashMask(lt_start=FlashMask.causal_document(seg).lt_start
+                 .at[:, :, kv_len - 1].set(q_len), is_causal=True)
+  for entry in ("flash", "dpa"):
+    for causal in (False, True):
+      def run(m, entry=entry, causal=causal):
+        if entry == "flash":
+          return jaxflash.flash_attention(q, k, v, mask=m, causal=causal,
+                                          implementation="xla")
+        return jaxflash.dot_product_attention(q, k, v, mask=m,
+                                              is_causal=causal,
+                                              implementation="xla")
+      seen.clear()
+      got, want = run(fm), run(fm.explicit())
+      np.testing.assert_allclose(got, want, atol=1e-6)
+      folds = entry == "dpa" or q_len == kv_len
+      assert seen[0] == ((True, 1) if folds else (causal, 3)), (entry,
+                                                               causal)
+
+
 def test_flashmask_errors():
   from jaxflash import FlashMask
   q = jnp.ones((2, 16, 4, 16))
