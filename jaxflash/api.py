@@ -133,7 +133,9 @@ def flash_attention(
       from the query, combined with every other mask argument; or a
       :class:`jaxflash.FlashMask` (per key, the query rows it is hidden
       from: causal documents, prefix-LM, shared question, sliding and
-      global windows in O(N) memory; rows counted from the top-left).
+      global windows in O(N) memory; rows counted from the top-left; its
+      causal mode, ``is_causal``, runs as this call's causal mask when
+      ``q_len == kv_len``).
       Tiles with no visible pair are skipped (a summary of the mask's
       tiles is made once per call).
     alibi_slopes: ``[heads]`` or ``[batch, heads]`` float: ALiBi (Press et

@@ -140,7 +140,10 @@ class FlashMask:
     ut_start, ut_end: the upper range, likewise; both ``None`` for none.
     is_causal: a static bool: column ``j`` is also hidden from rows
       ``[0, j)`` (causal, top-left; FlashMask's causal mode).  It takes
-      no upper range; the kernels apply it as their causal mask.
+      no upper range; a call applies it as its own causal mask where
+      its causal alignment agrees (:meth:`split_causal`), else as that
+      upper range.  Static: a ``vmap`` ``in_axes`` prefix for such a mask
+      is ``FlashMask(0, is_causal=True)``.
   """
 
   lt_start: jax.Array
@@ -185,7 +188,8 @@ class FlashMask:
     own causal alignment)."""
     if not self.is_causal:
       return self
-    j = jnp.arange(self.lt_start.shape[-1], dtype=jnp.int32)[None, None, :]
+    j = jnp.arange(np.shape(self.lt_start)[-1], dtype=jnp.int32)
+    j = j[None, None, :]
     return FlashMask(self.lt_start, self.lt_end, jnp.zeros_like(j), j)
 
   def split_causal(self, top_left: bool) -> tuple[FlashMask, bool]:

@@ -2589,8 +2589,8 @@ def test_fp8_default_configs():
 def test_mask_tiles_default(monkeypatch):
   """A call with a FlashMask or a dense mask and no config of its own
   takes the tuned config with its key tile rounded down to a power of
-  two (with_mask_tiles: 176 becomes 128); other calls, and configs the
-  caller gives, keep theirs."""
+  two (with_mask_tiles: 176 becomes 128); other calls, configs the
+  caller gives and jaxflash.autotune's stored winners keep theirs."""
   from jaxflash import checks, flashmask
   from jaxflash.masks import MaskArrays
   from jaxflash.mosaic_gpu import backend
@@ -2599,8 +2599,10 @@ def test_mask_tiles_default(monkeypatch):
     cfg = dataclasses.replace(cfg_lib.INTERPRET_CONFIG, block_kv=bk)
     assert cfg_lib.with_mask_tiles(cfg).block_kv == want
   wide = dataclasses.replace(cfg_lib.INTERPRET_CONFIG, block_kv=176)
-  monkeypatch.setattr(backend, "_resolve_config",
-                      lambda config, *a, **kw: config or wide)
+  stored = {}
+  monkeypatch.setattr(backend, "default_config", lambda *a, **kw: wide)
+  monkeypatch.setattr(backend.autotuned, "lookup",
+                      lambda *a: stored.get("config"))
   q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
   spec = checks.mask_spec(256, 256, causal=False, offset=None,
                           local_window_size=None)
@@ -2613,6 +2615,8 @@ def test_mask_tiles_default(monkeypatch):
   assert plan(dense_mask=dense).block_kv == 128
   assert plan().block_kv == 176
   assert plan(wide, flash_mask=cols).block_kv == 176
+  stored["config"] = wide
+  assert plan(flash_mask=cols).block_kv == 176
 
 
 def _bias_call(interpret, t=200, s=300, d=64, form="head", causal=True):

@@ -98,11 +98,13 @@ def autotune_key(q, k, mask: MaskSpec) -> str:
 def _resolve_config(config: MosaicConfig | None, interpret,
                     dp: int, mask: MaskSpec,
                     deterministic: bool = False, q=None,
-                    k=None) -> MosaicConfig:
+                    k=None, masked: bool = False) -> MosaicConfig:
   """The caller's config, else the interpretable one, else
   :func:`jaxflash.autotune`'s cached winner for this device kind and
   class of call (``q`` and ``k`` given), else the tuned default for this
-  device kind, padded head_dim and call.  ``deterministic`` turns a
+  device kind, padded head_dim and call (``masked``: a call with a
+  FlashMask or dense mask, :func:`config.with_mask_tiles`).
+  ``deterministic`` turns a
   TMA reduce-add dQ (``bwd_atomic_dq``, summed in whatever order the
   programs finish) into the dQ kernel, which owns its tiles and sums in
   a fixed order."""
@@ -115,6 +117,8 @@ def _resolve_config(config: MosaicConfig | None, interpret,
   if config is None:
     config = default_config(_device_kind(), dp,
                             causal=mask.causal, kv_len=mask.kv_len)
+    if masked:
+      config = with_mask_tiles(config)
   if deterministic and config.bwd_atomic_dq:
     config = dataclasses.replace(config, bwd_atomic_dq=False)
   return config
@@ -148,10 +152,9 @@ def _plan(q, k, mask: MaskSpec, softmax_scale: float,
     config = (with_fp8(resolved) if given is not None or interpret
               else fp8_default(resolved, dp, mask.kv_len))
   else:
-    config = _resolve_config(config, interpret, dp, mask, q=q, k=k)
-  if given is None and not interpret and (arrays.flash_mask is not None
-                                          or arrays.dense_mask is not None):
-    config = with_mask_tiles(config)
+    config = _resolve_config(
+        config, interpret, dp, mask, q=q, k=k,
+        masked=arrays.flash_mask is not None or arrays.dense_mask is not None)
   if arrays.bias is not None and _bias_rows(arrays, T):
     # The bias's ring beside the K/V ring: the tuned config where both
     # fit, else one that gives up what with_bias_ring lists (a config the
