@@ -5,6 +5,7 @@ the compiled module passes key/value blocks by collective-permute and
 gathers nothing, and what the ring cannot serve is refused by name."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -277,6 +278,11 @@ def _dense_terms(kind: str, seq: int = 32, heads: int = 2):
   if kind == "flashmask":
     return dict(mask=jaxflash.FlashMask.prefix_lm(jnp.asarray([12, 21]),
                                                   seq))
+  if kind == "flashmask-causal":  # FlashMask's causal mode: folded into
+    # the call's causal mask, so the ring takes its causal (zig-zag) order
+    ids = jnp.asarray([[0] * 12 + [1] * (seq - 12),
+                       [0] * 21 + [1] * (seq - 21)])
+    return dict(mask=jaxflash.FlashMask.causal_document(ids))
   if kind == "dropout":
     return dict(dropout_rate=0.25, dropout_rng=jax.random.key(7))
   if kind == "alibi":  # on the ring: the pair's offset as its shift
@@ -314,6 +320,9 @@ DENSE_CASES = [
                  id="ring-Auto-mask", marks=pytest.mark.slow),
     pytest.param("ring", AxisType.Explicit, False, ("lengths",),
                  id="ring-Explicit-lengths"),
+    pytest.param("ring", AxisType.Auto, False, ("flashmask-causal",),
+                 id="ring-Auto-flashmask-causal-mode",
+                 marks=pytest.mark.slow),
     pytest.param("ring", AxisType.Auto, False, ("window",),
                  id="ring-Auto-window"),
     pytest.param("ring", AxisType.Auto, False, ("alibi",),
@@ -343,16 +352,22 @@ def test_global_position_terms(mode, axis_type, causal, terms):
   bias = kw.pop("bias", None)
   q, k, v, do, seg = _inputs(heads=2, kv_heads=1, seq=32)
 
-  def run(q, k, v, do, seg, bias, **extra):
+  # The one-device call takes a FlashMask's explicit form (its causal
+  # mode as the upper range), the sharded one the mask as given.
+  explicit = {n: x.explicit() if isinstance(x, jaxflash.FlashMask) else x
+              for n, x in kw.items()}
+
+  def run(q, k, v, do, seg, bias, terms=kw, **extra):
     def f(q, k, v, bias):
       return jaxflash.flash_attention(
           q, k, v, causal=causal, segment_ids=seg, bias=bias,
-          implementation="triton", interpret=True, config=TILES, **kw,
+          implementation="triton", interpret=True, config=TILES, **terms,
           **extra)
     out, vjp = jax.vjp(f, q, k, v, bias)
     return (out, *vjp(do))
 
-  want = jax.jit(run)(q, k, v, do, seg, bias)
+  want = jax.jit(functools.partial(run, terms=explicit))(q, k, v, do, seg,
+                                                         bias)
   mesh = jax.make_mesh((2, 2), ("data", "context"), devices=jax.devices()[:4],
                        axis_types=(axis_type,) * 2)
   put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
@@ -368,7 +383,10 @@ def test_global_position_terms(mode, axis_type, causal, terms):
   assert got[0].sharding.spec[1] == "context"
   hlo = sharded.lower(*args).compile().as_text()
   if mode == "ring":  # K/V move by collective-permute, nothing is gathered
-    assert "collective-permute" in hlo and "all-gather" not in hlo
+    # (but a mask's int32 columns, which stay whole on every device)
+    gathered = re.findall(r"= (\w+)\[[^\]]*\]\{[^}]*\} all-gather\(", hlo)
+    assert "collective-permute" in hlo
+    assert all(t in ("s32", "pred") for t in gathered), gathered
   else:
     assert "all-gather" in hlo
 
