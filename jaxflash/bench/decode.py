@@ -68,14 +68,14 @@ def _chained(attend: Callable, n: int) -> Callable:
 def rotation(args, n: int) -> tuple:
   """``args`` and copies of its large arrays (the caches), enough that
   together they fill :data:`ROTATE_BYTES`, at most ``n`` sets."""
+  args = tuple(args)
   big = lambda x: (isinstance(x, jax.Array)
                    and x.size * x.dtype.itemsize >= ROTATE_MIN_BYTES)
-  leaves = jax.tree.leaves(args)
-  size = sum(x.size * x.dtype.itemsize for x in leaves if big(x))
-  sets = min(n, max(1, -(-ROTATE_BYTES // max(size, 1)))) if size else 1
+  size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args)
+             if big(x))
+  sets = min(n, -(-ROTATE_BYTES // size)) if size else 1
   copy = lambda x: jnp.array(x, copy=True) if big(x) else x
-  return (tuple(args),) + tuple(tuple(jax.tree.map(copy, tuple(args)))
-                                for _ in range(sets - 1))
+  return (args,) + tuple(jax.tree.map(copy, args) for _ in range(sets - 1))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -562,8 +562,8 @@ def with_mask_tiles(config: "MosaicConfig") -> "MosaicConfig":
   tiles line up with the power-of-two blocks such masks are made of
   (documents, prefixes, windows), and more of them are skipped whole or
   run unmasked.  Eight 1024-token documents as three FlashMask fields
-  (b2 s8192 h16 d128, non-causal) ran 1.69x faster in 128-key tiles than
-  in the tuned 176 on an H100 SXM
+  (batch 2, 8192 tokens, 16 heads, head_dim 128, non-causal) ran 1.69x
+  faster in 128-key tiles than in the tuned 176 on an H100 SXM
   (docs/benchmarks/h100-2026-12-07-5f4800d-flashmask-causal-decode-launch.md)."""
   block_kv = 1 << (config.block_kv.bit_length() - 1)
   if block_kv == config.block_kv:
