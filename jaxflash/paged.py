@@ -21,9 +21,12 @@ import numpy as np
 
 from jaxflash import checks, fp8, reference
 from jaxflash._util import require_cuda, sm_count
+from jaxflash.mosaic_gpu import decode as hopper_decode
 from jaxflash.triton import decode
 
-IMPLEMENTATIONS = ("triton", "xla")
+IMPLEMENTATIONS = ("mosaic_gpu", "triton", "xla")
+# The kernels implementation=None tries, in order, before XLA.
+DEFAULT_KERNELS = ("triton", "mosaic_gpu")
 
 
 def _concrete(x):
@@ -80,6 +83,9 @@ def _kernel_serves(implementation, config, interpret: bool, check,
     raise ValueError(f"config must be a PagedConfig, got {config!r}")
   if implementation == "xla":
     return False
+  if implementation == "mosaic_gpu":
+    raise NotImplementedError("the Hopper paged kernel does not serve"
+                              " latent attention or an FP8 cache")
   try:
     check()
     if not interpret:
@@ -94,6 +100,60 @@ def _kernel_serves(implementation, config, interpret: bool, check,
       raise
     return False
   return True
+
+
+def _paged_kernel(implementation, config, interpret: bool, q, k_pages,
+                  fp8_cache: bool) -> str:
+  """The implementation that runs a :func:`paged_attention` call:
+  ``"mosaic_gpu"`` (the Hopper kernel: an sm90 GPU or the Mosaic GPU
+  interpreter), ``"triton"`` (:func:`_kernel_serves`) or ``"xla"``.  A
+  named kernel runs or raises; None takes the first of
+  :data:`DEFAULT_KERNELS` that serves the call (a config names its
+  kernel), else XLA."""
+  if implementation not in (None, *IMPLEMENTATIONS):
+    raise ValueError(f"implementation={implementation!r} is not one of"
+                     f" {(None, *IMPLEMENTATIONS)}")
+  configs = {"mosaic_gpu": hopper_decode.MosaicPagedConfig,
+             "triton": decode.PagedConfig}
+  if config is not None and not isinstance(config, tuple(configs.values())):
+    raise ValueError(f"config must be a PagedConfig or a MosaicPagedConfig,"
+                     f" got {config!r}")
+  if implementation == "xla":
+    return "xla"
+  names = DEFAULT_KERNELS if implementation is None else (implementation,)
+  if config is not None:
+    names = [n for n in names if isinstance(config, configs[n])]
+    if not names:
+      raise ValueError(f"implementation={implementation!r} does not take"
+                       f" {config!r}")
+  for name in names:
+    if name == "triton":
+      if _kernel_serves(name if implementation else None, config, interpret,
+                        lambda: decode.check_supported(q, k_pages, config),
+                        fp8_cache):
+        return name
+      continue
+    try:
+      hopper_decode.check_supported(q, k_pages, config)
+      if not interpret:
+        require_cuda("the Hopper paged kernel",
+                     "an sm90 GPU (compute capability 9.x, Hopper)",
+                     lambda cc: cc.startswith("9"),
+                     "pass interpret=True to run it in the Mosaic GPU"
+                     " interpreter")
+      return name
+    except NotImplementedError:
+      if implementation is not None:
+        raise
+  return "xla"
+
+
+def _interpret_params(interpret: bool):
+  """The Mosaic GPU interpreter's parameters for ``interpret``, or None."""
+  if not interpret:
+    return None
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  return plgpu.InterpretGPUParams()
 
 
 def _window_left(local_window_size) -> int | None:
@@ -133,11 +193,14 @@ def paged_attention(q, k_pages, v_pages, page_indices, kv_lengths, *,
     return_lse: also return the natural-log log-sum-exp ``[batch, heads,
       q_len]`` (float32).
     implementation: ``"triton"`` (the split-K kernel: a CUDA GPU, or the
-      interpreter with ``interpret=True``), ``"xla"`` (pages gathered,
-      then dense attention), or None: the kernel where it runs and serves
-      the call, else XLA.
-    config: :class:`jaxflash.triton.decode.PagedConfig` (the kernel's
-      split count and launch).
+      interpreter with ``interpret=True``), ``"mosaic_gpu"`` (the Hopper
+      split-K kernel: TMA page copies, wgmma; bf16/fp16 caches, head_dim
+      a multiple of 64, pages a multiple of 16), ``"xla"`` (pages
+      gathered, then dense attention), or None: the first kernel of
+      :data:`DEFAULT_KERNELS` that runs and serves the call, else XLA.
+    config: :class:`jaxflash.triton.decode.PagedConfig` or
+      :class:`jaxflash.mosaic_gpu.decode.MosaicPagedConfig` (the kernel's
+      split count and launch; it names the kernel).
     interpret: run the kernel in the Pallas interpreter (CPU).
     k_scale, v_scale: an FP8 cache's dequantization scales (pages in
       ``float8_e4m3fn`` or ``float8_e5m2``, queries in bfloat16 or
@@ -182,9 +245,14 @@ def paged_attention(q, k_pages, v_pages, page_indices, kv_lengths, *,
   cap = (None if logits_soft_cap is None
          else checks.static_positive("logits_soft_cap", logits_soft_cap))
   left = _window_left(local_window_size)
-  if _kernel_serves(implementation, config, interpret,
-                    lambda: decode.check_supported(q, k_pages, config),
-                    fp8_cache):
+  kernel = _paged_kernel(implementation, config, interpret, q, k_pages,
+                         fp8_cache)
+  if kernel == "mosaic_gpu":
+    out, lse = hopper_decode.paged_forward(
+        q, k_pages, v_pages, page_indices, kv_lengths, softmax_scale=scale,
+        logits_soft_cap=cap, window_left=left, config=config,
+        interpret=_interpret_params(interpret), sm_count=sm_count())
+  elif kernel == "triton":
     out, lse = decode.paged_forward(
         q, k_pages, v_pages, page_indices, kv_lengths, softmax_scale=scale,
         logits_soft_cap=cap, window_left=left, config=config,

@@ -620,6 +620,34 @@ def test_paged_decode_lowers_to_triton(fake_gpu, q_len, window, cap, dtype):
   assert "jaxflash_paged_decode" in text
 
 
+@pytest.mark.parametrize("q_len,heads,kv_heads,head_dim,page,kw", [
+    (1, 32, 8, 128, 16, {}),
+    (40, 32, 8, 128, 64, {}),
+    (1, 8, 8, 64, 32, dict(logits_soft_cap=30.0, window_left=100)),
+    (1, 8, 1, 256, 16, {}),
+], ids=["d128-p16", "d128-chunk40-p64", "d64-window-softcap", "d256-mqa"])
+def test_hopper_paged_decode_lowers_for_cuda(q_len, heads, kv_heads,
+                                             head_dim, page, kw):
+  """The Hopper paged kernel (jaxflash.mosaic_gpu.decode) lowers through
+  Mosaic GPU for CUDA at its default rings (which fit its shared
+  memory: Mosaic GPU checks), several row tiles included."""
+  from jaxflash.mosaic_gpu import decode
+  q = jax.ShapeDtypeStruct((2, q_len, heads, head_dim), jnp.bfloat16)
+  pages = jax.ShapeDtypeStruct((70, page, kv_heads, head_dim), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((2, 33), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+
+  def run(q, k, v, table, lengths):
+    return decode.paged_forward(
+        q, k, v, table, lengths, softmax_scale=0.1,
+        **{"logits_soft_cap": None, "window_left": None, **kw},
+        config=None, interpret=None)
+
+  text = jax.jit(run).trace(q, pages, pages, table, lengths).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
 # Every commit: 80 and 96 (the released models' head_dims); the rest slow.
 _OWN_DIMS_EVERY_COMMIT = {(80, True, 2048), (96, False, 8192)}
 

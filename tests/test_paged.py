@@ -18,6 +18,7 @@ from numerics import (
 
 import jaxflash
 from jaxflash import paged, reference
+from jaxflash.mosaic_gpu import decode as hopper_decode
 from jaxflash.triton import decode
 
 
@@ -103,6 +104,78 @@ def test_kernel_interpret(shape, kw):
   ref_kw = dict(logits_soft_cap=kw.get("logits_soft_cap"),
                 window_left=paged._window_left(kw.get("local_window_size")))
   _check(got, args, **ref_kw)
+
+
+HOPPER_CASES = [
+    # GQA 4:1 decode over pages of 16, four to a ring slot, lengths 0, 1,
+    # a page, one off; two ring slots.
+    pytest.param(dict(batch=4, q_len=1, heads=8, kv_heads=2, head_dim=64,
+                      page=16, pages_per_seq=6, lengths=[0, 1, 16, 77],
+                      dtype=jnp.bfloat16), {},
+                 hopper_decode.MosaicPagedConfig(stages=2),
+                 id="gqa4-decode-p16"),
+    # MQA, three new tokens, a window and a soft cap, pages of 32 one to
+    # a slot, three splits (some of them empty).
+    pytest.param(dict(batch=3, q_len=3, heads=4, kv_heads=1, head_dim=64,
+                      page=32, pages_per_seq=4, lengths=[3, 50, 128],
+                      dtype=jnp.float16),
+                 dict(local_window_size=20, logits_soft_cap=30.0),
+                 hopper_decode.MosaicPagedConfig(splits=3, block_pages=1,
+                                                 stages=2),
+                 id="mqa-q3-window-softcap"),
+    # A prefill chunk of 40 rows x group 4: three row tiles of 64 per
+    # head, the last partly padding; head_dim 128.
+    pytest.param(dict(batch=2, q_len=40, heads=8, kv_heads=2, head_dim=128,
+                      page=16, pages_per_seq=4, lengths=[40, 61],
+                      dtype=jnp.bfloat16), {}, None,
+                 id="gqa4-chunk40-row-tiles", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("shape,kw,config", HOPPER_CASES)
+def test_hopper_kernel_interpret(shape, kw, config):
+  """The Hopper kernel in the Mosaic GPU interpreter, races detected."""
+  args = _cache(1, **shape)
+  scale = shape["head_dim"] ** -0.5
+  ref_kw = dict(logits_soft_cap=kw.get("logits_soft_cap"),
+                window_left=paged._window_left(kw.get("local_window_size")))
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  got = hopper_decode.paged_forward(
+      *args, softmax_scale=scale, config=config,
+      interpret=plgpu.InterpretGPUParams(detect_races=True), **ref_kw)
+  _check(got, args, **ref_kw)
+
+
+def test_hopper_kernel_dispatch():
+  """``implementation="mosaic_gpu"`` and a MosaicPagedConfig reach the
+  Hopper kernel (the interpreter); what it does not serve is refused by
+  name, or left to another kernel under None."""
+  args = _cache(3, batch=2, q_len=1, heads=4, kv_heads=2, head_dim=64,
+                page=16, pages_per_seq=2, lengths=[5, 32],
+                dtype=jnp.bfloat16)
+  got = paged.paged_attention(*args, return_lse=True, interpret=True,
+                              implementation="mosaic_gpu")
+  _check(got, args)
+  cfg = hopper_decode.MosaicPagedConfig(splits=1, stages=1)
+  assert paged._paged_kernel(None, cfg, True, args[0], args[1],
+                             False) == "mosaic_gpu"
+  assert paged._paged_kernel(None, None, True, args[0], args[1],
+                             False) == paged.DEFAULT_KERNELS[0]
+  with pytest.raises(ValueError, match="does not take"):
+    paged.paged_attention(*args, interpret=True, implementation="triton",
+                          config=cfg)
+  f32 = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a
+         for a in args]
+  with pytest.raises(NotImplementedError, match="bfloat16 or float16"):
+    paged.paged_attention(*f32, interpret=True, implementation="mosaic_gpu")
+  # float32 under None: the Triton kernel serves it.
+  assert paged._paged_kernel(None, None, True, f32[0], f32[1],
+                             False) == "triton"
+  with pytest.raises(NotImplementedError, match="latent"):
+    paged.mla_attention(args[0], args[1][:, :, 0], *args[3:],
+                        v_head_dim=32, implementation="mosaic_gpu")
+  with pytest.raises(ValueError, match="stages=0"):
+    hopper_decode.MosaicPagedConfig(stages=0)
 
 
 def test_xla_and_one_split():
@@ -484,11 +557,12 @@ def test_paged_kv_cache_donates():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "mosaic_gpu"])
 @pytest.mark.parametrize("page", [16, 64])
 @pytest.mark.parametrize("q_len,batch,kv_len", [(1, 1, 8192), (1, 16, 1000),
                                                  (4, 4, 3001)])
-def test_gpu_kernel(page, q_len, batch, kv_len):
-  """The compiled split-K kernel on a GPU (Llama-3-8B's heads, 32:8,
+def test_gpu_kernel(page, q_len, batch, kv_len, impl):
+  """The compiled split-K kernels on a GPU (Llama-3-8B's heads, 32:8,
   head_dim 128): one sequence split over many programs, a batch of
   unequal lengths, speculative rows; by the numerics rule."""
   per_seq = -(-kv_len // page)
@@ -497,8 +571,25 @@ def test_gpu_kernel(page, q_len, batch, kv_len):
                 head_dim=128, page=page, pages_per_seq=per_seq,
                 lengths=lengths, dtype=jnp.bfloat16)
   got = jax.jit(lambda *a: paged.paged_attention(
-      *a, return_lse=True, implementation="triton"))(*args)
+      *a, return_lse=True, implementation=impl))(*args)
   _check(got, args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,q_len,kw", [
+    (64, 1, dict(local_window_size=300, logits_soft_cap=30.0)),
+    (256, 1, {}), (128, 40, {})])
+def test_gpu_hopper_forms(d, q_len, kw):
+  """The compiled Hopper kernel at head_dims 64 (window, soft cap), 256,
+  and a 40-token chunk of 32:8 heads (three row tiles per key/value
+  head)."""
+  args = _cache(14, batch=3, q_len=q_len, heads=32, kv_heads=8,
+                head_dim=d, page=64, pages_per_seq=40,
+                lengths=[2560, 1000, 41], dtype=jnp.bfloat16)
+  got = jax.jit(lambda *a: paged.paged_attention(
+      *a, return_lse=True, implementation="mosaic_gpu", **kw))(*args)
+  _check(got, args, logits_soft_cap=kw.get("logits_soft_cap"),
+         window_left=paged._window_left(kw.get("local_window_size")))
 
 
 @pytest.mark.gpu

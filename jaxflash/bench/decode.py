@@ -257,6 +257,7 @@ def _pallas_paged(shape: DecodeShape, interpret: bool):
 
 IMPLS: dict[str, Callable] = {
     "jaxflash-paged": _paged("triton"),
+    "jaxflash-paged-mosaic": _paged("mosaic_gpu"),
     "jaxflash-paged-xla": _paged("xla"),
     "jaxflash-paged-fp8": _paged_fp8,
     "cudnn": _jax_nn("cudnn"),

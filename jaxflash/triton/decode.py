@@ -7,10 +7,10 @@ sequence ``b``'s pages, for every query row of key/value head ``kh``'s
 group at once (FlashInfer's GQA packing: the ``q_len x group`` rows form
 one tile, so each page is read once per key/value head), and writes its
 normalised partial output and log-sum-exp.  The partials are merged
-exactly through their log-sum-exps (:func:`merge`).  Pages are read
-through the page table (vLLM's PagedAttention, arXiv 2309.06180): page
-``page_indices[b, p]`` holds keys ``p * P .. (p + 1) * P - 1``; entries
-past a sequence's length are never read.
+exactly through their log-sum-exps (:func:`jaxflash.splitk.merge`).
+Pages are read through the page table (vLLM's PagedAttention, arXiv
+2309.06180): page ``page_indices[b, p]`` holds keys ``p * P .. (p + 1) *
+P - 1``; entries past a sequence's length are never read.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from jaxflash import splitk
 from jaxflash._util import LOG2E, out_struct
 from jaxflash.masks import MaskArrays, MaskSpec
 from jaxflash.triton.common import LN2, dot, head_dim_padded
@@ -285,23 +286,6 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, *refs,
   lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
 
 
-def merge(out_parts, lse_parts):
-  """The exact merge of split-K partials: ``out = sum_s exp(lse_s - lse)
-  out_s`` with ``lse = logsumexp_s lse_s`` (each ``out_s`` normalised by
-  its own sum).  Splits that saw no key (``lse_s = -inf``) weigh 0; a row
-  no split saw gets 0 and ``-inf``.  ``out_parts [..., S, R, D]``,
-  ``lse_parts [..., S, R]`` float32."""
-  top = jnp.max(lse_parts, axis=-2, keepdims=True)
-  top = jnp.where(top == -jnp.inf, 0.0, top)
-  w = jnp.exp(lse_parts - top)
-  total = jnp.sum(w, axis=-2)
-  lse = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0))
-                  + top[..., 0, :], -jnp.inf)
-  out = jnp.einsum("...sr,...srd->...rd", w, out_parts) / jnp.where(
-      total > 0, total, 1.0)[..., None]
-  return out, lse
-
-
 def paged_forward(q, k_pages, v_pages, page_indices, kv_lengths, *,
                   softmax_scale: float, logits_soft_cap: float | None,
                   window_left: int | None, config: PagedConfig | None,
@@ -347,9 +331,7 @@ def paged_forward(q, k_pages, v_pages, page_indices, kv_lengths, *,
   # each split are planned in the kernel from the sequence's length.
   splits = config.splits or decode_splits(B, K * R, M, sm_count)
   splits = min(splits, -(-M // per_step))
-  qt = q.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(
-      B, K, T * G, D)
-  qt = jnp.pad(qt, ((0, 0), (0, 0), (0, R * tile - T * G), (0, 0)))
+  qt = splitk.pack_rows(q, K, R * tile)
   idx = page_indices.astype(jnp.int32)
   lengths = kv_lengths.astype(jnp.int32).reshape(B, 1)
   if q_start is None:
@@ -419,11 +401,8 @@ def paged_forward(q, k_pages, v_pages, page_indices, kv_lengths, *,
       name="jaxflash_paged_decode",
   )(qt, k_pages, v_pages, idx, lengths, starts, *q_args,
     *([] if kv_scales is None else [kv_scales]))
-  out, lse = merge(out_parts, lse_parts)  # [B, K, rows, Dv], [B, K, rows]
-  out = out[:, :, :T * G].reshape(B, K, T, G, Dv).transpose(
-      0, 2, 1, 3, 4).reshape(B, T, H, Dv)
-  lse = lse[:, :, :T * G].reshape(B, K, T, G).transpose(0, 1, 3, 2)
-  return out.astype(q.dtype), lse.reshape(B, H, T)
+  out, lse = splitk.unpack_rows(*splitk.merge(out_parts, lse_parts), T, H)
+  return out.astype(q.dtype), lse
 
 
 
