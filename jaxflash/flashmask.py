@@ -627,10 +627,13 @@ def column_tile_classes(cols: jax.Array, q_pad: int, block_q: int,
 
 def tile_runs(live: jax.Array, full: jax.Array) -> jax.Array:
   """From per-tile flags ``[..., n]`` (``live``: some element visible;
-  ``full``: every element visible) int32 ``[..., 4]``: ``(first, end)``
-  of the live tiles (``[0, 0)`` where none is) and ``(first, end)`` of
-  the first run of full tiles (empty where none is; FlashMask's unmasked
-  blocks, arXiv 2410.01359 §4.2).  A kernel visits the first range and
+  ``full``: every element visible) int32 ``[..., 6]``: ``(first, end)``
+  of the live tiles (``[0, 0)`` where none is), ``(first, end)`` of the
+  first run of full tiles (empty where none is; FlashMask's unmasked
+  blocks, arXiv 2410.01359 §4.2), and ``(first, end)`` of the longest run
+  of hidden tiles between two live ones (``[end, end)`` where there is
+  none: a shared question's other answers, the tiles between a global
+  prefix and a window).  A kernel visits the first range less the gap and
   skips the element mask on the second."""
   n = live.shape[-1]
   idx = jnp.arange(n, dtype=jnp.int32)
@@ -639,16 +642,30 @@ def tile_runs(live: jax.Array, full: jax.Array) -> jax.Array:
   run = jnp.min(jnp.where(full, idx, n), axis=-1)
   run_end = jnp.min(jnp.where(~full & (idx >= run[..., None]), idx, n),
                     axis=-1)
-  return jnp.stack([jnp.minimum(first, last), last, run, run_end], axis=-1)
+  # A gap starts at a hidden tile after a live one and ends at the next
+  # live tile (there is one: the gap lies before `last`).
+  next_live = lax.cummin(jnp.where(live, idx, n), axis=live.ndim - 1,
+                         reverse=True)
+  after_live = jnp.concatenate(
+      [jnp.zeros_like(live[..., :1]), live[..., :-1]], axis=-1)
+  starts = ~live & after_live & (idx < last[..., None])
+  length = jnp.where(starts, next_live - idx, 0)
+  gap_lo = jnp.argmax(length, axis=-1).astype(jnp.int32)
+  gap_len = jnp.max(length, axis=-1)
+  gap_lo = jnp.where(gap_len > 0, gap_lo, last)
+  return jnp.stack([jnp.minimum(first, last), last, run, run_end, gap_lo,
+                    gap_lo + gap_len], axis=-1)
 
 
 def tile_ranges(cols: jax.Array, q_pad: int, held: int, streamed: int, *,
                 held_q: bool) -> jax.Array:
   """Per held tile, the streamed tiles a kernel visits and those it runs
-  without the element mask: int32 ``[B|1, H|1, 4, n_held]``, rows ``(first,
-  end)`` of the tiles that are not hidden (``[0, 0)`` when all are) and
+  without the element mask: int32 ``[B|1, H|1, 6, n_held]``, rows ``(first,
+  end)`` of the tiles that are not hidden (``[0, 0)`` when all are),
   ``(first, end)`` of the first run of tiles visible throughout (empty
-  where none is; FlashMask's unmasked blocks, arXiv 2410.01359 §4.2).
+  where none is; FlashMask's unmasked blocks, arXiv 2410.01359 §4.2) and
+  ``(first, end)`` of the longest hidden run inside the first range
+  (:func:`tile_runs`).
   ``held_q``: query tiles of ``held`` rows stream key tiles of
   ``streamed`` keys (forward, dQ); else key tiles of ``held`` keys stream
   query tiles of ``streamed`` rows (dK/dV).  ``cols``: :func:`columns`'

@@ -310,23 +310,25 @@ def test_tile_class_sound_patterns():
 @pytest.mark.parametrize("held_q", [True, False])
 def test_tile_ranges_against_brute_force(held_q):
   """``tile_ranges``' live range spans exactly the tiles with a visible
-  element, and every tile in its run is visible throughout (the kernels
-  drop the element mask there), for patterns whose runs are cut by
+  element, every tile in its run is visible throughout (the kernels
+  drop the element mask there), and its gap is the longest run of hidden
+  tiles inside the live range, for patterns whose runs are cut by
   partial tiles on both sides; both kernel orientations (held query
   tiles streaming key tiles, and the reverse)."""
   q_len = kv_len = 16
   masks = [FlashMask.causal_document(SEGMENT_IDS),
            FlashMask.document(SEGMENT_IDS),
            FlashMask.prefix_lm(np.array([5, 16], np.int32), 16),
-           FlashMask.shared_question(ANSWER_IDS)]
-  runs_seen = 0
+           FlashMask.shared_question(ANSWER_IDS),
+           FlashMask.global_and_window(16, 2, 3)]
+  runs_seen = gaps_seen = 0
   for m, (held, streamed) in itertools.product(masks, [(4, 4), (8, 4),
                                                        (4, 8)]):
     dense = np.broadcast_to(_dense_loops(m, q_len), (2, 1, q_len, kv_len))
     cols = flashmask.columns(m)
     ranges = np.asarray(flashmask.tile_ranges(cols, q_len, held, streamed,
                                               held_q=held_q))
-    live, full = ranges[:, :, :2], ranges[:, :, 2:]
+    live, full, gap = ranges[:, :, :2], ranges[:, :, 2:4], ranges[:, :, 4:]
     n_held = (q_len if held_q else kv_len) // held
     n_streamed = (kv_len if held_q else q_len) // streamed
     for b, i in itertools.product(range(2), range(n_held)):
@@ -348,7 +350,18 @@ def test_tile_ranges_against_brute_force(held_q):
       if f_lo < f_hi:
         runs_seen += 1
         assert f_lo == min(t for t in range(n_streamed) if tiles[t].all())
-  assert runs_seen
+      g_lo, g_hi = gap[bb, 0, :, i]
+      hidden_runs = [(a, c) for a in range(lo, hi) for c in range(a + 1, hi)
+                     if not any(any_[a:c]) and any_[a - 1] and any_[c]]
+      longest = max((c - a for a, c in hidden_runs), default=0)
+      assert g_hi - g_lo == longest, (m, held, streamed, i)
+      if longest:
+        gaps_seen += 1
+        assert (g_lo, g_hi) in hidden_runs
+      else:
+        assert g_lo == g_hi == hi
+  # (A key tile of these patterns sees one run of query tiles.)
+  assert runs_seen and (gaps_seen or not held_q)
 
 
 @pytest.mark.parametrize("left,right", [(3, 0), (2, 5), (None, 4),

@@ -381,6 +381,10 @@ FLASH_PATTERNS = {
     # partial ones at the document edges and the diagonal.
     "documents": lambda b, t: jaxflash.FlashMask.document(
         jnp.broadcast_to(jnp.arange(t) // 300, (b, t))),
+    # 16 global keys and a causal window of 90: the tiles between the
+    # global tile and a row's window are a gap the forward skips.
+    "global-window": lambda b, t: jaxflash.FlashMask.global_and_window(
+        t, 16, 90),
 }
 
 
@@ -2424,6 +2428,13 @@ FLASH_RUNS = [
         jnp.bfloat16, dataclasses.replace(ONE_WG, bwd_paired_dkv=True,
                                           bwd_paired_dq=True),
         seed=7, causal=True, flash="blocks"),
+    # Gaps in the persistent forward's chained, overlapped loop: the ring's
+    # steps run on across items that skip different tiles.
+    Run("flashmask-global-window-persistent", "fwd", (2, 384, 384, 4, 2, 64),
+        jnp.bfloat16, dataclasses.replace(TWO_WG, persistent=True,
+                                          intra_wg_overlap=True,
+                                          item_overlap=True),
+        seed=9, flash="global-window"),
 ]
 
 
@@ -3048,9 +3059,10 @@ def test_dense_mask_tile_ranges_cover_every_visible_tile(form):
   """A dense mask's tile ranges, per group of held queries (forward, dQ)
   and per group of held keys (dK/dV, from the transposed summary): every
   tile with a visible element of any head lies in the visited range, and
-  every tile of the unmasked run is visible throughout (else a tile
-  would be skipped or left unmasked wrongly).  Random block-structured
-  masks, brute force in NumPy."""
+  every tile of the unmasked run is visible throughout, and no tile of
+  the gap the forward skips has one (else a tile would be skipped or left
+  unmasked wrongly).  Random block-structured masks, brute force in
+  NumPy."""
   rng = np.random.default_rng(0 if form == "rows" else 1)
   b, h, t, s = 2, 2, 96, 128
   held_q, bk, held_k, sq = 32, 16, 32, 24  # (rows 96 = 4 steps of 24)
@@ -3084,10 +3096,11 @@ def test_dense_mask_tile_ranges_cover_every_visible_tile(form):
             n_streamed=t // sq)
         n_tiles = t // sq
       ranges = np.asarray(ranges)
-      assert ranges.shape == (b, 4, n_groups), (form, held_is_q)
+      assert ranges.shape == (b, 6, n_groups), (form, held_is_q)
       for bi in range(b):
         for g in range(n_groups):
-          lo, hi, full_lo, full_hi = ranges[bi, :, g]
+          lo, hi, full_lo, full_hi, gap_lo, gap_hi = ranges[bi, :, g]
+          assert lo <= gap_lo <= gap_hi <= hi
           for u in range(n_tiles):
             held_rows = slice(g * held, (g + 1) * held)
             tile_rows = slice(u * streamed, (u + 1) * streamed)
@@ -3095,5 +3108,13 @@ def test_dense_mask_tile_ranges_cover_every_visible_tile(form):
                      else full_mask[bi][:, tile_rows, held_rows])
             if elems.any():
               assert lo <= u < hi, (form, held_is_q, bi, g, u)
+              assert not gap_lo <= u < gap_hi, (form, held_is_q, bi, g, u)
             if full_lo <= u < full_hi:
               assert elems.all(), (form, held_is_q, bi, g, u)
+  # A shared question's dense form: the last answer's rows skip the two
+  # answers between it and the question.
+  ids = jnp.minimum(jnp.arange(128) // 32, 3)[None]
+  dense = jaxflash.FlashMask.shared_question(ids).dense(128)
+  ranges = mosaic_kernels._dense_mask_ranges(
+      jnp.asarray(dense, jnp.int8), 1, 4, 32, 16)
+  assert np.asarray(ranges)[0, 4:, 3].tolist() == [2, 6]

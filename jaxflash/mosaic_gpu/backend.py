@@ -242,11 +242,12 @@ def _dense_mask(arrays: MaskArrays, prob: fwd_lib.Problem):
 def _dense_mask_ranges(mask_i8, batch: int, n_groups: int, held: int,
                        streamed: int, *, held_q: bool = True,
                        n_streamed: int | None = None):
-  """A dense mask's streamed-tile ranges per group of held rows, ``[B, 4,
+  """A dense mask's streamed-tile ranges per group of held rows, ``[B, 6,
   n_groups]`` int32 (:func:`jaxflash.flashmask.tile_runs`): the tiles
-  where some head sees a key, and the first run where every head sees
+  where some head sees a key, the first run where every head sees
   every key of the tile (padding rows hide keys, so a group with padding
-  rows has no such run).  ``held_q`` False: the groups are of keys and
+  rows has no such run), and the longest run inside the first where no
+  head sees one.  ``held_q`` False: the groups are of keys and
   the streamed tiles of queries (the dK/dV kernel), ``held`` keys and
   ``streamed`` rows each, ``n_streamed`` of them (``mask_i8``'s rows
   padded to whole tiles, or one row for every query)."""
@@ -260,8 +261,8 @@ def _dense_mask_ranges(mask_i8, batch: int, n_groups: int, held: int,
   if not held_q:  # (one row of keys for every query: every query tile)
     live, full = (jnp.broadcast_to(x, (*x.shape[:2], n_streamed))
                   for x in (live, full))
-  runs = flashmask.tile_runs(live, full)  # [b | 1, g | 1, 4]
-  runs = jnp.broadcast_to(runs, (batch, n_groups, 4))
+  runs = flashmask.tile_runs(live, full)  # [b | 1, g | 1, 6]
+  runs = jnp.broadcast_to(runs, (batch, n_groups, runs.shape[-1]))
   return jnp.swapaxes(runs, 1, 2)
 
 

@@ -359,8 +359,9 @@ class Problem:
   @property
   def has_segments(self) -> bool:
     """The segment inputs ride along (ids, a FlashMask or a dense mask's
-    tile ranges): q_seg [B, Tp], kv_seg [B, Sp] and seg_range [B, 2 | 4,
-    n_groups] (the key tiles each query group visits:
+    tile ranges): q_seg [B, Tp], kv_seg [B, Sp] and seg_range [B, 2 | 6,
+    n_groups] (the key tiles each query group visits, and a gap of hidden
+    ones it skips:
     masks.overlap_range, flashmask.tile_ranges, flashmask.tile_runs)."""
     return (self.has_segment_ids or self.has_flash_mask
             or self.has_dense_mask)
@@ -570,7 +571,9 @@ class _Schedule:
     self.section = _lpt_section(prob) if self.lpt else None
 
   def item_ranges(self, b, group):
-    """A work item's first query row and the key tiles it streams."""
+    """A work item's first query row, the key tiles it streams ``[u_lo,
+    u_hi)`` (virtual tiles: :class:`pipeline.TileGap`) and the gap it
+    skips (None: none)."""
     mask = self.prob.mask
     if mask.causal:
       # Causal work grows with the query index: run the longest query
@@ -583,7 +586,10 @@ class _Schedule:
                                            self.cfg.block_kv)
     u_lo, u_hi = pipeline.narrow_to_segments(u_lo, u_hi, self.seg_range, b,
                                              group)
-    return group_start, u_lo, u_hi
+    gap = pipeline.tile_gap(u_lo, u_hi, self.seg_range, b, group)
+    if gap is not None:
+      u_hi = u_hi - gap.length
+    return group_start, u_lo, u_hi, gap
 
   def cluster_group(self, unit):
     """The query group of this CTA in program (or work unit) ``unit``:
@@ -594,7 +600,7 @@ class _Schedule:
 
   def plain_item(self, b):
     """The plain grid's item of this program (batch ``b``):
-    ``(group_start, u_lo, u_hi)``."""
+    ``(group_start, u_lo, u_hi, gap)``."""
     return self.item_ranges(b, self.cluster_group(lax.axis_index("q_seq")))
 
   def unit_coords(self, w):
@@ -647,7 +653,7 @@ class _Schedule:
     """Persistent grid: program ``sm`` takes work units ``sm, sm +
     n_programs, ...`` (:meth:`unit_coords`), the ring's step count running
     on across them: ``run(item, b, h, group_start, u_lo, u_hi,
-    first_step)``.  With ``persistent_pairs`` on a causal call a unit is a
+    first_step, gap)``.  With ``persistent_pairs`` on a causal call a unit is a
     pair of query groups (the ``p``-th longest, then the ``p``-th
     shortest: equal work per unit); the second of a pair is skipped where
     it is the first (an odd group count's middle group).  Returns the
@@ -670,11 +676,12 @@ class _Schedule:
       w = self.unit_of(sm, lax.div(i, 2) if pairs else i)
       b, h, u = self.unit_coords(w)
       if not pairs:
-        group_start, u_lo, u_hi = self.item_ranges(b, self.cluster_group(u))
+        group_start, u_lo, u_hi, gap = self.item_ranges(
+            b, self.cluster_group(u))
         if extra is None:
-          run(i, b, h, group_start, u_lo, u_hi, first_step)
+          run(i, b, h, group_start, u_lo, u_hi, first_step, gap)
           return first_step + (u_hi - u_lo)
-        value = run(i, b, h, group_start, u_lo, u_hi, first_step,
+        value = run(i, b, h, group_start, u_lo, u_hi, first_step, gap,
                     extra=value, n_items=n_items)
         return first_step + (u_hi - u_lo), value
       # item_ranges counts causal groups from the longest: rank u, then
@@ -682,9 +689,9 @@ class _Schedule:
       second = lax.rem(i, 2) == 1
       rank = jnp.where(second, self.n_groups - 1 - u, u)
       live = jnp.logical_not(second) | (self.n_groups - 1 - u != u)
-      group_start, u_lo, u_hi = self.item_ranges(b, rank)
+      group_start, u_lo, u_hi, gap = self.item_ranges(b, rank)
       pl.when(live)(
-          lambda: run(i, b, h, group_start, u_lo, u_hi, first_step))
+          lambda: run(i, b, h, group_start, u_lo, u_hi, first_step, gap))
       return first_step + jnp.where(live, u_hi - u_lo, 0)
 
     if extra is None:
@@ -714,10 +721,11 @@ class _Item:
   of the next item's first tile (zeros after the last item)."""
 
   def __init__(self, ctx: _Ctx, b, h, group_start, u_lo, u_hi, first_step,
-               item=None, chain=None):
+               gap=None, item=None, chain=None):
     self.ctx, self.r, self.cfg, self.prob = ctx, ctx.r, ctx.cfg, ctx.prob
     self.b, self.h, self.group_start = b, h, group_start
     self.u_lo, self.u_hi, self.first_step = u_lo, u_hi, first_step
+    self.gap = gap
     self.item, self.chain = item, chain
     self.bq, self.bk, self.stages = (self.cfg.block_q, self.cfg.block_kv,
                                      self.cfg.stages)
@@ -736,6 +744,10 @@ class _Item:
         skip_unmoved=bool(self.cfg.rescale_threshold) and in_place)
     self.deferred_sum = self.cfg.deferred_row_sum and in_place
     self.rsum = functools.partial(row_sum, deferred=self.deferred_sum)
+
+  def key_start(self, t):
+    """The first key of (virtual) key tile ``t``."""
+    return (t if self.gap is None else self.gap.tile(t)) * self.bk
 
   def slot_of(self, t):
     """The ring slot of key tile ``t``."""
@@ -780,6 +792,8 @@ class _Item:
         self.prob.mask.kv_block_range(self.q_start, bq, bk), r.seg_range,
         self.b, lax.div(self.group_start, cfg.compute_wgs * bq),
         segment_ids=self.prob.has_segment_ids)
+    if self.gap is not None:  # in the walk's (virtual) tiles
+      own = tuple(self.gap.virtual(x) for x in own)
     # A bias may hold -inf (a mask given as a bias) in any tile: every
     # computed tile takes the softmax's guard for rows with nothing seen.
     self.everywhere = self.everywhere or r.bias is not None
@@ -802,7 +816,7 @@ class _Item:
     :meth:`jaxflash.masks.MaskSpec.visible`)."""
     r, bq, bk, b = self.r, self.bq, self.bk, self.b
     q_idx = pipeline.index_tile(self.q_start, (bq, bk), 0)
-    k_idx = pipeline.index_tile(t * bk, (bq, bk), 1)
+    k_idx = pipeline.index_tile(self.key_start(t), (bq, bk), 1)
     seg = {}
     if r.q_seg is not None:
       # Straight from GMEM into the row / column layouts of S
@@ -810,7 +824,7 @@ class _Item:
       q_seg = plgpu.load(r.q_seg.at[b, pl.ds(self.q_start, bq)],
                          layout=plgpu.Layout.WGMMA.reduce(1),
                          optimized=False)
-      k_seg = plgpu.load(r.kv_seg.at[b, pl.ds(t * bk, bk)],
+      k_seg = plgpu.load(r.kv_seg.at[b, pl.ds(self.key_start(t), bk)],
                          layout=plgpu.Layout.WGMMA.reduce(0),
                          optimized=False)
       seg = dict(q_seg=lax.broadcast_in_dim(q_seg, (bq, bk), [0]),
@@ -818,7 +832,7 @@ class _Item:
     visible = self.prob.mask.visible(q_idx, k_idx, **seg)
     if r.flash is not None:
       visible = visible & pipeline.flash_visible(
-          r.flash, b, q_idx, t * bk, bk, (bq, bk), key_axis=1)
+          r.flash, b, q_idx, self.key_start(t), bk, (bq, bk), key_axis=1)
     if r.dense_mask is not None:
       visible = visible & self.dense_visible(t)
     return jnp.where(visible, s, -jnp.inf)
@@ -830,7 +844,7 @@ class _Item:
     others are skipped or fully visible by the mask's tile ranges)."""
     return pipeline.dense_mask_tile(
         self.r.dense_mask, self.b, self.h, q_start=self.q_start, n_q=self.bq,
-        k_start=t * self.bk, n_k=self.bk, q_axis=0)
+        k_start=self.key_start(t), n_k=self.bk, q_axis=0)
 
   def probs(self, s, t, m, *, masked: bool):
     """Tile ``t``'s online-softmax step from the raw ``S``: ``P`` (float32,
@@ -866,8 +880,8 @@ class _Item:
     :func:`jaxflash.masks.alibi_bias`; the slope comes divided)."""
     return pipeline.alibi_tile(
         self.r.alibi, self.b, self.h, self.prob.mask.offset,
-        q_start=self.q_start, n_q=self.bq, k_start=t * self.bk, n_k=self.bk,
-        q_axis=0)
+        q_start=self.q_start, n_q=self.bq, k_start=self.key_start(t),
+        n_k=self.bk, q_axis=0)
 
   def bias_tile(self, t):
     """Tile ``t``'s dense bias for this consumer's rows in the raw logits'
@@ -875,7 +889,7 @@ class _Item:
     the wgmma layout (its slot is freed with V's, after this tile's P V)."""
     r, prob, inv_scale = self.r, self.prob, 1.0 / self.prob.softmax_scale
     if not prob.bias_rows:  # one row for every query, from GMEM
-      return pipeline.key_row(r.bias, self.b, self.h, k_start=t * self.bk,
+      return pipeline.key_row(r.bias, self.b, self.h, k_start=self.key_start(t),
                               n_k=self.bk, n_q=self.bq, q_axis=0) * inv_scale
     slot = self.slot_of(t)
     plgpu.barrier_wait(r.bias_ready.at[slot])
@@ -895,8 +909,8 @@ class _Item:
       return p
     keep = pipeline.dropout_keep_tile(
         r.dropout, self.b, self.h, prob.num_heads, prob.dropout_rate,
-        q_start=self.q_start, n_q=self.bq, k_start=t * self.bk, n_k=self.bk,
-        q_axis=0)
+        q_start=self.q_start, n_q=self.bq, k_start=self.key_start(t),
+        n_k=self.bk, q_axis=0)
     return pipeline.dropped(p, keep, prob.dropout_rate)
 
   def probs_where_visible(self, s, t, m, full_lo, full_hi):
@@ -1428,16 +1442,20 @@ def _overlapped_step(it: _Item, zeros_s, t, carry, *, masked: bool):
 
 
 def _produce(ctx: _Ctx, b, h, u_lo, n_steps, first_step, group_start=None,
-             item=None):
+             item=None, gap=None):
   """One work item on the producer: its K/V tiles into the ring (and
-  with ``prefetch_q`` its consumers' Q, item number ``item``)."""
+  with ``prefetch_q`` its consumers' Q, item number ``item``), the tiles
+  of ``gap`` skipped."""
   prob, cfg, r = ctx.prob, ctx.cfg, ctx.r
   bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
   kv_head = lax.div(h, jnp.asarray(prob.num_heads // prob.num_kv_heads,
                                    h.dtype))
 
+  def key_start(step):  # the first key of the step's tile
+    return (u_lo + step if gap is None else gap.tile(u_lo + step)) * bk
+
   def rows(step):
-    return (b, pl.ds((u_lo + step) * bk, bk), kv_head)
+    return (b, pl.ds(key_start(step), bk), kv_head)
 
   def copy(ref, smem, ready, src, slot):
     # kv_multicast: each CTA of the cluster issues half of the tile into
@@ -1452,14 +1470,14 @@ def _produce(ctx: _Ctx, b, h, u_lo, n_steps, first_step, group_start=None,
         r.bias.at[b if prob.bias_batched else 0,
                   h if prob.bias_per_head else 0,
                   pl.ds(group_start, cfg.compute_wgs * bq),
-                  pl.ds((u_lo + step) * bk, bk)],
+                  pl.ds(key_start(step), bk)],
         r.bias_smem.at[slot], r.bias_ready.at[slot])
 
   load_k = lambda step, slot: copy(r.k, r.k_rows, r.k_ready, rows(step), slot)
 
   def load_v(step, slot):  # (with a bias, its tile beside V)
     if prob.fp8:  # V^T's columns of key tile u_lo + step
-      src = (b, kv_head, slice(None), pl.ds((u_lo + step) * bk, bk))
+      src = (b, kv_head, slice(None), pl.ds(key_start(step), bk))
     else:
       src = rows(step)
     copy(r.v, r.v_rows, r.v_ready, src, slot)
@@ -1532,7 +1550,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
   ping = _PingPong(r.schedule, wg, named=cfg.named_barriers,
                    persistent=persistent)
   if not persistent:
-    group_start, u_lo, u_hi = sched.plain_item(b)
+    group_start, u_lo, u_hi, gap = sched.plain_item(b)
     n_steps = u_hi - u_lo
   ctx = _Ctx(prob, cfg, dtype, in_place=in_place, refs=r, wg=wg, ping=ping,
              persistent=persistent, cluster=cluster)
@@ -1554,15 +1572,15 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
             lambda item, *args: _Item(ctx, *args, item=item).run())
       plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.lean_epilogue)
     else:
-      _Item(ctx, b, h, group_start, u_lo, u_hi, 0).run()
+      _Item(ctx, b, h, group_start, u_lo, u_hi, 0, gap).run()
 
   @pl.when(wg == cfg.compute_wgs)
   def _producer():
     pipeline.split_registers(True, cfg.compute_wgs, cfg.consumer_registers)
     if persistent:
       total_steps, n_items = sched.for_each_item(
-          lambda item, b, h, group_start, u_lo, u_hi, first: _produce(
-              ctx, b, h, u_lo, u_hi - u_lo, first, group_start, item))
+          lambda item, b, h, group_start, u_lo, u_hi, first, gap: _produce(
+              ctx, b, h, u_lo, u_hi - u_lo, first, group_start, item, gap))
       pipeline.drain(total_steps, stages, [r.k_free, r.v_free])
       if ctx.double_q:  # the last two items' "done with Q"
         for back in (1, 2):
@@ -1571,7 +1589,7 @@ def _kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype, in_place: bool,
       elif ctx.prefetch:  # the last item's "done with Q"
         pl.when(n_items > 0)(lambda: plgpu.barrier_wait(r.q_free))
     else:
-      _produce(ctx, b, h, u_lo, n_steps, 0, group_start)
+      _produce(ctx, b, h, u_lo, n_steps, 0, group_start, gap=gap)
     if r.exit_barrier is not None:
       # Neither CTA of a cluster exits before the other's producer has
       # drained its ring.  A guard, not a necessity: each drain already

@@ -330,6 +330,39 @@ def narrow_to_segments(u_lo, u_hi, range_ref, b, group):
   return u_lo, u_hi
 
 
+@dataclasses.dataclass(frozen=True)
+class TileGap:
+  """Streamed tiles ``[lo, lo + length)`` that a work item's walk skips:
+  hidden from every row of the item (a FlashMask's or a dense mask's
+  longest hidden run, :func:`jaxflash.flashmask.tile_runs`).  The ring
+  steps count the walk's tiles, so an item's tiles are numbered
+  contiguously ("virtual" tiles): virtual tile ``v`` is tile ``v +
+  length`` from ``lo`` on."""
+
+  lo: object
+  length: object
+
+  def tile(self, v):
+    """The streamed tile of virtual tile ``v``."""
+    return v + jnp.where(v >= self.lo, self.length, 0)
+
+  def virtual(self, t):
+    """Tile ``t`` (a range bound) as a virtual tile: the gap's tiles and
+    its end map to its start."""
+    return t - jnp.clip(t - self.lo, 0, self.length)
+
+
+def tile_gap(u_lo, u_hi, range_ref, b, group) -> TileGap | None:
+  """The gap of a work item streaming tiles ``[u_lo, u_hi)``: rows 4 and 5
+  of ``range_ref [B, 6, n_groups]`` clipped to the item's tiles; None
+  where the ranges have no gap rows (no FlashMask or dense mask)."""
+  if range_ref is None or range_ref.shape[1] < 6:
+    return None
+  lo = jnp.clip(range_ref[b, 4, group], u_lo, u_hi)
+  hi = jnp.clip(range_ref[b, 5, group], lo, u_hi)
+  return TileGap(lo, hi - lo)
+
+
 def flash_full_range(own, range_ref, b, held, *, segment_ids: bool):
   """``(own, element_mask_everywhere)`` for :func:`tile_loop`: ``own``
   unchanged without segment inputs; with segment ids or lengths every
