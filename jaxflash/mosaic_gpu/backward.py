@@ -958,11 +958,12 @@ def paired_dkv(q, k, v, do, lse2, delta, segments, *, prob: Problem,
 
 def _query_group(prob: Problem, range_ref, group_rows: int, bk: int):
   """A dQ program's work item and warpgroup: ``(batch, query head,
-  warpgroup, first query row, (u_lo, u_hi), tiles, group)``: the key
+  warpgroup, first query row, (u_lo, u_hi), tiles, group, gap)``: the key
   tiles ``[u_lo, u_hi)`` its ``group_rows`` queries stream (narrowed to
-  segments), ``tiles`` their :meth:`MaskSpec.kv_block_range` (not
-  narrowed) and the group's index.  Causal groups run longest first, as
-  in the forward."""
+  segments; virtual tiles less ``gap``, the hidden run they skip:
+  :class:`pipeline.TileGap`, None where there is none), ``tiles`` their
+  :meth:`MaskSpec.kv_block_range` (not narrowed) and the group's index.
+  Causal groups run longest first, as in the forward."""
   b = lax.axis_index("batch")
   h = lax.axis_index("heads")
   wg = lax.axis_index("wg")
@@ -971,20 +972,34 @@ def _query_group(prob: Problem, range_ref, group_rows: int, bk: int):
     grp = prob.q_pad // group_rows - 1 - grp
   start = grp * group_rows
   tiles = prob.mask.kv_block_range(start, group_rows, bk)
-  streamed = pipeline.narrow_to_segments(tiles[0], tiles[3], range_ref, b,
-                                         grp)
-  return b, h, wg, start, streamed, tiles, grp
+  u_lo, u_hi = pipeline.narrow_to_segments(tiles[0], tiles[3], range_ref,
+                                           b, grp)
+  gap = pipeline.tile_gap(u_lo, u_hi, range_ref, b, grp)
+  if gap is not None:
+    u_hi = u_hi - gap.length
+  return b, h, wg, start, (u_lo, u_hi), tiles, grp, gap
 
 
-def _key_tile_loader(srcs, rings, ready, *, b, h, prob: Problem, u_lo, bk):
+def _key_start(gap, t, bk: int):
+  """The first key of virtual key tile ``t`` (:class:`pipeline.TileGap`)."""
+  return (t if gap is None else gap.tile(t)) * bk
+
+
+def _virtual(gap, own):
+  """A consumer's tile range ``own`` in the walk's virtual tiles."""
+  return own if gap is None else tuple(gap.virtual(x) for x in own)
+
+
+def _key_tile_loader(srcs, rings, ready, *, b, h, prob: Problem, u_lo, bk,
+                     gap=None):
   """The producer's ``load(step, slot)`` of both dQ kernels: K and V of
-  key tile ``u_lo + step`` of query head ``h``'s key/value head land in
-  ring slot ``slot`` and complete on ``ready[slot]``."""
+  (virtual) key tile ``u_lo + step`` of query head ``h``'s key/value head
+  land in ring slot ``slot`` and complete on ``ready[slot]``."""
   kv_head = lax.div(h, jnp.asarray(prob.num_heads // prob.num_kv_heads,
                                    h.dtype))
 
   def load(step, slot):
-    src = (b, pl.ds((u_lo + step) * bk, bk), kv_head)
+    src = (b, pl.ds(_key_start(gap, u_lo + step, bk), bk), kv_head)
     for ref, ring in zip(srcs, rings):
       plgpu.copy_gmem_to_smem(ref.at[src], ring.at[slot], ready.at[slot])
 
@@ -1068,8 +1083,9 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
   bq, bk = cfg.bwd_block_q, cfg.bwd_block_kv
   free = pipeline.MBarriers(free)
   mask = prob.mask
-  b, h, wg, group_start, (u_lo, u_hi), _, grp = _query_group(
+  b, h, wg, group_start, (u_lo, u_hi), _, grp, gap = _query_group(
       prob, range_ref, n * bq, bk)
+  key_start = functools.partial(_key_start, gap, bk=bk)
 
   @pl.when(wg < n)
   def _consumer():
@@ -1090,7 +1106,7 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
 
     def tile_mask(masked, t):
       return _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
-                        q_start=q_start, n_q=bq, k_start=t * bk, n_k=bk,
+                        q_start=q_start, n_q=bq, k_start=key_start(t), n_k=bk,
                         q_axis=0, h=h)
 
     def bias_of(slot, t):
@@ -1098,12 +1114,12 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
       ring_tile = None if bias_ring is None else plgpu.load(
           bias_ring.at[slot, pl.ds(wg * bq, bq)], layout=plgpu.Layout.WGMMA)
       return _terms_bias(ring_tile, bias_ref, alibi_ref, b, h, prob,
-                         q_start=q_start, n_q=bq, k_start=t * bk, n_k=bk,
+                         q_start=q_start, n_q=bq, k_start=key_start(t), n_k=bk,
                          q_axis=0)
 
     def ds_dst(t):
       return ds_smem2.at[wg], ds_ref.at[b, h, pl.ds(q_start, bq),
-                                        pl.ds(t * bk, bk)]
+                                        pl.ds(key_start(t), bk)]
 
     step = functools.partial(
         _dq_step, prob=prob, cfg=cfg, dtype=dtype,
@@ -1114,10 +1130,12 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
         keep_of=None if drop_ref is None else (
             lambda t: pipeline.dropout_keep_tile(
                 drop_ref, b, h, prob.num_heads, prob.dropout_rate,
-                q_start=q_start, n_q=bq, k_start=t * bk, n_k=bk, q_axis=0)))
+                q_start=q_start, n_q=bq, k_start=key_start(t), n_k=bk,
+                q_axis=0)))
     own, everywhere = pipeline.flash_full_range(
         mask.kv_block_range(q_start, bq, bk), range_ref, b, grp,
         segment_ids=prob.has_segment_ids)
+    own = _virtual(gap, own)
 
     def accumulate(dq_acc):  # the dQ loop over the streamed key tiles
       pipeline.tile_loop(
@@ -1139,14 +1157,14 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
   def _producer():
     pipeline.split_registers(True, n, cfg.bwd_consumer_registers)
     load_kv = _key_tile_loader((k_ref, v_ref), (k_rows, v_rows), ready, b=b,
-                               h=h, prob=prob, u_lo=u_lo, bk=bk)
+                               h=h, prob=prob, u_lo=u_lo, bk=bk, gap=gap)
 
     def load(step, slot):
       load_kv(step, slot)
       if bias_ring is not None:  # the group's rows of the key tile
         plgpu.copy_gmem_to_smem(
             _bias_source(bias_ref, b, h, prob, pl.ds(group_start, n * bq),
-                         pl.ds((u_lo + step) * bk, bk)),
+                         pl.ds(key_start(u_lo + step), bk)),
             bias_ring.at[slot], ready.at[slot])
     pipeline.produce(u_hi - u_lo, stages, load, [free])
 
@@ -1228,11 +1246,12 @@ def _paired_dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   free = pipeline.MBarriers(free)
   bq, bk, stages = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
   mask = prob.mask
-  b, h, wg, q_start, (u_lo, u_hi), own, grp = _query_group(prob, range_ref,
-                                                           bq, bk)
+  b, h, wg, q_start, (u_lo, u_hi), own, grp, gap = _query_group(
+      prob, range_ref, bq, bk)
   rows = (b, pl.ds(q_start, bq), h)
   own, everywhere = pipeline.flash_full_range(
       own, range_ref, b, grp, segment_ids=prob.has_segment_ids)
+  own = _virtual(gap, own)
 
   def loop(compute, acc_ref=None):
     pipeline.tile_loop(
@@ -1266,7 +1285,8 @@ def _paired_dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       s = _product_t(q_smem, k_ring.at[slot], (bq, bk))  # S = Q K^T
       free.arrive(slot)  # K read; consumer 1 still holds the slot
       visible = _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
-                           q_start=q_start, n_q=bq, k_start=t * bk, n_k=bk,
+                           q_start=q_start, n_q=bq,
+                           k_start=_key_start(gap, t, bk), n_k=bk,
                            q_axis=0, held=q_idx)
       p, th = _probs(s, lse2, visible, prob=prob, row_axis=0)
       hand.at[slot][...] = (p if th is None
@@ -1310,7 +1330,7 @@ def _paired_dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   def _producer():
     pipeline.split_registers(True, 2, cfg.bwd_consumer_registers)
     load = _key_tile_loader((k_ref, v_ref), (k_ring, v_ring), ready, b=b,
-                            h=h, prob=prob, u_lo=u_lo, bk=bk)
+                            h=h, prob=prob, u_lo=u_lo, bk=bk, gap=gap)
     pipeline.produce(u_hi - u_lo, stages, load, [free])
 
 
