@@ -16,7 +16,7 @@ ROOT = pathlib.Path(jaxflash.__file__).parent
 # kernel package's modules each other; nothing of its own layer or above.
 LAYERS = (
     ("jaxflash.masks", "jaxflash.flashmask", "jaxflash._util",
-     "jaxflash._timing"),
+     "jaxflash._timing", "jaxflash.splitk"),
     ("jaxflash.reference", "jaxflash._context"),
     ("jaxflash.triton", "jaxflash.mosaic_gpu"),
     ("jaxflash._partition",),
