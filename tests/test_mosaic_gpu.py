@@ -2435,6 +2435,10 @@ FLASH_RUNS = [
                                           intra_wg_overlap=True,
                                           item_overlap=True),
         seed=9, flash="global-window"),
+    # The paired dQ kernel over a shared question's gaps.
+    Run("flashmask-question-paired-dq", "bwd", (1, 256, 256, 2, 1, 64),
+        jnp.bfloat16, dataclasses.replace(ONE_WG, bwd_paired_dq=True),
+        seed=10, flash="question"),
 ]
 
 
