@@ -620,6 +620,35 @@ def test_paged_decode_lowers_to_triton(fake_gpu, q_len, window, cap, dtype):
   assert "jaxflash_paged_decode" in text
 
 
+@pytest.mark.parametrize("cfg", [
+    dict(), dict(persistent=True, intra_wg_overlap=True, item_overlap=True),
+    dict(bwd_paired_dq=True)], ids=["default", "persistent-chained",
+                                     "paired-dq"])
+def test_mosaic_flashmask_gap_lowers_for_cuda(cfg):
+  """The Hopper forward and backward over a shared question (each
+  answer's query groups skip the other answers' key tiles: the gap walk
+  of the forward and dQ kernels) lower through Mosaic GPU for CUDA in GPU
+  configurations."""
+  import jaxflash
+  from jaxflash import mosaic_gpu
+  t, h, d = 2048, 4, 128
+  q = jax.ShapeDtypeStruct((2, t, h, d), jnp.bfloat16)
+  ids = jnp.minimum(jnp.arange(t) // (t // 4), 3)[None]
+  cols = jaxflash.flashmask.columns(
+      jaxflash.FlashMask.shared_question(ids).explicit())
+  config = mosaic_gpu.MosaicConfig(**cfg)
+
+  def loss(q, k, v):
+    out, _ = mosaic_attention(q, k, v, mask=MaskSpec(t, t, False),
+                              arrays=MaskArrays(flash_mask=cols),
+                              softmax_scale=0.125, config=config)
+    return out.astype(jnp.float32).sum()
+
+  text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, q, q).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"] * 3
+
+
 @pytest.mark.parametrize("q_len,heads,kv_heads,head_dim,page,kw", [
     (1, 32, 8, 128, 16, {}),
     (40, 32, 8, 128, 64, {}),
