@@ -10,6 +10,19 @@ read once per key/value head) and unpacked after (:func:`unpack_rows`).
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
+
+
+def check_counts(config, optional=(), required=()) -> None:
+  """ValueError unless each of a launch config's fields ``optional`` is
+  None or a positive int and each of ``required`` a positive int."""
+  for name in (*optional, *required):
+    val = getattr(config, name)
+    if val is None and name in optional:
+      continue
+    if not isinstance(val, int) or val < 1:
+      none = "None or " if name in optional else ""
+      raise ValueError(f"{name}={val!r} must be {none}a positive integer")
 
 
 def merge(out_parts, lse_parts):
@@ -27,6 +40,39 @@ def merge(out_parts, lse_parts):
   out = jnp.einsum("...sr,...srd->...rd", w, out_parts) / jnp.where(
       total > 0, total, 1.0)[..., None]
   return out, lse
+
+
+def split_pages(*, length, start, first_row, rows: int, q_len: int,
+                group: int, page: int, per_step: int, split, splits,
+                causal: bool, window_left: int | None,
+                window_right: int | None):
+  """Inside a kernel: split ``split`` of ``splits``' pages ``[lo, hi)``
+  of a row tile, and ``end``, the keys' end that some row may see.
+
+  The tile holds packed rows ``first_row .. first_row + rows - 1``
+  (:func:`pack_rows`: row ``r`` is query ``r // group`` at position
+  ``start + r // group``; rows past ``q_len x group`` are padding) of a
+  sequence of ``length`` keys.  The keys some row may see, ``[first,
+  end)``, are bounded by the causal mask or the window; the splits share
+  their pages evenly in whole loop steps of ``per_step`` pages, planned
+  from the sequence's own length, so one compiled call serves any mix of
+  lengths with every split busy.  Returns ``(lo, hi, end)``."""
+  last = start + jnp.minimum(q_len - 1, lax.div(first_row + rows - 1,
+                                                jnp.int32(group)))
+  head = start + lax.div(first_row, jnp.int32(group))
+  end = length
+  if causal:
+    end = jnp.minimum(end, last + 1)
+  elif window_right is not None:
+    end = jnp.minimum(end, last + window_right + 1)
+  first = (jnp.int32(0) if window_left is None
+           else jnp.maximum(head - window_left, 0))
+  first_page = lax.div(first, page)
+  end_page = lax.div(end + page - 1, page)
+  per = lax.div(jnp.maximum(end_page - first_page, 0) + splits - 1, splits)
+  per = lax.div(per + per_step - 1, per_step) * per_step
+  lo = first_page + split * per
+  return lo, jnp.minimum(lo + per, end_page), end
 
 
 def pack_rows(q, kv_heads: int, rows: int):

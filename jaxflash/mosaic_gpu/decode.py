@@ -67,15 +67,7 @@ class MosaicPagedConfig:
   stages: int | None = None
 
   def __post_init__(self):
-    for name in ("splits", "block_pages"):
-      val = getattr(self, name)
-      if val is not None and (not isinstance(val, int) or val < 1):
-        raise ValueError(f"{name}={val!r} must be None or a positive"
-                         " integer")
-    if self.stages is not None and (not isinstance(self.stages, int)
-                                    or self.stages < 1):
-      raise ValueError(f"stages={self.stages!r} must be None or a positive"
-                       " integer")
+    splitk.check_counts(self, ("splits", "block_pages", "stages"))
 
 
 def smem_bytes(head_dim: int, slot_keys: int, stages: int) -> int:
@@ -169,27 +161,11 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, o_ref,
   # reference).
   length = jnp.minimum(len_ref[b], table_len * page)
   start = start_ref[b]  # position of query row 0
-  # This tile's last real row (the rest is padding) and its first.
-  last = start + jnp.minimum(q_len - 1, lax.div(first_row + ROWS - 1,
-                                                jnp.int32(group)))
-  head = start + lax.div(first_row, jnp.int32(group))
-  # Keys [first, end) may be seen by some row; pages outside are skipped.
-  end = length
-  if causal:
-    end = jnp.minimum(end, last + 1)
-  elif window_right is not None:
-    end = jnp.minimum(end, last + window_right + 1)
-  first = (jnp.int32(0) if window_left is None
-           else jnp.maximum(head - window_left, 0))
-  # The splits share [first_page, end_page) evenly, whole slots each,
-  # planned from the sequence's own length: one compiled call serves any
-  # mix of lengths.
-  first_page = lax.div(first, page)
-  end_page = lax.div(end + page - 1, page)
-  per = lax.div(jnp.maximum(end_page - first_page, 0) + splits - 1, splits)
-  per = lax.div(per + per_step - 1, per_step) * per_step
-  lo = first_page + split * per
-  hi = jnp.minimum(lo + per, end_page)
+  lo, hi, end = splitk.split_pages(
+      length=length, start=start, first_row=first_row, rows=ROWS,
+      q_len=q_len, group=group, page=page, per_step=per_step, split=split,
+      splits=splits, causal=causal, window_left=window_left,
+      window_right=window_right)
   n_steps = lax.div(jnp.maximum(hi - lo, 0) + per_step - 1, per_step)
   wg = lax.axis_index("wg")
 

@@ -48,15 +48,8 @@ class PagedConfig:
   num_stages: int = 2
 
   def __post_init__(self):
-    for name in ("splits", "block_pages"):
-      val = getattr(self, name)
-      if val is not None and (not isinstance(val, int) or val < 1):
-        raise ValueError(f"{name}={val!r} must be None or a positive"
-                         " integer")
-    for name in ("num_warps", "num_stages"):
-      val = getattr(self, name)
-      if not isinstance(val, int) or val < 1:
-        raise ValueError(f"{name}={val!r} must be a positive integer")
+    splitk.check_counts(self, ("splits", "block_pages"),
+                        ("num_warps", "num_stages"))
 
 
 # Query rows per program (one head group's q_len x group rows, or tiles of
@@ -181,28 +174,11 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, len_ref, start_ref, *refs,
   t = lax.div(first_row + jnp.arange(rows, dtype=jnp.int32),
               jnp.int32(group))
   pos = start + t
-  # This tile's last real row (the rest is padding) and its first.
-  last = start + jnp.minimum(q_len - 1,
-                             lax.div(first_row + rows - 1, jnp.int32(group)))
-  head = start + lax.div(first_row, jnp.int32(group))
-  # Keys [first, end) may be seen by some row; pages outside are skipped.
-  end = length
-  if causal:
-    end = jnp.minimum(end, last + 1)
-  elif window_right is not None:
-    end = jnp.minimum(end, last + window_right + 1)
-  first = 0 if window_left is None else jnp.maximum(head - window_left, 0)
-  # The splits share the pages this tile's rows see, [first_page,
-  # end_page), evenly (whole loop steps each): the plan follows each
-  # sequence's own length, not the table's capacity, so one compiled call
-  # serves any mix of lengths with every split busy.
-  first_page = lax.div(first, page)
-  end_page = lax.div(end + page - 1, page)
-  splits = pl.num_programs(2)
-  per = lax.div(jnp.maximum(end_page - first_page, 0) + splits - 1, splits)
-  per = lax.div(per + per_step - 1, per_step) * per_step
-  lo = first_page + split * per
-  hi = jnp.minimum(lo + per, end_page)
+  lo, hi, _ = splitk.split_pages(
+      length=length, start=start, first_row=first_row, rows=rows,
+      q_len=q_len, group=group, page=page, per_step=per_step, split=split,
+      splits=pl.num_programs(2), causal=causal, window_left=window_left,
+      window_right=window_right)
   q = q_ref[...]
   last_entry = idx_ref.shape[0] - 1
   # The value columns in blocks (one block without an FP8 latent).
