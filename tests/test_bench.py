@@ -619,6 +619,35 @@ def test_decode_mode_cpu_smoke(tmp_path):
   assert (tmp_path / "d.png").stat().st_size > 1000
 
 
+def test_decode_paged_variants(tmp_path):
+  """``--paged-variants``: each variant a row of its kernel with its launch
+  config (a float32 smoke call: the Triton row runs, the Hopper kernel's
+  row records its refusal of float32), and malformed variants are
+  refused."""
+  from jaxflash.bench import decode
+  assert bench_main.main([
+      "--mode", "decode", "--cpu-smoke", "--samples", "1", "--out",
+      str(tmp_path), "--name", "v", "--impls", "jaxflash-paged",
+      "--paged-variants", "triton/sp1:splits=1,block_pages=1;"
+      "mosaic_gpu/st1:stages=1,splits=none"]) == 0
+  rows = json.loads((tmp_path / "v.json").read_text())["results"]
+  by = {}
+  for r in rows:
+    by.setdefault(r["impl"], []).append(r)
+  assert set(by) == {"jaxflash-paged", "jaxflash-paged[sp1]",
+                     "jaxflash-paged-mosaic[st1]"}
+  assert all(r["error"] is None and r["max_abs_err"] < 1e-4
+             for r in by["jaxflash-paged[sp1]"])
+  assert all("bfloat16 or float16" in r["error"]
+             for r in by["jaxflash-paged-mosaic[st1]"])
+  for bad in ("st1:stages=1", "cuda/x:splits=1", "triton/x:stages=2",
+              "triton/x:splits=two", "triton/x:splits=1;triton/x:splits=2"):
+    with pytest.raises(ValueError):
+      decode.parse_paged_variants(bad)
+  assert bench_main.main(["--mode", "decode", "--cpu-smoke",
+                          "--paged-variants", "st1:stages=1"]) == 2
+
+
 def test_decode_chained_timing(monkeypatch):
   """On a GPU each decode program chains calls (``decode._chained``): run
   here with XLA implementations (no interpreter), the chained program

@@ -82,6 +82,13 @@ def _parser() -> argparse.ArgumentParser:
                  help="extra Hopper-kernel rows, each the tuned default"
                       " config with overrides, timed in the same rounds:"
                       " 'NAME:field=value,...;NAME2:...' (0/1 for booleans)")
+  p.add_argument("--paged-variants", default="",
+                 help="--mode decode: extra paged-kernel rows, each a"
+                      " launch config, timed in the same rounds:"
+                      " 'KERNEL/NAME:field=value,...;...' with KERNEL"
+                      " triton (PagedConfig) or mosaic_gpu"
+                      " (MosaicPagedConfig); rows jaxflash-paged[NAME],"
+                      " jaxflash-paged-mosaic[NAME]")
   p.add_argument("--tuned-for", default=None, metavar="DEVICE_KIND",
                  help="the --mosaic-variants start from tuning.json's"
                       " entry for this device kind (e.g. 'NVIDIA H200')"
@@ -468,6 +475,16 @@ def _decode_main(args, on_gpu: bool) -> int:
            if mla else _impl_names(args, decode.IMPLS, decode.CPU_IMPLS))
   if names is None:
     return 2
+  try:
+    variants = decode.parse_paged_variants(args.paged_variants)
+  except ValueError as e:
+    print(f"error: --paged-variants: {e}", file=sys.stderr)
+    return 2
+  if variants and mla:
+    print("error: --paged-variants apply to --mode decode",
+          file=sys.stderr)
+    return 2
+  names += list(variants)
   meta, base = _run_meta(
       args, "-decode", bandwidth="gbytes_per_s = bytes of K and V of the"
       " valid tokens / median time / 1e9")
@@ -475,7 +492,8 @@ def _decode_main(args, on_gpu: bool) -> int:
   for shape in shapes:
     rows = decode.run_shape(shape, names, interpret=not on_gpu,
                             samples=args.samples, seed=args.seed,
-                            sample_seconds=args.sample_seconds)
+                            sample_seconds=args.sample_seconds,
+                            extra=variants)
     results += rows
     report.write_json(base + ".json", {**meta, "partial": True}, results)
     gc.collect()

@@ -140,14 +140,60 @@ def _contiguous(k_pages, table, kv_len):
   return jnp.take(k_pages, table, axis=0).reshape(B, M * P, K, D)[:, :kv_len]
 
 
-def _paged(implementation: str):
+def _paged(implementation: str, config=None):
   def make(shape: DecodeShape, interpret: bool):
     def attend(q, k_pages, v_pages, table, lengths):
       return jaxflash.paged_attention(q, k_pages, v_pages, table, lengths,
                                       implementation=implementation,
-                                      interpret=interpret)
+                                      config=config, interpret=interpret)
     return attend, False
   return make
+
+
+# --paged-variants: each kernel's row name and launch config.
+_VARIANT_KERNELS = {"triton": ("jaxflash-paged", "PagedConfig"),
+                    "mosaic_gpu": ("jaxflash-paged-mosaic",
+                                   "MosaicPagedConfig")}
+
+
+def parse_paged_variants(text: str) -> dict[str, Callable]:
+  """``"mosaic_gpu/st2:stages=2;triton/sp8:splits=8"`` -> rows
+  ``jaxflash-paged-mosaic[st2]`` and ``jaxflash-paged[sp8]``: a paged
+  kernel (``triton`` or ``mosaic_gpu``) with its launch config's fields
+  set (integers; ``none`` for None).  ValueError on an unknown kernel or
+  field, a value that is not an integer, or a repeated name."""
+  from jaxflash.mosaic_gpu import decode as hopper  # noqa: PLC0415
+  from jaxflash.triton import decode as portable  # noqa: PLC0415
+  classes = {"PagedConfig": portable.PagedConfig,
+             "MosaicPagedConfig": hopper.MosaicPagedConfig}
+  out = {}
+  for part in filter(None, (p.strip() for p in text.split(";"))):
+    head, sep, fields = part.partition(":")
+    kernel, _, name = head.strip().partition("/")
+    if kernel not in _VARIANT_KERNELS or not name or not sep:
+      raise ValueError(f"variant {part!r}: expected KERNEL/NAME:field="
+                       f"value,... with KERNEL one of"
+                       f" {list(_VARIANT_KERNELS)}")
+    row, cls_name = _VARIANT_KERNELS[kernel]
+    cls = classes[cls_name]
+    known = {f.name for f in dataclasses.fields(cls)}
+    kw = {}
+    for item in filter(None, (i.strip() for i in fields.split(","))):
+      field, _, val = item.partition("=")
+      field = field.strip()
+      if field not in known:
+        raise ValueError(f"unknown {cls_name} field {field!r} in {part!r};"
+                         f" fields: {sorted(known)}")
+      try:
+        kw[field] = None if val.strip() == "none" else int(val)
+      except ValueError:
+        raise ValueError(f"{item!r}: the value must be an integer or"
+                         " none") from None
+    key = f"{row}[{name}]"
+    if key in out:
+      raise ValueError(f"variant {key} given twice")
+    out[key] = _paged(kernel, cls(**kw))
+  return out
 
 
 def _paged_fp8(shape: DecodeShape, interpret: bool):
@@ -318,10 +364,11 @@ def record(shape: DecodeShape, impl: str, *, ms=None, max_abs_err=None,
 
 def run_shape(shape: DecodeShape, names, *, interpret: bool, samples: int,
               seed: int = 0, sample_seconds: float = 0.02,
-              chain: int = CHAIN) -> list[dict]:
+              chain: int = CHAIN, extra=None) -> list[dict]:
   """Every implementation at one shape: built and checked against the
   paged reference (sequence 0), then timed in interleaved rounds (on a
-  GPU, ``chain`` calls per program: :func:`_chained`)."""
+  GPU, ``chain`` calls per program: :func:`_chained`).  ``extra``: more
+  named implementations (:func:`parse_paged_variants`)."""
   q, k_pages, v_pages, table, lengths = inputs(shape, seed)
   want = np.asarray(reference.paged_attention(
       q[:1], k_pages, v_pages, table[:1], lengths[:1])[0], np.float32)
@@ -330,7 +377,8 @@ def run_shape(shape: DecodeShape, names, *, interpret: bool, samples: int,
   rows, calls = {}, {}
   for name in names:
     try:
-      attend, layout = {**IMPLS, **MLA_IMPLS}[name](shape, interpret)
+      attend, layout = {**IMPLS, **MLA_IMPLS, **(extra or {})}[name](
+          shape, interpret)
       expect = want
       if layout in ("mla", "mla-fp8"):
         # The cache's one vector per token is the key, its first columns
