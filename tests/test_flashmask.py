@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxflash import flashmask
 from jaxflash.flashmask import (
@@ -574,3 +576,25 @@ def test_is_causal_errors():
   with pytest.raises(ValueError, match=r"is_causal must be a Python bool,"
                      r" got 1"):
     FlashMask(z, is_causal=1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(flags=st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1,
+                      max_size=24))
+def test_tile_runs_against_brute_force(flags):
+  """``tile_runs`` on any per-tile flags (``full`` implies ``live``): the
+  live range, the first full run, and the gap, the longest (first of the
+  longest) run of hidden tiles between two live ones, ``[end, end)``
+  where there is none."""
+  live = np.array([lv or fu for lv, fu in flags])
+  full = np.array([fu for _, fu in flags])
+  got = np.asarray(flashmask.tile_runs(jnp.asarray(live), jnp.asarray(full)))
+  n = len(flags)
+  idx = np.flatnonzero(live)
+  lo, hi = (idx[0], idx[-1] + 1) if idx.size else (0, 0)
+  run = next((i for i in range(n) if full[i]), n)
+  run_end = next((i for i in range(run, n) if not full[i]), n)
+  gaps = [(a, c) for a in range(lo + 1, hi) for c in range(a + 1, hi)
+          if not live[a:c].any() and live[a - 1] and live[c]]
+  gap = max(gaps, key=lambda g: (g[1] - g[0], -g[0]), default=(hi, hi))
+  assert got.tolist() == [lo, hi, run, run_end, *gap]
