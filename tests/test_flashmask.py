@@ -578,7 +578,7 @@ def test_is_causal_errors():
     FlashMask(z, is_causal=1)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(flags=st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1,
                       max_size=24))
 def test_tile_runs_against_brute_force(flags):

@@ -621,9 +621,11 @@ def test_paged_decode_lowers_to_triton(fake_gpu, q_len, window, cap, dtype):
 
 
 @pytest.mark.parametrize("cfg", [
-    dict(), dict(persistent=True, intra_wg_overlap=True, item_overlap=True),
-    dict(bwd_paired_dq=True)], ids=["default", "persistent-chained",
-                                     "paired-dq"])
+    dict(),
+    pytest.param(dict(persistent=True, intra_wg_overlap=True,
+                      item_overlap=True), marks=pytest.mark.slow),
+    pytest.param(dict(bwd_paired_dq=True), marks=pytest.mark.slow)],
+    ids=["default", "persistent-chained", "paired-dq"])
 def test_mosaic_flashmask_gap_lowers_for_cuda(cfg):
   """The Hopper forward and backward over a shared question (each
   answer's query groups skip the other answers' key tiles: the gap walk
@@ -652,8 +654,10 @@ def test_mosaic_flashmask_gap_lowers_for_cuda(cfg):
 @pytest.mark.parametrize("q_len,heads,kv_heads,head_dim,page,kw", [
     (1, 32, 8, 128, 16, {}),
     (40, 32, 8, 128, 64, {}),
-    (1, 8, 8, 64, 32, dict(logits_soft_cap=30.0, window_left=100)),
-    (1, 8, 1, 256, 16, {}),
+    pytest.param(1, 8, 8, 64, 32, dict(logits_soft_cap=30.0,
+                                       window_left=100),
+                 marks=pytest.mark.slow),
+    pytest.param(1, 8, 1, 256, 16, {}, marks=pytest.mark.slow),
 ], ids=["d128-p16", "d128-chunk40-p64", "d64-window-softcap", "d256-mqa"])
 def test_hopper_paged_decode_lowers_for_cuda(q_len, heads, kv_heads,
                                              head_dim, page, kw):
