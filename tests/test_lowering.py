@@ -154,6 +154,14 @@ def _crossed(unserved=lambda **_: False, slow=lambda marks, **_: False):
   return wrap
 
 
+def _grad_kernels(loss, *args) -> list[str]:
+  """The custom calls (kernels) of ``loss``'s gradient in q, k, v lowered
+  for CUDA."""
+  text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
+  return re.findall(r"custom_call @(\w+)", text)
+
+
 def _mosaic_case(shape):
   """Abstract inputs and the mask of a (q_len, kv_len, heads, kv_heads,
   head_dim, causal, window) case, batch 2, bf16."""
@@ -416,9 +424,7 @@ def test_mosaic_backward_soft_cap_stats_in_acc_lowers():
                                     logits_soft_cap=20.0, config=config)
       return out.astype(jnp.float32).sum()
 
-    text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, kv, kv).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"] * 3
+    assert _grad_kernels(loss, q, kv, kv) == ["mosaic_gpu_v2"] * 3
 
 
 @pytest.mark.parametrize("atomic,dbias", [
@@ -646,9 +652,7 @@ def test_mosaic_flashmask_gap_lowers_for_cuda(cfg):
                               softmax_scale=0.125, config=config)
     return out.astype(jnp.float32).sum()
 
-  text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, q, q).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"] * 3
+  assert _grad_kernels(loss, q, q, q) == ["mosaic_gpu_v2"] * 3
 
 
 @pytest.mark.parametrize("q_len,heads,kv_heads,head_dim,page,kw", [

@@ -974,20 +974,8 @@ def _query_group(prob: Problem, range_ref, group_rows: int, bk: int):
   tiles = prob.mask.kv_block_range(start, group_rows, bk)
   u_lo, u_hi = pipeline.narrow_to_segments(tiles[0], tiles[3], range_ref,
                                            b, grp)
-  gap = pipeline.tile_gap(u_lo, u_hi, range_ref, b, grp)
-  if gap is not None:
-    u_hi = u_hi - gap.length
+  u_hi, gap = pipeline.tile_gap(u_lo, u_hi, range_ref, b, grp)
   return b, h, wg, start, (u_lo, u_hi), tiles, grp, gap
-
-
-def _key_start(gap, t, bk: int):
-  """The first key of virtual key tile ``t`` (:class:`pipeline.TileGap`)."""
-  return (t if gap is None else gap.tile(t)) * bk
-
-
-def _virtual(gap, own):
-  """A consumer's tile range ``own`` in the walk's virtual tiles."""
-  return own if gap is None else tuple(gap.virtual(x) for x in own)
 
 
 def _key_tile_loader(srcs, rings, ready, *, b, h, prob: Problem, u_lo, bk,
@@ -999,7 +987,7 @@ def _key_tile_loader(srcs, rings, ready, *, b, h, prob: Problem, u_lo, bk,
                                    h.dtype))
 
   def load(step, slot):
-    src = (b, pl.ds(_key_start(gap, u_lo + step, bk), bk), kv_head)
+    src = (b, pl.ds(pipeline.key_start(gap, u_lo + step, bk), bk), kv_head)
     for ref, ring in zip(srcs, rings):
       plgpu.copy_gmem_to_smem(ref.at[src], ring.at[slot], ready.at[slot])
 
@@ -1085,7 +1073,7 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
   mask = prob.mask
   b, h, wg, group_start, (u_lo, u_hi), _, grp, gap = _query_group(
       prob, range_ref, n * bq, bk)
-  key_start = functools.partial(_key_start, gap, bk=bk)
+  key_start = functools.partial(pipeline.key_start, gap, block=bk)
 
   @pl.when(wg < n)
   def _consumer():
@@ -1135,7 +1123,7 @@ def _dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype,
     own, everywhere = pipeline.flash_full_range(
         mask.kv_block_range(q_start, bq, bk), range_ref, b, grp,
         segment_ids=prob.has_segment_ids)
-    own = _virtual(gap, own)
+    own = pipeline.virtual_range(gap, own)
 
     def accumulate(dq_acc):  # the dQ loop over the streamed key tiles
       pipeline.tile_loop(
@@ -1251,7 +1239,7 @@ def _paired_dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
   rows = (b, pl.ds(q_start, bq), h)
   own, everywhere = pipeline.flash_full_range(
       own, range_ref, b, grp, segment_ids=prob.has_segment_ids)
-  own = _virtual(gap, own)
+  own = pipeline.virtual_range(gap, own)
 
   def loop(compute, acc_ref=None):
     pipeline.tile_loop(
@@ -1286,7 +1274,7 @@ def _paired_dq_kernel(*refs, prob: Problem, cfg: MosaicConfig, dtype):
       free.arrive(slot)  # K read; consumer 1 still holds the slot
       visible = _tile_mask(masked, mask, (qseg_ref, kvseg_ref), b,
                            q_start=q_start, n_q=bq,
-                           k_start=_key_start(gap, t, bk), n_k=bk,
+                           k_start=pipeline.key_start(gap, t, bk), n_k=bk,
                            q_axis=0, held=q_idx)
       p, th = _probs(s, lse2, visible, prob=prob, row_axis=0)
       hand.at[slot][...] = (p if th is None

@@ -586,9 +586,7 @@ class _Schedule:
                                            self.cfg.block_kv)
     u_lo, u_hi = pipeline.narrow_to_segments(u_lo, u_hi, self.seg_range, b,
                                              group)
-    gap = pipeline.tile_gap(u_lo, u_hi, self.seg_range, b, group)
-    if gap is not None:
-      u_hi = u_hi - gap.length
+    u_hi, gap = pipeline.tile_gap(u_lo, u_hi, self.seg_range, b, group)
     return group_start, u_lo, u_hi, gap
 
   def cluster_group(self, unit):
@@ -747,7 +745,7 @@ class _Item:
 
   def key_start(self, t):
     """The first key of (virtual) key tile ``t``."""
-    return (t if self.gap is None else self.gap.tile(t)) * self.bk
+    return pipeline.key_start(self.gap, t, self.bk)
 
   def slot_of(self, t):
     """The ring slot of key tile ``t``."""
@@ -792,8 +790,7 @@ class _Item:
         self.prob.mask.kv_block_range(self.q_start, bq, bk), r.seg_range,
         self.b, lax.div(self.group_start, cfg.compute_wgs * bq),
         segment_ids=self.prob.has_segment_ids)
-    if self.gap is not None:  # in the walk's (virtual) tiles
-      own = tuple(self.gap.virtual(x) for x in own)
+    own = pipeline.virtual_range(self.gap, own)  # (the walk's tiles)
     # A bias may hold -inf (a mask given as a bias) in any tile: every
     # computed tile takes the softmax's guard for rows with nothing seen.
     self.everywhere = self.everywhere or r.bias is not None
@@ -1452,7 +1449,7 @@ def _produce(ctx: _Ctx, b, h, u_lo, n_steps, first_step, group_start=None,
                                    h.dtype))
 
   def key_start(step):  # the first key of the step's tile
-    return (u_lo + step if gap is None else gap.tile(u_lo + step)) * bk
+    return pipeline.key_start(gap, u_lo + step, bk)
 
   def rows(step):
     return (b, pl.ds(key_start(step), bk), kv_head)

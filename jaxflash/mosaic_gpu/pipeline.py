@@ -352,15 +352,28 @@ class TileGap:
     return t - jnp.clip(t - self.lo, 0, self.length)
 
 
-def tile_gap(u_lo, u_hi, range_ref, b, group) -> TileGap | None:
-  """The gap of a work item streaming tiles ``[u_lo, u_hi)``: rows 4 and 5
-  of ``range_ref [B, 6, n_groups]`` clipped to the item's tiles; None
-  where the ranges have no gap rows (no FlashMask or dense mask)."""
+def tile_gap(u_lo, u_hi, range_ref, b, group):
+  """``(u_hi, gap)`` of a work item streaming tiles ``[u_lo, u_hi)``: the
+  gap, rows 4 and 5 of ``range_ref [B, 6, n_groups]`` clipped to the
+  item's tiles, and ``u_hi`` in virtual tiles (less the gap); ``(u_hi,
+  None)`` where the ranges have no gap rows (no FlashMask or dense
+  mask)."""
   if range_ref is None or range_ref.shape[1] < 6:
-    return None
+    return u_hi, None
   lo = jnp.clip(range_ref[b, 4, group], u_lo, u_hi)
   hi = jnp.clip(range_ref[b, 5, group], lo, u_hi)
-  return TileGap(lo, hi - lo)
+  return u_hi - (hi - lo), TileGap(lo, hi - lo)
+
+
+def key_start(gap: TileGap | None, t, block: int):
+  """The first key of virtual tile ``t`` of ``block`` keys."""
+  return (t if gap is None else gap.tile(t)) * block
+
+
+def virtual_range(gap: TileGap | None, own):
+  """A consumer's tile range ``own`` (:func:`tile_loop`'s) in the walk's
+  virtual tiles."""
+  return own if gap is None else tuple(gap.virtual(x) for x in own)
 
 
 def flash_full_range(own, range_ref, b, held, *, segment_ids: bool):
